@@ -1,0 +1,62 @@
+"""The Redis contract between gateways and engines, written down once.
+
+Every key and channel name either side uses comes from here. Payloads are the protobuf messages
+of ``sluice.wire.messages_pb2`` (source: proto/sluice/wire/messages.proto).
+
+| key / channel                    | type                  | writer  | purpose                                   |
+|----------------------------------|-----------------------|---------|-------------------------------------------|
+| sluice:{model}:requests          | stream, group engines | gateway | the request queue (field "r": GenerateRequest) |
+| sluice:out:{request_id}          | pub/sub channel       | engine  | Event messages for one request            |
+| sluice:cancel                    | pub/sub channel       | gateway | Cancel messages; every engine listens     |
+| sluice:cancelled:{request_id}    | string with TTL       | gateway | a cancel remembered for a still-queued request |
+| sluice:engines                   | hash id -> JSON       | engine  | the registry: model, load, last heartbeat |
+| sluice:engine:{engine_id}        | string with TTL       | engine  | liveness: gone when the heartbeat lapses  |
+| sluice:model:{model}             | hash                  | engine  | model card: tokenizer, chat template, limits |
+| sluice:models                    | set                   | engine  | names of models that have a card          |
+"""
+
+from __future__ import annotations
+
+CONTRACT_VERSION = 1
+PREFIX = "sluice"
+
+CONSUMER_GROUP = "engines"
+REQUEST_FIELD = b"r"  # the stream entry's field holding the GenerateRequest bytes
+CANCEL_CHANNEL = f"{PREFIX}:cancel"
+ENGINES_KEY = f"{PREFIX}:engines"
+MODELS_KEY = f"{PREFIX}:models"
+
+# Liveness: an engine refreshes its key every HEARTBEAT_INTERVAL_S; the key expires after
+# HEARTBEAT_TTL_S, after which other engines may reclaim its pending entries.
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TTL_S = 5.0
+CANCEL_MARKER_TTL_S = 600
+
+# Model card hash fields.
+CARD_NAME = "name"
+CARD_MAX_MODEL_LEN = "max_model_len"
+CARD_EOS_TOKEN_IDS = "eos_token_ids"  # JSON list
+CARD_TOKENIZER_JSON = "tokenizer_json"  # the tokenizer.json text
+CARD_TOKENIZER_CONFIG = "tokenizer_config"  # the tokenizer_config.json text (chat template, specials)
+CARD_VOCAB_SIZE = "vocab_size"
+CARD_CONTRACT_VERSION = "contract_version"
+
+
+def request_stream(model: str) -> str:
+    return f"{PREFIX}:{model}:requests"
+
+
+def output_channel(request_id: str) -> str:
+    return f"{PREFIX}:out:{request_id}"
+
+
+def cancelled_key(request_id: str) -> str:
+    return f"{PREFIX}:cancelled:{request_id}"
+
+
+def engine_key(engine_id: str) -> str:
+    return f"{PREFIX}:engine:{engine_id}"
+
+
+def model_card_key(model: str) -> str:
+    return f"{PREFIX}:model:{model}"
