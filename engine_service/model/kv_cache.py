@@ -1,0 +1,38 @@
+"""The paged KV cache: per layer one K and one V tensor of [num_blocks, block_size, kv_heads, head_dim]."""
+
+from __future__ import annotations
+
+import torch
+
+from engine_service.model.config import ModelConfig
+
+DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB
+DEFAULT_CUDA_KV_SHARE = 0.9  # of the memory free once the weights are loaded
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.tensor([], dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * element
+
+
+def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
+                          budget_bytes: int | None) -> int:
+    if budget_bytes is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget_bytes = int(free * DEFAULT_CUDA_KV_SHARE)
+        else:
+            budget_bytes = DEFAULT_CPU_KV_BYTES
+    blocks = budget_bytes // bytes_per_block(cfg, block_size, dtype)
+    if blocks < 1:
+        raise ValueError(f"a KV budget of {budget_bytes} bytes holds no block of {block_size} tokens")
+    return int(blocks)
+
+
+def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(cfg.num_hidden_layers)
+    ]
