@@ -1,0 +1,526 @@
+"""The continuous-batching scheduler: each step it decides who runs, and on which KV blocks.
+
+One step (token budget B = ``max_num_batched_tokens``, slots S = ``max_num_seqs``):
+
+1. Running requests first, oldest admission first: each gets its next token (decode) or its next
+   prefill chunk, growing its block table as needed. When the pool cannot grow it, the youngest
+   running request is preempted by recompute (blocks freed, tokens kept, back to the front of the
+   waiting queue), possibly the request itself; the oldest running request is never preempted, so
+   it always finishes.
+2. Then, unless something was preempted this step, waiting and preempted requests are admitted in
+   order (strict FIFO: the head blocks the rest) while budget and slots remain, reusing the blocks of
+   their longest cached prefix and prefilling in chunks when a prompt exceeds the remaining budget.
+3. Watermark: admission keeps ``watermark_blocks`` free; growth ignores it. The watermark may delay a
+   request, never exclude it: ``reserve = watermark_blocks if need <= admissible_blocks else 0``,
+   where ``need`` is what the request's whole known sequence (prompt, plus outputs when it is
+   re-admitted after a preemption) takes from the free pool, its cache hits counted, and
+   ``admissible_blocks = total - watermark_blocks`` is what the watermark lets admission use of an
+   idle pool. Only the first chunk's blocks are allocated at admission.
+4. The door (``add_request``): a request whose prompt plus max_tokens exceeds ``max_model_len``, or
+   whose KV could never fit the empty pool, is refused with ``RequestRejected``. Passing it is a
+   promise to run it.
+
+Contract with the engine: ``schedule()`` advances ``num_computed_tokens`` of every scheduled request
+by its chunk and registers the blocks those chunks fill in the prefix cache, so the engine must
+forward every chunk of a ``SchedulerOutput`` (the KV of every scheduled token is written before any
+attention reads it in that layer); apply aborts between steps, or between ``schedule()`` and
+``update_from_output()`` as long as the forward still runs the aborted request's chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from engine_service.config import SchedulerConfig
+from engine_service.core.block_pool import ROOT_HASH, BlockPool, blocks_for_length, hash_block_tokens
+from engine_service.core.request import FinishReason, Request, RequestStatus
+from engine_service.core.scheduler_stats import SchedulerStats
+from engine_service.core.stopping import check_stop
+
+__all__ = [
+    "RequestRejected",
+    "ScheduledChunk",
+    "Scheduler",
+    "SchedulerOutput",
+    "SchedulerStats",
+]
+
+
+class RequestRejected(ValueError):
+    """Refused at the door. ``code``: ``context_length_exceeded`` | ``kv_cache_too_small`` |
+    ``invalid_request``; the message says which limit and by how much."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # request.num_computed_tokens before this step
+    num_tokens: int  # forward request.all_token_ids[start:start+num_tokens] this step
+    # request.num_tokens when scheduled (-1: read it live), so ``samples`` keeps its answer after
+    # update_from_output has appended the sampled token
+    num_known_tokens: int = -1
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the known tokens: the engine samples one token for it."""
+        known = self.num_known_tokens if self.num_known_tokens >= 0 else self.request.num_tokens
+        return self.start + self.num_tokens == known
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start : self.start + self.num_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # running requests first, then newly admitted
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class _State:
+    """The scheduler's private bookkeeping for one unfinished request."""
+
+    __slots__ = ("block_hashes", "num_registered", "high_water", "thrash_target", "max_kv_tokens")
+
+    def __init__(self, max_kv_tokens: int) -> None:
+        self.block_hashes: list[int] = []  # chained hashes of the request's full blocks, computed lazily
+        self.num_registered = 0  # leading blocks of block_ids already offered to the prefix cache
+        self.high_water = 0  # most tokens ever computed (re-forwarding below it is recompute)
+        self.thrash_target = 0  # an eviction before num_computed_tokens reaches this is a thrash
+        self.max_kv_tokens = max_kv_tokens  # the most tokens it will ever forward (the door's figure)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        watermark_blocks: int | None = None,
+    ) -> None:
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(config, name) < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be at least 1, got {getattr(config, name)}")
+        self.config = config
+        self.clock = clock
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        wm = config.resolved_watermark_blocks() if watermark_blocks is None else watermark_blocks
+        if wm < 0:
+            raise ValueError(f"watermark_blocks must be >= 0, got {wm}")
+        self.watermark_blocks = wm
+        self.enable_prefix_caching = config.enable_prefix_caching
+        self.block_pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # in admission order: [0] is the oldest
+        self._requests: dict[str, Request] = {}  # every unfinished request, by id
+        self._state: dict[str, _State] = {}
+        self._stats = SchedulerStats()
+        self._idle_violation: str | None = None
+
+    # --- views ---
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> tuple[Request, ...]:
+        return tuple(self._running)
+
+    @property
+    def waiting(self) -> tuple[Request, ...]:
+        return tuple(self._waiting)
+
+    @property
+    def admissible_blocks(self) -> int:
+        """The most blocks admission may take from an idle pool while keeping the watermark free.
+        A request that needs more than this is admitted without the reserve (it would otherwise be
+        excluded forever)."""
+        return max(0, self.block_pool.num_total_blocks - self.watermark_blocks)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        s = self._stats
+        s.cached_block_evictions = self.block_pool.num_evictions
+        return s
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    # --- the door ---
+    def add_request(self, request: Request) -> None:
+        """Queue ``request`` or raise ``RequestRejected``; a request that passes will run."""
+        self._stats.requests_received += 1
+        try:
+            max_kv_tokens = self._check_door(request)
+        except RequestRejected:
+            self._stats.requests_rejected += 1
+            raise
+        self._requests[request.request_id] = request
+        self._state[request.request_id] = _State(max_kv_tokens)
+        request.status = RequestStatus.WAITING
+        self._waiting.append(request)
+
+    def _check_door(self, request: Request) -> int:
+        """Return the most tokens the request will ever forward (its KV need)."""
+        rid = request.request_id
+        if rid in self._requests:
+            raise RequestRejected("invalid_request", f"request id {rid!r} is already in the scheduler")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
+            raise RequestRejected("invalid_request", f"request {rid!r} is not a fresh waiting request")
+        n_prompt = request.num_prompt_tokens
+        if n_prompt == 0:
+            raise RequestRejected("invalid_request", "the prompt is empty: at least one token is needed")
+        max_tokens = request.sampling_params.max_tokens
+        max_len = self.max_model_len
+        if max_tokens is not None and max_tokens < 1:
+            raise RequestRejected("invalid_request", f"max_tokens must be at least 1, got {max_tokens}")
+        if max_tokens is None:
+            if n_prompt >= max_len:
+                raise RequestRejected(
+                    "context_length_exceeded",
+                    f"prompt ({n_prompt} tokens) leaves no room to generate: max_model_len is {max_len}, "
+                    f"{n_prompt - max_len + 1} tokens too many",
+                )
+            total = max_len
+        else:
+            total = n_prompt + max_tokens
+            if total > max_len:
+                raise RequestRejected(
+                    "context_length_exceeded",
+                    f"prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) is {total} tokens, "
+                    f"{total - max_len} more than max_model_len ({max_len})",
+                )
+        # The last generated token is never forwarded, so the KV need is total - 1 tokens.
+        kv_tokens = total - 1
+        need = blocks_for_length(kv_tokens, self.block_size)
+        pool = self.block_pool.num_total_blocks
+        if need > pool:
+            what = (
+                f"prompt ({n_prompt} tokens) plus max_tokens ({max_tokens})"
+                if max_tokens is not None
+                else f"max_model_len ({max_len} tokens)"
+            )
+            raise RequestRejected(
+                "kv_cache_too_small",
+                f"{what} needs KV for {kv_tokens} tokens, {need} blocks of {self.block_size}, "
+                f"{need - pool} more than the whole KV cache ({pool} blocks, {pool * self.block_size} tokens)",
+            )
+        return kv_tokens
+
+    # --- aborts ---
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Abort requests in any state, releasing everything they hold. Unknown or finished ids are a
+        no-op. Returns the requests aborted (finished with ``FinishReason.ABORT``)."""
+        return self.finish_requests(request_ids, FinishReason.ABORT)
+
+    def finish_requests(
+        self, request_ids: Iterable[str], reason: FinishReason, error: str | None = None
+    ) -> list[Request]:
+        """Finish unfinished requests with ``reason`` (ABORT, or ERROR for e.g. an expired deadline)."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        done: list[Request] = []
+        removed_running = False
+        for rid in request_ids:
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            if req.status is RequestStatus.RUNNING:
+                removed_running = True
+            else:
+                self._waiting.remove(req)
+            self._release(req)
+            req.finish(reason, error=error)
+            if reason is FinishReason.ABORT:
+                self._stats.requests_aborted += 1
+            done.append(req)
+        if removed_running:
+            self._running = [r for r in self._running if r.status is RequestStatus.RUNNING]
+        return done
+
+    def _release(self, req: Request) -> None:
+        """Free the request's blocks (cached content stays in the prefix cache) and forget it."""
+        if req.block_ids:
+            self.block_pool.free(reversed(req.block_ids))
+            req.block_ids = []
+        del self._requests[req.request_id]
+        del self._state[req.request_id]
+
+    # --- one step ---
+    def schedule(self) -> SchedulerOutput:
+        pool = self.block_pool
+        bs = self.block_size
+        states = self._state
+        running = self._running
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+        now = self.clock()
+
+        caching = self.enable_prefix_caching
+        forwarded = 0
+
+        # 1. running requests, oldest first (preemption only ever pops the tail)
+        for i, req in enumerate(running):
+            if budget <= 0:
+                break
+            start = req.num_computed_tokens
+            num_new = len(req._all_token_ids) - start  # req.num_tokens, without a property call (hot path)
+            remaining = 0
+            if num_new > budget:
+                remaining = num_new - budget
+                num_new = budget
+            if num_new <= 0:  # nothing to forward (cannot happen while requests sample every chunk)
+                continue
+            end = start + num_new
+            need = -(-end // bs) - len(req.block_ids)
+            if need > 0:
+                victim_self = False
+                while need > pool.num_free_blocks:
+                    victim = running[-1]
+                    if victim is req:
+                        if i == 0:
+                            raise AssertionError(
+                                f"the oldest running request {req.request_id!r} cannot grow by {need} blocks "
+                                f"with every other request preempted ({pool.num_free_blocks} free)"
+                            )
+                        victim_self = True
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim_self:
+                        break
+                if victim_self:
+                    break  # req itself was the youngest; everything after it is gone too
+                req.block_ids.extend(pool.allocate(need))
+            st = states[req.request_id]
+            if start >= st.high_water and (not caching or end // bs <= st.num_registered):
+                # fast path (a plain decode): no recompute, no block filled
+                req.num_computed_tokens = end
+                st.high_water = end
+                forwarded += num_new
+            else:
+                self._advance(req, st, start, num_new)
+            chunks.append(ScheduledChunk(req, start, num_new, end + remaining))
+            budget -= num_new
+        self._stats.forwarded_tokens += forwarded
+
+        # 2. admission, in order, unless this step had to preempt
+        if not preempted:
+            waiting = self._waiting
+            wm = self.watermark_blocks
+            admissible = self.admissible_blocks
+            while waiting and budget > 0 and len(running) < self.max_num_seqs:
+                req = waiting[0]
+                st = states[req.request_id]
+                num_tokens = req.num_tokens
+                hit_blocks: list[int] = []
+                if caching and not (
+                    req.sampling_params.prompt_logprobs is not None and not req.output_token_ids
+                ):
+                    # (a request that wants prompt logprobs computes its whole prompt once)
+                    # the last token is always computed (so the request can sample)
+                    max_hit = (num_tokens - 1) // bs
+                    if max_hit:
+                        hashes = self._block_hashes(req, st, max_hit)
+                        hit_blocks = pool.lookup(hashes, max_hit)
+                num_hit = len(hit_blocks) * bs
+                num_new = num_tokens - num_hit
+                if num_new > budget:
+                    num_new = budget
+                # need: what the whole known sequence takes from the free pool (new blocks plus
+                # cache hits that are free now), though only the first chunk's blocks are allocated
+                need = -(-num_tokens // bs) - len(hit_blocks)
+                if hit_blocks:
+                    need += pool.num_unreferenced(hit_blocks)
+                reserve = wm if need <= admissible else 0
+                if need + reserve > pool.num_free_blocks:
+                    break
+                new_blocks = -(-(num_hit + num_new) // bs) - len(hit_blocks)
+                waiting.popleft()
+                if hit_blocks:
+                    pool.touch(hit_blocks)
+                req.block_ids = hit_blocks + pool.allocate(new_blocks)
+                if self.enable_prefix_caching:
+                    self._stats.prefix_cache_queries += num_tokens
+                    self._stats.prefix_cache_hits += num_hit
+                st.num_registered = len(hit_blocks)
+                req.num_cached_tokens = min(num_hit, req.num_prompt_tokens)
+                req.num_computed_tokens = num_hit
+                req.status = RequestStatus.RUNNING
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                if num_hit > st.high_water:
+                    st.high_water = num_hit
+                end = num_hit + num_new
+                st.thrash_target = (end // bs + 1) * bs
+                self._stats.admissions += 1
+                running.append(req)
+                self._advance(req, st, num_hit, num_new)
+                chunks.append(ScheduledChunk(req, num_hit, num_new, num_tokens))
+                budget -= num_new
+            if waiting and not running:
+                self._idle_violation = (
+                    f"request {waiting[0].request_id!r} waits while nothing runs "
+                    f"({pool.num_free_blocks}/{pool.num_total_blocks} blocks free)"
+                )
+
+        num_batched = self.max_num_batched_tokens - budget
+        if chunks:
+            self._stats.iterations += 1
+        self._stats.schedule_calls += 1
+        return SchedulerOutput(chunks=chunks, preempted=preempted, num_batched_tokens=num_batched)
+
+    def _advance(self, req: Request, st: _State, start: int, num_new: int) -> None:
+        """Account a scheduled chunk: computed tokens, recompute, and the blocks it fills."""
+        end = start + num_new
+        req.num_computed_tokens = end
+        stats = self._stats
+        stats.forwarded_tokens += num_new
+        if start < st.high_water:
+            stats.recomputed_tokens += min(end, st.high_water) - start
+        if end > st.high_water:
+            st.high_water = end
+        if self.enable_prefix_caching:
+            full = end // self.block_size
+            if full > st.num_registered:
+                hashes = self._block_hashes(req, st, full)
+                pool = self.block_pool
+                table = req.block_ids
+                for j in range(st.num_registered, full):
+                    pool.cache_block(table[j], hashes[j])
+                st.num_registered = full
+
+    def _block_hashes(self, req: Request, st: _State, upto: int) -> list[int]:
+        """The chained hashes of the request's first ``upto`` full blocks (computed once each)."""
+        hashes = st.block_hashes
+        n = len(hashes)
+        if n < upto:
+            bs = self.block_size
+            tokens = req.all_token_ids
+            parent = hashes[-1] if hashes else ROOT_HASH
+            for j in range(n, upto):
+                parent = hash_block_tokens(parent, tokens[j * bs : (j + 1) * bs])
+                hashes.append(parent)
+        return hashes
+
+    def _preempt(self, req: Request) -> None:
+        """Preempt by recompute the youngest running request (``req`` is ``running[-1]``)."""
+        victim = self._running.pop()
+        assert victim is req
+        st = self._state[req.request_id]
+        if req.num_computed_tokens < st.thrash_target:
+            self._stats.thrashed_admissions += 1
+        self.block_pool.free(reversed(req.block_ids))
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        st.num_registered = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self._stats.preemptions += 1
+        self._waiting.appendleft(req)
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Append the sampled token of every chunk that samples, apply the stopping rules and free the
+        finished requests' blocks. Returns the requests that got a token or finished this step.
+        Requests aborted since ``schedule()`` are skipped."""
+        result: list[Request] = []
+        any_finished = False
+        max_len = self.max_model_len
+        for chunk in output.chunks:
+            req = chunk.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted (or finished otherwise) since schedule()
+            known = chunk.num_known_tokens
+            if known < 0:
+                known = req.num_tokens
+            if chunk.start + chunk.num_tokens != known:
+                continue  # a prefill chunk that does not reach the end: nothing sampled
+            token = sampled.get(req.request_id)
+            if token is None:
+                # the engine must sample every chunk that samples; without a token the request
+                # could never move again, so it ends with an error instead of hanging
+                self._release(req)
+                req.finish(FinishReason.ERROR, error="the engine returned no token for a sampling step")
+                any_finished = True
+                result.append(req)
+                continue
+            first = req.first_token_time is None
+            req.append_output_token(token)
+            if first:
+                req.first_token_time = self.clock()  # the scheduler's clock, like first_scheduled_time
+            if check_stop(req, max_len):
+                any_finished = True
+                self._release(req)
+                self._stats.requests_finished += 1
+            result.append(req)
+        if any_finished:
+            self._running = [r for r in self._running if r.status is RequestStatus.RUNNING]
+        self._idle_violation = None
+        return result
+
+    # --- checks ---
+    def check_invariants(self) -> None:
+        """Raise AssertionError describing the first violated invariant."""
+        pool = self.block_pool
+        bs = self.block_size
+        assert self._idle_violation is None, self._idle_violation
+        assert len(self._running) <= self.max_num_seqs, (
+            f"{len(self._running)} running requests exceed max_num_seqs ({self.max_num_seqs})"
+        )
+        seen: set[str] = set()
+        for req in self._running:
+            rid = req.request_id
+            assert rid not in seen, f"request {rid!r} is twice in the running list"
+            seen.add(rid)
+            assert req.status is RequestStatus.RUNNING, f"running request {rid!r} has status {req.status}"
+            assert self._requests.get(rid) is req, f"running request {rid!r} is not registered"
+            assert 0 < req.num_computed_tokens <= req.num_tokens, (
+                f"running request {rid!r}: {req.num_computed_tokens} computed of {req.num_tokens} tokens"
+            )
+            want = blocks_for_length(req.num_computed_tokens, bs)
+            assert len(req.block_ids) == want, (
+                f"running request {rid!r} holds {len(req.block_ids)} blocks for "
+                f"{req.num_computed_tokens} computed tokens (needs {want})"
+            )
+        for req in self._waiting:
+            rid = req.request_id
+            assert rid not in seen, f"request {rid!r} is both running and waiting (or waits twice)"
+            seen.add(rid)
+            assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), (
+                f"waiting request {rid!r} has status {req.status}"
+            )
+            assert self._requests.get(rid) is req, f"waiting request {rid!r} is not registered"
+            assert not req.block_ids, f"waiting request {rid!r} holds blocks {req.block_ids}"
+            assert req.num_computed_tokens == 0, f"waiting request {rid!r} has computed tokens"
+        assert seen == set(self._requests), (
+            f"registered but neither running nor waiting: {sorted(set(self._requests) - seen)}"
+        )
+        assert set(self._state) == set(self._requests), "scheduler state out of step with its requests"
+        if not self._running and not self._waiting:
+            assert pool.num_free_blocks == pool.num_total_blocks, (
+                f"nothing runs yet only {pool.num_free_blocks}/{pool.num_total_blocks} blocks are free (leak)"
+            )
+        pool.check_invariants(r.block_ids for r in self._running)
