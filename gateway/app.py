@@ -1,0 +1,140 @@
+"""The FastAPI application: ``create_app(config)``, and ``app_factory()`` for uvicorn's workers."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from gateway import errors
+from gateway.api import router
+from gateway.broker import Broker
+from gateway.config import GatewayConfig
+from gateway.metrics import METRICS
+
+log = logging.getLogger("sluice.gateway")
+
+_KNOWN_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+
+
+def _endpoint_label(path: str) -> str:
+    if path in _KNOWN_ENDPOINTS:
+        return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{id}"
+    return "other"
+
+
+async def _send_json(send, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
+    raw = json.dumps(body).encode()
+    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": raw})
+
+
+class GatewayMiddleware:
+    """Pure ASGI: counts responses by status, checks API keys, enforces the body size limit.
+
+    The body is read here (up to the limit) and replayed to the app, so a chunked upload without
+    Content-Length is held to the same limit; afterwards ``receive`` is the server's again, so the
+    app still sees the client's disconnect.
+    """
+
+    def __init__(self, app, config: GatewayConfig) -> None:
+        self.app = app
+        self.config = config
+        self.keys = [k.encode() for k in config.api_keys]
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                token = token.strip()
+                return scheme.lower() == b"bearer" and any(hmac.compare_digest(token, k) for k in self.keys)
+        return False
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        label = _endpoint_label(scope["path"])
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                METRICS.requests.labels(endpoint=label, status=str(message["status"])).inc()
+            await send(message)
+
+        if self.keys and scope["path"].startswith("/v1/") and not self._authorized(scope):
+            err = errors.unauthorized()
+            await _send_json(counting_send, err.status, err.body(), {"WWW-Authenticate": "Bearer"})
+            return
+        if scope.get("method") in ("POST", "PUT", "PATCH"):
+            limit = self.config.max_body_bytes
+            too_large = errors.body_too_large(limit)
+            for name, value in scope.get("headers", []):
+                if name == b"content-length":
+                    try:
+                        declared = int(value)
+                    except ValueError:
+                        declared = 0
+                    if declared > limit:
+                        await _send_json(counting_send, 413, too_large.body())
+                        return
+            body = bytearray()
+            more = True
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                body += message.get("body", b"")
+                if len(body) > limit:
+                    await _send_json(counting_send, 413, too_large.body())
+                    return
+                more = message.get("more_body", False)
+            replayed = False
+
+            async def replay() -> dict:
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": bytes(body), "more_body": False}
+                return await receive()
+
+            await self.app(scope, replay, counting_send)
+            return
+        await self.app(scope, receive, counting_send)
+
+
+def create_app(config: GatewayConfig | None = None, *, broker: Broker | None = None) -> FastAPI:
+    config = config or GatewayConfig.from_env()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        b = broker or Broker(config.redis_url, card_ttl_s=config.card_ttl_s)
+        app.state.broker = b
+        await b.start()
+        try:
+            yield
+        finally:
+            await b.close()
+
+    app = FastAPI(
+        title="Sluice gateway",
+        version="0.1.0",
+        description="OpenAI-compatible completions and chat completions served by Sluice engines via Redis.",
+        lifespan=lifespan,
+    )
+    app.state.config = config
+    errors.install_handlers(app)
+    app.include_router(router)
+    app.add_middleware(GatewayMiddleware, config=config)
+    return app
+
+
+def app_factory() -> FastAPI:
+    """For ``uvicorn --factory gateway.app:app_factory`` (the settings come from the environment)."""
+    return create_app(GatewayConfig.from_env())

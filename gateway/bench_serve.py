@@ -1,0 +1,322 @@
+"""``sluice bench serve``: a serving benchmark against a running gateway, after vLLM's ``bench serve``.
+
+Sends a seeded dataset of prompts (synthetic token-id prompts of given input/output lengths, or a
+JSONL file) to ``/v1/completions`` with streaming, at a Poisson (or gamma, ``--burstiness``) or
+fixed request rate, under an optional concurrency cap, and reports
+
+- time to first token (TTFT), time per output token after the first (TPOT), inter-token latency
+  between streamed chunks (ITL) and end-to-end latency (E2EL): mean, median, p99 in ms;
+- request, output-token and total-token throughput;
+- goodput: requests per second that met every SLO given with ``--goodput ttft:MS tpot:MS e2el:MS``.
+
+It prints a table and writes the figures as JSON (``--result-file``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class BenchRequest:
+    prompt: str | list[int]
+    prompt_len: int
+    output_len: int
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the gateway (default: %(default)s)")
+    parser.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
+    parser.add_argument("--api-key", default=None, help="sent as a Bearer token")
+    parser.add_argument("--dataset", choices=["random", "jsonl"], default="random",
+                        help="synthetic token-id prompts, or a JSONL file (--dataset-path)")
+    parser.add_argument("--dataset-path", default=None,
+                        help='JSONL lines {"prompt": str | [ids], "max_tokens"|"output_len": int}')
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--random-input-len", type=int, default=128)
+    parser.add_argument("--random-output-len", type=int, default=64)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0,
+                        help="lengths drawn uniformly from [len*(1-r), len*(1+r)]")
+    parser.add_argument("--random-vocab", type=int, nargs=2, default=[100, 10000], metavar=("LO", "HI"),
+                        help="token-id range of synthetic prompts (default: 100 10000)")
+    parser.add_argument("--request-rate", type=float, default=math.inf,
+                        help="requests per second; inf sends all at once (default)")
+    parser.add_argument("--burstiness", type=float, default=1.0,
+                        help="gamma shape of the inter-arrival times: 1 is Poisson (default)")
+    parser.add_argument("--fixed-rate", action="store_true", help="evenly spaced arrivals instead of Poisson")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="generate exactly the output length (default: on)")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
+    parser.add_argument("--percentiles", default="50,90,99", help="percentiles to report (default: 50,90,99)")
+    parser.add_argument("--result-file", default=None, help="write the results as JSON here")
+    parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    parser.add_argument("--disable-tqdm", action="store_true")
+
+
+# --- dataset -----------------------------------------------------------------------------------
+
+
+def synthetic_dataset(num: int, input_len: int, output_len: int, range_ratio: float, vocab: tuple[int, int],
+                      seed: int) -> list[BenchRequest]:
+    rng = random.Random(seed)
+
+    def draw(n: int) -> int:
+        lo, hi = max(1, int(n * (1 - range_ratio))), max(1, int(n * (1 + range_ratio)))
+        return rng.randint(lo, hi)
+
+    out = []
+    for _ in range(num):
+        n_in, n_out = draw(input_len), draw(output_len)
+        out.append(BenchRequest([rng.randrange(*vocab) for _ in range(n_in)], n_in, n_out))
+    return out
+
+
+def jsonl_dataset(path: str, num: int, default_output_len: int, seed: int) -> list[BenchRequest]:
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            obj = json.loads(line)
+            prompt = obj["prompt"]
+            n_out = int(obj.get("max_tokens") or obj.get("output_len") or default_output_len)
+            n_in = len(prompt) if isinstance(prompt, list) else 0
+            rows.append(BenchRequest(prompt, n_in, n_out))
+    if not rows:
+        raise SystemExit(f"no prompts in {path}")
+    rng = random.Random(seed)
+    rng.shuffle(rows)
+    return [rows[i % len(rows)] for i in range(num)]
+
+
+def arrival_gaps(num: int, rate: float, burstiness: float, fixed: bool, seed: int) -> list[float]:
+    if math.isinf(rate) or rate <= 0:
+        return [0.0] * num
+    if fixed:
+        return [1.0 / rate] * num
+    rng = random.Random(seed + 1)
+    theta = 1.0 / (rate * burstiness)
+    return [rng.gammavariate(burstiness, theta) for _ in range(num)]
+
+
+# --- one request -------------------------------------------------------------------------------
+
+
+async def send_one(client, url: str, model: str, req: BenchRequest, args) -> RequestResult:
+    payload = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "stream": True,
+               "stream_options": {"include_usage": True}, "temperature": args.temperature,
+               "ignore_eos": args.ignore_eos}
+    res = RequestResult(prompt_len=req.prompt_len)
+    start = time.perf_counter()
+    last = start
+    try:
+        async with client.stream("POST", url, json=payload) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = chunk["error"].get("message", "error")
+                    return res
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                    res.prompt_len = chunk["usage"]["prompt_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    if res.ttft == 0.0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+        res.latency = time.perf_counter() - start
+        res.ok = True
+    except Exception as exc:  # noqa: BLE001 - report, do not abort the benchmark
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+
+def _stats(values: list[float], percentiles: list[float]) -> dict:
+    if not values:
+        values = [0.0]
+    ordered = sorted(values)
+
+    def pct(p: float) -> float:
+        k = (len(ordered) - 1) * p / 100
+        f, c = math.floor(k), math.ceil(k)
+        return ordered[f] + (ordered[c] - ordered[f]) * (k - f)
+
+    out = {"mean": statistics.fmean(values) * 1000, "median": statistics.median(values) * 1000,
+           "std": (statistics.pstdev(values) * 1000) if len(values) > 1 else 0.0}
+    for p in percentiles:
+        out[f"p{p:g}"] = pct(p) * 1000
+    return out
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    slos: dict[str, float] = {}
+    for item in items or []:
+        key, _, ms = item.partition(":")
+        key = key.strip().lower()
+        if key not in ("ttft", "tpot", "e2el") or not ms:
+            raise SystemExit(f"--goodput: expected ttft:MS, tpot:MS or e2el:MS, got {item!r}")
+        slos[key] = float(ms)
+    return slos
+
+
+def summarize(results: list[RequestResult], duration: float, slos: dict[str, float],
+              percentiles: list[float]) -> dict:
+    ok = [r for r in results if r.ok]
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itls = [x for r in ok for x in r.itl]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    good = 0
+    for r in ok:
+        tpot = (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+        measured = {"ttft": r.ttft * 1000, "tpot": tpot * 1000, "e2el": r.latency * 1000}
+        if all(measured[k] <= v for k, v in slos.items()):
+            good += 1
+    summary = {
+        "duration_s": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": out_tokens / duration if duration else 0.0,
+        "total_token_throughput": (in_tokens + out_tokens) / duration if duration else 0.0,
+        "ttft_ms": _stats([r.ttft for r in ok], percentiles),
+        "tpot_ms": _stats(tpots, percentiles),
+        "itl_ms": _stats(itls, percentiles),
+        "e2el_ms": _stats([r.latency for r in ok], percentiles),
+        "errors": sorted({r.error for r in results if not r.ok})[:10],
+    }
+    if slos:
+        summary["goodput_slos_ms"] = slos
+        summary["request_goodput"] = good / duration if duration else 0.0
+    return summary
+
+
+async def benchmark(args, requests: list[BenchRequest]) -> tuple[dict, list[RequestResult]]:
+    import httpx
+    from tqdm.asyncio import tqdm
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.max_concurrency or len(requests) or 1, max_keepalive_connections=64)
+    base = args.base_url.rstrip("/")
+    async with httpx.AsyncClient(headers=headers, timeout=args.timeout, limits=limits) as client:
+        model = args.model
+        if model is None:
+            resp = await client.get(f"{base}/v1/models")
+            resp.raise_for_status()
+            data = resp.json()["data"]
+            if not data:
+                raise SystemExit("the gateway lists no model with a live engine")
+            model = data[0]["id"]
+        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        bar = tqdm(total=len(requests), disable=args.disable_tqdm, desc="requests")
+        url = f"{base}/v1/completions"
+
+        async def run(req: BenchRequest) -> RequestResult:
+            if sem is None:
+                res = await send_one(client, url, model, req, args)
+            else:
+                async with sem:
+                    res = await send_one(client, url, model, req, args)
+            bar.update(1)
+            return res
+
+        gaps = arrival_gaps(len(requests), args.request_rate, args.burstiness, args.fixed_rate, args.seed)
+        start = time.perf_counter()
+        tasks = []
+        for req, gap in zip(requests, gaps, strict=True):
+            tasks.append(asyncio.create_task(run(req)))
+            if gap > 0:
+                await asyncio.sleep(gap)
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        bar.close()
+    percentiles = [float(p) for p in str(args.percentiles).split(",") if p]
+    summary = summarize(list(results), duration, parse_goodput(args.goodput), percentiles)
+    summary.update({"model": model, "base_url": base, "num_prompts": len(requests),
+                    "request_rate": args.request_rate, "burstiness": args.burstiness,
+                    "max_concurrency": args.max_concurrency, "seed": args.seed})
+    return summary, list(results)
+
+
+def format_table(s: dict) -> str:
+    lines = ["{s:=^60}".format(s=" Serving Benchmark Result ")]
+
+    def row(label: str, value) -> None:
+        lines.append(f"{label:<42}{value:>18}")
+
+    row("Successful requests:", s["completed"])
+    row("Failed requests:", s["failed"])
+    row("Maximum request concurrency:", s["max_concurrency"] if s["max_concurrency"] else "none")
+    row("Benchmark duration (s):", f"{s['duration_s']:.2f}")
+    row("Total input tokens:", s["total_input_tokens"])
+    row("Total generated tokens:", s["total_output_tokens"])
+    row("Request throughput (req/s):", f"{s['request_throughput']:.2f}")
+    if "request_goodput" in s:
+        row("Request goodput (req/s):", f"{s['request_goodput']:.2f}")
+    row("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}")
+    row("Total token throughput (tok/s):", f"{s['total_token_throughput']:.2f}")
+    for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
+                       ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):
+        lines.append("{s:-^60}".format(s=f" {title} "))
+        short = key.split("_")[0].upper()
+        for stat, value in s[key].items():
+            if stat == "std":
+                continue
+            row(f"{stat.capitalize() if not stat.startswith('p') else 'P' + stat[1:]} {short} (ms):", f"{value:.2f}")
+    lines.append("=" * 60)
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.dataset == "jsonl":
+        if not args.dataset_path:
+            print("--dataset jsonl needs --dataset-path", file=sys.stderr)
+            return 2
+        requests = jsonl_dataset(args.dataset_path, args.num_prompts, args.random_output_len, args.seed)
+    else:
+        requests = synthetic_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
+                                     args.random_range_ratio, tuple(args.random_vocab), args.seed)
+    summary, _ = asyncio.run(benchmark(args, requests))
+    print(format_table(summary))
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps(summary, indent=2))
+        print(f"results written to {args.result_file}")
+    return 0 if summary["completed"] else 1
+

@@ -1,0 +1,46 @@
+"""Gateway settings: one dataclass, filled from the command line or from the environment.
+
+Uvicorn's multi-process mode imports the app through a factory in each worker, so the CLI hands
+its settings to the workers through ``SLUICE_GATEWAY_CONFIG`` (JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+ENV_VAR = "SLUICE_GATEWAY_CONFIG"
+
+
+@dataclass
+class GatewayConfig:
+    redis_url: str = "redis://localhost:6379/0"
+    api_keys: list[str] = field(default_factory=list)
+    max_queue_len: int | None = None  # 429 when the model's queue holds this many or more
+    request_timeout_s: float = 600.0  # a request's deadline, from arrival
+    max_body_bytes: int = 4 * 1024 * 1024
+    retry_after_s: int = 1  # the Retry-After of a 429
+    card_ttl_s: float = 2.0  # how long a model card (and engine liveness) is trusted before a check
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_prompts: int = 64  # prompts in one /v1/completions request
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> GatewayConfig:
+        data = json.loads(text)
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+    @classmethod
+    def from_env(cls) -> GatewayConfig:
+        text = os.environ.get(ENV_VAR)
+        if text:
+            return cls.from_json(text)
+        cfg = cls()
+        if os.environ.get("SLUICE_REDIS_URL"):
+            cfg.redis_url = os.environ["SLUICE_REDIS_URL"]
+        return cfg

@@ -1,0 +1,164 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class OpenAIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def no_engine(model: str) -> OpenAIError:
+    return OpenAIError(
+        503,
+        f"No engine serving model `{model}` is alive; try again later.",
+        type="service_unavailable_error",
+        code="no_engine",
+    )
+
+
+def queue_full(model: str, retry_after_s: int) -> OpenAIError:
+    return OpenAIError(
+        429,
+        f"The queue for model `{model}` is full; retry after {retry_after_s} s.",
+        type="rate_limit_error",
+        code="queue_full",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def deadline_exceeded() -> OpenAIError:
+    return OpenAIError(
+        504, "The request did not complete before its deadline.", type="timeout_error", code="deadline_exceeded"
+    )
+
+
+def unauthorized() -> OpenAIError:
+    return OpenAIError(
+        401,
+        "Incorrect API key provided. Pass it as `Authorization: Bearer <key>`.",
+        code="invalid_api_key",
+    )
+
+
+def body_too_large(limit: int) -> OpenAIError:
+    return OpenAIError(413, f"The request body exceeds the limit of {limit} bytes.", code="request_too_large")
+
+
+# Engine Error.code -> (HTTP status, OpenAI type)
+ENGINE_ERRORS: dict[str, tuple[int, str]] = {
+    "invalid_request": (400, "invalid_request_error"),
+    "context_length_exceeded": (400, "invalid_request_error"),
+    "kv_cache_too_small": (400, "invalid_request_error"),
+    "deadline_exceeded": (504, "timeout_error"),
+    "engine_lost": (503, "service_unavailable_error"),
+    "draining": (503, "service_unavailable_error"),
+    "internal": (500, "internal_error"),
+}
+
+
+def from_engine(code: str, message: str) -> OpenAIError:
+    status, type_ = ENGINE_ERRORS.get(code, (500, "internal_error"))
+    return OpenAIError(status, message or code, type=type_, code=code or None)
+
+
+def _param_of(loc: tuple | list) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body",)]
+    # drop pydantic's union-branch tags (e.g. "str", "list[int]", "function-after[...]")
+    parts = [p for p in parts if not any(c in p for c in "[]") and p not in ("str", "int", "float", "list")]
+    if not parts:
+        return None
+    out = parts[0]
+    for p in parts[1:]:
+        out += f"[{p}]" if p.isdigit() else f".{p}"
+    return out
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if not errors:
+            return invalid("Invalid request.").response()
+        err = errors[0]
+        if err.get("type") == "json_invalid":
+            return invalid(
+                "We could not parse the JSON body of your request. (HINT: This likely means you aren't "
+                "using your HTTP library correctly. The OpenAI API expects a JSON payload.)",
+                code="invalid_json",
+            ).response()
+        param = _param_of(err.get("loc", ()))
+        if err.get("type") == "missing" and param:
+            msg = f"Missing required parameter: '{param}'."
+            code = "missing_required_parameter"
+        elif param is None and err.get("type") in ("model_attributes_type", "dict_type"):
+            msg = "The request body must be a JSON object."
+            code = "invalid_json"
+        else:
+            detail = str(err.get("msg", "invalid value"))
+            msg = f"Invalid value for '{param}': {detail}." if param else f"Invalid request: {detail}."
+            code = "invalid_value"
+        return invalid(msg, param=param, code=code).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return JSONResponse(
+            error_body(str(exc.detail), type_, None, code),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"Internal error: {type(exc).__name__}", "internal_error"), status_code=500)

@@ -1,0 +1,301 @@
+"""One HTTP request's generation: enqueue its engine requests, turn engine events into text deltas.
+
+An OpenAI request becomes one engine request per prompt (``GenerateRequest`` with ``n``
+completions); every completion becomes a :class:`Choice` with its own incremental detokenizer and
+stop-string matcher. :meth:`Generation.deltas` yields, per engine event, the new text of a choice
+(never a split character, never text past a stop string) with the logprobs of the tokens it
+consumed, and a finish reason on a choice's last delta.
+
+Cancellation: when a stop string ends a choice the engine keeps generating it, so once every
+choice of an engine request is done at the gateway while the engine has not finished it, a
+``Cancel`` is published. A generator closed early (client gone, deadline) cancels whatever the
+engine still runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from gateway import errors
+from gateway.broker import Broker, ModelCard
+from gateway.metrics import METRICS
+from sluice.text.detokenizer import IncrementalDetokenizer, token_text
+from sluice.text.stop import StopMatcher, StopResult
+from sluice.wire import contract
+from sluice.wire.messages_pb2 import Event, GenerateRequest, SamplingParams
+
+# With no event for this long, check that an engine for the model is still alive.
+LIVENESS_CHECK_S = 5.0
+
+
+@dataclass
+class TokenInfo:
+    """One generated (or prompt) position: the chosen token and its top alternatives."""
+
+    token_id: int
+    text: str
+    bytes: bytes
+    logprob: float | None
+    top: list[tuple[str, float, bytes]] = field(default_factory=list)
+
+
+@dataclass
+class Delta:
+    index: int
+    text: str
+    logprobs: list[TokenInfo] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class Choice:
+    def __init__(self, index: int, sub: SubRequest, card: ModelCard, opts: dict) -> None:
+        self.index = index
+        self.sub = sub
+        self.tok = card.tokenizer
+        self.detok = IncrementalDetokenizer(
+            card.tokenizer, sub.prompt_ids, skip_special_tokens=opts.get("skip_special_tokens", True)
+        )
+        self.stop = StopMatcher(opts.get("stop"), include_stop_str_in_output=opts.get("include_stop_str", False))
+        self.want_logprobs = opts.get("logprobs") is not None
+        self.num_top = opts.get("logprobs") or 0
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finished = False  # done as far as the client is concerned
+        self.engine_done = False  # the engine sent its terminal event
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[TokenInfo] = []
+
+    def consume(self, ev: Event) -> Delta | None:
+        if self.finished:
+            if ev.HasField("finished"):
+                self.engine_done = True
+            return None
+        parts: list[str] = []
+        lps: list[TokenInfo] | None = [] if self.want_logprobs else None
+        for i, tid in enumerate(ev.token_ids):
+            self.token_ids.append(tid)
+            if lps is not None:
+                lps.append(position_info(self.tok, tid, ev.logprobs[i] if i < len(ev.logprobs) else None,
+                                         self.num_top))
+            res = self.stop.feed(self.detok.add(tid)) if self.stop else StopResult(self.detok.add(tid))
+            parts.append(res.text)
+            if res.stopped:
+                self.finished, self.finish_reason, self.stop_reason = True, "stop", res.stop
+                break
+        if ev.HasField("finished"):
+            self.engine_done = True
+            if not self.finished:
+                res = self.stop.feed(self.detok.flush()) if self.stop else StopResult(self.detok.flush())
+                parts.append(res.text)
+                if res.stopped:
+                    self.finish_reason, self.stop_reason = "stop", res.stop
+                else:
+                    parts.append(self.stop.flush())
+                    self.finish_reason = ev.finished.finish_reason or "stop"
+                    if ev.finished.HasField("stop_token_id"):
+                        self.stop_reason = ev.finished.stop_token_id
+                self.finished = True
+        text = "".join(parts)
+        self.text += text
+        if lps is not None:
+            self.logprobs.extend(lps)
+        if not text and not lps and not self.finished:
+            return None
+        return Delta(self.index, text, lps, self.finish_reason if self.finished else None, self.stop_reason)
+
+
+def position_info(tokenizer, token_id: int, pos, num_top: int = 0) -> TokenInfo:
+    """A position's logprobs from the engine's ``PositionLogprobs`` (chosen token first, then the
+    alternatives). ``top`` holds the ``num_top`` most likely tokens by rank, the chosen one among
+    them when it ranks there (OpenAI's top_logprobs)."""
+    text, data = token_text(tokenizer, token_id)
+    if pos is None or not pos.entries:
+        return TokenInfo(token_id, text, data, None)
+    chosen = pos.entries[0]
+    ranked = sorted(enumerate(pos.entries), key=lambda ie: (ie[1].rank if ie[1].rank > 0 else 1 << 30, ie[0]))
+    top, seen = [], set()
+    for _, e in ranked:
+        if len(top) >= num_top:
+            break
+        if e.token_id in seen:
+            continue
+        seen.add(e.token_id)
+        t, b = (text, data) if e.token_id == token_id else token_text(tokenizer, e.token_id)
+        top.append((t, float(e.logprob), b))
+    return TokenInfo(token_id, text, data, float(chosen.logprob), top)
+
+
+@dataclass
+class SubRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    choices: list[Choice] = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
+
+    @property
+    def channel(self) -> str:
+        return contract.output_channel(self.request_id)
+
+    @property
+    def engine_active(self) -> bool:
+        return any(not c.engine_done for c in self.choices)
+
+
+class Generation:
+    """Drives one OpenAI request's engine requests from enqueue to the last delta."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        card: ModelCard,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        opts: dict,
+        *,
+        deadline: float,
+        endpoint: str,
+        id_prefix: str,
+    ) -> None:
+        self.broker = broker
+        self.card = card
+        self.deadline = deadline
+        self.endpoint = endpoint
+        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.arrival = time.monotonic()
+        self.subs: list[SubRequest] = []
+        n = params.n or 1
+        for p_idx, ids in enumerate(prompts):
+            rid = self.id if len(prompts) == 1 else f"{self.id}-{p_idx}"
+            sub = SubRequest(rid, ids, params)
+            sub.choices = [Choice(p_idx * n + i, sub, card, opts) for i in range(n)]
+            self.subs.append(sub)
+        self._by_id = {s.request_id: s for s in self.subs}
+        self.choices = [c for s in self.subs for c in s.choices]
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._started = False
+        self._closed = False
+        self.first_token_time: float | None = None
+        self._last_token_time: float | None = None
+        self.enqueue_time: float | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(s.prompt_ids) for s in self.subs)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    def usage(self) -> dict:
+        p, c = self.prompt_tokens, self.completion_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    async def start(self) -> None:
+        """Subscribe to every output channel, then enqueue (in that order: pub/sub keeps nothing)."""
+        await self.broker.subscribe([s.channel for s in self.subs], self._queue)
+        self._started = True
+        METRICS.running.inc()
+        now = time.time()
+        self.enqueue_time = time.monotonic()
+        for sub in self.subs:
+            req = GenerateRequest(
+                version=contract.CONTRACT_VERSION,
+                request_id=sub.request_id,
+                model=self.card.name,
+                prompt_token_ids=sub.prompt_ids,
+                params=sub.params,
+                deadline=self.deadline,
+                enqueue_time=now,
+            )
+            await self.broker.enqueue(req)
+
+    async def deltas(self) -> AsyncIterator[list[Delta]]:
+        """Yield the deltas of each engine event until every choice has finished."""
+        ok = False
+        try:
+            while not all(c.finished for c in self.choices):
+                timeout = self.deadline - time.time()
+                if timeout <= 0:
+                    raise errors.deadline_exceeded()
+                try:
+                    data = await asyncio.wait_for(self._queue.get(), min(timeout, LIVENESS_CHECK_S))
+                except TimeoutError:
+                    if self.deadline - time.time() <= 0:
+                        raise errors.deadline_exceeded() from None
+                    await self._check_engines()
+                    continue
+                out = self._handle(Event.FromString(data))
+                if out:
+                    yield out
+            ok = True
+        finally:
+            self._finish(ok)
+
+    async def _check_engines(self) -> None:
+        """Silence for a while: if no engine for the model is alive any more, fail now (503)
+        rather than at the deadline. A live engine may be busy; then keep waiting."""
+        try:
+            live = await self.broker.live_engines(fresh=True)
+        except Exception:  # noqa: BLE001 - Redis hiccup: the deadline still bounds the wait
+            return
+        if not live.get(self.card.name):
+            raise errors.OpenAIError(
+                503, f"The engine serving model `{self.card.name}` was lost.",
+                type="service_unavailable_error", code="engine_lost",
+            )
+
+    def _handle(self, ev: Event) -> list[Delta]:
+        sub = self._by_id.get(ev.request_id)
+        if sub is None:
+            return []
+        now = time.monotonic()
+        if ev.HasField("error"):
+            for c in sub.choices:
+                c.engine_done = True
+            raise errors.from_engine(ev.error.code, ev.error.message)
+        if ev.prompt_logprobs and not sub.prompt_logprobs:
+            sub.prompt_logprobs = list(ev.prompt_logprobs)
+        if not 0 <= ev.index < len(sub.choices):
+            return []
+        if ev.token_ids:
+            if self.first_token_time is None:
+                self.first_token_time = now
+                METRICS.ttft.observe(now - self.arrival)
+                if self.enqueue_time is not None:
+                    METRICS.queue_time.observe(now - self.enqueue_time)
+            elif self._last_token_time is not None:
+                METRICS.itl.observe(now - self._last_token_time)
+            self._last_token_time = now
+        d = sub.choices[ev.index].consume(ev)
+        return [d] if d is not None else []
+
+    def _finish(self, ok: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self._started:
+            self.broker.unsubscribe([s.channel for s in self.subs])
+            return
+        METRICS.running.dec()
+        active = [s.request_id for s in self.subs if s.engine_active]
+        if active:
+            self.broker.cancel_nowait(active)
+        self.broker.unsubscribe([s.channel for s in self.subs])
+        if ok:
+            METRICS.e2e.observe(time.monotonic() - self.arrival)
+            for c in self.choices:
+                METRICS.finished.labels(finished_reason=c.finish_reason or "unknown").inc()
+        METRICS.prompt_tokens.inc(self.prompt_tokens)
+        METRICS.generation_tokens.inc(self.completion_tokens)
+
+    def close_nowait(self) -> None:
+        """Abandon the generation (client gone before the generator ran): cancel at the engine."""
+        self._finish(False)

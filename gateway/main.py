@@ -1,0 +1,75 @@
+"""``sluice gateway``: the OpenAI-compatible HTTP gateway under uvicorn.
+
+Stateless: everything it knows of a model comes from the card an engine published in Redis, so
+any number of replicas (``--workers`` processes here, or more hosts) serve any request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import tempfile
+
+from gateway.config import ENV_VAR, GatewayConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = GatewayConfig()
+    parser.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL", d.redis_url),
+                        help="Redis holding the queues and model cards (default: %(default)s)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes (default: 1)")
+    parser.add_argument("--api-key", action="append", default=[], dest="api_keys", metavar="KEY",
+                        help="require `Authorization: Bearer KEY` on /v1 (repeatable; also $SLUICE_API_KEY)")
+    parser.add_argument("--max-queue-len", type=int, default=None,
+                        help="answer 429 when a model's queue holds this many requests (default: no limit)")
+    parser.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
+                        help="a request's deadline from its arrival; 504 past it (default: %(default)s)")
+    parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                        help="413 for larger request bodies (default: %(default)s)")
+    parser.add_argument("--retry-after-s", type=int, default=d.retry_after_s,
+                        help="Retry-After of a 429 (default: %(default)s)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    keys = list(args.api_keys)
+    if not keys and os.environ.get("SLUICE_API_KEY"):
+        keys = [os.environ["SLUICE_API_KEY"]]
+    return GatewayConfig(
+        redis_url=args.redis_url,
+        api_keys=keys,
+        max_queue_len=args.max_queue_len,
+        request_timeout_s=args.request_timeout_s,
+        max_body_bytes=args.max_body_bytes,
+        retry_after_s=args.retry_after_s,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(args)
+    os.environ[ENV_VAR] = config.to_json()  # the workers build their app from it (app_factory)
+    metrics_dir = None
+    if args.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        metrics_dir = tempfile.mkdtemp(prefix="sluice-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    try:
+        uvicorn.run(
+            "gateway.app:app_factory",
+            factory=True,
+            host=args.host,
+            port=args.port,
+            workers=args.workers,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+        )
+    finally:
+        if metrics_dir:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+    return 0

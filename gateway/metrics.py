@@ -1,0 +1,81 @@
+"""Prometheus metrics, named after vLLM's with a ``sluice:`` prefix.
+
+With several uvicorn workers, ``sluice gateway`` points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh
+directory before the workers start; each worker then writes its samples there and ``/metrics``
+aggregates all workers (prometheus-client's multi-process mode).
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        kw = {"registry": registry} if registry is not None else {}
+        self.requests = Counter(
+            "sluice:http_requests", "HTTP requests answered, by endpoint and status code",
+            ["endpoint", "status"], **kw,
+        )
+        self.finished = Counter(
+            "sluice:request_success", "Completions finished, by finish reason", ["finished_reason"], **kw
+        )
+        self.ttft = Histogram(
+            "sluice:time_to_first_token_seconds", "Arrival at the gateway to the first generated token",
+            buckets=_LATENCY_BUCKETS, **kw,
+        )
+        self.itl = Histogram(
+            "sluice:inter_token_latency_seconds", "Time between successive token events of a request",
+            buckets=_ITL_BUCKETS, **kw,
+        )
+        self.e2e = Histogram(
+            "sluice:e2e_request_latency_seconds", "Arrival at the gateway to the last token",
+            buckets=_E2E_BUCKETS, **kw,
+        )
+        self.queue_time = Histogram(
+            "sluice:request_queue_time_seconds",
+            "Enqueue (XADD) to the first event from an engine: queueing plus the prefill",
+            buckets=_E2E_BUCKETS, **kw,
+        )
+        self.queue_depth = Gauge(
+            "sluice:num_requests_waiting", "Requests in the model's Redis queue not yet taken by an engine",
+            ["model"], multiprocess_mode="max", **kw,
+        )
+        self.running = Gauge(
+            "sluice:num_requests_running", "Requests this gateway is serving now",
+            multiprocess_mode="livesum", **kw,
+        )
+        self.prompt_tokens = Counter("sluice:prompt_tokens", "Prompt tokens of enqueued requests", **kw)
+        self.generation_tokens = Counter("sluice:generation_tokens", "Generated tokens sent to clients", **kw)
+
+
+METRICS = Metrics()
+
+
+def render() -> tuple[bytes, str]:
+    """The exposition text: this process's registry, or every worker's in multi-process mode."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+    from prometheus_client import REGISTRY
+
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST

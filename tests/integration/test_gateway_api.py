@@ -1,0 +1,427 @@
+"""The gateway against a real Redis and a fake engine that follows the contract."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from sluice.wire import contract
+from sluice.wire.messages_pb2 import GenerateRequest
+from tests.integration import test_gateway_support as support
+from tests.integration.test_gateway_support import MAX_MODEL_LEN, MODEL, REPLY
+
+# the shared fixtures
+fake_engine = support.fake_engine
+gateway = support.gateway
+make_gateway = support.make_gateway
+
+pytestmark = pytest.mark.model
+
+
+def sse_events(resp: httpx.Response) -> list:
+    """The `data:` payloads of an SSE response, parsed (the final "[DONE]" kept as a string)."""
+    out = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+        else:
+            assert line == "" or line.startswith(":"), line
+    return out
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = "__any__", code: str | None = None):
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if param != "__any__":
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+def reply_prefix(fake, k: int, offset: int = 0) -> str:
+    ids = fake.reply_ids[offset:] + fake.reply_ids[:offset]
+    return fake.tokenizer.decode(ids[:k], skip_special_tokens=True)
+
+
+# --- happy paths -------------------------------------------------------------------------------
+
+
+def test_completion_non_streaming(gateway, fake_engine):
+    r = httpx.post(f"{gateway.url}/v1/completions",
+                   json={"model": MODEL, "prompt": "Say hello", "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"].startswith("cmpl-")
+    (choice,) = body["choices"]
+    assert choice["text"] == reply_prefix(fake_engine, 5)
+    assert choice["finish_reason"] == "length"
+    prompt_len = len(fake_engine.tokenizer.encode("Say hello"))
+    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 5, "total_tokens": prompt_len + 5}
+    (req,) = fake_engine.requests
+    assert req.params.max_tokens == 5 and req.params.temperature == 0
+    assert req.deadline > time.time() and req.enqueue_time <= time.time()
+    assert list(req.prompt_token_ids) == fake_engine.tokenizer.encode("Say hello")
+
+
+def test_completion_full_reply_multibyte(gateway, fake_engine):
+    r = httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 200})
+    body = r.json()
+    assert body["choices"][0]["text"] == REPLY
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["stop_reason"] == 2
+    assert body["usage"]["prompt_tokens"] == 3
+
+
+def test_completion_streaming_format_and_usage(gateway, fake_engine):
+    payload = {"model": MODEL, "prompt": "Hi", "max_tokens": 200, "stream": True,
+               "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{gateway.url}/v1/completions", json=payload) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == len(fake_engine.reply_ids)
+    chunks = events[:-2]
+    assert all(c["object"] == "text_completion" and c["usage"] is None for c in chunks)
+    assert len({c["id"] for c in events[:-1]}) == 1
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == REPLY
+    assert "\ufffd" not in text
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "stop"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_chat_streaming_format(gateway, fake_engine):
+    payload = {"model": MODEL, "messages": [{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+               "max_completion_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=payload) as resp:
+        assert resp.status_code == 200
+        events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0]["delta"] == {} and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == reply_prefix(fake_engine, 8)
+    (req,) = fake_engine.requests
+    prompt = fake_engine.tokenizer.decode(req.prompt_token_ids)
+    assert "Be brief." in prompt and "Hi" in prompt and prompt.rstrip().endswith("assistant")
+
+
+def test_chat_non_streaming_n2_logprobs(gateway, fake_engine):
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "n": 2,
+               "logprobs": True, "top_logprobs": 2}
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", json=payload)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    for c in body["choices"]:
+        assert c["message"]["role"] == "assistant"
+        assert c["message"]["content"] == reply_prefix(fake_engine, 6, offset=c["index"])
+        content = c["logprobs"]["content"]
+        assert len(content) == 6
+        assert content[0]["logprob"] == -0.25 and len(content[0]["top_logprobs"]) == 2
+        assert bytes(content[0]["bytes"]).decode() == content[0]["token"]
+    assert body["usage"]["completion_tokens"] == 12
+
+
+def test_completion_list_of_prompts_n2_streaming(gateway, fake_engine):
+    payload = {"model": MODEL, "prompt": ["a", "b"], "n": 2, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{gateway.url}/v1/completions", json=payload) as resp:
+        events = sse_events(resp)
+    by_index: dict[int, str] = {}
+    finishes = {}
+    for c in events[:-1]:
+        ch = c["choices"][0]
+        by_index[ch["index"]] = by_index.get(ch["index"], "") + ch["text"]
+        if ch["finish_reason"]:
+            finishes[ch["index"]] = ch["finish_reason"]
+    assert sorted(by_index) == [0, 1, 2, 3]
+    assert finishes == {i: "length" for i in range(4)}
+    assert by_index[0] == by_index[2] == reply_prefix(fake_engine, 3)
+    assert by_index[1] == by_index[3] == reply_prefix(fake_engine, 3, offset=1)
+    assert len(fake_engine.requests) == 2
+
+
+def test_completion_logprobs_and_echo(gateway, fake_engine):
+    r = httpx.post(f"{gateway.url}/v1/completions",
+                   json={"model": MODEL, "prompt": "Hi there", "max_tokens": 3, "logprobs": 1, "echo": True})
+    body = r.json()
+    choice = body["choices"][0]
+    assert choice["text"] == "Hi there" + reply_prefix(fake_engine, 3)
+    lp = choice["logprobs"]
+    n_prompt = len(fake_engine.tokenizer.encode("Hi there"))
+    assert len(lp["tokens"]) == n_prompt + 3
+    assert lp["token_logprobs"][0] is None and lp["token_logprobs"][-1] == -0.25
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert lp["top_logprobs"][-1][lp["tokens"][-1]] == -0.25
+
+
+def test_stop_string_across_tokens_cancels(gateway, fake_engine):
+    # "world" spans token boundaries in the reply; the text stops right before it
+    r = httpx.post(f"{gateway.url}/v1/completions",
+                   json={"model": MODEL, "prompt": "x", "max_tokens": 200, "stop": ["orld!", "zzz"]})
+    body = r.json()
+    assert body["choices"][0]["text"] == "Hello w"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["stop_reason"] == "orld!"
+    rid = fake_engine.requests[0].request_id
+    assert fake_engine.wait_cancel(rid)
+    assert body["usage"]["completion_tokens"] < len(fake_engine.reply_ids)
+
+
+def test_stop_string_streaming_include_stop(gateway, fake_engine):
+    payload = {"model": MODEL, "prompt": "x", "max_tokens": 200, "stop": "你好", "stream": True,
+               "include_stop_str_in_output": True}
+    with httpx.stream("POST", f"{gateway.url}/v1/completions", json=payload) as resp:
+        events = sse_events(resp)
+    text = "".join(c["choices"][0]["text"] for c in events[:-1])
+    assert text == "Hello world! 你好"
+    assert fake_engine.wait_cancel(fake_engine.requests[0].request_id)
+
+
+def test_streaming_disconnect_cancels(gateway, fake_engine):
+    fake_engine.token_delay = 0.05
+    payload = {"model": MODEL, "prompt": "x", "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", f"{gateway.url}/v1/completions", json=payload) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                break  # close after the first chunk
+    rid = fake_engine.requests[0].request_id
+    assert fake_engine.wait_cancel(rid), "no Cancel published after the client went away"
+    assert rid not in fake_engine.finished
+
+
+def test_non_streaming_disconnect_cancels(gateway, fake_engine):
+    fake_engine.hang = True
+
+    def client():
+        try:
+            httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=0.5)
+        except httpx.TimeoutException:
+            pass
+
+    t = threading.Thread(target=client)
+    t.start()
+    t.join()
+    deadline = time.time() + 5
+    while not fake_engine.requests and time.time() < deadline:
+        time.sleep(0.02)
+    rid = fake_engine.requests[0].request_id
+    assert fake_engine.wait_cancel(rid)
+    assert redis_marker(gateway, rid)
+
+
+def redis_marker(gw, rid: str) -> bool:
+    import redis
+
+    r = redis.Redis.from_url(gw.config.redis_url)
+    try:
+        return bool(r.exists(contract.cancelled_key(rid)))
+    finally:
+        r.close()
+
+
+def test_models_health_metrics(gateway, fake_engine):
+    r = httpx.get(f"{gateway.url}/v1/models")
+    assert r.status_code == 200
+    data = r.json()["data"]
+    assert [m["id"] for m in data] == [MODEL] and data[0]["object"] == "model"
+    assert data[0]["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.get(f"{gateway.url}/v1/models/{MODEL}").json()["id"] == MODEL
+    assert_error(httpx.get(f"{gateway.url}/v1/models/nope"), 404, code="model_not_found")
+    assert httpx.get(f"{gateway.url}/health").status_code == 200
+    httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
+    text = httpx.get(f"{gateway.url}/metrics").text
+    for name in ("sluice:time_to_first_token_seconds_bucket", "sluice:inter_token_latency_seconds_bucket",
+                 "sluice:e2e_request_latency_seconds_bucket", "sluice:request_queue_time_seconds_bucket",
+                 "sluice:num_requests_waiting", "sluice:prompt_tokens_total", "sluice:generation_tokens_total",
+                 'sluice:http_requests_total{endpoint="/v1/completions",status="200"}',
+                 "sluice:request_success_total"):
+        assert name in text, name
+    fake_engine.kill()
+    time.sleep(1.1)
+    assert_error(httpx.get(f"{gateway.url}/health"), 503)
+    assert httpx.get(f"{gateway.url}/v1/models").json()["data"] == []
+
+
+# --- the error matrix --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "payload, param",
+    [
+        ({"model": MODEL, "prompt": "x", "temperature": 5}, "temperature"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "n": 0}, "n"),
+        ({"model": MODEL, "prompt": "x", "n": 100}, "n"),
+        ({"model": MODEL, "prompt": "x", "top_p": 0}, "top_p"),
+        ({"model": MODEL, "prompt": "x", "logprobs": 50}, "logprobs"),
+        ({"model": MODEL, "prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"model": MODEL, "prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
+        ({"model": MODEL, "prompt": [10**6]}, "prompt"),
+        ({"model": MODEL, "prompt": ""}, "prompt"),
+        ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"model": MODEL, "prompt": "x", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+        ({"model": MODEL}, "prompt"),
+        ({"prompt": "x"}, "model"),
+    ],
+)
+def test_invalid_parameters_400(gateway, payload, param):
+    err = assert_error(httpx.post(f"{gateway.url}/v1/completions", json=payload), 400, param=param)
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "payload, param",
+    [
+        ({"model": MODEL, "messages": []}, "messages"),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ],
+)
+def test_chat_invalid_parameters_400(gateway, payload, param):
+    assert_error(httpx.post(f"{gateway.url}/v1/chat/completions", json=payload), 400, param=param)
+
+
+def test_malformed_json_400(gateway):
+    r = httpx.post(f"{gateway.url}/v1/completions", content=b'{"model": "x", "prompt": ',
+                   headers={"content-type": "application/json"})
+    assert_error(r, 400, param=None, code="invalid_json")
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", content=b"[1, 2]",
+                   headers={"content-type": "application/json"})
+    assert_error(r, 400)
+
+
+def test_unknown_model_404(gateway):
+    r = httpx.post(f"{gateway.url}/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert_error(r, 404, param="model", code="model_not_found")
+
+
+def test_context_length_400(gateway):
+    r = httpx.post(f"{gateway.url}/v1/completions",
+                   json={"model": MODEL, "prompt": [5] * 200, "max_tokens": 100})
+    err = assert_error(r, 400, param="prompt", code="context_length_exceeded")
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in err["message"]
+    r = httpx.post(f"{gateway.url}/v1/chat/completions",
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi " * 300}]})
+    err = assert_error(r, 400, param="messages", code="context_length_exceeded")
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in err["message"]
+
+
+def test_api_key_401(make_gateway, fake_engine):
+    gw = make_gateway(api_keys=["sekret"])
+    payload = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    assert_error(httpx.post(f"{gw.url}/v1/completions", json=payload), 401, code="invalid_api_key")
+    assert_error(httpx.post(f"{gw.url}/v1/completions", json=payload, headers={"Authorization": "Bearer nope"}),
+                 401)
+    assert_error(httpx.get(f"{gw.url}/v1/models"), 401)
+    ok = httpx.post(f"{gw.url}/v1/completions", json=payload, headers={"Authorization": "Bearer sekret"})
+    assert ok.status_code == 200
+
+
+def test_body_too_large_413(make_gateway, fake_engine):
+    gw = make_gateway(max_body_bytes=1000)
+    r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": "x" * 2000})
+    assert_error(r, 413)
+
+    def chunks():
+        for _ in range(20):
+            yield b" " * 100
+
+    r = httpx.post(f"{gw.url}/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert_error(r, 413)
+
+
+def test_queue_full_429(make_gateway, fake_engine, redis_client):
+    gw = make_gateway(max_queue_len=2, retry_after_s=3)
+    fake_engine.paused = True
+    time.sleep(0.2)
+    for _ in range(2):
+        redis_client.xadd(contract.request_stream(MODEL),
+                          {contract.REQUEST_FIELD: GenerateRequest(request_id="filler").SerializeToString()})
+    r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert_error(r, 429, code="queue_full")
+    assert r.headers["retry-after"] == "3"
+
+
+def test_no_engine_503(gateway, fake_engine):
+    fake_engine.kill()
+    time.sleep(1.1)
+    r = httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert_error(r, 503, code="no_engine")
+
+
+def test_deadline_504(make_gateway, fake_engine):
+    gw = make_gateway(request_timeout_s=0.5)
+    fake_engine.hang = True
+    r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert_error(r, 504, code="deadline_exceeded")
+    assert fake_engine.wait_cancel(fake_engine.requests[0].request_id)
+    r = httpx.post(f"{gw.url}/v1/chat/completions",
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True})
+    assert_error(r, 504)
+
+
+def test_engine_error_event(gateway, fake_engine):
+    fake_engine.error = ("invalid_request", "bad things")
+    r = httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
+    err = assert_error(r, 400, code="invalid_request")
+    assert err["message"] == "bad things"
+
+
+def test_engine_lost_503(gateway, fake_engine, monkeypatch):
+    from gateway import generation
+
+    monkeypatch.setattr(generation, "LIVENESS_CHECK_S", 0.2)
+    fake_engine.hang = True
+    result = {}
+
+    def client():
+        result["r"] = httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=20)
+
+    t = threading.Thread(target=client)
+    t.start()
+    end = time.time() + 5
+    while not fake_engine.requests and time.time() < end:
+        time.sleep(0.02)
+    fake_engine.kill()
+    t.join(10)
+    assert_error(result["r"], 503, code="engine_lost")
+
+
+def test_two_gateways_interleaved(make_gateway, fake_engine):
+    from concurrent.futures import ThreadPoolExecutor
+
+    gws = [make_gateway(), make_gateway()]
+    fake_engine.token_delay = 0.01
+
+    def one(i: int) -> tuple[int, str]:
+        gw = gws[i % 2]
+        payload = {"model": MODEL, "prompt": f"p{i}", "max_tokens": 6, "stream": bool(i % 3 == 0)}
+        if payload["stream"]:
+            with httpx.stream("POST", f"{gw.url}/v1/completions", json=payload) as resp:
+                events = sse_events(resp)
+            return 200, "".join(c["choices"][0]["text"] for c in events[:-1])
+        r = httpx.post(f"{gw.url}/v1/completions", json=payload)
+        return r.status_code, r.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(12)))
+    assert all(status == 200 and text == reply_prefix(fake_engine, 6) for status, text in results)
+    assert len(fake_engine.requests) == 12

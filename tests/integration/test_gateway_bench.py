@@ -1,0 +1,58 @@
+"""``sluice bench serve`` against the gateway and the fake engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from gateway import bench_serve
+from tests.integration import test_gateway_support as support
+
+gateway = support.gateway
+fake_engine = support.fake_engine
+make_gateway = support.make_gateway
+
+pytestmark = pytest.mark.model
+
+
+def test_bench_serve_end_to_end(gateway, tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    out = tmp_path / "bench.json"
+    args = parser.parse_args([
+        "--base-url", gateway.url, "--num-prompts", "12", "--random-input-len", "16", "--random-output-len", "8",
+        "--request-rate", "50", "--max-concurrency", "4", "--goodput", "ttft:10000", "tpot:1000",
+        "--result-file", str(out), "--disable-tqdm",
+    ])
+    assert bench_serve.run(args) == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 12 and result["failed"] == 0
+    assert result["total_output_tokens"] == 12 * 8
+    assert result["total_input_tokens"] == 12 * 16
+    assert result["model"] == support.MODEL
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        assert {"mean", "median", "p99"} <= set(result[key])
+        assert result[key]["mean"] > 0
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+
+
+def test_dataset_and_arrivals_are_seeded():
+    a = bench_serve.synthetic_dataset(5, 10, 4, 0.5, (100, 200), seed=3)
+    b = bench_serve.synthetic_dataset(5, 10, 4, 0.5, (100, 200), seed=3)
+    assert [r.prompt for r in a] == [r.prompt for r in b]
+    assert all(5 <= r.prompt_len <= 15 and len(r.prompt) == r.prompt_len for r in a)
+    gaps = bench_serve.arrival_gaps(2000, 10.0, 1.0, False, seed=0)
+    assert sum(gaps) / len(gaps) == pytest.approx(0.1, rel=0.1)
+    assert bench_serve.arrival_gaps(3, float("inf"), 1.0, False, 0) == [0.0] * 3
+
+
+def test_summarize_goodput():
+    ok = bench_serve.RequestResult(ok=True, prompt_len=4, output_tokens=5, ttft=0.1, latency=0.5, itl=[0.1] * 4)
+    slow = bench_serve.RequestResult(ok=True, prompt_len=4, output_tokens=5, ttft=2.0, latency=3.0, itl=[0.25] * 4)
+    s = bench_serve.summarize([ok, slow, bench_serve.RequestResult(error="x")], 1.0, {"ttft": 500}, [50, 99])
+    assert s["completed"] == 2 and s["failed"] == 1
+    assert s["request_goodput"] == 1.0
+    assert s["tpot_ms"]["mean"] == pytest.approx((100 + 250) / 2)

@@ -1,0 +1,262 @@
+"""Fixtures for the gateway tests: a fake engine that follows the Redis contract, and a gateway
+served by uvicorn in a thread. (No tests here; the test modules import these fixtures.)
+
+The fake engine publishes the model card (the real SmolLM2 tokenizer files of ``model_dir``),
+heartbeats, reads the request stream with XREADGROUP and answers with ``Event``s: each completion
+index spells ``REPLY`` (rotated by the index) token by token, then finishes with "length" at
+``max_tokens`` or "stop" at the end of the reply. It records the requests it read and the cancels
+it received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+import uvicorn
+
+from sluice.wire import contract
+from sluice.wire.messages_pb2 import Cancel, Event, GenerateRequest, PositionLogprobs, TokenLogprob
+
+MODEL = "smollm2-test"
+REPLY = "Hello world! 你好, 🙂 emoji and ünïcödé. The end"
+MAX_MODEL_LEN = 256
+
+
+def card_fields(model_dir: Path, max_model_len: int = MAX_MODEL_LEN) -> dict:
+    return {
+        contract.CARD_NAME: MODEL,
+        contract.CARD_MAX_MODEL_LEN: str(max_model_len),
+        contract.CARD_EOS_TOKEN_IDS: json.dumps([2]),
+        contract.CARD_TOKENIZER_JSON: (model_dir / "tokenizer.json").read_text(),
+        contract.CARD_TOKENIZER_CONFIG: (model_dir / "tokenizer_config.json").read_text(),
+        contract.CARD_VOCAB_SIZE: "49152",
+        contract.CARD_CONTRACT_VERSION: str(contract.CONTRACT_VERSION),
+    }
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(model_dir: Path):
+    from sluice.text.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(model_dir)
+
+
+class FakeEngine:
+    def __init__(self, redis_url: str, model_dir: Path, *, token_delay: float = 0.005) -> None:
+        self.redis_url = redis_url
+        self.model_dir = model_dir
+        self.tokenizer = _tokenizer(model_dir)
+        self.reply_ids = self.tokenizer.encode(REPLY, add_special_tokens=False)
+        self.token_delay = token_delay
+        self.engine_id = "fake-0"
+        self.requests: list[GenerateRequest] = []
+        self.cancels: list[str] = []
+        self.finished: set[str] = set()
+        self.hang = False  # read requests but never answer
+        self.paused = False  # do not read the stream
+        self.error: tuple[str, str] | None = None  # answer every request with this error
+        self.heartbeat = True
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._tasks: list = []
+
+    # -- control from the test thread --
+    def start(self) -> FakeEngine:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._setup(), self._loop).result(10)
+        for coro in (self._heartbeat(), self._read(), self._listen_cancels()):
+            self._tasks.append(asyncio.run_coroutine_threadsafe(coro, self._loop))
+        return self
+
+    def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        asyncio.run_coroutine_threadsafe(self._close(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+    def kill(self) -> None:
+        """Stop heartbeating and drop the liveness key (the engine is dead)."""
+        self.heartbeat = False
+        r = redis.Redis.from_url(self.redis_url)
+        r.delete(contract.engine_key(self.engine_id))
+        r.close()
+
+    def wait_cancel(self, request_id_prefix: str, timeout: float = 5.0) -> bool:
+        end = time.time() + timeout
+        while time.time() < end:
+            if any(c.startswith(request_id_prefix) for c in self.cancels):
+                return True
+            time.sleep(0.02)
+        return False
+
+    # -- engine side --
+    async def _setup(self) -> None:
+        self.r = aioredis.Redis.from_url(self.redis_url)
+        await self.r.hset(contract.model_card_key(MODEL), mapping=card_fields(self.model_dir))
+        await self.r.sadd(contract.MODELS_KEY, MODEL)
+        try:
+            await self.r.xgroup_create(contract.request_stream(MODEL), contract.CONSUMER_GROUP, id="0",
+                                       mkstream=True)
+        except redis.ResponseError:
+            pass
+        await self._beat()
+
+    async def _close(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.r.aclose()
+
+    async def _beat(self) -> None:
+        await self.r.hset(contract.ENGINES_KEY, self.engine_id,
+                          json.dumps({"model": MODEL, "running": 0, "waiting": 0, "ts": time.time()}))
+        await self.r.set(contract.engine_key(self.engine_id), b"1", ex=int(contract.HEARTBEAT_TTL_S))
+
+    async def _heartbeat(self) -> None:
+        while True:
+            if self.heartbeat:
+                await self._beat()
+            await asyncio.sleep(contract.HEARTBEAT_INTERVAL_S)
+
+    async def _listen_cancels(self) -> None:
+        ps = self.r.pubsub()
+        await ps.subscribe(contract.CANCEL_CHANNEL)
+        while True:
+            msg = await ps.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            if msg and msg["type"] == "message":
+                self.cancels.extend(Cancel.FromString(msg["data"]).request_ids)
+
+    async def _read(self) -> None:
+        stream = contract.request_stream(MODEL)
+        while True:
+            if self.paused:
+                await asyncio.sleep(0.05)
+                continue
+            resp = await self.r.xreadgroup(contract.CONSUMER_GROUP, self.engine_id, {stream: ">"}, count=16,
+                                           block=100)
+            for _, entries in resp or []:
+                for entry_id, fields in entries:
+                    req = GenerateRequest.FromString(fields[contract.REQUEST_FIELD])
+                    self.requests.append(req)
+                    self._loop.create_task(self._serve(entry_id, req))
+
+    def _cancelled(self, rid: str) -> bool:
+        return rid in self.cancels
+
+    async def _serve(self, entry_id, req: GenerateRequest) -> None:
+        channel = contract.output_channel(req.request_id)
+        try:
+            if await self.r.exists(contract.cancelled_key(req.request_id)) or self.hang:
+                return
+            if self.error is not None:
+                ev = Event(request_id=req.request_id, engine_id=self.engine_id)
+                ev.error.code, ev.error.message = self.error
+                await self.r.publish(channel, ev.SerializeToString())
+                return
+            n = req.params.n or 1
+            max_tokens = req.params.max_tokens if req.params.HasField("max_tokens") else 64
+            want_lp = req.params.HasField("logprobs")
+            streams = [self.reply_ids[i:] + self.reply_ids[:i] for i in range(n)]
+            for step in range(max_tokens):
+                if self._cancelled(req.request_id):
+                    return
+                for i in range(n):
+                    ids = streams[i]
+                    if step > len(ids):
+                        continue
+                    ev = Event(request_id=req.request_id, index=i, engine_id=self.engine_id)
+                    if step < len(ids):
+                        ev.token_ids.append(ids[step])
+                        if want_lp:
+                            pos = PositionLogprobs()
+                            pos.entries.append(TokenLogprob(token_id=ids[step], logprob=-0.25, rank=1))
+                            for k in range(req.params.logprobs):
+                                pos.entries.append(TokenLogprob(token_id=100 + k, logprob=-1.0 - k, rank=k + 2))
+                            ev.logprobs.append(pos)
+                    done_len = step + 1 == max_tokens and step < len(ids)
+                    if step == len(ids) or done_len:
+                        ev.finished.finish_reason = "length" if done_len else "stop"
+                        if not done_len:
+                            ev.finished.stop_token_id = 2
+                        ev.finished.usage.prompt_tokens = len(req.prompt_token_ids)
+                        ev.finished.usage.completion_tokens = min(step + 1, len(ids))
+                    await self.r.publish(channel, ev.SerializeToString())
+                if step >= max(len(s) for s in streams):
+                    break
+                await asyncio.sleep(self.token_delay)
+            self.finished.add(req.request_id)
+        finally:
+            await self.r.xack(contract.request_stream(MODEL), contract.CONSUMER_GROUP, entry_id)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GatewayServer:
+    """The real app under uvicorn in a thread, on a free 127.0.0.1 port."""
+
+    def __init__(self, **config) -> None:
+        from gateway.app import create_app
+        from gateway.config import GatewayConfig
+
+        self.config = GatewayConfig(**config)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.config), host="127.0.0.1", port=self.port,
+                                                    log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> GatewayServer:
+        self.thread.start()
+        end = time.time() + 15
+        while not self.server.started:
+            if time.time() > end or not self.thread.is_alive():
+                raise RuntimeError("gateway did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture
+def fake_engine(redis_client, redis_url, model_dir):
+    engine = FakeEngine(redis_url, Path(model_dir)).start()
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture
+def make_gateway(redis_url):
+    servers: list[GatewayServer] = []
+
+    def make(**config) -> GatewayServer:
+        config.setdefault("redis_url", redis_url)
+        server = GatewayServer(**config).start()
+        servers.append(server)
+        return server
+
+    yield make
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture
+def gateway(make_gateway, fake_engine) -> GatewayServer:
+    return make_gateway()
