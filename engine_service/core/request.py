@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from engine_service.sampling.params import SamplingParams
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS or a stop token id (or, at the text layer, a stop string)
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"  # cancelled by the client or the operator

@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import math
 from dataclasses import dataclass, field
+from typing import Any
+
+# Below this temperature a request is sampled greedily (vLLM uses the same threshold).
+SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass
@@ -12,6 +29,10 @@ class SamplingParams:
     The engine works in token ids: EOS, ``stop_token_ids``, ``max_tokens`` and ``min_tokens`` are
     enforced in the engine; ``stop`` strings are applied where text is produced (the offline
     ``LLM`` and the gateway), which cancel the request when one matches.
+
+    Every value is checked when the object is built: an out-of-range one raises ``ValueError``
+    whose message starts with the parameter's name. Checks that need the vocabulary
+    (``logit_bias`` and ``stop_token_ids`` ids) live in :meth:`verify`.
     """
 
     n: int = 1
@@ -35,6 +56,128 @@ class SamplingParams:
     skip_special_tokens: bool = True
     extra: dict = field(default_factory=dict, repr=False)
 
+    def __post_init__(self) -> None:
+        # Normalise the containers first (JSON gives logit_bias keys as strings, stop as a str).
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}")
+            bias: dict[int, float] = {}
+            for key, value in self.logit_bias.items():
+                try:
+                    token_id = int(key)
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+                if isinstance(key, float) and key != token_id:
+                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+                bias[token_id] = value
+            self.logit_bias = bias
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = list(self.stop_token_ids)
+        self._validate()
+
+    def _validate(self) -> None:
+        def real(name: str) -> float:
+            value = getattr(self, name)
+            if not _is_real(value) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            return float(value)
+
+        def integer(name: str) -> int:
+            value = getattr(self, name)
+            if not _is_int(value):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            return value
+
+        if integer("n") < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if real("temperature") < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < real("top_p") <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if integer("top_k") < -1 or self.top_k == 0:
+            raise ValueError(f"top_k must be -1 (disabled) or at least 1, got {self.top_k}")
+        if not 0.0 <= real("min_p") <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= real(name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if real("repetition_penalty") <= 0.0:
+            raise ValueError(f"repetition_penalty must be greater than 0, got {self.repetition_penalty}")
+        if self.logit_bias is not None:
+            for token_id, value in self.logit_bias.items():
+                if token_id < 0:
+                    raise ValueError(f"logit_bias token id must be non-negative, got {token_id}")
+                if not _is_real(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                    raise ValueError(
+                        f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                        f"got {value!r} for token {token_id}"
+                    )
+        if self.max_tokens is not None and integer("max_tokens") < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if integer("min_tokens") < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
+        if self.stop is not None:
+            if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+                raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            if any(s == "" for s in self.stop):
+                raise ValueError("stop must not contain empty strings")
+        if self.stop_token_ids is not None:
+            for token_id in self.stop_token_ids:
+                if not _is_int(token_id) or token_id < 0:
+                    raise ValueError(f"stop_token_ids must be non-negative integers, got {token_id!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
+
+    def verify(self, vocab_size: int) -> None:
+        """The checks that need the model: token ids must lie inside the vocabulary."""
+        if self.logit_bias:
+            for token_id in self.logit_bias:
+                if not 0 <= token_id < vocab_size:
+                    raise ValueError(
+                        f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})"
+                    )
+        if self.stop_token_ids:
+            for token_id in self.stop_token_ids:
+                if not 0 <= token_id < vocab_size:
+                    raise ValueError(
+                        f"stop_token_ids token id {token_id} is outside the vocabulary [0, {vocab_size})"
+                    )
+
+    # --- derived views ---
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def sampling_type(self) -> str:
+        """``"greedy"``, ``"seeded"`` or ``"random"``."""
+        if self.greedy:
+            return "greedy"
+        return "random" if self.seed is None else "seeded"
+
+    # --- copies ---
+    def clone(self) -> SamplingParams:
+        """A deep copy (lists and dicts are not shared)."""
+        return copy.deepcopy(self)
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A validated copy with some fields changed."""
+        base = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        base.update(changes)
+        return SamplingParams(**base)
+
+    def for_child(self, index: int) -> SamplingParams:
+        """The parameters of completion ``index`` of an ``n > 1`` request, as vLLM builds them:
+        ``n=1`` and, when seeded, ``seed + index`` so the completions differ but stay reproducible."""
+        seed = None if self.seed is None else self.seed + index
+        return self.replace(n=1, seed=seed)
