@@ -33,7 +33,7 @@ CHAT_CONVERSATIONS = [
     [{"role": "user", "content": "What is 12 times 7?"},
      {"role": "assistant", "content": "12 times 7 is 84."},
      {"role": "user", "content": "And divided by 2?"}],
-    [{"role": "user", "content": "Summarise this text in two sentences:\n\n" + LONG_TEXT * 6}],  # ~1000 tokens
+    [{"role": "user", "content": "Summarise this text in two sentences:\n\n" + LONG_TEXT * 7}],  # ~1000 tokens
 ]
 
 

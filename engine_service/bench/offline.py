@@ -1,0 +1,159 @@
+"""``sluice bench offline``: output tokens/s of the offline engine against transformers ``generate``.
+
+One seeded workload (default 64 requests, prompts 16-512 tokens, outputs 16-256 tokens, EOS
+ignored) runs through Sluice's continuous batching and through transformers' static batching at
+batch sizes 1 and 8, on the same requests, in the same process, one after the other. Static
+batches generate until their longest member is done; only each request's own tokens count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class WorkItem:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+@dataclass
+class BenchRow:
+    system: str
+    requests: int
+    output_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds else 0.0
+
+
+def make_workload(vocab_size: int, num_requests: int, prompt_range: tuple[int, int],
+                  output_range: tuple[int, int], seed: int) -> list[WorkItem]:
+    """Random token prompts (ids above the special tokens) and target lengths, from one seed."""
+    rng = random.Random(seed)
+    items = []
+    for _ in range(num_requests):
+        plen = rng.randint(*prompt_range)
+        items.append(WorkItem([rng.randrange(100, vocab_size) for _ in range(plen)], rng.randint(*output_range)))
+    return items
+
+
+def run_sluice(llm, work: list[WorkItem]) -> BenchRow:
+    from engine_service.sampling.params import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=w.output_len, ignore_eos=True) for w in work]
+    started = time.perf_counter()
+    outs = llm.generate([w.prompt_token_ids for w in work], params)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return BenchRow("sluice (continuous batching)", len(work), tokens, seconds)
+
+
+def run_transformers(model_dir: Path, work: list[WorkItem], batch_size: int, dtype) -> BenchRow:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None  # EOS ignored, as in the Sluice run
+    model.generation_config.pad_token_id = 0
+    tokens = 0
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(work), batch_size):
+            batch = work[i : i + batch_size]
+            width = max(len(w.prompt_token_ids) for w in batch)
+            ids = torch.zeros((len(batch), width), dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, w in enumerate(batch):  # left padding
+                ids[row, width - len(w.prompt_token_ids) :] = torch.tensor(w.prompt_token_ids)
+                mask[row, width - len(w.prompt_token_ids) :] = 1
+            longest = max(w.output_len for w in batch)
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                           do_sample=False)
+            tokens += sum(w.output_len for w in batch)
+    seconds = time.perf_counter() - started
+    return BenchRow(f"transformers generate, batch {batch_size}", len(work), tokens, seconds)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", default="16-512", help="range of prompt lengths, tokens")
+    parser.add_argument("--output-len", default="16-256", help="range of output lengths, tokens")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--hf-batch-sizes", default="1,8",
+                        help="transformers static batch sizes to compare; empty to skip")
+    parser.add_argument("--hf-num-requests", type=int, default=None,
+                        help="run transformers on only the first N requests (default: all)")
+    parser.add_argument("--sampler-batch", type=int, default=256, help="batch size for the sampler cost probe")
+    parser.add_argument("--json", type=Path, default=Path("bench-results/offline.json"))
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    return int(lo), int(hi or lo)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine_service.llm import LLM
+    from engine_service.model.loader import parse_dtype
+
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = llm.engine
+    work = make_workload(engine.vocab_size, args.num_requests, _range(args.prompt_len),
+                         _range(args.output_len), args.seed)
+    llm.generate([work[0].prompt_token_ids[:16]], None)  # warm-up
+    rows = [run_sluice(llm, work)]
+    stats = engine.get_stats()
+    del llm
+    hf_work = work[: args.hf_num_requests] if args.hf_num_requests else work
+    for size in [int(s) for s in args.hf_batch_sizes.split(",") if s.strip()]:
+        rows.append(run_transformers(engine.model_dir, hf_work, size, parse_dtype(args.dtype)))
+
+    sampler_ms = None
+    try:
+        from engine_service.sampling.sampler import benchmark_sampler
+
+        sampler_ms = benchmark_sampler(batch_size=args.sampler_batch, vocab_size=engine.vocab_size)
+    except ImportError:
+        pass
+
+    base = rows[0].tokens_per_s
+    print(f"\nsluice bench offline: {args.num_requests} requests, prompts {args.prompt_len}, "
+          f"outputs {args.output_len} tokens, EOS ignored, {args.dtype}, torch threads {torch.get_num_threads()}")
+    print(f"{'system':<36}{'requests':>9}{'out tokens':>12}{'seconds':>10}{'tok/s':>10}{'sluice x':>10}")
+    for row in rows:
+        ratio = base / row.tokens_per_s if row.tokens_per_s else float("nan")
+        print(f"{row.system:<36}{row.requests:>9}{row.output_tokens:>12}{row.seconds:>10.1f}"
+              f"{row.tokens_per_s:>10.1f}{ratio:>10.2f}")
+    print(f"preemptions {stats.num_preemptions}, iterations {stats.iterations}")
+    if sampler_ms is not None:
+        print(f"sampler cost per step at batch {args.sampler_batch}: {sampler_ms:.2f} ms")
+    result = {
+        "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
+                     "output_len": args.output_len, "seed": args.seed, "dtype": args.dtype},
+        "machine": {"platform": platform.platform(), "torch_threads": torch.get_num_threads()},
+        "rows": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in rows],
+        "sluice_preemptions": stats.num_preemptions,
+        "sluice_iterations": stats.iterations,
+        "sampler_ms_per_step": sampler_ms,
+        "sampler_batch": args.sampler_batch,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.json}")
+    return 0

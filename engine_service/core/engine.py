@@ -1,0 +1,268 @@
+"""LLMEngine: one step loop over the scheduler, the model runner and the sampler.
+
+The engine speaks token ids. ``add_request`` takes a prompt and sampling parameters (n > 1 is
+expanded into n sequences that share the prompt's KV blocks through the prefix cache);
+``step`` runs one scheduled batch and returns each request's news as ``EngineOutput``s. The
+offline ``LLM`` and the Redis service both drive it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine_service.config import EngineConfig, SchedulerConfig
+from engine_service.core.outputs import EngineOutput
+from engine_service.core.request import Request
+from engine_service.core.scheduler import RequestRejected, Scheduler
+from engine_service.model.config import ModelConfig
+from engine_service.model.kv_cache import allocate_kv_cache, num_blocks_for_budget
+from engine_service.model.loader import load_model, parse_dtype
+from engine_service.model.runner import ModelRunner
+from engine_service.sampling.params import SamplingParams
+from engine_service.sampling.sampler import Sampler, compute_logprobs
+from sluice.text.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_dir(model: str | Path | None) -> Path:
+    """``None`` means the embedded default model, prepared on first use."""
+    if model is None:
+        from engine_service.model.prepare import prepare_default_model
+
+        return prepare_default_model(progress=False)
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"--model {model!r} is not a local Hugging Face directory (no config.json); "
+            "Sluice loads models from disk only"
+        )
+    return path
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    iterations: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    prefix_cache_hit_rate: float
+    finished_requests: int
+
+
+@dataclass
+class _Group:
+    """The n sequences of one request."""
+
+    request_id: str
+    children: list[Request]
+    num_live: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.model_dir = resolve_model_dir(config.model)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.model_name = config.served_model_name or self.model_dir.name
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.device = torch.device(config.device)
+        self.dtype = parse_dtype(config.dtype)
+
+        context = self.model_config.context_length
+        if config.max_model_len is not None and config.max_model_len > context:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {context}")
+        self.max_model_len = config.max_model_len or context
+
+        started = time.perf_counter()
+        model = load_model(self.model_dir, self.dtype, self.device)
+        num_blocks = config.num_blocks or num_blocks_for_budget(
+            self.model_config, config.block_size, self.dtype, self.device, config.kv_cache_memory
+        )
+        kv = allocate_kv_cache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(model, kv, config.block_size, self.device)
+        logger.info("loaded %s (%s, %s) with %d KV blocks of %d tokens in %.1fs", self.model_name,
+                    self.dtype, self.device, num_blocks, config.block_size, time.perf_counter() - started)
+
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            watermark_blocks=config.watermark_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+        ))
+        self.vocab_size = self.model_config.vocab_size
+        self.sampler = Sampler(self.vocab_size, self.device, seed=config.seed)
+        eos = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids: list[int] = sorted(eos)
+        self._eos = frozenset(eos)
+        self._groups: dict[str, _Group] = {}
+        self._child_index: dict[str, tuple[_Group, int]] = {}
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self._finished_requests = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Admit a request past the door, or raise ``RequestRejected`` / ``ValueError`` saying why."""
+        if request_id in self._groups:
+            raise RequestRejected("invalid_request", f"request id {request_id!r} is already running")
+        if not prompt_token_ids:
+            raise RequestRejected("invalid_request", "the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestRejected(
+                "invalid_request", f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        params.verify(self.vocab_size)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + i
+                child_params = dataclasses.replace(params, n=1, seed=seed)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(Request(child_id, list(prompt_token_ids), child_params, self._eos, arrival))
+        admitted: list[Request] = []
+        try:
+            for child in children:
+                self.scheduler.add_request(child)
+                admitted.append(child)
+        except RequestRejected:
+            if admitted:
+                self.scheduler.abort_requests([c.request_id for c in admitted])
+            raise
+        group = _Group(request_id, children, len(children))
+        self._groups[request_id] = group
+        for i, child in enumerate(children):
+            self._child_index[child.request_id] = (group, i)
+
+    def abort_request(self, request_ids: Iterable[str]) -> list[EngineOutput]:
+        """Abort requests wherever they are; returns a terminal output per live completion."""
+        outputs = []
+        for request_id in request_ids:
+            group = self._groups.get(request_id)
+            if group is None:
+                continue
+            live = [c.request_id for c in group.children if not c.is_finished]
+            for req in self.scheduler.abort_requests(live):
+                outputs.append(self._output(req, []))
+                self._release(req)
+        return outputs
+
+    def abort_completion(self, request_id: str, index: int) -> list[EngineOutput]:
+        """Abort one of a request's n completions (a stop string matched in its text)."""
+        group = self._groups.get(request_id)
+        if group is None or not 0 <= index < len(group.children):
+            return []
+        child = group.children[index]
+        outputs = []
+        for req in self.scheduler.abort_requests([child.request_id]):
+            outputs.append(self._output(req, []))
+            self._release(req)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def admission_headroom(self) -> int:
+        """How many new requests this engine could start soon: free sequence slots, but none when
+        the waiting queue already holds work or the KV pool is exhausted."""
+        sched = self.scheduler
+        if sched.num_waiting > 0 or sched.block_pool.num_free_blocks <= sched.watermark_blocks:
+            return 0
+        return max(0, self.config.max_num_seqs - sched.num_running)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[EngineOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled.chunks:
+            return []
+        result = self.runner.execute(scheduled.chunks)
+        for item in result.prompt_logits:
+            req = item.request
+            if not req.prompt_logprobs:
+                req.prompt_logprobs.append(None)  # the first prompt token has no logprob
+            if len(req.prompt_logprobs) == item.first_position:  # skip positions already scored
+                req.prompt_logprobs.extend(
+                    compute_logprobs(item.logits, item.target_ids, req.sampling_params.prompt_logprobs)
+                )
+        sampled: dict[str, int] = {}
+        new_logprobs: dict[str, dict] = {}
+        if result.sample_requests:
+            out = self.sampler(result.sample_logits, result.sample_requests)
+            for req, token, lp in zip(result.sample_requests, out.token_ids, out.logprobs, strict=True):
+                sampled[req.request_id] = token
+                if lp is not None:
+                    new_logprobs[req.request_id] = lp
+        self._prompt_tokens_total += sum(
+            min(c.num_tokens, max(0, c.request.num_prompt_tokens - c.start)) for c in scheduled.chunks
+        )
+        self._generation_tokens_total += len(sampled)
+        outputs = []
+        for req in self.scheduler.update_from_output(scheduled, sampled):
+            new_tokens = [sampled[req.request_id]] if req.request_id in sampled else []
+            lp = new_logprobs.get(req.request_id)
+            if lp is not None:
+                req.logprobs.append(lp)
+                req.cumulative_logprob += lp[new_tokens[0]].logprob
+            outputs.append(self._output(req, new_tokens, [lp] if lp is not None else None))
+            if req.is_finished:
+                self._release(req)
+        return outputs
+
+    def _output(self, req: Request, new_tokens: list[int], new_logprobs=None) -> EngineOutput:
+        group, index = self._child_index[req.request_id]
+        first = len(req.output_token_ids) == len(new_tokens) and bool(new_tokens)
+        return EngineOutput(
+            request_id=group.request_id,
+            index=index,
+            new_token_ids=new_tokens,
+            new_logprobs=new_logprobs,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            error=req.error,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            prompt_logprobs=req.prompt_logprobs if first and req.sampling_params.prompt_logprobs is not None else None,
+        )
+
+    def _release(self, req: Request) -> None:
+        group, _ = self._child_index.pop(req.request_id)
+        group.num_live -= 1
+        if group.num_live == 0:
+            del self._groups[group.request_id]
+            self._finished_requests += 1
+
+    # ------------------------------------------------------------------ introspection
+    def get_stats(self) -> EngineStats:
+        sched = self.scheduler
+        stats = sched.stats
+        return EngineStats(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            num_free_blocks=sched.block_pool.num_free_blocks,
+            num_total_blocks=sched.block_pool.num_total_blocks,
+            num_preemptions=stats.preemptions,
+            iterations=stats.iterations,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+            finished_requests=self._finished_requests,
+        )
