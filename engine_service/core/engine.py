@@ -8,7 +8,6 @@ offline ``LLM`` and the Redis service both drive it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -132,11 +131,10 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):
-            child_params = params
-            if params.n > 1:
-                seed = None if params.seed is None else params.seed + i
-                child_params = dataclasses.replace(params, n=1, seed=seed)
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            if params.n == 1:
+                child_id, child_params = request_id, params
+            else:
+                child_id, child_params = f"{request_id}#{i}", params.for_child(i)
             children.append(Request(child_id, list(prompt_token_ids), child_params, self._eos, arrival))
         admitted: list[Request] = []
         try:

@@ -13,6 +13,7 @@ of ``sluice.wire.messages_pb2`` (source: proto/sluice/wire/messages.proto).
 | sluice:engine:{engine_id}        | string with TTL       | engine  | liveness: gone when the heartbeat lapses  |
 | sluice:model:{model}             | hash                  | engine  | model card: tokenizer, chat template, limits |
 | sluice:models                    | set                   | engine  | names of models that have a card          |
+| sluice:emitted:{request_id}      | string with TTL       | engine  | set with a request's first token: a reclaimed request that has it is errored, not restarted |
 """
 
 from __future__ import annotations
@@ -60,3 +61,23 @@ def engine_key(engine_id: str) -> str:
 
 def model_card_key(model: str) -> str:
     return f"{PREFIX}:model:{model}"
+
+
+def emitted_key(request_id: str) -> str:
+    return f"{PREFIX}:emitted:{request_id}"
+
+
+# The emitted marker outlives any request the engine would still run.
+EMITTED_TTL_S = 3600
+# A request delivered (read, reclaimed or handed back) more often than this is errored, not retried:
+# a poison request must not take down every engine in turn.
+MAX_ATTEMPTS = 3
+
+# Error codes carried by Event.error.code.
+ERR_INVALID_REQUEST = "invalid_request"
+ERR_CONTEXT_LENGTH = "context_length_exceeded"
+ERR_KV_CACHE_TOO_SMALL = "kv_cache_too_small"
+ERR_DEADLINE = "deadline_exceeded"
+ERR_ENGINE_LOST = "engine_lost"
+ERR_DRAINING = "draining"
+ERR_INTERNAL = "internal"

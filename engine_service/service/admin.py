@@ -1,0 +1,80 @@
+"""gRPC on the engine's admin port: the standard ``grpc.health.v1`` service and ``EngineAdmin``.
+
+Health is SERVING once the model is loaded and the step loop runs, NOT_SERVING while draining or
+stopped. ``GetStats`` reads the worker's snapshot (refreshed after every step, so it agrees with
+the engine's counters); ``Drain`` asks the step loop to drain, exactly as SIGTERM does.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from sluice.wire import admin_pb2, admin_pb2_grpc
+
+log = logging.getLogger("sluice.engine.admin")
+
+ADMIN_SERVICE = "sluice.wire.EngineAdmin"
+
+
+class AdminServicer(admin_pb2_grpc.EngineAdminServicer):
+    def __init__(self, worker: Any, engine_id: str, model: str) -> None:
+        self.worker = worker
+        self.engine_id = engine_id
+        self.model = model
+
+    def GetStats(self, request: admin_pb2.GetStatsRequest, context: Any) -> admin_pb2.EngineStats:
+        s = self.worker.snapshot()
+        return admin_pb2.EngineStats(
+            engine_id=self.engine_id,
+            model=self.model,
+            running=s["running"],
+            waiting=s["waiting"],
+            free_blocks=s["free_blocks"],
+            total_blocks=s["total_blocks"],
+            preemptions=s["preemptions"],
+            generation_tokens_per_s=s["generation_tokens_per_s"],
+            prompt_tokens_per_s=s["prompt_tokens_per_s"],
+            iterations=s["iterations"],
+            finished_requests=s["finished_requests"],
+            prefix_cache_hit_rate=s["prefix_cache_hit_rate"],
+            draining=s["draining"] or self.worker.draining,
+            prompt_tokens_total=s["prompt_tokens_total"],
+            generation_tokens_total=s["generation_tokens_total"],
+            live_requests=s["live_requests"],
+        )
+
+    def Drain(self, request: admin_pb2.DrainRequest, context: Any) -> admin_pb2.DrainResponse:
+        s = self.worker.snapshot()
+        accepted = self.worker.running and not self.worker.draining
+        self.worker.request_drain(request.grace_period_s or None)
+        return admin_pb2.DrainResponse(accepted=accepted, running=s["running"], waiting=s["waiting"])
+
+
+class AdminServer:
+    def __init__(self, worker: Any, engine_id: str, model: str, port: int, host: str = "0.0.0.0") -> None:
+        self.health = health.HealthServicer()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sluice-grpc"))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        admin_pb2_grpc.add_EngineAdminServicer_to_server(AdminServicer(worker, engine_id, model), self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise RuntimeError(f"cannot bind the gRPC port {host}:{port}")
+        self.set_serving(False)
+        worker.on_serving_change.append(self.set_serving)
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", ADMIN_SERVICE):
+            self.health.set(service, status)
+
+    def start(self) -> None:
+        self.server.start()
+        log.info("gRPC health and admin on port %d", self.port)
+
+    def stop(self, grace: float = 1.0) -> None:
+        self.server.stop(grace).wait(grace + 1)

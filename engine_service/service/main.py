@@ -1,0 +1,195 @@
+"""``sluice engine``: an engine process fed from Redis, with gRPC health and admin.
+
+    sluice engine --model DIR --redis-url redis://:pw@host:6379/0 --grpc-port 50051
+
+The step loop runs on the main thread and owns the model; Redis I/O runs on threads beside it
+(see ``redis_io``). SIGTERM (or ``EngineAdmin.Drain``) drains: stop reading, report NOT_SERVING,
+hand requests that emitted nothing back to the queue, finish the rest within the grace period,
+exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from engine_service.service.settings import ServiceSettings, default_engine_id
+from sluice.wire import contract
+
+log = logging.getLogger("sluice.engine")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="local Hugging Face model directory (default: the prepared default model)")
+    parser.add_argument("--redis-url", default="redis://localhost:6379/0", help="redis:// or rediss:// URL, password included if any")
+    parser.add_argument("--grpc-port", type=int, default=50051, help="port of gRPC health and EngineAdmin (0: none)")
+    parser.add_argument("--grpc-host", default="0.0.0.0")
+    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: the model directory's name)")
+    parser.add_argument("--engine-id", default=None, help="consumer name and registry id (default: host-pid-random)")
+    parser.add_argument("--max-queue-wait", type=float, default=0.0, help="refuse requests that waited longer than this many seconds (0: no limit)")
+    parser.add_argument("--drain-grace-s", type=float, default=30.0, help="on SIGTERM, how long running requests may take to finish")
+    parser.add_argument("--heartbeat-ttl", type=float, default=contract.HEARTBEAT_TTL_S, help="liveness key TTL; other engines reclaim after it lapses")
+    # engine knobs
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV pool")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-level", default="INFO")
+
+
+def settings_from_args(args: argparse.Namespace) -> ServiceSettings:
+    return ServiceSettings(
+        redis_url=args.redis_url,
+        grpc_port=args.grpc_port,
+        grpc_host=args.grpc_host,
+        engine_id=args.engine_id or default_engine_id(),
+        max_queue_wait=args.max_queue_wait,
+        drain_grace_s=args.drain_grace_s,
+        heartbeat_ttl_s=args.heartbeat_ttl,
+        heartbeat_interval_s=min(contract.HEARTBEAT_INTERVAL_S, args.heartbeat_ttl / 3),
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> Any:
+    from engine_service.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+
+
+def model_card(engine: Any, name: str) -> dict[str, str]:
+    model_dir = Path(engine.model_dir)
+
+    def text(filename: str) -> str:
+        path = model_dir / filename
+        return path.read_text(encoding="utf-8") if path.is_file() else ""
+
+    return {
+        contract.CARD_NAME: name,
+        contract.CARD_MAX_MODEL_LEN: str(engine.max_model_len),
+        contract.CARD_EOS_TOKEN_IDS: json.dumps(list(engine.eos_token_ids)),
+        contract.CARD_TOKENIZER_JSON: text("tokenizer.json"),
+        contract.CARD_TOKENIZER_CONFIG: text("tokenizer_config.json"),
+        contract.CARD_VOCAB_SIZE: str(engine.vocab_size),
+        contract.CARD_CONTRACT_VERSION: str(contract.CONTRACT_VERSION),
+    }
+
+
+class EngineService:
+    """The engine, its Redis I/O, the step loop and (optionally) the gRPC server, wired together.
+
+    ``run()`` runs the step loop on the calling thread; ``start_in_thread()`` is for in-process tests.
+    """
+
+    def __init__(self, engine: Any, settings: ServiceSettings, model: str | None = None) -> None:
+        import queue
+
+        from engine_service.service.redis_io import RedisIO
+        from engine_service.service.worker import Worker
+
+        self.engine = engine
+        self.settings = settings
+        self.model = model or engine.model_name
+        inbox: queue.Queue = queue.Queue()
+        self.worker: Worker | None = None
+        self.io = RedisIO(settings, self.model, inbox, model_card(engine, self.model), self._load)
+        self.worker = Worker(engine, self.io, settings, self.model)
+        self.admin = None
+        if settings.grpc_port:
+            from engine_service.service.admin import AdminServer
+
+            self.admin = AdminServer(self.worker, settings.engine_id, self.model, settings.grpc_port, settings.grpc_host)
+        self._thread: threading.Thread | None = None
+
+    def _load(self) -> dict[str, Any]:
+        if self.worker is None:
+            return {}
+        s = self.worker.snapshot()
+        keys = ("running", "waiting", "free_blocks", "total_blocks", "live_requests", "draining", "generation_tokens_per_s")
+        info = {k: s.get(k) for k in keys}
+        if self.admin is not None:
+            info["grpc_port"] = self.admin.port
+        return info
+
+    def run(self) -> int:
+        self.io.start()
+        if self.admin is not None:
+            self.admin.start()
+        try:
+            self.worker.run()
+        finally:
+            self.shutdown()
+        return 0
+
+    def shutdown(self) -> None:
+        self.io.stop(flush_timeout=10.0)
+        if self.admin is not None:
+            self.admin.stop()
+
+    # --- in-process use (tests) ---
+    def start_in_thread(self) -> EngineService:
+        self._thread = threading.Thread(target=self.run, name="sluice-step-loop", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.worker.request_stop()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("redis").setLevel(logging.INFO)  # its DEBUG lines are connection chatter
+    settings = settings_from_args(args)
+    from engine_service.core.engine import LLMEngine
+
+    log.info("engine %s: loading the model", settings.engine_id)
+    engine = LLMEngine(engine_config_from_args(args))
+    service = EngineService(engine, settings, args.served_model_name or engine.model_name)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if service.worker.draining and signum == signal.SIGINT:
+            log.warning("second interrupt: stopping without waiting (pending entries stay for reclaim)")
+            service.worker.request_stop()
+            return
+        log.info("signal %d: draining", signum)
+        service.worker.request_drain()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log.info("engine %s serving %r from %s", settings.engine_id, service.model, _redact(settings.redis_url))
+    code = service.run()
+    log.info("engine %s stopped", settings.engine_id)
+    return code
+
+
+def _redact(url: str) -> str:
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url

@@ -1,0 +1,487 @@
+"""Redis I/O beside the step loop: four small threads, queues in between.
+
+- reader: XREADGROUP on the model's stream, only as many entries as the worker granted (credit);
+  checks the cancel marker (and, for reclaimed entries, the emitted marker) in the same round trip;
+  delivers to the worker's inbox.
+- canceller: SUBSCRIBE sluice:cancel; delivers Cancel ids to the inbox.
+- publisher: takes the worker's per-step ``Batch`` from the outbox and sends it in ONE pipelined
+  MULTI/EXEC (events, emitted markers, hand-backs, XACKs), retrying while Redis is away.
+- housekeeper: heartbeat (liveness key + registry hash), model card (again after each reconnect),
+  and reclaim of pending entries whose consumer's liveness key is gone.
+
+Every thread has its own connection(s) from one pool and reconnects with backoff on its own, so a
+slow or broken round trip in one never stalls another, nor the step loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from sluice.wire import codec, contract
+from sluice.wire.messages_pb2 import Cancel, Event, GenerateRequest
+
+log = logging.getLogger("sluice.engine.io")
+
+_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
+@dataclass
+class Entry:
+    """One stream entry handed to the worker."""
+
+    entry_id: bytes
+    request: GenerateRequest | None  # None: unparseable (see ``problem``)
+    problem: str | None = None
+    cancelled: bool = False  # the queued-request cancel marker was set
+    emitted: bool = False  # a previous attempt already emitted tokens (reclaimed entries only)
+    reclaimed: bool = False
+    deliveries: int = 1
+
+
+@dataclass
+class CancelNote:
+    request_ids: list[str]
+
+
+@dataclass
+class Batch:
+    """What one step sends: applied in order, in one round trip."""
+
+    events: list[Event] = field(default_factory=list)
+    emitted: list[str] = field(default_factory=list)  # request ids whose first token is in this batch
+    requeue: list[GenerateRequest] = field(default_factory=list)  # handed back (attempt already raised)
+    acks: list[bytes] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.events or self.emitted or self.requeue or self.acks)
+
+    def extend(self, other: Batch) -> None:
+        self.events += other.events
+        self.emitted += other.emitted
+        self.requeue += other.requeue
+        self.acks += other.acks
+
+
+class _Backoff:
+    def __init__(self, first: float = 0.05, cap: float = 2.0) -> None:
+        self.first, self.cap, self.delay = first, cap, 0.0
+
+    def fail(self, stop: threading.Event) -> None:
+        self.delay = min(self.cap, self.delay * 2 if self.delay else self.first)
+        stop.wait(self.delay)
+
+    def ok(self) -> None:
+        self.delay = 0.0
+
+
+def parse_entry(entry_id: bytes, fields: dict | None) -> Entry:
+    if not fields:
+        return Entry(entry_id, None, problem="entry has no fields (deleted?)")
+    raw = fields.get(contract.REQUEST_FIELD)
+    if raw is None:
+        return Entry(entry_id, None, problem=f"entry lacks field {contract.REQUEST_FIELD!r}")
+    request = GenerateRequest()
+    try:
+        request.ParseFromString(raw)
+    except Exception as exc:  # DecodeError and friends
+        return Entry(entry_id, None, problem=f"undecodable GenerateRequest: {exc}")
+    if not request.request_id:
+        return Entry(entry_id, None, problem="GenerateRequest without request_id")
+    return Entry(entry_id, request)
+
+
+class RedisIO:
+    def __init__(
+        self,
+        settings: Any,
+        model: str,
+        inbox: queue.Queue,
+        card: dict[str, str],
+        load: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.settings = settings
+        self.model = model
+        self.stream = contract.request_stream(model)
+        self.consumer = settings.engine_id
+        self.inbox = inbox
+        self.card = card
+        self.load = load  # the worker's latest load snapshot, for the heartbeat
+        self.redis = redis.Redis.from_url(
+            settings.redis_url,
+            socket_connect_timeout=2.0,
+            socket_timeout=max(5.0, settings.read_block_ms / 1000 + 2.0),
+            health_check_interval=5,
+        )
+        self.outbox: queue.Queue[Batch | None] = queue.Queue()
+        self._stop = threading.Event()
+        self._carry_acks: list[bytes] = []  # XACKs of batches dropped after a long outage
+        self._never = threading.Event()  # publish retries wait on this: a stop still flushes
+        self._threads: list[threading.Thread] = []
+        # Credit: the worker reports (headroom, entries it has consumed); the reader may have
+        # ``headroom - (delivered - consumed)`` entries in flight towards it.
+        self._credit_lock = threading.Condition()
+        self._headroom = 0
+        self._consumed = 0
+        self._delivered = 0
+        self.reading = True  # False while draining
+        self.connected = threading.Event()
+        self.stats = {"published_batches": 0, "publish_retries": 0, "dropped_batches": 0, "reclaimed": 0}
+
+    # --- lifecycle ---
+    def start(self) -> None:
+        for name, target in (
+            ("reader", self._reader_loop),
+            ("canceller", self._cancel_loop),
+            ("publisher", self._publisher_loop),
+            ("housekeeper", self._housekeeper_loop),
+        ):
+            thread = threading.Thread(target=target, name=f"sluice-io-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self, flush_timeout: float = 10.0, deregister: bool = True) -> None:
+        """Flush the outbox (up to ``flush_timeout``), deregister, stop the threads."""
+        self.stop_reading()
+        self.outbox.put(None)
+        publisher = next((t for t in self._threads if t.name.endswith("publisher")), None)
+        if publisher is not None:
+            publisher.join(flush_timeout)
+        self._stop.set()
+        with self._credit_lock:
+            self._credit_lock.notify_all()
+        if deregister:
+            try:
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.delete(contract.engine_key(self.consumer))
+                pipe.hdel(contract.ENGINES_KEY, self.consumer)
+                pipe.execute()
+            except _REDIS_ERRORS + (redis.RedisError,) as exc:
+                log.warning("could not deregister: %s", exc)
+        for thread in self._threads:
+            thread.join(2.0)
+        self.redis.close()
+
+    def stop_reading(self) -> None:
+        with self._credit_lock:
+            self.reading = False
+            self._credit_lock.notify_all()
+
+    # --- credit (called by the worker) ---
+    def report_headroom(self, headroom: int, consumed: int) -> None:
+        with self._credit_lock:
+            self._headroom, self._consumed = headroom, consumed
+            if self._credit() > 0:
+                self._credit_lock.notify_all()
+
+    def _credit(self) -> int:
+        if not self.reading:
+            return 0
+        return self._headroom - (self._delivered - self._consumed)
+
+    def send(self, batch: Batch) -> None:
+        if batch:
+            self.outbox.put(batch)
+
+    # --- reader ---
+    def _ensure_group(self) -> None:
+        try:
+            self.redis.xgroup_create(self.stream, contract.CONSUMER_GROUP, id="0", mkstream=True)
+            log.info("created consumer group %s on %s", contract.CONSUMER_GROUP, self.stream)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def _reader_loop(self) -> None:
+        backoff = _Backoff()
+        need_group = True
+        while not self._stop.is_set():
+            with self._credit_lock:
+                credit = self._credit()
+                if credit <= 0:
+                    self._credit_lock.wait(0.1)
+                    continue
+            try:
+                if need_group:
+                    self._ensure_group()
+                    need_group = False
+                reply = self.redis.xreadgroup(
+                    contract.CONSUMER_GROUP,
+                    self.consumer,
+                    {self.stream: ">"},
+                    count=min(credit, self.settings.max_read_batch),
+                    block=self.settings.read_block_ms,
+                )
+                backoff.ok()
+                self.connected.set()
+            except redis.ResponseError as exc:
+                if "NOGROUP" in str(exc):  # Redis lost the stream (restart without persistence)
+                    need_group = True
+                    continue
+                log.error("XREADGROUP failed: %s", exc)
+                backoff.fail(self._stop)
+                continue
+            except _REDIS_ERRORS as exc:
+                log.warning("reader: Redis unavailable (%s); retrying", exc)
+                need_group = True
+                backoff.fail(self._stop)
+                continue
+            entries = [parse_entry(eid, fields) for _, messages in (reply or []) for eid, fields in messages]
+            if entries:
+                self._deliver(entries)
+
+    def _deliver(self, entries: list[Entry]) -> None:
+        """Check markers in one round trip, then hand the entries to the worker."""
+        known = [e for e in entries if e.request is not None]
+        if known:
+            try:
+                pipe = self.redis.pipeline(transaction=False)
+                for e in known:
+                    pipe.exists(contract.cancelled_key(e.request.request_id))
+                    pipe.exists(contract.emitted_key(e.request.request_id))
+                flags = pipe.execute()
+                for i, e in enumerate(known):
+                    e.cancelled = bool(flags[2 * i])
+                    e.emitted = bool(flags[2 * i + 1]) and (e.reclaimed or e.request.attempt > 0)
+            except _REDIS_ERRORS + (redis.RedisError,) as exc:
+                # The entries are ours now (pending); the pub/sub cancel still reaches us.
+                log.warning("could not check markers: %s", exc)
+        entries = self._answer_lost(entries)
+        with self._credit_lock:
+            self._delivered += len(entries)
+        for e in entries:
+            self.inbox.put(e)
+
+    def _answer_lost(self, entries: list[Entry]) -> list[Entry]:
+        """Reclaimed entries whose request already emitted tokens (or that were delivered too
+        often) need no model: answer them here, at once (error event + XACK in one round trip),
+        instead of waiting for the step loop's next iteration."""
+        lost = [
+            e
+            for e in entries
+            if e.request is not None
+            and e.reclaimed
+            and not e.cancelled
+            and (e.emitted or max(e.deliveries, e.request.attempt + 1) > contract.MAX_ATTEMPTS)
+        ]
+        if not lost:
+            return entries
+        batch = Batch()
+        for e in lost:
+            reason = (
+                "the engine running this request was lost after it had emitted tokens"
+                if e.emitted
+                else f"the request was lost by {contract.MAX_ATTEMPTS} engines; not retrying"
+            )
+            batch.events.append(codec.error_event(e.request.request_id, contract.ERR_ENGINE_LOST, reason, self.consumer))
+            batch.acks.append(e.entry_id)
+            log.warning("reclaimed %s: %s", e.request.request_id, reason)
+        self.outbox.put(batch)  # the publisher sends it now (it is idle between steps' batches)
+        lost_ids = {id(e) for e in lost}
+        return [e for e in entries if id(e) not in lost_ids]
+
+    # --- canceller ---
+    def _cancel_loop(self) -> None:
+        backoff = _Backoff()
+        while not self._stop.is_set():
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(contract.CANCEL_CHANNEL)
+                backoff.ok()
+                while not self._stop.is_set():
+                    message = pubsub.get_message(timeout=0.5)
+                    if not message or message.get("type") != "message":
+                        continue
+                    cancel = Cancel()
+                    try:
+                        cancel.ParseFromString(message["data"])
+                    except Exception as exc:
+                        log.warning("ignoring an undecodable Cancel: %s", exc)
+                        continue
+                    if cancel.request_ids:
+                        self.inbox.put(CancelNote(list(cancel.request_ids)))
+            except _REDIS_ERRORS as exc:
+                log.warning("canceller: Redis unavailable (%s); resubscribing", exc)
+                backoff.fail(self._stop)
+            finally:
+                try:
+                    pubsub.close()
+                except Exception:
+                    pass
+
+    # --- publisher ---
+    def _publisher_loop(self) -> None:
+        while True:
+            batch = self.outbox.get()
+            if batch is None:
+                return
+            # Coalesce whatever else is waiting: still one round trip, fewer of them.
+            stop_after = False
+            while True:
+                try:
+                    more = self.outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop_after = True
+                    break
+                batch.extend(more)
+            self._publish(batch)
+            if stop_after:
+                return
+
+    def _publish(self, batch: Batch) -> None:
+        if self._carry_acks:
+            batch.acks = self._carry_acks + batch.acks
+            self._carry_acks = []
+        backoff = _Backoff()
+        give_up = time.monotonic() + self.settings.publish_retry_s
+        while True:
+            try:
+                pipe = self.redis.pipeline(transaction=True)
+                for rid in batch.emitted:
+                    pipe.set(contract.emitted_key(rid), self.consumer, ex=contract.EMITTED_TTL_S)
+                for event in batch.events:
+                    pipe.publish(contract.output_channel(event.request_id), event.SerializeToString())
+                for request in batch.requeue:
+                    pipe.xadd(contract.request_stream(request.model), {contract.REQUEST_FIELD: request.SerializeToString()})
+                if batch.acks:
+                    pipe.xack(self.stream, contract.CONSUMER_GROUP, *batch.acks)
+                results = pipe.execute(raise_on_error=False)
+                for result in results:
+                    if isinstance(result, Exception):
+                        log.warning("publish: a command failed: %s", result)
+                self.stats["published_batches"] += 1
+                return
+            except _REDIS_ERRORS as exc:
+                if time.monotonic() >= give_up:
+                    # The events are stale (their subscribers lost the subscription with Redis);
+                    # the acknowledgements are not: they ride with the next batch.
+                    self.stats["dropped_batches"] += 1
+                    self._carry_acks += batch.acks
+                    log.error("publish: dropping %d events after %ss without Redis: %s", len(batch.events), self.settings.publish_retry_s, exc)
+                    return
+                self.stats["publish_retries"] += 1
+                log.warning("publish: Redis unavailable (%s); retrying", exc)
+                backoff.fail(self._never)
+            except redis.RedisError as exc:
+                log.error("publish: dropping a batch after error %s", exc)
+                self.stats["dropped_batches"] += 1
+                return
+
+    # --- housekeeper: heartbeat, model card, reclaim ---
+    def publish_card(self) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(contract.model_card_key(self.model), mapping=self.card)
+        pipe.sadd(contract.MODELS_KEY, self.model)
+        pipe.execute()
+
+    def heartbeat(self) -> None:
+        info = {"model": self.model, "engine_id": self.consumer, "heartbeat": time.time(), **self.load()}
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(contract.engine_key(self.consumer), json.dumps({"model": self.model}), px=int(self.settings.heartbeat_ttl_s * 1000))
+        pipe.hset(contract.ENGINES_KEY, self.consumer, json.dumps(info))
+        pipe.execute()
+
+    def _housekeeper_loop(self) -> None:
+        backoff = _Backoff()
+        need_card = True
+        first_reclaim = True
+        next_beat = next_reclaim = 0.0
+        next_prune = time.monotonic() + 30.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                if need_card:
+                    self.publish_card()
+                    need_card = False
+                if now >= next_beat:
+                    self.heartbeat()
+                    next_beat = now + self.settings.heartbeat_interval_s
+                if now >= next_reclaim and self.reading:
+                    self.reclaim(include_self=first_reclaim)
+                    first_reclaim = False
+                    next_reclaim = now + self.settings.reclaim_interval_s
+                if now >= next_prune:
+                    self.prune_consumers()
+                    next_prune = now + 30.0
+                backoff.ok()
+                self.connected.set()
+            except _REDIS_ERRORS as exc:
+                log.warning("housekeeper: Redis unavailable (%s); retrying", exc)
+                need_card = True  # Redis may come back empty
+                next_beat = 0.0
+                backoff.fail(self._stop)
+                continue
+            except redis.RedisError as exc:
+                log.error("housekeeper: %s", exc)
+                backoff.fail(self._stop)
+                continue
+            self._stop.wait(min(next_beat, next_reclaim) - time.monotonic() if self.reading else 0.2)
+
+    def prune_consumers(self) -> None:
+        """Forget consumers (dead engines) that own nothing and whose liveness key is gone, so the
+        group does not grow with every engine restart. A live one removed by a race is recreated
+        by its next XREADGROUP."""
+        try:
+            consumers = self.redis.xinfo_consumers(self.stream, contract.CONSUMER_GROUP)
+        except redis.ResponseError:
+            return
+        ttl_ms = self.settings.heartbeat_ttl_s * 1000
+        for c in consumers:
+            name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+            if name == self.consumer or c.get("pending", 0) or c.get("idle", 0) < 2 * ttl_ms:
+                continue
+            if not self.redis.exists(contract.engine_key(name)):
+                self.redis.xgroup_delconsumer(self.stream, contract.CONSUMER_GROUP, name)
+                log.info("removed consumer %s of a gone engine", name)
+
+    def reclaim(self, include_self: bool = False) -> int:
+        """XCLAIM the pending entries of consumers whose liveness key is gone (and, once at start,
+        our own: a restarted engine with a fixed id owns entries of its previous life)."""
+        try:
+            summary = self.redis.xpending(self.stream, contract.CONSUMER_GROUP)
+        except redis.ResponseError as exc:
+            if "NOGROUP" in str(exc) or "no such key" in str(exc).lower():
+                return 0
+            raise
+        consumers = [c["name"].decode() if isinstance(c["name"], bytes) else c["name"] for c in summary.get("consumers") or []]
+        others = [c for c in consumers if c != self.consumer]
+        pipe = self.redis.pipeline(transaction=False)
+        for c in others:
+            pipe.exists(contract.engine_key(c))
+        alive = dict(zip(others, pipe.execute(), strict=True)) if others else {}
+        dead = [c for c in others if not alive[c]]
+        if include_self and self.consumer in consumers:
+            dead.append(self.consumer)
+        claimed = 0
+        for consumer in dead:
+            pending = self.redis.xpending_range(
+                self.stream, contract.CONSUMER_GROUP, min="-", max="+", count=1000, consumername=consumer
+            )
+            ids = [p["message_id"] for p in pending]
+            if not ids:
+                continue
+            deliveries = {p["message_id"]: int(p["times_delivered"]) for p in pending}
+            min_idle = 0 if consumer == self.consumer else self.settings.reclaim_min_idle_ms
+            messages = self.redis.xclaim(self.stream, contract.CONSUMER_GROUP, self.consumer, min_idle, ids)
+            entries = []
+            for entry_id, fields in messages:
+                entry = parse_entry(entry_id, fields)
+                entry.reclaimed = True
+                entry.deliveries = deliveries.get(entry_id, 1) + 1
+                entries.append(entry)
+            if entries:
+                log.warning("reclaimed %d pending entries of dead engine %s", len(entries), consumer)
+                self.stats["reclaimed"] += len(entries)
+                claimed += len(entries)
+                self._deliver(entries)
+        return claimed

@@ -1,0 +1,31 @@
+"""The service's own knobs (the engine's are in ``engine_service.config.EngineConfig``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+from sluice.wire import contract
+
+
+def default_engine_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class ServiceSettings:
+    redis_url: str = "redis://localhost:6379/0"
+    grpc_port: int = 0  # 0: no gRPC server (in-process tests)
+    grpc_host: str = "0.0.0.0"
+    engine_id: str = field(default_factory=default_engine_id)
+    max_queue_wait: float = 0.0  # seconds a request may wait in the queue before it is refused; 0: no limit
+    drain_grace_s: float = 30.0
+    heartbeat_interval_s: float = contract.HEARTBEAT_INTERVAL_S
+    heartbeat_ttl_s: float = contract.HEARTBEAT_TTL_S
+    reclaim_interval_s: float = 0.5  # how often pending entries of dead engines are looked for
+    reclaim_min_idle_ms: int = 1000  # XCLAIM's min-idle: two reclaimers never both win an entry
+    read_block_ms: int = 100  # XREADGROUP BLOCK when the engine has room
+    max_read_batch: int = 16  # at most this many entries per XREADGROUP: a replica takes a bite, not the queue
+    publish_retry_s: float = 60.0  # how long events are retried while Redis is away

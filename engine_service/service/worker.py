@@ -1,0 +1,388 @@
+"""The step loop: owns the engine (main thread), talks to Redis only through queues.
+
+Per iteration: take what the inbox holds (new entries, cancels, drain/stop), expire deadlines,
+run one engine step, turn its outputs into wire Events, and hand the I/O threads ONE Batch
+(events + emitted markers + XACKs) to send in one round trip. When the engine has nothing to do
+the loop blocks on the inbox instead of spinning.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_service.service.redis_io import Batch, CancelNote, Entry
+from sluice.wire import codec, contract
+from sluice.wire.messages_pb2 import Event, GenerateRequest
+
+log = logging.getLogger("sluice.engine.worker")
+
+
+@dataclass
+class DrainNote:
+    grace_s: float | None = None  # None: the configured default
+
+
+@dataclass
+class StopNote:
+    """Leave at once (tests): nothing is handed back, pending entries stay pending."""
+
+
+@dataclass
+class _Live:
+    request: GenerateRequest
+    entry_id: bytes
+    open: set[int]
+    emitted: bool = False
+    cached_prompt: list[int] = field(default_factory=list)
+
+
+class Worker:
+    def __init__(self, engine: Any, io: Any, settings: Any, model: str) -> None:
+        self.engine = engine
+        self.io = io
+        self.settings = settings
+        self.model = model
+        self.inbox: queue.Queue = io.inbox if io is not None else queue.Queue()
+        self.engine_id = settings.engine_id
+        self.live: dict[str, _Live] = {}
+        self.recent_cancels: dict[str, float] = {}  # cancels for ids not (yet) seen here
+        self.consumed = 0
+        self.draining = False
+        self.drain_deadline: float | None = None
+        self.running = False
+        self.stopped = threading.Event()
+        self.on_serving_change: list[Any] = []  # callables(bool)
+        self._rates: deque[tuple[float, int, int]] = deque()
+        self._snapshot: dict[str, Any] = {}
+        self._snapshot_lock = threading.Lock()
+        self.counters = {"invalid": 0, "cancelled": 0, "deadline": 0, "engine_lost": 0, "handed_back": 0}
+        self._update_snapshot()
+
+    # ------------------------------------------------------------------ control (any thread)
+    def request_drain(self, grace_s: float | None = None) -> None:
+        self.inbox.put(DrainNote(grace_s))
+
+    def request_stop(self) -> None:
+        self.inbox.put(StopNote())
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._snapshot_lock:
+            return dict(self._snapshot)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        self.running = True
+        self._set_serving(True)
+        try:
+            produced = True
+            while True:
+                batch = Batch()
+                busy = self.engine.has_unfinished_requests()
+                # Idle: block on the inbox. Busy but the last step produced nothing (nothing could be
+                # scheduled): wait a little for news instead of spinning.
+                timeout = 0.5 if not busy else (0.0 if produced else 0.01)
+                stop = self._take_inbox(batch, timeout)
+                if stop:
+                    break
+                self._expire(batch)
+                produced = True
+                if self.engine.has_unfinished_requests():
+                    before = self._snapshot.get("iterations")
+                    produced = self._step(batch) > 0 or self.engine.get_stats().iterations != before
+                if self.draining:
+                    self._drain_progress(batch)
+                self.io.send(batch)
+                self._update_snapshot()
+                self._report_credit()
+                if self.draining and not self.live:
+                    break
+        finally:
+            self.running = False
+            self._set_serving(False)
+            self._update_snapshot()
+            self.stopped.set()
+
+    def _set_serving(self, serving: bool) -> None:
+        for callback in self.on_serving_change:
+            try:
+                callback(serving)
+            except Exception:
+                log.exception("serving-state callback failed")
+
+    def _report_credit(self) -> None:
+        headroom = 0 if self.draining else max(0, int(self.engine.admission_headroom()))
+        self.io.report_headroom(headroom, self.consumed)
+
+    def _take_inbox(self, batch: Batch, timeout: float) -> bool:
+        """Handle what the inbox holds, waiting up to ``timeout`` for the first item. True: stop."""
+        items = []
+        if timeout > 0:
+            self._report_credit()
+            try:
+                items.append(self.inbox.get(timeout=timeout))
+            except queue.Empty:
+                return False
+        while True:
+            try:
+                items.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        for item in items:
+            if isinstance(item, Entry):
+                self.consumed += 1
+                self._on_entry(item, batch)
+            elif isinstance(item, CancelNote):
+                self._on_cancel(item.request_ids, batch)
+            elif isinstance(item, DrainNote):
+                self._start_drain(item.grace_s, batch)
+            elif isinstance(item, StopNote):
+                self.io.send(batch)
+                return True
+        return False
+
+    # ------------------------------------------------------------------ entries
+    def _error(self, batch: Batch, request_id: str, code: str, message: str) -> None:
+        batch.events.append(codec.error_event(request_id, code, message, self.engine_id))
+
+    def _on_entry(self, entry: Entry, batch: Batch) -> None:
+        req = entry.request
+        if req is None:
+            log.warning("dropping malformed entry %s: %s", entry.entry_id, entry.problem)
+            self.counters["invalid"] += 1
+            batch.acks.append(entry.entry_id)
+            return
+        rid = req.request_id
+        refuse = self._refusal(entry)
+        if refuse is not None:
+            code, message = refuse
+            log.info("refusing %s (%s): %s", rid, code, message)
+            batch.acks.append(entry.entry_id)
+            if code == "cancelled":
+                self.counters["cancelled"] += 1
+                n = req.params.n if req.params.HasField("n") and req.params.n > 0 else 1
+                for index in range(n):
+                    batch.events.append(
+                        codec.finished_event(rid, index, "abort", prompt_tokens=len(req.prompt_token_ids), engine_id=self.engine_id)
+                    )
+                return
+            if code == "duplicate":
+                return  # the live request's channel must not hear about it
+            self.counters["engine_lost" if code == contract.ERR_ENGINE_LOST else "invalid"] += 1
+            self._error(batch, rid, code, message)
+            return
+        if self.draining:
+            self._hand_back(req, entry.entry_id, batch)
+            return
+        try:
+            from engine_service.sampling.params import SamplingParams
+
+            params = SamplingParams(**codec.sampling_kwargs_from_proto(req.params))
+            self.engine.add_request(rid, list(req.prompt_token_ids), params)
+        except ValueError as exc:  # RequestRejected is a ValueError with a .code
+            code = getattr(exc, "code", None) or contract.ERR_INVALID_REQUEST
+            self.counters["invalid"] += 1
+            batch.acks.append(entry.entry_id)
+            self._error(batch, rid, code, str(exc))
+            return
+        except Exception as exc:
+            log.exception("add_request failed for %s", rid)
+            batch.acks.append(entry.entry_id)
+            self._error(batch, rid, contract.ERR_INTERNAL, f"{type(exc).__name__}: {exc}")
+            return
+        n = params.n
+        self.live[rid] = _Live(req, entry.entry_id, set(range(n)), emitted=False)
+        if entry.reclaimed:
+            log.info("restarting reclaimed request %s (it had emitted nothing)", rid)
+        else:
+            log.debug("admitted %s (%d prompt tokens)", rid, len(req.prompt_token_ids))
+
+    def _refusal(self, entry: Entry) -> tuple[str, str] | None:
+        req = entry.request
+        rid = req.request_id
+        now = time.time()
+        if rid in self.live:
+            return "duplicate", f"request id {rid!r} is already running here"
+        if entry.cancelled or self.recent_cancels.pop(rid, None) is not None:
+            return "cancelled", "cancelled before it ran"
+        if req.version != contract.CONTRACT_VERSION:
+            return contract.ERR_INVALID_REQUEST, (
+                f"contract version {req.version} is not supported (this engine speaks {contract.CONTRACT_VERSION})"
+            )
+        if req.model != self.model:
+            return contract.ERR_INVALID_REQUEST, f"model {req.model!r} is not served here ({self.model!r})"
+        if entry.emitted:
+            return contract.ERR_ENGINE_LOST, "the engine running this request was lost after it had emitted tokens"
+        if max(entry.deliveries, req.attempt + 1) > contract.MAX_ATTEMPTS:
+            return contract.ERR_ENGINE_LOST, f"the request was lost by {contract.MAX_ATTEMPTS} engines; not retrying"
+        if req.deadline and now > req.deadline:
+            return contract.ERR_DEADLINE, f"the deadline passed {now - req.deadline:.3f}s before the request ran"
+        wait = self.settings.max_queue_wait
+        if wait and req.enqueue_time and now - req.enqueue_time > wait:
+            return contract.ERR_DEADLINE, f"waited {now - req.enqueue_time:.1f}s in the queue (limit {wait:g}s)"
+        return None
+
+    def _finish(self, rid: str, batch: Batch) -> None:
+        live = self.live.pop(rid, None)
+        if live is not None:
+            batch.acks.append(live.entry_id)
+
+    def _abort_silently(self, rid: str) -> None:
+        try:
+            self.engine.abort_request([rid])
+        except Exception:
+            log.exception("abort_request(%s) failed", rid)
+
+    # ------------------------------------------------------------------ cancels and deadlines
+    def _on_cancel(self, request_ids: list[str], batch: Batch) -> None:
+        now = time.monotonic()
+        for rid in request_ids:
+            live = self.live.get(rid)
+            if live is None:
+                self.recent_cancels[rid] = now
+                continue
+            self.counters["cancelled"] += 1
+            for out in self.engine.abort_request([rid]):
+                if out.index in live.open:
+                    live.open.discard(out.index)
+                    batch.events.append(self._event(out, live, force_reason="abort"))
+            for index in sorted(live.open):  # whatever the engine did not report
+                batch.events.append(
+                    codec.finished_event(rid, index, "abort", prompt_tokens=len(live.request.prompt_token_ids), engine_id=self.engine_id)
+                )
+            self._finish(rid, batch)
+        # Forget cancels for ids that never showed up here (another engine ran them).
+        if len(self.recent_cancels) > 1000 or any(now - t > 600 for t in self.recent_cancels.values()):
+            self.recent_cancels = {k: t for k, t in self.recent_cancels.items() if now - t <= 600}
+
+    def _expire(self, batch: Batch) -> None:
+        now = time.time()
+        for rid, live in list(self.live.items()):
+            deadline = live.request.deadline
+            if deadline and now > deadline:
+                self.counters["deadline"] += 1
+                self._abort_silently(rid)
+                self._error(batch, rid, contract.ERR_DEADLINE, "the request's deadline passed while it ran")
+                self._finish(rid, batch)
+
+    # ------------------------------------------------------------------ the step
+    def _step(self, batch: Batch) -> int:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; failing the requests it held")
+            for rid in list(self.live):
+                self._abort_silently(rid)
+                self._error(batch, rid, contract.ERR_INTERNAL, f"engine step failed: {type(exc).__name__}: {exc}")
+                self._finish(rid, batch)
+            return 1
+        for out in outputs:
+            live = self.live.get(out.request_id)
+            if live is None or out.index not in live.open:
+                continue  # nothing after the terminal event
+            reason = out.finish_reason.value if out.finish_reason is not None else None
+            if reason == "error":
+                self._abort_silently(out.request_id)
+                self._error(batch, out.request_id, contract.ERR_INTERNAL, out.error or "the engine failed the request")
+                self._finish(out.request_id, batch)
+                continue
+            if out.new_token_ids and not live.emitted:
+                live.emitted = True
+                batch.emitted.append(out.request_id)
+            if out.finish_reason is not None:
+                live.open.discard(out.index)
+            if out.new_token_ids or out.finish_reason is not None or out.prompt_logprobs:
+                batch.events.append(self._event(out, live))
+            if not live.open:
+                log.debug("finished %s", out.request_id)
+                self._finish(out.request_id, batch)
+        return len(outputs)
+
+    def _event(self, out: Any, live: _Live, force_reason: str | None = None) -> Event:
+        event = Event(request_id=out.request_id, index=out.index, token_ids=out.new_token_ids, engine_id=self.engine_id)
+        if out.new_logprobs:
+            for token_id, entries in zip(out.new_token_ids, out.new_logprobs, strict=False):
+                event.logprobs.append(codec.position_logprobs(token_id, entries))
+        if out.prompt_logprobs:
+            prompt = live.request.prompt_token_ids
+            for i, entries in enumerate(out.prompt_logprobs):
+                event.prompt_logprobs.append(codec.position_logprobs(prompt[i] if i < len(prompt) else None, entries))
+        reason = force_reason or (out.finish_reason.value if out.finish_reason is not None else None)
+        if reason is not None:
+            finished = codec.finished_event(
+                out.request_id,
+                out.index,
+                reason,
+                stop_token_id=out.stop_reason if isinstance(out.stop_reason, int) else None,
+                prompt_tokens=out.num_prompt_tokens,
+                completion_tokens=out.num_output_tokens,
+                cached_tokens=out.num_cached_tokens,
+            ).finished
+            event.finished.CopyFrom(finished)
+        return event
+
+    # ------------------------------------------------------------------ drain
+    def _start_drain(self, grace_s: float | None, batch: Batch) -> None:
+        if self.draining:
+            return
+        grace = self.settings.drain_grace_s if grace_s is None or grace_s <= 0 else grace_s
+        log.info("draining: %d live requests, grace %.1fs", len(self.live), grace)
+        self.draining = True
+        self.drain_deadline = time.monotonic() + grace
+        self.io.stop_reading()
+        self._set_serving(False)
+        # Requests that have emitted nothing go back to the queue now: another replica can start
+        # them at once, and their clients never notice. The rest get the grace period to finish.
+        for rid, live in list(self.live.items()):
+            if not live.emitted:
+                self._abort_silently(rid)
+                del self.live[rid]
+                self._hand_back(live.request, live.entry_id, batch)
+
+    def _hand_back(self, req: GenerateRequest, entry_id: bytes, batch: Batch) -> None:
+        again = GenerateRequest()
+        again.CopyFrom(req)
+        again.attempt = req.attempt + 1
+        batch.requeue.append(again)
+        batch.acks.append(entry_id)
+        self.counters["handed_back"] += 1
+
+    def _drain_progress(self, batch: Batch) -> None:
+        if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
+            for rid in list(self.live):
+                self._abort_silently(rid)
+                self._error(batch, rid, contract.ERR_DRAINING, "the engine shut down before the request finished")
+                self._finish(rid, batch)
+
+    # ------------------------------------------------------------------ stats
+    def _update_snapshot(self) -> None:
+        stats = self.engine.get_stats()
+        now = time.monotonic()
+        self._rates.append((now, stats.generation_tokens_total, stats.prompt_tokens_total))
+        while len(self._rates) > 2 and now - self._rates[0][0] > 10.0:
+            self._rates.popleft()
+        t0, g0, p0 = self._rates[0]
+        span = now - t0
+        snap = {
+            "running": stats.num_running,
+            "waiting": stats.num_waiting,
+            "free_blocks": stats.num_free_blocks,
+            "total_blocks": stats.num_total_blocks,
+            "preemptions": stats.num_preemptions,
+            "iterations": stats.iterations,
+            "prompt_tokens_total": stats.prompt_tokens_total,
+            "generation_tokens_total": stats.generation_tokens_total,
+            "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+            "finished_requests": stats.finished_requests,
+            "generation_tokens_per_s": (stats.generation_tokens_total - g0) / span if span > 0 else 0.0,
+            "prompt_tokens_per_s": (stats.prompt_tokens_total - p0) / span if span > 0 else 0.0,
+            "live_requests": len(self.live),
+            "draining": self.draining,
+        }
+        with self._snapshot_lock:
+            self._snapshot = snap

@@ -1,0 +1,184 @@
+"""Conversions between Python values and the wire messages, with no torch (or engine) import.
+
+The gateway and the engine both use these, so the mapping of a ``SamplingParams``-like object to
+the proto (and back to keyword arguments) is written once. The engine builds its own
+``engine_service.sampling.params.SamplingParams(**sampling_kwargs_from_proto(msg))``, which
+validates the values.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from sluice.wire import contract
+from sluice.wire.messages_pb2 import (
+    Cancel,
+    Error,
+    Event,
+    Finished,
+    GenerateRequest,
+    PositionLogprobs,
+    SamplingParams,
+    TokenLogprob,
+    Usage,
+)
+
+# Scalar fields copied as they are, in both directions.
+_OPTIONAL_SCALARS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "max_tokens",
+    "logprobs",
+    "prompt_logprobs",
+)
+_PLAIN_SCALARS = ("min_tokens", "ignore_eos")
+
+
+def _get(params: Any, name: str, default: Any = None) -> Any:
+    if isinstance(params, Mapping):
+        return params.get(name, default)
+    return getattr(params, name, default)
+
+
+def sampling_params_to_proto(params: Any) -> SamplingParams:
+    """From a ``SamplingParams`` dataclass (or any object / mapping with the same field names).
+
+    Unset (``None``) values stay unset on the wire, so the receiver applies its defaults.
+    Text-level fields (``stop`` strings, ``skip_special_tokens``) do not cross: the gateway
+    applies them itself.
+    """
+    msg = SamplingParams()
+    if params is None:
+        return msg
+    for name in _OPTIONAL_SCALARS:
+        value = _get(params, name)
+        if value is not None:
+            setattr(msg, name, value)
+    for name in _PLAIN_SCALARS:
+        value = _get(params, name)
+        if value is not None:
+            setattr(msg, name, value)
+    for token_id, bias in (_get(params, "logit_bias") or {}).items():
+        msg.logit_bias[int(token_id)] = float(bias)
+    msg.stop_token_ids.extend(int(t) for t in (_get(params, "stop_token_ids") or ()))
+    return msg
+
+
+def sampling_kwargs_from_proto(msg: SamplingParams) -> dict[str, Any]:
+    """Keyword arguments for ``SamplingParams(...)``: only the fields the sender set (plus
+    ``max_tokens``, whose absence means "up to the context", i.e. ``None``)."""
+    kwargs: dict[str, Any] = {}
+    for name in _OPTIONAL_SCALARS:
+        if msg.HasField(name):
+            kwargs[name] = getattr(msg, name)
+    kwargs.setdefault("max_tokens", None)
+    # proto floats are float32: round to what the sender most likely wrote (0.7, not 0.699999988).
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if name in kwargs:
+            kwargs[name] = float(f"{kwargs[name]:.7g}")
+    kwargs["min_tokens"] = msg.min_tokens
+    kwargs["ignore_eos"] = msg.ignore_eos
+    if msg.logit_bias:
+        kwargs["logit_bias"] = {int(k): float(f"{v:.7g}") for k, v in msg.logit_bias.items()}
+    if msg.stop_token_ids:
+        kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    return kwargs
+
+
+def make_request(
+    request_id: str,
+    model: str,
+    prompt_token_ids: Iterable[int],
+    params: Any = None,
+    *,
+    deadline: float = 0.0,
+    enqueue_time: float | None = None,
+    attempt: int = 0,
+) -> GenerateRequest:
+    return GenerateRequest(
+        version=contract.CONTRACT_VERSION,
+        request_id=request_id,
+        model=model,
+        prompt_token_ids=list(prompt_token_ids),
+        params=sampling_params_to_proto(params),
+        deadline=deadline,
+        enqueue_time=time.time() if enqueue_time is None else enqueue_time,
+        attempt=attempt,
+    )
+
+
+def encode_request(request: GenerateRequest) -> dict[bytes, bytes]:
+    """The stream entry's fields for XADD."""
+    return {contract.REQUEST_FIELD: request.SerializeToString()}
+
+
+def position_logprobs(chosen: int | None, entries: Mapping[int, Any] | None) -> PositionLogprobs:
+    """One position's logprobs: the chosen (or prompt) token first, then the rest by rank.
+
+    ``entries`` maps token id to an object with ``logprob`` and ``rank`` (engine ``Logprob``) or
+    to a float.
+    """
+    msg = PositionLogprobs()
+    if not entries:
+        return msg
+
+    def add(token_id: int, value: Any) -> None:
+        if isinstance(value, int | float):
+            logprob, rank = float(value), 0
+        else:
+            logprob, rank = float(value.logprob), int(value.rank or 0)
+        msg.entries.append(TokenLogprob(token_id=int(token_id), logprob=logprob, rank=rank))
+
+    if chosen is not None and chosen in entries:
+        add(chosen, entries[chosen])
+
+    def rank_of(item: tuple[int, Any]) -> float:
+        value = item[1]
+        rank = None if isinstance(value, int | float) else value.rank
+        return float(rank) if rank else float("inf")
+
+    for token_id, value in sorted(entries.items(), key=rank_of):
+        if token_id != chosen:
+            add(token_id, value)
+    return msg
+
+
+def error_event(request_id: str, code: str, message: str, engine_id: str = "") -> Event:
+    return Event(request_id=request_id, error=Error(code=code, message=message), engine_id=engine_id)
+
+
+def finished_event(
+    request_id: str,
+    index: int,
+    finish_reason: str,
+    *,
+    stop_token_id: int | None = None,
+    prompt_tokens: int = 0,
+    completion_tokens: int = 0,
+    cached_tokens: int = 0,
+    engine_id: str = "",
+) -> Event:
+    finished = Finished(
+        finish_reason=finish_reason,
+        usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached_tokens),
+    )
+    if stop_token_id is not None:
+        finished.stop_token_id = stop_token_id
+    return Event(request_id=request_id, index=index, finished=finished, engine_id=engine_id)
+
+
+def is_terminal(event: Event) -> bool:
+    return event.HasField("finished") or event.HasField("error")
+
+
+def encode_cancel(request_ids: Iterable[str]) -> bytes:
+    return Cancel(request_ids=list(request_ids)).SerializeToString()
