@@ -34,6 +34,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projection biases (Qwen2 always; Llama when configured)
+    o_proj_bias: bool  # output projection bias (Llama's attention_bias covers it; Qwen2 has none)
     rope_scaling: dict | None = None
     sliding_window: int | None = None
     bos_token_id: int | None = None
@@ -51,7 +52,15 @@ class ModelConfig:
         family = SUPPORTED_ARCHITECTURES[arch]
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        rope_scaling = cfg.get("rope_scaling")
+        # transformers >= 5 writes "rope_parameters" (theta included); older configs write
+        # "rope_theta" and "rope_scaling" separately.
+        rope_params = dict(cfg.get("rope_parameters") or {})
+        rope_theta = float(rope_params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_scaling = cfg.get("rope_scaling") or rope_params or None
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+            rope_scaling = None
+        if cfg.get("mlp_bias"):
+            raise UnsupportedModelError("unsupported configuration mlp_bias=true: Sluice's MLP has no biases")
         if rope_scaling:
             rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -73,10 +82,11 @@ class ModelConfig:
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=rope_theta,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_proj_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
             rope_scaling=rope_scaling or None,
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),

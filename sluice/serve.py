@@ -1,0 +1,164 @@
+"""``sluice serve``: the whole service on one machine in one command.
+
+Starts a private ``redis-server`` (unless ``--redis-url``/``$REDIS_URL`` names one), one engine and
+the gateway, prepares the default model on first use, waits until the API answers, and on
+Ctrl-C (or SIGTERM) stops every process it started: the engine first, so it drains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(predicate, timeout: float, what: str, procs: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{what}: a process it needs exited with {p.returncode}")
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{what}: not ready after {timeout:.0f}s")
+
+
+def _redis_ready(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return resp.status == 200
+    except Exception:
+        return False
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF model directory (default: the embedded SmolLM2)")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--workers", type=int, default=1, help="gateway worker processes")
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                        help="use this Redis instead of starting a private one ($REDIS_URL)")
+    parser.add_argument("--grpc-port", type=int, default=50051, help="the engine's gRPC health/admin port")
+    parser.add_argument("--api-key", default=None, help="require this Bearer key at the gateway")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--ready-timeout", type=float, default=600.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    procs: list[subprocess.Popen] = []
+    names: dict[int, str] = {}
+    tmp = None
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        model = args.model
+        if model is None:
+            from engine_service.model.prepare import ModelPrepareError, prepare_default_model
+
+            try:
+                model = str(prepare_default_model(progress=True))
+            except ModelPrepareError as exc:
+                print(f"sluice serve: {exc}", file=sys.stderr)
+                return 1
+
+        redis_url = args.redis_url
+        if not redis_url:
+            server = shutil.which("redis-server")
+            if server is None:
+                print("sluice serve: redis-server not found; install it (apt-get install redis-server) "
+                      "or pass --redis-url", file=sys.stderr)
+                return 1
+            tmp = tempfile.mkdtemp(prefix="sluice-redis-")
+            port = _free_port()
+            procs.append(subprocess.Popen(
+                [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", tmp], stdout=subprocess.DEVNULL, start_new_session=True))
+            names[procs[-1].pid] = "redis-server"
+            _wait(lambda: _redis_ready(port), 10, "redis-server", procs)
+            redis_url = f"redis://127.0.0.1:{port}/0"
+            print(f"sluice serve: private Redis at {redis_url}", file=sys.stderr)
+
+        cli = [sys.executable, "-m", "sluice.cli"]
+        engine_cmd = [*cli, "engine", "--model", model, "--redis-url", redis_url,
+                      "--grpc-port", str(args.grpc_port)]
+        for flag in ("served_model_name", "dtype", "device", "max_model_len", "max_num_seqs"):
+            value = getattr(args, flag)
+            if value is not None:
+                engine_cmd += [f"--{flag.replace('_', '-')}", str(value)]
+        procs.append(subprocess.Popen(engine_cmd, start_new_session=True))
+        names[procs[-1].pid] = "engine"
+        gateway_cmd = [*cli, "gateway", "--redis-url", redis_url, "--host", args.host, "--port", str(args.port),
+                       "--workers", str(args.workers)]
+        if args.api_key:
+            gateway_cmd += ["--api-key", args.api_key]
+        procs.append(subprocess.Popen(gateway_cmd, start_new_session=True))
+        names[procs[-1].pid] = "gateway"
+
+        health = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/health"
+        _wait(lambda: _http_ok(health), args.ready_timeout, "gateway health", procs)
+        print(f"sluice serve: ready — OpenAI API at http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
+              file=sys.stderr)
+        while not stopping:
+            for p in procs:
+                if p.poll() is not None:
+                    print(f"sluice serve: {names[p.pid]} exited with {p.returncode}; stopping", file=sys.stderr)
+                    return 1
+            time.sleep(0.5)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as exc:
+        print(f"sluice serve: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        # Children run in their own sessions, so Ctrl-C reaches only this process, which stops
+        # them in order: gateway and engine first (the engine drains on SIGTERM), Redis last.
+        # A second Ctrl-C kills whatever is left.
+        def force(*_: object) -> None:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+
+        signal.signal(signal.SIGINT, force)
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)

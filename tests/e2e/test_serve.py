@@ -1,0 +1,65 @@
+"""`sluice serve`: one command brings up Redis, an engine and the gateway; Ctrl-C stops them all."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.docker_support import free_port
+
+pytestmark = pytest.mark.model
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_serve_one_command_then_ctrl_c(model_dir, tmp_path):
+    port, grpc_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    log = (tmp_path / "serve.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sluice.cli", "serve", "--model", str(model_dir), "--port", str(port),
+         "--grpc-port", str(grpc_port), "--max-model-len", "1024"],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail("sluice serve never became healthy:\n" + (tmp_path / "serve.log").read_text())
+        c = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
+        resp = c.chat.completions.create(model=model_dir.name, messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=8, temperature=0)
+        assert resp.choices[0].message.content and resp.usage.completion_tokens <= 8
+        assert _port_open(grpc_port)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    output = (tmp_path / "serve.log").read_text()
+    assert code == 0, output
+    assert not _port_open(port) and not _port_open(grpc_port)
+    assert "private Redis at redis://127.0.0.1:" in output
+    redis_port = int(output.split("private Redis at redis://127.0.0.1:")[1].split("/")[0])
+    assert not _port_open(redis_port), "the private redis-server outlived sluice serve"
