@@ -1,0 +1,112 @@
+"""End-to-end fixtures: a real stack of processes (Redis in a container, an engine, gateways)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.docker_support import free_port
+from tests.integration.conftest import clean_redis, redis_client, redis_server, redis_url  # noqa: F401
+
+ENGINE_FLAGS = ["--max-model-len", "2048", "--kv-cache-memory", str(256 << 20), "--max-num-batched-tokens", "512"]
+
+
+@dataclass
+class Stack:
+    redis_url: str
+    gateway_urls: list[str]
+    grpc_port: int
+    model_name: str
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return self.gateway_urls[0]
+
+    def engine_stats(self):
+        import grpc
+
+        from sluice.wire import admin_pb2, admin_pb2_grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}") as channel:
+            return admin_pb2_grpc.EngineAdminStub(channel).GetStats(admin_pb2.GetStatsRequest(), timeout=5)
+
+    def dump_logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in self.logs if p.exists())
+
+
+def _wait_http(url: str, procs: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{p.args} exited with {p.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} not healthy after {timeout}s")
+
+
+def start_stack(redis: str, model_dir: Path, log_dir: Path, num_gateways: int = 2,
+                extra_gateway_flags: list[str] | None = None) -> Stack:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cli = [sys.executable, "-m", "sluice.cli"]
+    grpc_port = free_port()
+    stack = Stack(redis, [], grpc_port, model_dir.name)
+    engine_log = log_dir / "engine.log"
+    stack.logs.append(engine_log)
+    stack.procs.append(subprocess.Popen(
+        [*cli, "engine", "--model", str(model_dir), "--redis-url", redis, "--grpc-port", str(grpc_port),
+         *ENGINE_FLAGS], stdout=engine_log.open("w"), stderr=subprocess.STDOUT, env=env))
+    for i in range(num_gateways):
+        port = free_port()
+        log = log_dir / f"gateway{i}.log"
+        stack.logs.append(log)
+        stack.procs.append(subprocess.Popen(
+            [*cli, "gateway", "--redis-url", redis, "--host", "127.0.0.1", "--port", str(port),
+             *(extra_gateway_flags or [])], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env))
+        stack.gateway_urls.append(f"http://127.0.0.1:{port}")
+    try:
+        for url in stack.gateway_urls:
+            _wait_http(f"{url}/health", stack.procs, timeout=300)
+    except RuntimeError as exc:
+        logs = stack.dump_logs()
+        stop_stack(stack)
+        raise RuntimeError(f"{exc}\n{logs}") from exc
+    return stack
+
+
+def stop_stack(stack: Stack) -> None:
+    for p in stack.procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in stack.procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture(scope="module")
+def stack(redis_url, model_dir, tmp_path_factory) -> Iterator[Stack]:  # noqa: F811
+    import redis
+
+    redis.Redis.from_url(redis_url).flushall()
+    s = start_stack(redis_url, Path(model_dir), tmp_path_factory.mktemp("stack"))
+    try:
+        yield s
+    finally:
+        stop_stack(s)
