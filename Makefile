@@ -1,4 +1,5 @@
 # The two commands a newcomer needs: `make serve` and `make test` (see README.md).
+# `make serve ARGS="--port 9000 --workers 2"` passes options to `sluice serve`.
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
@@ -11,7 +12,7 @@ install:
 
 serve: install
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
-	sluice serve
+	$(PYTHON) -m sluice.cli serve $(ARGS)
 
 test: install
 	bash .ci/setup-docker.sh

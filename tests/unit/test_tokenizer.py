@@ -37,32 +37,19 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def default_gguf(tmp_path_factory) -> Path:
-    from engine_service.model.prepare import fetch_default_gguf
-
-    root = tmp_path_factory.getbasetemp() / "default-gguf"
-    existing = sorted(root.glob("*.gguf"))
-    if existing:
-        return existing[0]
-    return fetch_default_gguf(root)
-
-
 @pytest.fixture(scope="module")
 def ours(model_dir: Path) -> Tokenizer:
     return Tokenizer.from_dir(model_dir)
 
 
 @pytest.fixture(scope="module")
-def hf_dir(model_dir: Path):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
+def hf_dir(hf_tokenizer_from_dir):
+    return hf_tokenizer_from_dir
 
 
 @pytest.fixture(scope="module")
-def hf_gguf(default_gguf: Path):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
+def hf_gguf(hf_tokenizer_from_gguf):
+    return hf_tokenizer_from_gguf
 
 
 @pytest.mark.parametrize("add_special_tokens", [True, False])
