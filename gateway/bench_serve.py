@@ -75,6 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--result-file", default=None, help="write the results as JSON here")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     parser.add_argument("--disable-tqdm", action="store_true")
+    parser.add_argument("--offline-baseline", action="store_true",
+                        help="afterwards, run the same requests through the offline engine in this process "
+                             "(needs the engine extra) and report the gateway + Redis overhead")
+    parser.add_argument("--offline-model", default=None,
+                        help="model directory for --offline-baseline (default: the embedded model)")
 
 
 # --- dataset -----------------------------------------------------------------------------------
@@ -315,8 +320,35 @@ def run(args: argparse.Namespace) -> int:
                                      args.random_range_ratio, tuple(args.random_vocab), args.seed)
     summary, _ = asyncio.run(benchmark(args, requests))
     print(format_table(summary))
+    if args.offline_baseline:
+        summary["offline_baseline"] = offline_baseline(args, requests, summary)
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(summary, indent=2))
         print(f"results written to {args.result_file}")
     return 0 if summary["completed"] else 1
 
+
+
+def offline_baseline(args, requests: list[BenchRequest], served: dict) -> dict:
+    """The same requests through the offline engine (one process, no HTTP, no Redis), all at once:
+    what the served run would reach without the gateway and Redis in between."""
+    from engine_service import LLM, SamplingParams  # the engine extra; imported only here
+
+    llm = LLM(args.offline_model)
+    prompts = [r.prompt if isinstance(r.prompt, list) else {"prompt": r.prompt} for r in requests]
+    params = [SamplingParams(temperature=args.temperature, max_tokens=r.output_len, ignore_eos=args.ignore_eos)
+              for r in requests]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    duration = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    result = {"duration_s": duration, "total_output_tokens": tokens,
+              "output_throughput": tokens / duration if duration else 0.0}
+    ratio = served["output_throughput"] / result["output_throughput"] if result["output_throughput"] else 0.0
+    result["served_over_offline"] = ratio
+    print("{s:-^60}".format(s=" Offline engine, same requests "))
+    print(f"{'Duration (s):':<42}{duration:>18.2f}")
+    print(f"{'Output token throughput (tok/s):':<42}{result['output_throughput']:>18.2f}")
+    print(f"{'Served / offline throughput:':<42}{ratio:>18.3f}")
+    print("=" * 60)
+    return result
