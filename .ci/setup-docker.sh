@@ -43,6 +43,8 @@ if ! docker info >/dev/null 2>&1; then
         log "dockerd is running but not answering yet; waiting"
     else
         logfile="${DOCKERD_LOG:-/var/log/sluice-dockerd.log}"
+        # A daemon killed at the end of an earlier session may have left its pid files behind.
+        $SUDO rm -f /var/run/docker.pid /var/run/docker/containerd/containerd.pid
         log "starting dockerd in the background (log: $logfile)"
         # setsid: the daemon outlives this script and the CI step that ran it.
         $SUDO setsid nohup dockerd >"$logfile" 2>&1 </dev/null &
