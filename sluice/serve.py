@@ -75,12 +75,13 @@ def run(args: argparse.Namespace) -> int:
     procs: list[subprocess.Popen] = []
     names: dict[int, str] = {}
     tmp = None
-    stopping = False
 
     def stop(*_: object) -> None:
-        nonlocal stopping
-        stopping = True
+        raise KeyboardInterrupt
 
+    # Installed explicitly: a process started in the background by a shell without job control
+    # inherits SIGINT ignored, and Python then never raises KeyboardInterrupt for Ctrl-C.
+    signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     try:
         model = args.model
@@ -130,13 +131,12 @@ def run(args: argparse.Namespace) -> int:
         _wait(lambda: _http_ok(health), args.ready_timeout, "gateway health", procs)
         print(f"sluice serve: ready — OpenAI API at http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
               file=sys.stderr)
-        while not stopping:
+        while True:
             for p in procs:
                 if p.poll() is not None:
                     print(f"sluice serve: {names[p.pid]} exited with {p.returncode}; stopping", file=sys.stderr)
                     return 1
             time.sleep(0.5)
-        return 0
     except KeyboardInterrupt:
         return 0
     except RuntimeError as exc:
@@ -145,13 +145,14 @@ def run(args: argparse.Namespace) -> int:
     finally:
         # Children run in their own sessions, so Ctrl-C reaches only this process, which stops
         # them in order: gateway and engine first (the engine drains on SIGTERM), Redis last.
-        # A second Ctrl-C kills whatever is left.
+        # A second Ctrl-C (or SIGTERM) kills whatever is left.
         def force(*_: object) -> None:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
 
         signal.signal(signal.SIGINT, force)
+        signal.signal(signal.SIGTERM, force)
         for p in reversed(procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

@@ -389,7 +389,12 @@ class RedisIO:
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(contract.engine_key(self.consumer), json.dumps({"model": self.model}), px=int(self.settings.heartbeat_ttl_s * 1000))
         pipe.hset(contract.ENGINES_KEY, self.consumer, json.dumps(info))
-        pipe.execute()
+        pipe.exists(contract.model_card_key(self.model))
+        card_present = pipe.execute()[-1]
+        if not card_present:
+            # Redis lost its data (a restart without persistence) between two heartbeats, so no
+            # command of ours saw the outage: put the card back.
+            self.publish_card()
 
     def _housekeeper_loop(self) -> None:
         backoff = _Backoff()
