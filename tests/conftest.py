@@ -28,7 +28,7 @@ def default_gguf(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf_tokenizer_from_dir(model_dir: Path):
+def hf_dir(model_dir: Path):
     """transformers' tokenizer loaded from our prepared directory."""
     import transformers
 
@@ -36,8 +36,16 @@ def hf_tokenizer_from_dir(model_dir: Path):
 
 
 @pytest.fixture(scope="session")
-def hf_tokenizer_from_gguf(default_gguf: Path):
+def hf_gguf(default_gguf: Path):
     """transformers' own tokenizer built from the GGUF file (the reference)."""
     import transformers
 
     return transformers.AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def ours(model_dir: Path):
+    """Sluice's tokenizer over the prepared directory."""
+    from sluice.text.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(model_dir)

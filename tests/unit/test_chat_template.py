@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from sluice.text.chat_template import ChatTemplateError, compile_chat_template, render_chat_template
-from sluice.text.tokenizer import Tokenizer
 
 DEFAULT_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 
@@ -37,19 +34,6 @@ CONVERSATIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def ours(model_dir: Path) -> Tokenizer:
-    return Tokenizer.from_dir(model_dir)
-
-
-@pytest.fixture(scope="module")
-def hf_dir(hf_tokenizer_from_dir):
-    return hf_tokenizer_from_dir
-
-
-@pytest.fixture(scope="module")
-def hf_gguf(hf_tokenizer_from_gguf):
-    return hf_tokenizer_from_gguf
 
 
 @pytest.mark.model

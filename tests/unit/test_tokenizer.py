@@ -37,19 +37,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def ours(model_dir: Path) -> Tokenizer:
-    return Tokenizer.from_dir(model_dir)
-
-
-@pytest.fixture(scope="module")
-def hf_dir(hf_tokenizer_from_dir):
-    return hf_tokenizer_from_dir
-
-
-@pytest.fixture(scope="module")
-def hf_gguf(hf_tokenizer_from_gguf):
-    return hf_tokenizer_from_gguf
 
 
 @pytest.mark.parametrize("add_special_tokens", [True, False])
