@@ -118,14 +118,19 @@ async def get_model(model_id: str, request: Request) -> Response:
 
 
 async def _card_for(broker: Broker, model: str) -> ModelCard:
-    card = await broker.card(model)
-    if card is None:
-        raise errors.model_not_found(model)
-    live = await broker.live_engines()
-    if not live.get(model):
-        live = await broker.live_engines(fresh=True)
+    """The model's card, or the OpenAI error that explains why there is none to use
+    (404 unknown model, 503 no live engine or Redis unreachable)."""
+    try:
+        card = await broker.card(model)
+        if card is None:
+            raise errors.model_not_found(model)
+        live = await broker.live_engines()
         if not live.get(model):
-            raise errors.no_engine(model)
+            live = await broker.live_engines(fresh=True)
+            if not live.get(model):
+                raise errors.no_engine(model)
+    except (RedisError, OSError) as exc:
+        raise _redis_down(exc) from exc
     return card
 
 
@@ -288,10 +293,7 @@ def _prompt_infos(gen: Generation, sub, card: ModelCard, num_top: int) -> list[T
 async def completions(body: CompletionRequest, request: Request) -> Response:
     broker, cfg = _broker(request), _config(request)
     arrival = time.time()
-    try:
-        card = await _card_for(broker, body.model)
-    except (RedisError, OSError) as exc:
-        raise _redis_down(exc) from exc
+    card = await _card_for(broker, body.model)
     tok = card.tokenizer
     prompt = body.prompt
     if isinstance(prompt, str):
@@ -411,10 +413,7 @@ def _chat_logprobs(infos: list[TokenInfo]) -> dict:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     broker, cfg = _broker(request), _config(request)
     arrival = time.time()
-    try:
-        card = await _card_for(broker, body.model)
-    except (RedisError, OSError) as exc:
-        raise _redis_down(exc) from exc
+    card = await _card_for(broker, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise errors.invalid("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
