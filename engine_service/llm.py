@@ -174,6 +174,8 @@ class _CompletionStream:
     def add(self, delta) -> bool:
         """Record an engine delta; return True when a stop string just ended this completion."""
         completion = self.completion
+        if delta.metrics is not None and completion.index == 0:
+            self.result.metrics = delta.metrics  # the first completion's timings stand for the request
         if completion.finish_reason is not None:
             return False  # already ended by a stop string; this is the engine's confirmation
         completion.token_ids.extend(delta.new_token_ids)

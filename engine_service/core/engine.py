@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from engine_service.config import EngineConfig, SchedulerConfig
-from engine_service.core.outputs import EngineOutput
+from engine_service.core.outputs import EngineOutput, RequestMetrics
 from engine_service.core.request import Request
 from engine_service.core.scheduler import RequestRejected, Scheduler
 from engine_service.model.config import ModelConfig
@@ -239,6 +239,13 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
             prompt_logprobs=req.prompt_logprobs if first and req.sampling_params.prompt_logprobs is not None else None,
+            metrics=RequestMetrics(
+                arrival_time=req.arrival_time,
+                first_scheduled_time=req.first_scheduled_time,
+                first_token_time=req.first_token_time,
+                finished_time=req.finished_time,
+                num_preemptions=req.num_preemptions,
+            ) if req.is_finished else None,
         )
 
     def _release(self, req: Request) -> None:

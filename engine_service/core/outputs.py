@@ -8,6 +8,15 @@ from engine_service.core.request import FinishReason, Logprob
 
 
 @dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
 class EngineOutput:
     """One request's news from one engine step: new tokens, and a finish when it ended."""
 
@@ -22,6 +31,7 @@ class EngineOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # sent once, with the first tokens
+    metrics: RequestMetrics | None = None  # the completion's timings, with its finish
 
     @property
     def finished(self) -> bool:
@@ -37,15 +47,6 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-
-
-@dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_preemptions: int = 0
 
 
 @dataclass

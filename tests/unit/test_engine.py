@@ -40,6 +40,9 @@ def test_full_batch_equals_alone(llm, alone):
     for kind, params in (("greedy", GREEDY), ("seeded", SEEDED)):
         outs = llm.generate(PROMPTS, params)
         assert [o.outputs[0].token_ids for o in outs] == alone[kind], kind
+    for out in outs:  # per-request timings come back with the result
+        m = out.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
 
 
 def test_preempted_and_recomputed_equals_alone(model_dir, alone):
