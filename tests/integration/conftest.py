@@ -27,13 +27,8 @@ if TYPE_CHECKING:
     import redis
 
 
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer | None]:
-    """The session's Redis container (None when SLUICE_TEST_REDIS_URL names an external one)."""
-    if os.environ.get("SLUICE_TEST_REDIS_URL"):
-        yield None
-        return
-    server = RedisServer()
+def _running(server: RedisServer) -> Iterator[RedisServer]:
+    """Start ``server`` (failing the test, never skipping it, without Docker), yield it, remove it."""
     try:
         server.start()
     except DockerUnavailable as exc:
@@ -42,6 +37,15 @@ def redis_server() -> Iterator[RedisServer | None]:
         yield server
     finally:
         server.remove()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer | None]:
+    """The session's Redis container (None when SLUICE_TEST_REDIS_URL names an external one)."""
+    if os.environ.get("SLUICE_TEST_REDIS_URL"):
+        yield None
+        return
+    yield from _running(RedisServer())
 
 
 @pytest.fixture(scope="session")
@@ -80,12 +84,4 @@ def redis_client(clean_redis: str) -> Iterator[redis.Redis]:
 @pytest.fixture
 def restartable_redis() -> Iterator[RedisServer]:
     """A Redis of this test's own on a fixed 127.0.0.1 port; ``.restart()`` keeps ``.url``."""
-    server = RedisServer(fixed_port=True)
-    try:
-        server.start()
-    except DockerUnavailable as exc:
-        pytest.fail(str(exc), pytrace=False)
-    try:
-        yield server
-    finally:
-        server.remove()
+    yield from _running(RedisServer(fixed_port=True))
