@@ -80,3 +80,24 @@ def test_unsupported_rope_scaling_is_refused():
 def test_missing_directory_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         ModelConfig.from_dir(tmp_path / "nope")
+
+
+def test_sliding_window_caps_the_served_context():
+    cfg = ModelConfig.from_dict({"architectures": ["MistralForCausalLM"], **TINY,
+                                 "max_position_embeddings": 32768, "sliding_window": 4096})
+    assert cfg.context_length == 4096  # the window never binds, so full attention stays exact
+    qwen = ModelConfig.from_dict({"architectures": ["Qwen2ForCausalLM"], **TINY,
+                                  "sliding_window": 64, "use_sliding_window": False})
+    assert qwen.context_length == TINY["max_position_embeddings"]
+
+
+def test_bad_dtype_and_tiny_kv_budget_are_clear_errors():
+    from engine_service.model.kv_cache import num_blocks_for_budget
+    from engine_service.model.loader import parse_dtype
+
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        parse_dtype("int8")
+    assert parse_dtype("bf16") == torch.bfloat16
+    cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], **TINY})
+    with pytest.raises(ValueError, match="holds no block"):
+        num_blocks_for_budget(cfg, 16, torch.float32, torch.device("cpu"), budget_bytes=100)
