@@ -30,6 +30,9 @@ def generate(out_dir: Path) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed: " + " ".join(args))
+    for grpc_module in (out_dir / "sluice" / "wire").glob("*_pb2_grpc.py"):
+        if "Stub" not in grpc_module.read_text():  # no `class XStub`: no service in that file
+            grpc_module.unlink()  # a .proto without services: its grpc module would be an empty shell
     return sorted((out_dir / "sluice" / "wire").glob("*_pb2*.py*"))
 
 
