@@ -7,7 +7,12 @@
 - publisher: takes the worker's per-step ``Batch`` from the outbox and sends it in ONE pipelined
   MULTI/EXEC (events, emitted markers, hand-backs, XACKs), retrying while Redis is away.
 - housekeeper: heartbeat (liveness key + registry hash), model card (again after each reconnect),
-  and reclaim of pending entries whose consumer's liveness key is gone.
+  reclaim of pending entries whose consumer's liveness key is gone, removal of dead engines'
+  registry entries, and the stream's trim (acknowledged entries only, see ``trim_stream``).
+
+At start the housekeeper first reclaims this consumer's own pending entries (a restarted engine
+with a fixed ``--engine-id`` owns those of its previous life); the reader waits for that, so the
+reclaim can never take (and deliver a second time) an entry the reader has just read.
 
 Every thread has its own connection(s) from one pool and reconnects with backoff on its own, so a
 slow or broken round trip in one never stalls another, nor the step loop.
@@ -25,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from sluice.wire import codec, contract
 from sluice.wire.messages_pb2 import Cancel, Event, GenerateRequest
@@ -71,8 +78,69 @@ class Batch:
         self.acks += other.acks
 
 
+def connect(url: str, *, socket_timeout: float = 5.0) -> redis.Redis:
+    """A client that heals: pooled connections are health-checked (PING when idle for a second),
+    and a command that meets a broken connection is retried on a fresh one with a short backoff,
+    so a Redis restart costs the commands issued while it is down, never one after it is back."""
+    return redis.Redis.from_url(
+        url,
+        socket_connect_timeout=2.0,
+        socket_timeout=socket_timeout,
+        socket_keepalive=True,
+        health_check_interval=1,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=3),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError, ConnectionResetError, BrokenPipeError],
+    )
+
+
+def next_id(entry_id: str) -> str:
+    """The smallest stream id greater than ``entry_id`` ("ms-seq")."""
+    ms, _, seq = entry_id.partition("-")
+    return f"{ms}-{int(seq or 0) + 1}"
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _str(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def trim_stream(client: redis.Redis, stream: str) -> tuple[str | None, int]:
+    """Drop the stream's acknowledged entries and only those: ``XTRIM MINID`` at the oldest entry
+    some group still needs — its oldest pending entry, or the first it has not read yet.
+
+    Order makes it safe without a lock: the groups' read positions are taken first (they only move
+    forward, so anything read later lies above them), their pending lists after (an entry only
+    becomes pending by being read, i.e. above the position already taken, or by a claim of an
+    entry that was pending already). A stream without a group is left alone (nobody has read it).
+    Returns (the MINID used or None, entries removed).
+    """
+    try:
+        groups = client.xinfo_groups(stream)
+    except redis.ResponseError:  # no such stream
+        return None, 0
+    if not groups:
+        return None, 0
+    floor: str | None = None
+    for group in groups:
+        bound = next_id(_str(group["last-delivered-id"]))
+        if int(group.get("pending", 0) or 0):
+            summary = client.xpending(stream, _str(group["name"]))
+            if summary.get("pending") and summary.get("min"):
+                oldest = _str(summary["min"])
+                bound = min(bound, oldest, key=_id_key)
+        floor = bound if floor is None else min(floor, bound, key=_id_key)
+    if floor is None:
+        return None, 0
+    removed = client.xtrim(stream, minid=floor, approximate=False)
+    return floor, int(removed or 0)
+
+
 class _Backoff:
-    def __init__(self, first: float = 0.05, cap: float = 2.0) -> None:
+    def __init__(self, first: float = 0.05, cap: float = 0.5) -> None:
         self.first, self.cap, self.delay = first, cap, 0.0
 
     def fail(self, stop: threading.Event) -> None:
@@ -115,12 +183,7 @@ class RedisIO:
         self.inbox = inbox
         self.card = card
         self.load = load  # the worker's latest load snapshot, for the heartbeat
-        self.redis = redis.Redis.from_url(
-            settings.redis_url,
-            socket_connect_timeout=2.0,
-            socket_timeout=max(5.0, settings.read_block_ms / 1000 + 2.0),
-            health_check_interval=5,
-        )
+        self.redis = connect(settings.redis_url, socket_timeout=max(5.0, settings.read_block_ms / 1000 + 2.0))
         self.outbox: queue.Queue[Batch | None] = queue.Queue()
         self._stop = threading.Event()
         self._carry_acks: list[bytes] = []  # XACKs of batches dropped after a long outage
@@ -134,7 +197,11 @@ class RedisIO:
         self._delivered = 0
         self.reading = True  # False while draining
         self.connected = threading.Event()
-        self.stats = {"published_batches": 0, "publish_retries": 0, "dropped_batches": 0, "reclaimed": 0}
+        self.own_reclaimed = threading.Event()  # the start's reclaim of our own entries is done
+        self.stats = {
+            "published_batches": 0, "publish_retries": 0, "dropped_batches": 0, "reclaimed": 0,
+            "trimmed": 0, "pruned_engines": 0,
+        }
 
     # --- lifecycle ---
     def start(self) -> None:
@@ -156,6 +223,7 @@ class RedisIO:
         if publisher is not None:
             publisher.join(flush_timeout)
         self._stop.set()
+        self.own_reclaimed.set()
         with self._credit_lock:
             self._credit_lock.notify_all()
         if deregister:
@@ -204,6 +272,9 @@ class RedisIO:
         backoff = _Backoff()
         need_group = True
         while not self._stop.is_set():
+            if not self.own_reclaimed.is_set():
+                self.own_reclaimed.wait(0.1)
+                continue
             with self._credit_lock:
                 credit = self._credit()
                 if credit <= 0:
@@ -399,9 +470,9 @@ class RedisIO:
     def _housekeeper_loop(self) -> None:
         backoff = _Backoff()
         need_card = True
-        first_reclaim = True
         next_beat = next_reclaim = 0.0
         next_prune = time.monotonic() + 30.0
+        next_tidy = time.monotonic() + self.settings.trim_interval_s
         while not self._stop.is_set():
             now = time.monotonic()
             try:
@@ -411,10 +482,18 @@ class RedisIO:
                 if now >= next_beat:
                     self.heartbeat()
                     next_beat = now + self.settings.heartbeat_interval_s
-                if now >= next_reclaim and self.reading:
-                    self.reclaim(include_self=first_reclaim)
-                    first_reclaim = False
+                if not self.own_reclaimed.is_set():
+                    # Before the reader's first read: our own entries of a previous life only.
+                    if self.reading:
+                        self.reclaim(include_self=True)
+                    self.own_reclaimed.set()
                     next_reclaim = now + self.settings.reclaim_interval_s
+                if now >= next_reclaim and self.reading:
+                    self.reclaim()
+                    next_reclaim = now + self.settings.reclaim_interval_s
+                if now >= next_tidy:
+                    self.tidy()
+                    next_tidy = now + self.settings.trim_interval_s
                 if now >= next_prune:
                     self.prune_consumers()
                     next_prune = now + 30.0
@@ -431,6 +510,40 @@ class RedisIO:
                 backoff.fail(self._stop)
                 continue
             self._stop.wait(min(next_beat, next_reclaim) - time.monotonic() if self.reading else 0.2)
+
+    def tidy(self) -> None:
+        """Trim the stream's acknowledged entries and forget dead engines' registry entries."""
+        _, removed = trim_stream(self.redis, self.stream)
+        self.stats["trimmed"] += removed
+        self.stats["pruned_engines"] += self.prune_registry()
+
+    def prune_registry(self) -> int:
+        """Remove registry entries (``sluice:engines``) of engines whose liveness key is gone and
+        whose last heartbeat is older than the TTL: a kill -9'd engine never deregisters itself.
+        A live engine removed by a race puts itself back with its next heartbeat."""
+        registry = self.redis.hgetall(contract.ENGINES_KEY)
+        others = [(_str(k), v) for k, v in registry.items() if _str(k) != self.consumer]
+        if not others:
+            return 0
+        pipe = self.redis.pipeline(transaction=False)
+        for engine_id, _ in others:
+            pipe.exists(contract.engine_key(engine_id))
+        alive = pipe.execute()
+        now = time.time()
+        dead = []
+        for (engine_id, raw), ok in zip(others, alive, strict=True):
+            if ok:
+                continue
+            try:
+                beat = float(json.loads(raw).get("heartbeat", 0))
+            except (ValueError, TypeError, AttributeError):
+                beat = 0.0
+            if now - beat > self.settings.heartbeat_ttl_s:
+                dead.append(engine_id)
+        if dead:
+            self.redis.hdel(contract.ENGINES_KEY, *dead)
+            log.info("removed registry entries of gone engines: %s", ", ".join(dead))
+        return len(dead)
 
     def prune_consumers(self) -> None:
         """Forget consumers (dead engines) that own nothing and whose liveness key is gone, so the

@@ -28,4 +28,5 @@ class ServiceSettings:
     reclaim_min_idle_ms: int = 1000  # XCLAIM's min-idle: two reclaimers never both win an entry
     read_block_ms: int = 100  # XREADGROUP BLOCK when the engine has room
     max_read_batch: int = 16  # at most this many entries per XREADGROUP: a replica takes a bite, not the queue
+    trim_interval_s: float = 2.0  # how often acknowledged stream entries are trimmed, dead engines pruned
     publish_retry_s: float = 60.0  # how long events are retried while Redis is away

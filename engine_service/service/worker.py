@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_service.service.redis_io import Batch, CancelNote, Entry
-from sluice.wire import codec, contract
+from sluice.wire import codec, contract, limits
 from sluice.wire.messages_pb2 import Event, GenerateRequest
 
 log = logging.getLogger("sluice.engine.worker")
@@ -162,6 +162,13 @@ class Worker:
         if refuse is not None:
             code, message = refuse
             log.info("refusing %s (%s): %s", rid, code, message)
+            if code == "duplicate":
+                # A second copy of a running request. Acknowledge the copy only if it is another
+                # entry: acknowledging the running entry itself would leave nothing pending for a
+                # peer to reclaim if this engine died now.
+                if entry.entry_id != self.live[rid].entry_id:
+                    batch.acks.append(entry.entry_id)
+                return  # the live request's channel must not hear about it
             batch.acks.append(entry.entry_id)
             if code == "cancelled":
                 self.counters["cancelled"] += 1
@@ -171,13 +178,25 @@ class Worker:
                         codec.finished_event(rid, index, "abort", prompt_tokens=len(req.prompt_token_ids), engine_id=self.engine_id)
                     )
                 return
-            if code == "duplicate":
-                return  # the live request's channel must not hear about it
             self.counters["engine_lost" if code == contract.ERR_ENGINE_LOST else "invalid"] += 1
             self._error(batch, rid, code, message)
             return
         if self.draining:
             self._hand_back(req, entry.entry_id, batch)
+            return
+        # The gateway's limits, again: anything that can XADD can queue an entry (n=20000 would
+        # stall every other request for seconds a step).
+        problem = limits.check_request(
+            req,
+            vocab_size=getattr(self.engine, "vocab_size", None),
+            max_model_len=getattr(self.engine, "max_model_len", None),
+        )
+        if problem is not None:
+            code, message = problem
+            log.info("refusing %s (%s): %s", rid, code, message)
+            self.counters["invalid"] += 1
+            batch.acks.append(entry.entry_id)
+            self._error(batch, rid, code, message)
             return
         try:
             from engine_service.sampling.params import SamplingParams

@@ -242,6 +242,13 @@ def test_malformed_entry_matrix(service, client, prompts, reference, redis_clien
         "empty": (dict(prompt_token_ids=[]), contract.ERR_INVALID_REQUEST),
         "vocab": (dict(prompt_token_ids=[1, vocab + 3, 2]), contract.ERR_INVALID_REQUEST),
         "negative_id": (dict(prompt_token_ids=[1, -4, 2]), contract.ERR_INVALID_REQUEST),
+        # The gateway's limits (sluice.wire.limits), again at the engine: refused, never a stall.
+        "n_huge": (dict(params={"n": 20000, "max_tokens": 4}), contract.ERR_INVALID_REQUEST),
+        "logprobs_many": (dict(params={"logprobs": 500, "max_tokens": 4}), contract.ERR_INVALID_REQUEST),
+        "stop_ids_many": (dict(params={"stop_token_ids": list(range(5000)), "max_tokens": 4}),
+                          contract.ERR_INVALID_REQUEST),
+        "logit_bias_many": (dict(params={"logit_bias": {i: 1.0 for i in range(5000)}, "max_tokens": 4}),
+                            contract.ERR_INVALID_REQUEST),
     }
     handles = {}
     for name, (changes, _) in cases.items():
