@@ -25,11 +25,13 @@ from gateway.broker import Broker, ModelCard
 from gateway.metrics import METRICS
 from sluice.text.detokenizer import IncrementalDetokenizer, token_text
 from sluice.text.stop import StopMatcher, StopResult
-from sluice.wire import contract
+from sluice.wire import contract, policy
 from sluice.wire.messages_pb2 import Event, GenerateRequest, SamplingParams
 
-# With no event for this long, check that an engine for the model is still alive.
-LIVENESS_CHECK_S = 5.0
+# With no event for this long, check that an engine for the model is still alive; with none alive,
+# untouched work waits this long for one (the rule: ``sluice.wire.policy.engine_lost``).
+LIVENESS_CHECK_S = policy.LIVENESS_CHECK_S
+NO_ENGINE_WAIT_S = policy.NO_ENGINE_WAIT_S
 
 
 @dataclass
@@ -185,6 +187,7 @@ class Generation:
         self.first_token_time: float | None = None
         self._last_token_time: float | None = None
         self.enqueue_time: float | None = None
+        self._no_engine_since: float | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -226,7 +229,8 @@ class Generation:
                 if timeout <= 0:
                     raise errors.deadline_exceeded()
                 try:
-                    data = await asyncio.wait_for(self._queue.get(), min(timeout, LIVENESS_CHECK_S))
+                    check = LIVENESS_CHECK_S if self._no_engine_since is None else min(LIVENESS_CHECK_S, 1.0)
+                    data = await asyncio.wait_for(self._queue.get(), min(timeout, check))
                 except TimeoutError:
                     if self.deadline - time.time() <= 0:
                         raise errors.deadline_exceeded() from None
@@ -240,16 +244,27 @@ class Generation:
             self._finish(ok)
 
     async def _check_engines(self) -> None:
-        """Silence for a while: if no engine for the model is alive any more, fail now (503)
-        rather than at the deadline. A live engine may be busy; then keep waiting."""
+        """Silence for a while: decide with ``policy.engine_lost`` whether the request is lost
+        (503 with Retry-After now, rather than at the deadline). A live engine may be busy, and
+        untouched work waits a while for an engine that restarts (a drain of the only one)."""
         try:
             live = await self.broker.live_engines(fresh=True)
         except Exception:  # noqa: BLE001 - Redis hiccup: the deadline still bounds the wait
             return
-        if not live.get(self.card.name):
+        now = time.monotonic()
+        alive = int(live.get(self.card.name) or 0)
+        if alive:
+            self._no_engine_since = None
+            return
+        if self._no_engine_since is None:
+            self._no_engine_since = now
+        emitted = any(c.token_ids for c in self.choices)
+        if policy.engine_lost(live_engines=alive, emitted=emitted, no_engine_for_s=now - self._no_engine_since,
+                              wait_s=NO_ENGINE_WAIT_S):
             raise errors.OpenAIError(
                 503, f"The engine serving model `{self.card.name}` was lost.",
                 type="service_unavailable_error", code="engine_lost",
+                headers={"Retry-After": str(policy.RETRY_AFTER_S)},
             )
 
     def _handle(self, ev: Event) -> list[Delta]:

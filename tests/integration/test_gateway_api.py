@@ -389,6 +389,7 @@ def test_engine_lost_503(gateway, fake_engine, monkeypatch):
     from gateway import generation
 
     monkeypatch.setattr(generation, "LIVENESS_CHECK_S", 0.2)
+    monkeypatch.setattr(generation, "NO_ENGINE_WAIT_S", 1.0)  # the bound untouched work waits for an engine
     fake_engine.hang = True
     result = {}
 
@@ -403,6 +404,34 @@ def test_engine_lost_503(gateway, fake_engine, monkeypatch):
     fake_engine.kill()
     t.join(10)
     assert_error(result["r"], 503, code="engine_lost")
+    assert result["r"].headers["retry-after"] == "1"
+
+
+def test_queued_request_waits_for_a_restarted_engine(gateway, fake_engine, monkeypatch):
+    """The only engine drains (or dies) while a request is queued, untouched: the request waits
+    for an engine instead of failing at the first liveness check, and the restarted engine
+    serves it (issue 12, item 3)."""
+    from gateway import generation
+
+    monkeypatch.setattr(generation, "LIVENESS_CHECK_S", 0.2)
+    fake_engine.paused = True  # the request stays in the queue
+    result = {}
+
+    def client():
+        result["r"] = httpx.post(f"{gateway.url}/v1/completions",
+                                 json={"model": MODEL, "prompt": "x", "max_tokens": 3}, timeout=30)
+
+    t = threading.Thread(target=client)
+    t.start()
+    time.sleep(0.5)
+    fake_engine.kill()  # gone: no liveness key, no heartbeat
+    time.sleep(3.0)  # many liveness checks see no engine
+    assert t.is_alive(), f"failed while queued: {result['r'].status_code} {result['r'].text}"
+    fake_engine.heartbeat = True  # "restarted"
+    fake_engine.paused = False
+    t.join(20)
+    assert result["r"].status_code == 200, result["r"].text
+    assert result["r"].json()["choices"][0]["text"] == reply_prefix(fake_engine, 3)
 
 
 def test_two_gateways_interleaved(make_gateway, fake_engine):
