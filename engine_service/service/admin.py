@@ -77,4 +77,4 @@ class AdminServer:
         log.info("gRPC health and admin on port %d", self.port)
 
     def stop(self, grace: float = 1.0) -> None:
-        self.server.stop(grace).wait(grace + 1)
+        self.server.stop(grace).wait(grace + 0.5)

@@ -143,9 +143,14 @@ class EngineService:
         return 0
 
     def shutdown(self) -> None:
-        self.io.stop(flush_timeout=10.0)
+        import time
+
+        flush = 10.0
+        if self.worker.drain_end is not None:  # stay inside the drain's grace period
+            flush = max(0.5, self.worker.drain_end - time.monotonic() - 0.3)
+        self.io.stop(flush_timeout=flush)
         if self.admin is not None:
-            self.admin.stop()
+            self.admin.stop(grace=0.2)
 
     # --- in-process use (tests) ---
     def start_in_thread(self) -> EngineService:

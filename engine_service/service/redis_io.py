@@ -234,8 +234,9 @@ class RedisIO:
                 pipe.execute()
             except _REDIS_ERRORS + (redis.RedisError,) as exc:
                 log.warning("could not deregister: %s", exc)
+        end = time.monotonic() + 1.0  # daemon threads: wait a little, never long
         for thread in self._threads:
-            thread.join(2.0)
+            thread.join(max(0.0, end - time.monotonic()))
         self.redis.close()
 
     def stop_reading(self) -> None:
@@ -368,7 +369,7 @@ class RedisIO:
                 pubsub.subscribe(contract.CANCEL_CHANNEL)
                 backoff.ok()
                 while not self._stop.is_set():
-                    message = pubsub.get_message(timeout=0.5)
+                    message = pubsub.get_message(timeout=0.2)
                     if not message or message.get("type") != "message":
                         continue
                     cancel = Cancel()

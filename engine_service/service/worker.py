@@ -26,6 +26,14 @@ log = logging.getLogger("sluice.engine.worker")
 @dataclass
 class DrainNote:
     grace_s: float | None = None  # None: the configured default
+    requested_at: float = field(default_factory=time.monotonic)  # the grace runs from the signal
+
+
+# Of a drain's grace period, this share (at most SHUTDOWN_RESERVE_S) is kept for what follows the
+# last step: flushing the final events, deregistering, stopping the threads and the gRPC server.
+# The process exits within the grace period, not a few seconds after it (a kubelet's SIGKILL).
+SHUTDOWN_RESERVE_S = 1.0
+SHUTDOWN_RESERVE_SHARE = 0.2
 
 
 @dataclass
@@ -54,7 +62,8 @@ class Worker:
         self.recent_cancels: dict[str, float] = {}  # cancels for ids not (yet) seen here
         self.consumed = 0
         self.draining = False
-        self.drain_deadline: float | None = None
+        self.drain_deadline: float | None = None  # when running requests are cut off
+        self.drain_end: float | None = None
         self.running = False
         self.stopped = threading.Event()
         self.on_serving_change: list[Any] = []  # callables(bool)
@@ -140,7 +149,7 @@ class Worker:
             elif isinstance(item, CancelNote):
                 self._on_cancel(item.request_ids, batch)
             elif isinstance(item, DrainNote):
-                self._start_drain(item.grace_s, batch)
+                self._start_drain(item.grace_s, batch, item.requested_at)
             elif isinstance(item, StopNote):
                 self.io.send(batch)
                 return True
@@ -346,13 +355,15 @@ class Worker:
         return event
 
     # ------------------------------------------------------------------ drain
-    def _start_drain(self, grace_s: float | None, batch: Batch) -> None:
+    def _start_drain(self, grace_s: float | None, batch: Batch, requested_at: float | None = None) -> None:
         if self.draining:
             return
         grace = self.settings.drain_grace_s if grace_s is None or grace_s <= 0 else grace_s
         log.info("draining: %d live requests, grace %.1fs", len(self.live), grace)
         self.draining = True
-        self.drain_deadline = time.monotonic() + grace
+        start = time.monotonic() if requested_at is None else requested_at
+        self.drain_end = start + grace  # when the process must be gone
+        self.drain_deadline = self.drain_end - min(SHUTDOWN_RESERVE_S, SHUTDOWN_RESERVE_SHARE * grace)
         self.io.stop_reading()
         self._set_serving(False)
         # Requests that have emitted nothing go back to the queue now: another replica can start

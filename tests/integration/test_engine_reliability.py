@@ -295,3 +295,37 @@ def test_engine_serves_within_a_second_of_redis_coming_back(restartable_redis):
         r.close()
     finally:
         svc.stop()
+
+
+# --------------------------------------------------------------------------- drain within its grace
+
+
+def test_drain_exits_within_its_grace_period(clean_redis, redis_client, tmp_path):
+    """A request that cannot finish in time: the whole service (step loop, flush, deregistration,
+    threads) is done within the grace period counted from the drain request, not seconds after."""
+    from engine_service.service.main import EngineService
+
+    class Engine(FakeEngine):
+        model_dir = str(tmp_path)
+        max_model_len = 4096
+        eos_token_ids = [0]
+        model_name = MODEL
+
+    settings = ServiceSettings(redis_url=clean_redis, engine_id="drainer", heartbeat_ttl_s=2.0,
+                               heartbeat_interval_s=0.5)
+    svc = EngineService(Engine(slow=0.05), settings, MODEL).start_in_thread()
+    client = WireClient(redis_client)
+    client.wait_for_engine(MODEL, timeout=10)
+    handle = client.submit(MODEL, [1, 2, 3], {"temperature": 0.0, "max_tokens": 2000})
+    first = next(iter(handle.events(timeout=10)))
+    assert first.token_ids
+    grace = 1.5
+    started = time.monotonic()
+    svc.worker.request_drain(grace)
+    svc._thread.join(15)
+    took = time.monotonic() - started
+    assert not svc._thread.is_alive()
+    assert took <= grace + 0.1, f"the drain took {took:.2f}s for a {grace}s grace period"
+    result = handle.collect(timeout=5)
+    assert result.error_code == contract.ERR_DRAINING, result
+    assert not redis_client.hexists(contract.ENGINES_KEY, "drainer")
