@@ -18,6 +18,10 @@ import tempfile
 import time
 import urllib.request
 
+# Redis persists its data with an append-only file, fsynced every second: a Redis restart loses at
+# most the last second of queue (the same settings as compose.yaml and deploy/k8s).
+REDIS_DURABILITY = ("--appendonly", "yes", "--appendfsync", "everysec")
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -104,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
             tmp = tempfile.mkdtemp(prefix="sluice-redis-")
             port = _free_port()
             procs.append(subprocess.Popen(
-                [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                [server, *REDIS_DURABILITY, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                  "--dir", tmp], stdout=subprocess.DEVNULL, start_new_session=True))
             names[procs[-1].pid] = "redis-server"
             _wait(lambda: _redis_ready(port), 10, "redis-server", procs)
@@ -112,8 +116,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"sluice serve: private Redis at {redis_url}", file=sys.stderr)
 
         cli = [sys.executable, "-m", "sluice.cli"]
+        # The admin port's Drain needs no credentials: on this machine only.
         engine_cmd = [*cli, "engine", "--model", model, "--redis-url", redis_url,
-                      "--grpc-port", str(args.grpc_port)]
+                      "--grpc-port", str(args.grpc_port), "--grpc-host", "127.0.0.1"]
         for flag in ("served_model_name", "dtype", "device", "max_model_len", "max_num_seqs"):
             value = getattr(args, flag)
             if value is not None:
