@@ -68,6 +68,7 @@ COPY proto ./proto
 COPY sluice ./sluice
 COPY engine_service ./engine_service
 COPY gateway ./gateway
+COPY sluice_cli ./sluice_cli
 RUN pip-install --no-deps . && pip check
 
 # ---------------------------------------------------------------------------------------------
@@ -106,6 +107,7 @@ COPY proto ./proto
 COPY sluice ./sluice
 COPY engine_service ./engine_service
 COPY gateway ./gateway
+COPY sluice_cli ./sluice_cli
 RUN pip-install --no-deps . && pip check
 
 # ---------------------------------------------------------------------------------------------

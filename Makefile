@@ -12,11 +12,11 @@ install:
 
 serve: install
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
-	$(PYTHON) -m sluice.cli serve $(ARGS)
+	$(PYTHON) -m sluice_cli.cli serve $(ARGS)
 
 test: install
 	bash .ci/setup-docker.sh
-	$(PYTHON) -m sluice.cli model prepare
+	$(PYTHON) -m sluice_cli.cli model prepare
 	$(PYTHON) -m pytest -q -p no:cacheprovider tests
 
 lint:

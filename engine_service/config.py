@@ -1,44 +1,134 @@
-"""The engine's configuration, in one place: the offline ``LLM`` keywords and the ``sluice engine``
-flags both resolve to an ``EngineConfig``."""
+"""The engine's configuration, in one place.
+
+``EngineConfig`` is the single definition of every engine knob: its name, type, default and help
+text. Everything else is derived from it:
+
+- the offline API: ``LLM(model, **knobs)`` passes its keywords to ``EngineConfig.from_kwargs``;
+- ``sluice engine`` flags: ``add_engine_arguments(parser)`` generates one flag per field
+  (``block_size`` → ``--block-size``; a bool ``x`` → ``--x`` / ``--no-x``);
+- ``sluice serve`` flags: the same generator, and ``engine_cli_args(config)`` forwards the ones
+  that differ from the default to the engine process it starts;
+- ``SchedulerConfig``'s defaults read ``EngineConfig``'s.
+
+**Adding a knob is one line** in ``EngineConfig``, e.g.::
+
+    quantization: str | None = knob(None, "weight quantization", choices=["int8", "int4"])
+
+and it is then a keyword of ``LLM``, a flag of ``sluice engine`` and of ``sluice serve``, with the
+same name and default everywhere. ``knob(default, help, **argparse_kwargs)`` takes ``choices``,
+``metavar`` and the like; ``cli=False`` keeps a field off the command line.
+
+Torch-free on purpose: the CLI imports it to build ``--help``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
 
 DEFAULT_WATERMARK_SHARE = 0.01
+
+
+def knob(default: Any, help: str, *, cli: bool = True, **argparse_kwargs: Any) -> Any:
+    """A field of ``EngineConfig``: its default, its help text and extra argparse options."""
+    return field(default=default, metadata={"help": help, "cli": cli, "argparse": argparse_kwargs})
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = knob(None, "local Hugging Face model directory (default: the prepared default model)")
+    served_model_name: str | None = knob(None, "the name clients use (default: the model directory's name)")
+    dtype: str = knob("float32", "weights, activations and KV cache dtype",
+                      choices=["float32", "bfloat16", "float16"])
+    device: str = knob("cpu", "cpu | cuda | cuda:N")
+    block_size: int = knob(16, "tokens per KV-cache block")
+    num_blocks: int | None = knob(None, "KV-cache blocks (default: as many as --kv-cache-memory allows)")
+    kv_cache_memory: int | None = knob(None, "bytes for the KV pool (default: 1 GiB on CPU, 90% of free memory on CUDA)")
+    max_num_seqs: int = knob(256, "most sequences in one step")
+    max_num_batched_tokens: int = knob(2048, "most tokens in one step (the scheduler's token budget)")
+    max_model_len: int | None = knob(None, "longest prompt + output (default: the model's context length)")
+    watermark_blocks: int | None = knob(
+        None, f"blocks admission keeps free (default: {DEFAULT_WATERMARK_SHARE:.0%} of the pool)")
+    enable_prefix_caching: bool = knob(True, "reuse KV blocks of shared prompt prefixes")
+    seed: int = knob(0, "seeds the sampler's generator for unseeded requests")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """``EngineConfig(**kwargs)`` with a clear error for an unknown keyword."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {', '.join(unknown)}; "
+                            f"the engine takes: {', '.join(sorted(names))}")
+        return cls(**kwargs)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(annotation: Any) -> type:
+    """``int | None`` → ``int``."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser | Any, *, title: str = "engine") -> None:
+    """One flag per ``EngineConfig`` field, with the field's default and help."""
+    group = parser.add_argument_group(title) if isinstance(parser, argparse.ArgumentParser) else parser
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if not f.metadata.get("cli", True):
+            continue
+        kind = _base_type(hints[f.name])
+        extra = dict(f.metadata.get("argparse", {}))
+        help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
+        if kind is bool:
+            group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=f.default,
+                               help=help_text + " (default: %(default)s)", **extra)
+        else:
+            shown = "" if f.default is None else " (default: %(default)s)"
+            group.add_argument(_flag(f.name), type=kind, default=f.default, help=help_text + shown, **extra)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The ``EngineConfig`` that ``add_engine_arguments``' flags describe."""
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+                           if f.metadata.get("cli", True) and hasattr(args, f.name)})
+
+
+def engine_cli_args(config: EngineConfig) -> list[str]:
+    """The ``sluice engine`` flags that reproduce ``config`` (only values that differ from the
+    defaults, so the engine's own defaults stay the single source)."""
+    out: list[str] = []
+    for f in dataclasses.fields(EngineConfig):
+        value = getattr(config, f.name)
+        if not f.metadata.get("cli", True) or value == f.default:
+            continue
+        if isinstance(value, bool):
+            out.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        else:
+            out += [_flag(f.name), str(value)]
+    return out
 
 
 @dataclass
 class SchedulerConfig:
     """What the scheduler and its block pool need; derived from ``EngineConfig`` once the model
-    (and so ``max_model_len`` and the KV pool size) is known."""
+    (and so ``max_model_len`` and the KV pool size) is known. Defaults are ``EngineConfig``'s."""
 
     num_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 8192
-    watermark_blocks: int | None = None  # None: DEFAULT_WATERMARK_SHARE of the pool
-    enable_prefix_caching: bool = True
+    block_size: int = EngineConfig.block_size
+    max_num_seqs: int = EngineConfig.max_num_seqs
+    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
+    max_model_len: int = 8192  # the scheduler alone has no model; the engine passes the model's
+    watermark_blocks: int | None = EngineConfig.watermark_blocks  # None: DEFAULT_WATERMARK_SHARE of the pool
+    enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
 
     def resolved_watermark_blocks(self) -> int:
         if self.watermark_blocks is not None:
             return self.watermark_blocks
         return int(DEFAULT_WATERMARK_SHARE * self.num_blocks)
-
-
-@dataclass
-class EngineConfig:
-    model: str | None = None  # a local HF directory; None: the prepared default model
-    served_model_name: str | None = None  # the name clients use; defaults to the directory's name
-    dtype: str = "float32"  # float32 | bfloat16 | float16
-    device: str = "cpu"  # cpu | cuda | cuda:N
-    block_size: int = 16
-    num_blocks: int | None = None  # None: as many as kv_cache_memory allows
-    kv_cache_memory: int | None = None  # bytes for the KV pool; None: 1 GiB on CPU, 90% of free on CUDA
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's context length
-    watermark_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    seed: int = 0  # seeds the sampler's generator for unseeded requests

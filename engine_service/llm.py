@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from engine_service.config import EngineConfig
 from engine_service.core.engine import LLMEngine
@@ -18,34 +19,19 @@ PromptInput = str | list[int] | dict
 
 
 class LLM:
-    """Run a model in this process. Engine knobs are keywords, as in vLLM::
+    """Run a model in this process. Engine knobs are keywords, as in vLLM (the names and defaults
+    of ``engine_service.config.EngineConfig``, the same as ``sluice engine``'s flags)::
 
         llm = LLM()  # the embedded SmolLM2-135M-Instruct
         out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
         print(out[0].outputs[0].text)
     """
 
-    def __init__(self, model: str | Path | None = None, *, dtype: str = "float32", device: str = "cpu",
-                 block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, watermark_blocks: int | None = None,
-                 enable_prefix_caching: bool = True, seed: int = 0,
-                 served_model_name: str | None = None) -> None:
-        self.engine = LLMEngine(EngineConfig(
-            model=str(model) if model is not None else None,
-            served_model_name=served_model_name,
-            dtype=dtype,
-            device=device,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            kv_cache_memory=kv_cache_memory,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            watermark_blocks=watermark_blocks,
-            enable_prefix_caching=enable_prefix_caching,
-            seed=seed,
-        ))
+    def __init__(self, model: str | Path | None = None, **engine_args: Any) -> None:
+        """``engine_args`` are ``EngineConfig``'s fields (``block_size``, ``kv_cache_memory``,
+        ``max_num_seqs``, ``dtype``, ``enable_prefix_caching``, ...), with its defaults."""
+        self.engine = LLMEngine(EngineConfig.from_kwargs(
+            model=str(model) if model is not None else None, **engine_args))
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:

@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from engine_service.config import add_engine_arguments, engine_config_from_args
 from engine_service.service.settings import ServiceSettings, default_engine_id
 from sluice.wire import contract
 
@@ -25,26 +26,15 @@ log = logging.getLogger("sluice.engine")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="local Hugging Face model directory (default: the prepared default model)")
     parser.add_argument("--redis-url", default="redis://localhost:6379/0", help="redis:// or rediss:// URL, password included if any")
     parser.add_argument("--grpc-port", type=int, default=50051, help="port of gRPC health and EngineAdmin (0: none)")
     parser.add_argument("--grpc-host", default="0.0.0.0")
-    parser.add_argument("--served-model-name", default=None, help="the name clients use (default: the model directory's name)")
     parser.add_argument("--engine-id", default=None, help="consumer name and registry id (default: host-pid-random)")
     parser.add_argument("--max-queue-wait", type=float, default=0.0, help="refuse requests that waited longer than this many seconds (0: no limit)")
     parser.add_argument("--drain-grace-s", type=float, default=30.0, help="on SIGTERM, how long running requests may take to finish")
     parser.add_argument("--heartbeat-ttl", type=float, default=contract.HEARTBEAT_TTL_S, help="liveness key TTL; other engines reclaim after it lapses")
-    # engine knobs
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV pool")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-level", default="INFO")
+    add_engine_arguments(parser)
 
 
 def settings_from_args(args: argparse.Namespace) -> ServiceSettings:
@@ -57,24 +47,6 @@ def settings_from_args(args: argparse.Namespace) -> ServiceSettings:
         drain_grace_s=args.drain_grace_s,
         heartbeat_ttl_s=args.heartbeat_ttl,
         heartbeat_interval_s=min(contract.HEARTBEAT_INTERVAL_S, args.heartbeat_ttl / 3),
-    )
-
-
-def engine_config_from_args(args: argparse.Namespace) -> Any:
-    from engine_service.config import EngineConfig
-
-    return EngineConfig(
-        model=args.model,
-        served_model_name=args.served_model_name,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
     )
 
 

@@ -62,7 +62,7 @@ def _wait_http(url: str, procs: list[subprocess.Popen], timeout: float) -> None:
 def start_stack(redis: str, model_dir: Path, log_dir: Path, num_gateways: int = 2,
                 extra_gateway_flags: list[str] | None = None) -> Stack:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cli = [sys.executable, "-m", "sluice.cli"]
+    cli = [sys.executable, "-m", "sluice_cli.cli"]
     grpc_port = free_port()
     stack = Stack(redis, [], grpc_port, model_dir.name)
     engine_log = log_dir / "engine.log"

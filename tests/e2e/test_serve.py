@@ -29,7 +29,7 @@ def test_serve_one_command_then_ctrl_c(model_dir, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sluice.cli", "serve", "--model", str(model_dir), "--port", str(port),
+        [sys.executable, "-m", "sluice_cli.cli", "serve", "--model", str(model_dir), "--port", str(port),
          "--grpc-port", str(grpc_port), "--max-model-len", "1024"],
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )

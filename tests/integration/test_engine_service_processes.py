@@ -33,7 +33,7 @@ class EngineProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
         cmd = [
-            sys.executable, "-m", "sluice.cli", "engine", "--model", str(model_dir), "--redis-url", url,
+            sys.executable, "-m", "sluice_cli.cli", "engine", "--model", str(model_dir), "--redis-url", url,
             "--grpc-port", str(self.grpc_port), "--engine-id", self.engine_id, "--served-model-name", MODEL,
             "--num-blocks", "128", "--max-model-len", "256", "--max-num-seqs", "2", "--heartbeat-ttl", "2",
             "--drain-grace-s", "60", "--log-level", "DEBUG", *extra,

@@ -13,7 +13,7 @@ from engine_service.bench.scheduler import (
     sweep_watermarks,
 )
 from engine_service.config import SchedulerConfig
-from sluice.cli import main
+from sluice_cli.cli import main
 
 RESERVES = [0, 1, 2, 3]
 

@@ -223,7 +223,7 @@ def test_refuses_to_overwrite_a_foreign_directory(tmp_path: Path) -> None:
 
 
 def test_cli_on_an_existing_directory(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from sluice.cli import main
+    from sluice_cli.cli import main
 
     assert main(["model", "prepare", "--out", str(model_dir)]) == 0
     out, _ = capsys.readouterr()
@@ -231,7 +231,7 @@ def test_cli_on_an_existing_directory(model_dir: Path, capsys: pytest.CaptureFix
 
 
 def test_cli_error_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from sluice.cli import main
+    from sluice_cli.cli import main
 
     bad = tmp_path / "bad.whl"
     bad.write_bytes(b"garbage")

@@ -18,6 +18,8 @@ import tempfile
 import time
 import urllib.request
 
+from engine_service.config import add_engine_arguments, engine_cli_args, engine_config_from_args
+
 # Redis persists its data with an append-only file, fsynced every second: a Redis restart loses at
 # most the last second of queue (the same settings as compose.yaml and deploy/k8s).
 REDIS_DURABILITY = ("--appendonly", "yes", "--appendfsync", "everysec")
@@ -59,8 +61,6 @@ def _http_ok(url: str) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF model directory (default: the embedded SmolLM2)")
-    parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--workers", type=int, default=1, help="gateway worker processes")
@@ -68,11 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="use this Redis instead of starting a private one ($REDIS_URL)")
     parser.add_argument("--grpc-port", type=int, default=50051, help="the engine's gRPC health/admin port")
     parser.add_argument("--api-key", default=None, help="require this Bearer key at the gateway")
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--ready-timeout", type=float, default=600.0)
+    # Every engine knob, generated from EngineConfig (torch-free), forwarded to `sluice engine`.
+    add_engine_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,12 +86,12 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     try:
-        model = args.model
-        if model is None:
+        engine_config = engine_config_from_args(args)
+        if engine_config.model is None:
             from engine_service.model.prepare import ModelPrepareError, prepare_default_model
 
             try:
-                model = str(prepare_default_model(progress=True))
+                engine_config.model = str(prepare_default_model(progress=True))
             except ModelPrepareError as exc:
                 print(f"sluice serve: {exc}", file=sys.stderr)
                 return 1
@@ -115,14 +113,10 @@ def run(args: argparse.Namespace) -> int:
             redis_url = f"redis://127.0.0.1:{port}/0"
             print(f"sluice serve: private Redis at {redis_url}", file=sys.stderr)
 
-        cli = [sys.executable, "-m", "sluice.cli"]
+        cli = [sys.executable, "-m", "sluice_cli.cli"]
         # The admin port's Drain needs no credentials: on this machine only.
-        engine_cmd = [*cli, "engine", "--model", model, "--redis-url", redis_url,
-                      "--grpc-port", str(args.grpc_port), "--grpc-host", "127.0.0.1"]
-        for flag in ("served_model_name", "dtype", "device", "max_model_len", "max_num_seqs"):
-            value = getattr(args, flag)
-            if value is not None:
-                engine_cmd += [f"--{flag.replace('_', '-')}", str(value)]
+        engine_cmd = [*cli, "engine", "--redis-url", redis_url, "--grpc-port", str(args.grpc_port),
+                      "--grpc-host", "127.0.0.1", *engine_cli_args(engine_config)]
         procs.append(subprocess.Popen(engine_cmd, start_new_session=True))
         names[procs[-1].pid] = "engine"
         gateway_cmd = [*cli, "gateway", "--redis-url", redis_url, "--host", args.host, "--port", str(args.port),

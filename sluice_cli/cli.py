@@ -13,13 +13,13 @@ import sys
 
 # (command words) -> (module, one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
-    ("serve",): ("sluice.serve", "run Redis, an engine and the gateway on this machine in one command"),
+    ("serve",): ("sluice_cli.serve", "run Redis, an engine and the gateway on this machine in one command"),
     ("engine",): ("engine_service.service.main", "run an engine process fed from Redis"),
     ("gateway",): ("gateway.main", "run the OpenAI-compatible HTTP gateway"),
     ("model", "prepare"): ("engine_service.model.prepare", "convert the embedded default model to a HF directory"),
     ("bench", "offline"): ("engine_service.bench.offline", "offline throughput benchmark against transformers"),
     ("bench", "scheduler"): ("engine_service.bench.scheduler", "model-free scheduler benchmark (batchbench)"),
-    ("bench", "serve"): ("gateway.bench_serve", "serving benchmark against a running gateway"),
+    ("bench", "serve"): ("sluice_cli.bench_serve", "serving benchmark against a running gateway"),
 }
 
 

@@ -1,0 +1,87 @@
+"""Engine knobs are defined once (EngineConfig) and reach every entry point with the same name and default."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from engine_service.config import (
+    EngineConfig,
+    SchedulerConfig,
+    add_engine_arguments,
+    engine_cli_args,
+    engine_config_from_args,
+)
+
+
+def _parser(module) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return parser
+
+
+def _entry_points():
+    from engine_service.service import main as engine_main
+    from sluice_cli import serve
+
+    return {"sluice engine": engine_main, "sluice serve": serve}
+
+
+@pytest.mark.parametrize("command", ["sluice engine", "sluice serve"])
+def test_every_engine_knob_is_a_flag_with_the_same_default(command: str) -> None:
+    parser = _parser(_entry_points()[command])
+    args = parser.parse_args([])
+    for f in dataclasses.fields(EngineConfig):
+        assert hasattr(args, f.name), f"{command} has no --{f.name.replace('_', '-')}"
+        assert getattr(args, f.name) == f.default, f.name
+    assert engine_config_from_args(args) == EngineConfig()
+
+
+def test_flags_parse_into_the_config_and_round_trip_to_the_engine() -> None:
+    from engine_service.service import main as engine_main
+    from sluice_cli import serve
+
+    argv = ["--model", "/m", "--block-size", "32", "--watermark-blocks", "3", "--no-enable-prefix-caching",
+            "--dtype", "bfloat16", "--kv-cache-memory", "1000", "--seed", "7"]
+    cfg = engine_config_from_args(_parser(serve).parse_args(argv))
+    assert cfg == EngineConfig(model="/m", block_size=32, watermark_blocks=3, enable_prefix_caching=False,
+                               dtype="bfloat16", kv_cache_memory=1000, seed=7)
+    # `sluice serve` forwards exactly the non-default knobs; `sluice engine` parses them back.
+    forwarded = engine_cli_args(cfg)
+    assert "--max-num-seqs" not in forwarded and "--no-enable-prefix-caching" in forwarded
+    assert engine_config_from_args(_parser(engine_main).parse_args(forwarded)) == cfg
+
+
+def test_bad_flag_values_are_refused_by_argparse(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dtype", "int3"])
+    assert "invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--block-size", "big"])
+
+
+def test_help_lists_knobs_with_defaults() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    text = parser.format_help()
+    assert "--watermark-blocks" in text and "1% of the pool" in text
+    assert "--enable-prefix-caching, --no-enable-prefix-caching" in text
+    assert "(default: 2048)" in text
+
+
+def test_llm_keywords_are_the_config_fields() -> None:
+    cfg = EngineConfig.from_kwargs(block_size=8, enable_prefix_caching=False)
+    assert cfg.block_size == 8 and cfg.enable_prefix_caching is False
+    with pytest.raises(TypeError, match="unknown engine argument.*blok_size.*block_size"):
+        EngineConfig.from_kwargs(blok_size=8)
+
+
+def test_scheduler_defaults_are_the_engine_defaults() -> None:
+    s = SchedulerConfig(num_blocks=10)
+    e = EngineConfig()
+    assert (s.block_size, s.max_num_seqs, s.max_num_batched_tokens, s.enable_prefix_caching) == (
+        e.block_size, e.max_num_seqs, e.max_num_batched_tokens, e.enable_prefix_caching)
