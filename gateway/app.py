@@ -114,7 +114,7 @@ def create_app(config: GatewayConfig | None = None, *, broker: Broker | None = N
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        b = broker or Broker(config.redis_url, card_ttl_s=config.card_ttl_s)
+        b = broker or Broker(config.redis_url, card_ttl_s=config.card_ttl_s, retry_after_s=config.retry_after_s)
         app.state.broker = b
         await b.start()
         try:

@@ -72,6 +72,17 @@ def queue_full(model: str, retry_after_s: int) -> OpenAIError:
     )
 
 
+def service_unavailable(message: str, code: str, retry_after_s: int = 1) -> OpenAIError:
+    """A 503 the client should retry (``Retry-After``)."""
+    return OpenAIError(503, message, type="service_unavailable_error", code=code,
+                       headers={"Retry-After": str(retry_after_s)})
+
+
+def request_lost(code: str, message: str, retry_after_s: int = 1) -> OpenAIError:
+    """The request cannot complete (its queue entry or part of its output was lost with Redis)."""
+    return service_unavailable(message, code, retry_after_s)
+
+
 def deadline_exceeded() -> OpenAIError:
     return OpenAIError(
         504, "The request did not complete before its deadline.", type="timeout_error", code="deadline_exceeded"
@@ -102,9 +113,10 @@ ENGINE_ERRORS: dict[str, tuple[int, str]] = {
 }
 
 
-def from_engine(code: str, message: str) -> OpenAIError:
+def from_engine(code: str, message: str, retry_after_s: int = 1) -> OpenAIError:
     status, type_ = ENGINE_ERRORS.get(code, (500, "internal_error"))
-    return OpenAIError(status, message or code, type=type_, code=code or None)
+    headers = {"Retry-After": str(retry_after_s)} if status == 503 else None
+    return OpenAIError(status, message or code, type=type_, code=code or None, headers=headers)
 
 
 def _param_of(loc: tuple | list) -> str | None:

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from gateway import errors
-from gateway.broker import Broker, ModelCard
+from gateway.broker import Broker, Lost, ModelCard
 from gateway.metrics import METRICS
 from sluice.text.detokenizer import IncrementalDetokenizer, token_text
 from sluice.text.stop import StopMatcher, StopResult
@@ -236,6 +236,8 @@ class Generation:
                         raise errors.deadline_exceeded() from None
                     await self._check_engines()
                     continue
+                if isinstance(data, Lost):
+                    raise errors.request_lost(data.code, data.message, self.broker.retry_after_s)
                 out = self._handle(Event.FromString(data))
                 if out:
                     yield out
@@ -264,7 +266,7 @@ class Generation:
             raise errors.OpenAIError(
                 503, f"The engine serving model `{self.card.name}` was lost.",
                 type="service_unavailable_error", code="engine_lost",
-                headers={"Retry-After": str(policy.RETRY_AFTER_S)},
+                headers={"Retry-After": str(self.broker.retry_after_s)},
             )
 
     def _handle(self, ev: Event) -> list[Delta]:
@@ -275,7 +277,8 @@ class Generation:
         if ev.HasField("error"):
             for c in sub.choices:
                 c.engine_done = True
-            raise errors.from_engine(ev.error.code, ev.error.message)
+            self.broker.settled(sub.request_id)
+            raise errors.from_engine(ev.error.code, ev.error.message, self.broker.retry_after_s)
         if ev.prompt_logprobs and not sub.prompt_logprobs:
             sub.prompt_logprobs = list(ev.prompt_logprobs)
         if not 0 <= ev.index < len(sub.choices):
@@ -290,6 +293,8 @@ class Generation:
                 METRICS.itl.observe(now - self._last_token_time)
             self._last_token_time = now
         d = sub.choices[ev.index].consume(ev)
+        if not sub.engine_active:
+            self.broker.settled(sub.request_id)
         return [d] if d is not None else []
 
     def _finish(self, ok: bool) -> None:
@@ -302,7 +307,8 @@ class Generation:
         METRICS.running.dec()
         active = [s.request_id for s in self.subs if s.engine_active]
         if active:
-            self.broker.cancel_nowait(active)
+            self.broker.cancel_nowait(active, give_up_at=self.deadline)
+        self.broker.release([s.request_id for s in self.subs])
         self.broker.unsubscribe([s.channel for s in self.subs])
         if ok:
             METRICS.e2e.observe(time.monotonic() - self.arrival)

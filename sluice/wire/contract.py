@@ -14,6 +14,7 @@ of ``sluice.wire.messages_pb2`` (source: proto/sluice/wire/messages.proto).
 | sluice:model:{model}             | hash                  | engine  | model card: tokenizer, chat template, limits |
 | sluice:models                    | set                   | engine  | names of models that have a card          |
 | sluice:emitted:{request_id}      | string with TTL       | engine  | set with a request's first token: a reclaimed request that has it is errored, not restarted |
+| sluice:inflight:{request_id}     | string with TTL       | gateway | set in one MULTI with the request's XADD, deleted when the gateway is done with it: gone while the gateway still waits = Redis lost its queue entry |
 """
 
 from __future__ import annotations
@@ -65,6 +66,15 @@ def model_card_key(model: str) -> str:
 
 def emitted_key(request_id: str) -> str:
     return f"{PREFIX}:emitted:{request_id}"
+
+
+def inflight_key(request_id: str) -> str:
+    return f"{PREFIX}:inflight:{request_id}"
+
+
+# The in-flight marker outlives the request's deadline by this much (a crashed gateway's markers
+# expire on their own). Engines never touch it.
+INFLIGHT_MARGIN_S = 60
 
 
 # The emitted marker outlives any request the engine would still run.

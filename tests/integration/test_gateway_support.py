@@ -5,7 +5,8 @@ The fake engine publishes the model card (the real SmolLM2 tokenizer files of ``
 heartbeats, reads the request stream with XREADGROUP and answers with ``Event``s: each completion
 index spells ``REPLY`` (rotated by the index) token by token, then finishes with "length" at
 ``max_tokens`` or "stop" at the end of the reply. It records the requests it read and the cancels
-it received.
+it received. Like the real engine it rides out a Redis restart: its loops retry, and each heartbeat
+puts back the card, the models set and the consumer group when Redis lost them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import redis
-import redis.asyncio as aioredis
 import uvicorn
 
 from sluice.wire import contract
@@ -65,6 +65,8 @@ class FakeEngine:
         self.paused = False  # do not read the stream
         self.error: tuple[str, str] | None = None  # answer every request with this error
         self.heartbeat = True
+        self.max_running: int | None = None  # read only while fewer requests than this are running
+        self.running = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._tasks: list = []
@@ -102,7 +104,13 @@ class FakeEngine:
 
     # -- engine side --
     async def _setup(self) -> None:
-        self.r = aioredis.Redis.from_url(self.redis_url)
+        from sluice.wire.connection import async_redis
+
+        self.r = async_redis(self.redis_url)
+        await self._publish_card()
+        await self._beat()
+
+    async def _publish_card(self) -> None:
         await self.r.hset(contract.model_card_key(MODEL), mapping=card_fields(self.model_dir))
         await self.r.sadd(contract.MODELS_KEY, MODEL)
         try:
@@ -110,7 +118,6 @@ class FakeEngine:
                                        mkstream=True)
         except redis.ResponseError:
             pass
-        await self._beat()
 
     async def _close(self) -> None:
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -126,30 +133,48 @@ class FakeEngine:
 
     async def _heartbeat(self) -> None:
         while True:
-            if self.heartbeat:
-                await self._beat()
+            try:
+                if self.heartbeat:
+                    if not await self.r.exists(contract.model_card_key(MODEL)):
+                        await self._publish_card()  # Redis restarted without its data
+                    await self._beat()
+            except (redis.RedisError, OSError):
+                pass
             await asyncio.sleep(contract.HEARTBEAT_INTERVAL_S)
 
     async def _listen_cancels(self) -> None:
         ps = self.r.pubsub()
         await ps.subscribe(contract.CANCEL_CHANNEL)
         while True:
-            msg = await ps.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            try:
+                msg = await ps.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            except (redis.RedisError, OSError):
+                await asyncio.sleep(0.1)
+                continue
             if msg and msg["type"] == "message":
                 self.cancels.extend(Cancel.FromString(msg["data"]).request_ids)
 
     async def _read(self) -> None:
         stream = contract.request_stream(MODEL)
         while True:
-            if self.paused:
+            free = 16 if self.max_running is None else min(16, self.max_running - self.running)
+            if self.paused or free <= 0:
                 await asyncio.sleep(0.05)
                 continue
-            resp = await self.r.xreadgroup(contract.CONSUMER_GROUP, self.engine_id, {stream: ">"}, count=16,
-                                           block=100)
+            try:
+                resp = await self.r.xreadgroup(contract.CONSUMER_GROUP, self.engine_id, {stream: ">"},
+                                               count=free, block=100)
+            except redis.ResponseError:  # NOGROUP: Redis restarted without its data
+                await asyncio.sleep(0.1)
+                continue
+            except (redis.RedisError, OSError):
+                await asyncio.sleep(0.1)
+                continue
             for _, entries in resp or []:
                 for entry_id, fields in entries:
                     req = GenerateRequest.FromString(fields[contract.REQUEST_FIELD])
                     self.requests.append(req)
+                    self.running += 1
                     self._loop.create_task(self._serve(entry_id, req))
 
     def _cancelled(self, rid: str) -> bool:
@@ -197,8 +222,14 @@ class FakeEngine:
                     break
                 await asyncio.sleep(self.token_delay)
             self.finished.add(req.request_id)
+        except (redis.RedisError, OSError):
+            pass  # Redis went away mid-request: like an engine whose publishes were dropped
         finally:
-            await self.r.xack(contract.request_stream(MODEL), contract.CONSUMER_GROUP, entry_id)
+            self.running -= 1
+            try:
+                await self.r.xack(contract.request_stream(MODEL), contract.CONSUMER_GROUP, entry_id)
+            except (redis.RedisError, OSError):
+                pass
 
 
 def free_port() -> int:
@@ -217,7 +248,8 @@ class GatewayServer:
         self.config = GatewayConfig(**config)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.config), host="127.0.0.1", port=self.port,
+        self.app = create_app(self.config)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
                                                     log_level="warning", lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -240,6 +272,23 @@ def fake_engine(redis_client, redis_url, model_dir):
     engine = FakeEngine(redis_url, Path(model_dir)).start()
     yield engine
     engine.stop()
+
+
+@pytest.fixture
+def make_fake_engine(model_dir):
+    """Fake engines on any Redis (``make_fake_engine(url)``), stopped at the end of the test."""
+    engines: list[FakeEngine] = []
+
+    def make(redis_url: str, **attrs) -> FakeEngine:
+        engine = FakeEngine(redis_url, Path(model_dir))
+        for k, v in attrs.items():
+            setattr(engine, k, v)
+        engines.append(engine.start())
+        return engine
+
+    yield make
+    for e in engines:
+        e.stop()
 
 
 @pytest.fixture
