@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+import redis
 
 from sluice.wire import contract
 from sluice.wire.messages_pb2 import GenerateRequest
@@ -423,7 +424,11 @@ def test_queued_request_waits_for_a_restarted_engine(gateway, fake_engine, monke
 
     t = threading.Thread(target=client)
     t.start()
-    time.sleep(0.5)
+    r = redis.Redis.from_url(gateway.config.redis_url)
+    end = time.time() + 10
+    while not r.keys(contract.inflight_key("*")) and time.time() < end:  # enqueued (a fixed sleep races)
+        time.sleep(0.02)
+    r.close()
     fake_engine.kill()  # gone: no liveness key, no heartbeat
     time.sleep(3.0)  # many liveness checks see no engine
     assert t.is_alive(), f"failed while queued: {result['r'].status_code} {result['r'].text}"
