@@ -35,7 +35,7 @@ def test_k8s_redis_uses_aof():
 
 
 def test_serve_starts_redis_with_aof_and_binds_admin_on_loopback(monkeypatch, tmp_path):
-    from sluice import serve
+    from sluice_cli import serve
 
     commands: list[list[str]] = []
 
