@@ -1,23 +1,46 @@
 # The two commands a newcomer needs: `make serve` and `make test` (see README.md).
 # `make serve ARGS="--port 9000 --workers 2"` passes options to `sluice serve`.
-PYTHON ?= python3
+#
+# Both install into the project's own virtual environment, .venv (created with the system
+# python3's venv module on first use), and run everything from it: the system Python is only
+# used to create .venv and never gets a package installed. `rm -rf .venv` undoes the install.
+# SYSTEM_PYTHON chooses the interpreter that creates it; VENV its location.
+SYSTEM_PYTHON ?= python3
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
 PIP := $(PYTHON) -m pip
+SLUICE := $(VENV)/bin/sluice
+EXTRAS ?= engine,gateway,test,bench
+STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint
+.PHONY: venv install serve test lint
 
-install:
+venv: $(PYTHON)
+
+$(PYTHON):
+	@# Debian ships venv's ensurepip in its own package.
+	@$(SYSTEM_PYTHON) -c 'import ensurepip, venv' 2>/dev/null \
+		|| (apt-get update -qq && apt-get install -y -qq python3-venv)
+	$(SYSTEM_PYTHON) -m venv $(VENV)
+
+# Installed again whenever pyproject.toml changes.
+$(STAMP): pyproject.toml | $(PYTHON)
 	# The CPU build of torch first, explicitly: any looser spec pulls a multi-GB CUDA build.
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[engine,gateway,test]'
+	$(PIP) install --quiet -e '.[$(EXTRAS)]'
+	touch $(STAMP)
+
+install: $(STAMP)
 
 serve: install
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
-	$(PYTHON) -m sluice_cli.cli serve $(ARGS)
+	$(SLUICE) serve $(ARGS)
 
 test: install
-	bash .ci/setup-docker.sh
-	$(PYTHON) -m sluice_cli.cli model prepare
+	PYTHON=$(abspath $(PYTHON)) bash .ci/setup-docker.sh
+	$(SLUICE) model prepare
 	$(PYTHON) -m pytest -q -p no:cacheprovider tests
 
+# ruff from .venv once `make install` has run, else whichever ruff is on PATH (installs nothing).
 lint:
-	ruff check .
+	$(if $(wildcard $(VENV)/bin/ruff),$(VENV)/bin/ruff,ruff) check .
