@@ -255,18 +255,24 @@ def serving(url: str, engine: Engine) -> bool:
 
 
 def _faults(chaos: Chaos, rds: Redis, engines: list[Engine], stop: threading.Event, seed: int) -> None:
-    """Every ``period`` seconds the next fault of the plan, on a serving engine; with none serving
-    (both reloading their model), a Redis restart instead."""
+    """The plan's faults one after the other, ``period`` seconds apart. An engine fault waits (up to
+    30 s) until both engines serve, so one engine is down at a time (a reload of the model takes a
+    while); if they still do not, a Redis restart comes instead."""
     rng = random.Random(seed)
-    plan = ["kill9", "redis", "drain", "kill9", "redis", "drain", "kill9", "redis"]
+    plan = ["kill9", "redis", "drain", "redis", "kill9", "drain", "redis", "kill9"]
     period = max(6.0, (DURATION_S - 12.0) / len(plan))
     stop.wait(6.0)
     for what in plan:
         if stop.is_set():
             return
         up = [e for e in engines if serving(rds.url, e)]
-        if what != "redis" and len(up) < len(engines):
-            what = "redis"  # one engine at a time: the other is still reloading its model
+        if what != "redis":
+            end = time.monotonic() + 30
+            while len(up) < len(engines) and time.monotonic() < end and not stop.is_set():
+                stop.wait(0.5)
+                up = [e for e in engines if serving(rds.url, e)]
+            if len(up) < len(engines) or stop.is_set():
+                what = "redis"
         if what == "kill9":
             engine = rng.choice(up)
             chaos.fault(f"kill -9 {engine.engine_id}")
