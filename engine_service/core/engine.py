@@ -49,7 +49,8 @@ def resolve_model_dir(model: str | Path | None) -> Path:
 @dataclass
 class EngineStats:
     num_running: int
-    num_waiting: int
+    num_waiting: int  # preempted ones included
+    num_preempted_waiting: int
     num_free_blocks: int
     num_total_blocks: int
     num_preemptions: int
@@ -58,6 +59,8 @@ class EngineStats:
     generation_tokens_total: int
     prefix_cache_hit_rate: float
     finished_requests: int
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # of those, tokens served from the cache
 
 
 @dataclass
@@ -113,6 +116,8 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._finished_requests = 0
+        # the last step's batch: sequences scheduled and tokens forwarded (for the step metrics)
+        self.last_batch: tuple[int, int] = (0, 0)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -189,6 +194,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[EngineOutput]:
         scheduled = self.scheduler.schedule()
+        self.last_batch = (len(scheduled.chunks), scheduled.num_batched_tokens)
         if not scheduled.chunks:
             return []
         result = self.runner.execute(scheduled.chunks)
@@ -262,6 +268,7 @@ class LLMEngine:
         return EngineStats(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
+            num_preempted_waiting=sched.num_preempted_waiting,
             num_free_blocks=sched.block_pool.num_free_blocks,
             num_total_blocks=sched.block_pool.num_total_blocks,
             num_preemptions=stats.preemptions,
@@ -270,4 +277,6 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
             finished_requests=self._finished_requests,
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
         )

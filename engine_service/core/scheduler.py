@@ -131,6 +131,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._state: dict[str, _State] = {}
         self._stats = SchedulerStats()
+        self._num_preempted_waiting = 0  # waiting requests that were preempted (a subset of _waiting)
         self._idle_violation: str | None = None
 
     # --- views ---
@@ -141,6 +142,11 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def num_preempted_waiting(self) -> int:
+        """Waiting requests that ran and were preempted (counted in ``num_waiting`` too)."""
+        return self._num_preempted_waiting
 
     @property
     def running(self) -> tuple[Request, ...]:
@@ -251,6 +257,8 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:
                 removed_running = True
             else:
+                if req.status is RequestStatus.PREEMPTED:
+                    self._num_preempted_waiting -= 1
                 self._waiting.remove(req)
             self._release(req)
             req.finish(reason, error=error)
@@ -369,6 +377,8 @@ class Scheduler:
                 st.num_registered = len(hit_blocks)
                 req.num_cached_tokens = min(num_hit, req.num_prompt_tokens)
                 req.num_computed_tokens = num_hit
+                if req.status is RequestStatus.PREEMPTED:
+                    self._num_preempted_waiting -= 1
                 req.status = RequestStatus.RUNNING
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = now
@@ -440,6 +450,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self._stats.preemptions += 1
+        self._num_preempted_waiting += 1
         self._waiting.appendleft(req)
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -515,6 +526,10 @@ class Scheduler:
             assert self._requests.get(rid) is req, f"waiting request {rid!r} is not registered"
             assert not req.block_ids, f"waiting request {rid!r} holds blocks {req.block_ids}"
             assert req.num_computed_tokens == 0, f"waiting request {rid!r} has computed tokens"
+        preempted = sum(1 for r in self._waiting if r.status is RequestStatus.PREEMPTED)
+        assert preempted == self._num_preempted_waiting, (
+            f"{preempted} preempted requests wait, but the counter says {self._num_preempted_waiting}"
+        )
         assert seen == set(self._requests), (
             f"registered but neither running nor waiting: {sorted(set(self._requests) - seen)}"
         )

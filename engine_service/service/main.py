@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default="redis://localhost:6379/0", help="redis:// or rediss:// URL, password included if any")
     parser.add_argument("--grpc-port", type=int, default=50051, help="port of gRPC health and EngineAdmin (0: none)")
     parser.add_argument("--grpc-host", default="0.0.0.0")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve Prometheus metrics on http://HOST:PORT/metrics (0: off)")
+    parser.add_argument("--metrics-host", default="0.0.0.0", help="address of the metrics server")
     parser.add_argument("--engine-id", default=None, help="consumer name and registry id (default: host-pid-random)")
     parser.add_argument("--max-queue-wait", type=float, default=0.0, help="refuse requests that waited longer than this many seconds (0: no limit)")
     parser.add_argument("--drain-grace-s", type=float, default=30.0, help="on SIGTERM, how long running requests may take to finish")
@@ -42,6 +45,8 @@ def settings_from_args(args: argparse.Namespace) -> ServiceSettings:
         redis_url=args.redis_url,
         grpc_port=args.grpc_port,
         grpc_host=args.grpc_host,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         engine_id=args.engine_id or default_engine_id(),
         max_queue_wait=args.max_queue_wait,
         drain_grace_s=args.drain_grace_s,
@@ -74,7 +79,10 @@ class EngineService:
     ``run()`` runs the step loop on the calling thread; ``start_in_thread()`` is for in-process tests.
     """
 
-    def __init__(self, engine: Any, settings: ServiceSettings, model: str | None = None) -> None:
+    def __init__(self, engine: Any, settings: ServiceSettings, model: str | None = None,
+                 metrics: Any = None) -> None:
+        """``metrics``: an ``EngineMetrics`` to report to; by default one is made, and served on
+        ``settings.metrics_port``, when that port is set (``MetricsPortInUse`` when it is taken)."""
         import queue
 
         from engine_service.service.redis_io import RedisIO
@@ -92,6 +100,15 @@ class EngineService:
             from engine_service.service.admin import AdminServer
 
             self.admin = AdminServer(self.worker, settings.engine_id, self.model, settings.grpc_port, settings.grpc_host)
+        self.metrics = metrics
+        if self.metrics is None and settings.metrics_port:
+            from engine_service.service.metrics import EngineMetrics
+
+            self.metrics = EngineMetrics(self.model, settings.engine_id)
+            self.metrics.serve(settings.metrics_port, settings.metrics_host)
+        if self.metrics is not None:
+            self.metrics.bind(self.worker.snapshot)
+            self.worker.metrics = self.io.metrics = self.metrics
         self._thread: threading.Thread | None = None
 
     def _load(self) -> dict[str, Any]:
@@ -123,6 +140,8 @@ class EngineService:
         self.io.stop(flush_timeout=flush)
         if self.admin is not None:
             self.admin.stop(grace=0.2)
+        if self.metrics is not None:
+            self.metrics.close()
 
     # --- in-process use (tests) ---
     def start_in_thread(self) -> EngineService:
@@ -144,10 +163,17 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("redis").setLevel(logging.INFO)  # its DEBUG lines are connection chatter
     settings = settings_from_args(args)
     from engine_service.core.engine import LLMEngine
+    from engine_service.service.metrics import MetricsPortInUse, check_port_free
 
-    log.info("engine %s: loading the model", settings.engine_id)
-    engine = LLMEngine(engine_config_from_args(args))
-    service = EngineService(engine, settings, args.served_model_name or engine.model_name)
+    try:
+        if settings.metrics_port:  # fail now, not after loading the model
+            check_port_free(settings.metrics_port, settings.metrics_host)
+        log.info("engine %s: loading the model", settings.engine_id)
+        engine = LLMEngine(engine_config_from_args(args))
+        service = EngineService(engine, settings, args.served_model_name or engine.model_name)
+    except MetricsPortInUse as exc:
+        log.error("%s", exc)
+        return 2
 
     def on_signal(signum: int, frame: Any) -> None:
         if service.worker.draining and signum == signal.SIGINT:

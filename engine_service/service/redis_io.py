@@ -33,6 +33,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from engine_service.service.metrics import NULL_METRICS, NullMetrics
 from sluice.wire import codec, contract
 from sluice.wire.messages_pb2 import Cancel, Event, GenerateRequest
 
@@ -140,14 +141,17 @@ def trim_stream(client: redis.Redis, stream: str) -> tuple[str | None, int]:
 
 
 class _Backoff:
-    def __init__(self, first: float = 0.05, cap: float = 0.5) -> None:
+    def __init__(self, first: float = 0.05, cap: float = 0.5, on_recover: Callable[[], None] | None = None) -> None:
         self.first, self.cap, self.delay = first, cap, 0.0
+        self.on_recover = on_recover  # called by the first ok() after a failure (a reconnect)
 
     def fail(self, stop: threading.Event) -> None:
         self.delay = min(self.cap, self.delay * 2 if self.delay else self.first)
         stop.wait(self.delay)
 
     def ok(self) -> None:
+        if self.delay and self.on_recover is not None:
+            self.on_recover()
         self.delay = 0.0
 
 
@@ -202,6 +206,10 @@ class RedisIO:
             "published_batches": 0, "publish_retries": 0, "dropped_batches": 0, "reclaimed": 0,
             "trimmed": 0, "pruned_engines": 0,
         }
+        self.metrics: NullMetrics = NULL_METRICS  # reconnects, reclaims, events answered here
+
+    def _backoff(self, connection: str) -> _Backoff:
+        return _Backoff(on_recover=lambda: self.metrics.redis_reconnected(connection))
 
     # --- lifecycle ---
     def start(self) -> None:
@@ -270,7 +278,7 @@ class RedisIO:
                 raise
 
     def _reader_loop(self) -> None:
-        backoff = _Backoff()
+        backoff = self._backoff("reader")
         need_group = True
         while not self._stop.is_set():
             if not self.own_reclaimed.is_set():
@@ -356,13 +364,14 @@ class RedisIO:
             batch.events.append(codec.error_event(e.request.request_id, contract.ERR_ENGINE_LOST, reason, self.consumer))
             batch.acks.append(e.entry_id)
             log.warning("reclaimed %s: %s", e.request.request_id, reason)
+        self.metrics.events(batch.events)
         self.outbox.put(batch)  # the publisher sends it now (it is idle between steps' batches)
         lost_ids = {id(e) for e in lost}
         return [e for e in entries if id(e) not in lost_ids]
 
     # --- canceller ---
     def _cancel_loop(self) -> None:
-        backoff = _Backoff()
+        backoff = self._backoff("canceller")
         while not self._stop.is_set():
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
@@ -414,7 +423,7 @@ class RedisIO:
         if self._carry_acks:
             batch.acks = self._carry_acks + batch.acks
             self._carry_acks = []
-        backoff = _Backoff()
+        backoff = self._backoff("publisher")
         give_up = time.monotonic() + self.settings.publish_retry_s
         while True:
             try:
@@ -432,6 +441,7 @@ class RedisIO:
                     if isinstance(result, Exception):
                         log.warning("publish: a command failed: %s", result)
                 self.stats["published_batches"] += 1
+                backoff.ok()
                 return
             except _REDIS_ERRORS as exc:
                 if time.monotonic() >= give_up:
@@ -469,7 +479,7 @@ class RedisIO:
             self.publish_card()
 
     def _housekeeper_loop(self) -> None:
-        backoff = _Backoff()
+        backoff = self._backoff("housekeeper")
         need_card = True
         next_beat = next_reclaim = 0.0
         next_prune = time.monotonic() + 30.0
@@ -601,6 +611,7 @@ class RedisIO:
             if entries:
                 log.warning("reclaimed %d pending entries of dead engine %s", len(entries), consumer)
                 self.stats["reclaimed"] += len(entries)
+                self.metrics.reclaimed(len(entries))
                 claimed += len(entries)
                 self._deliver(entries)
         return claimed

@@ -19,6 +19,8 @@ class ServiceSettings:
     redis_url: str = "redis://localhost:6379/0"
     grpc_port: int = 0  # 0: no gRPC server (in-process tests)
     grpc_host: str = "0.0.0.0"
+    metrics_port: int = 0  # Prometheus /metrics on this port; 0: no metrics server
+    metrics_host: str = "0.0.0.0"
     engine_id: str = field(default_factory=default_engine_id)
     max_queue_wait: float = 0.0  # seconds a request may wait in the queue before it is refused; 0: no limit
     drain_grace_s: float = 30.0

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_service.service.metrics import NULL_METRICS, NullMetrics
 from engine_service.service.redis_io import Batch, CancelNote, Entry
 from sluice.wire import codec, contract, limits
 from sluice.wire.messages_pb2 import Event, GenerateRequest
@@ -71,6 +72,7 @@ class Worker:
         self._snapshot: dict[str, Any] = {}
         self._snapshot_lock = threading.Lock()
         self.counters = {"invalid": 0, "cancelled": 0, "deadline": 0, "engine_lost": 0, "handed_back": 0}
+        self.metrics: NullMetrics = NULL_METRICS
         self._update_snapshot()
 
     # ------------------------------------------------------------------ control (any thread)
@@ -106,7 +108,7 @@ class Worker:
                     produced = self._step(batch) > 0 or self.engine.get_stats().iterations != before
                 if self.draining:
                     self._drain_progress(batch)
-                self.io.send(batch)
+                self._send(batch)
                 self._update_snapshot()
                 self._report_credit()
                 if self.draining and not self.live:
@@ -151,9 +153,13 @@ class Worker:
             elif isinstance(item, DrainNote):
                 self._start_drain(item.grace_s, batch, item.requested_at)
             elif isinstance(item, StopNote):
-                self.io.send(batch)
+                self._send(batch)
                 return True
         return False
+
+    def _send(self, batch: Batch) -> None:
+        self.metrics.events(batch.events)
+        self.io.send(batch)
 
     # ------------------------------------------------------------------ entries
     def _error(self, batch: Batch, request_id: str, code: str, message: str) -> None:
@@ -181,6 +187,7 @@ class Worker:
             batch.acks.append(entry.entry_id)
             if code == "cancelled":
                 self.counters["cancelled"] += 1
+                self.metrics.aborted("cancel")
                 n = req.params.n if req.params.HasField("n") and req.params.n > 0 else 1
                 for index in range(n):
                     batch.events.append(
@@ -225,6 +232,7 @@ class Worker:
             return
         n = params.n
         self.live[rid] = _Live(req, entry.entry_id, set(range(n)), emitted=False)
+        self.metrics.request_started(rid, n, req.enqueue_time)
         if entry.reclaimed:
             log.info("restarting reclaimed request %s (it had emitted nothing)", rid)
         else:
@@ -259,6 +267,7 @@ class Worker:
         live = self.live.pop(rid, None)
         if live is not None:
             batch.acks.append(live.entry_id)
+            self.metrics.request_done(rid)
 
     def _abort_silently(self, rid: str) -> None:
         try:
@@ -275,6 +284,7 @@ class Worker:
                 self.recent_cancels[rid] = now
                 continue
             self.counters["cancelled"] += 1
+            self.metrics.aborted("cancel")
             for out in self.engine.abort_request([rid]):
                 if out.index in live.open:
                     live.open.discard(out.index)
@@ -294,12 +304,14 @@ class Worker:
             deadline = live.request.deadline
             if deadline and now > deadline:
                 self.counters["deadline"] += 1
+                self.metrics.aborted("deadline")
                 self._abort_silently(rid)
                 self._error(batch, rid, contract.ERR_DEADLINE, "the request's deadline passed while it ran")
                 self._finish(rid, batch)
 
     # ------------------------------------------------------------------ the step
     def _step(self, batch: Batch) -> int:
+        started = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as exc:
@@ -309,6 +321,8 @@ class Worker:
                 self._error(batch, rid, contract.ERR_INTERNAL, f"engine step failed: {type(exc).__name__}: {exc}")
                 self._finish(rid, batch)
             return 1
+        self.metrics.step(time.perf_counter() - started, *getattr(self.engine, "last_batch", (0, 0)))
+        self.metrics.outputs(outputs)
         for out in outputs:
             live = self.live.get(out.request_id)
             if live is None or out.index not in live.open:
@@ -385,6 +399,7 @@ class Worker:
     def _drain_progress(self, batch: Batch) -> None:
         if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
             for rid in list(self.live):
+                self.metrics.aborted("drain")
                 self._abort_silently(rid)
                 self._error(batch, rid, contract.ERR_DRAINING, "the engine shut down before the request finished")
                 self._finish(rid, batch)
@@ -401,6 +416,7 @@ class Worker:
         snap = {
             "running": stats.num_running,
             "waiting": stats.num_waiting,
+            "preempted_waiting": stats.num_preempted_waiting,
             "free_blocks": stats.num_free_blocks,
             "total_blocks": stats.num_total_blocks,
             "preemptions": stats.num_preemptions,
@@ -408,6 +424,8 @@ class Worker:
             "prompt_tokens_total": stats.prompt_tokens_total,
             "generation_tokens_total": stats.generation_tokens_total,
             "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+            "prefix_cache_queries": stats.prefix_cache_queries,
+            "prefix_cache_hits": stats.prefix_cache_hits,
             "finished_requests": stats.finished_requests,
             "generation_tokens_per_s": (stats.generation_tokens_total - g0) / span if span > 0 else 0.0,
             "prompt_tokens_per_s": (stats.prompt_tokens_total - p0) / span if span > 0 else 0.0,

@@ -23,6 +23,7 @@ from sluice.wire import codec, contract
 class _Stats:
     num_running: int = 0
     num_waiting: int = 0
+    num_preempted_waiting: int = 0
     num_free_blocks: int = 10
     num_total_blocks: int = 10
     num_preemptions: int = 0
@@ -31,6 +32,8 @@ class _Stats:
     generation_tokens_total: int = 0
     prefix_cache_hit_rate: float = 0.0
     finished_requests: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class FakeEngine:

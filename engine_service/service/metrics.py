@@ -1,0 +1,359 @@
+"""The engine's Prometheus metrics, served on its own HTTP port (``--metrics-port``).
+
+Names follow vLLM's with a ``sluice:`` prefix (``vllm:num_requests_running`` becomes
+``sluice:num_requests_running``); every series carries ``model`` and ``engine_id`` labels, which is
+also what tells an engine's series from a gateway's of the same name (the gateway's have no
+``engine_id``). docs/metrics.md lists them all.
+
+Two kinds of sources, so nothing is counted twice:
+
+- **read at scrape time** from the step loop's snapshot (``Worker.snapshot()``, refreshed after every
+  step): queue gauges, KV blocks, and the counters the scheduler and the engine already keep
+  (preemptions, prefix-cache queries and hits, prompt and generation tokens, iterations);
+- **observed as they happen** by the step loop and the I/O threads, through the small interface of
+  ``NullMetrics`` (the default everywhere, so the worker and ``RedisIO`` run without metrics):
+  per-request latencies measured at the engine, step duration and batch size, finishes by reason,
+  errors by code, aborts, reclaims and Redis reconnects.
+
+Each ``EngineMetrics`` has its own ``CollectorRegistry`` (nothing in prometheus-client's global
+one), so several engines in one process — tests — never clash.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from sluice.wire import contract
+
+log = logging.getLogger("sluice.engine.metrics")
+
+LABELS = ("model", "engine_id")
+
+# vLLM's buckets, so dashboards built for vLLM read the same.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+               0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+                 160.0, 320.0, 640.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+FINISH_REASONS = ("stop", "length", "abort")
+ABORT_CAUSES = ("cancel", "deadline", "drain")
+IO_THREADS = ("reader", "canceller", "publisher", "housekeeper")
+ERROR_CODES = tuple(getattr(contract, name) for name in dir(contract) if name.startswith("ERR_"))
+
+
+class MetricsPortInUse(RuntimeError):
+    """The metrics port could not be bound; the message says which and what to do."""
+
+
+class NullMetrics:
+    """What the step loop and the I/O threads report. Every method is a no-op here; ``EngineMetrics``
+    records. Callers never need to check whether metrics are on."""
+
+    def request_started(self, request_id: str, n: int, enqueue_time: float = 0.0) -> None:
+        """A request entered the engine (``enqueue_time``: the gateway's wall-clock XADD time)."""
+
+    def request_done(self, request_id: str) -> None:
+        """Every completion of the request has its terminal event (or it was dropped)."""
+
+    def step(self, duration_s: float, num_seqs: int, num_tokens: int) -> None:
+        """One engine step ran ``num_seqs`` sequences, ``num_tokens`` tokens, in ``duration_s``."""
+
+    def outputs(self, outputs: Iterable[Any]) -> None:
+        """A step's ``EngineOutput``s: first tokens, inter-token gaps, finished completions."""
+
+    def events(self, events: Iterable[Any]) -> None:
+        """Wire ``Event``s about to be published: finishes by reason, errors by code."""
+
+    def aborted(self, cause: str, n: int = 1) -> None:
+        """Requests the engine stopped before their end: ``cancel``, ``deadline`` or ``drain``."""
+
+    def reclaimed(self, n: int) -> None:
+        """Pending entries claimed from dead engines."""
+
+    def redis_reconnected(self, connection: str) -> None:
+        """An I/O thread's Redis connection came back after a failure."""
+
+
+NULL_METRICS = NullMetrics()
+
+
+def _port_error(port: int, host: str, exc: OSError) -> Exception:
+    if exc.errno in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
+        why = "is already in use (another engine on this host?)" if exc.errno == errno.EADDRINUSE else exc.strerror
+        return MetricsPortInUse(
+            f"--metrics-port {port}: cannot listen on {host}:{port}: the address {why}; "
+            "choose another port, or 0 to turn the metrics server off"
+        )
+    return exc
+
+
+def check_port_free(port: int, host: str = "0.0.0.0") -> None:
+    """Raise ``MetricsPortInUse`` now if ``host:port`` cannot be bound (before a long model load)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            sock.listen(1)
+        except OSError as exc:
+            raise _port_error(port, host, exc) from exc
+
+
+class _SnapshotCollector:
+    """Gauges and counters read from the worker's latest snapshot at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], labels: tuple[str, str]) -> None:
+        self.snapshot = snapshot
+        self.labels = list(labels)
+
+    def describe(self) -> list:
+        return []  # collected lazily: the snapshot source may not exist yet at registration
+
+    def collect(self):
+        s = self.snapshot() or {}
+        lv = self.labels
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=LABELS)
+            g.add_metric(lv, float(value))
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=LABELS)
+            c.add_metric(lv, float(value))
+            return c
+
+        total = int(s.get("total_blocks") or 0)
+        free = int(s.get("free_blocks") or 0)
+        used = max(0, total - free)
+        yield gauge("sluice:num_requests_running", "Requests in the engine's running batch", s.get("running", 0))
+        yield gauge("sluice:num_requests_waiting",
+                    "Requests waiting in the engine for admission (preempted ones included)", s.get("waiting", 0))
+        yield gauge("sluice:num_requests_preempted",
+                    "Waiting requests that ran and were preempted (recompute), a subset of waiting",
+                    s.get("preempted_waiting", 0))
+        yield gauge("sluice:kv_cache_usage_perc", "KV-cache usage: used blocks / total blocks (0 to 1)",
+                    used / total if total else 0.0)
+        yield gauge("sluice:kv_cache_blocks_used", "KV blocks referenced by requests", used)
+        yield gauge("sluice:kv_cache_blocks_total", "KV blocks in the pool", total)
+        yield gauge("sluice:engine_draining", "1 while the engine drains (no new requests), else 0",
+                    1.0 if s.get("draining") else 0.0)
+        yield counter("sluice:num_preemptions", "Preemptions by recompute (the scheduler's count)",
+                      s.get("preemptions", 0))
+        yield counter("sluice:prefix_cache_queries", "Prefix-cache queries, in tokens (looked up at admission)",
+                      s.get("prefix_cache_queries", 0))
+        yield counter("sluice:prefix_cache_hits", "Prefix-cache hits, in tokens (served from the cache)",
+                      s.get("prefix_cache_hits", 0))
+        yield counter("sluice:prompt_tokens",
+                      "Prompt tokens prefilled (forwarded; recompute after preemption included, cache hits not)",
+                      s.get("prompt_tokens_total", 0))
+        yield counter("sluice:generation_tokens", "Tokens generated (sampled)", s.get("generation_tokens_total", 0))
+        yield counter("sluice:iterations", "Engine steps that scheduled work", s.get("iterations", 0))
+
+
+class _Live:
+    __slots__ = ("arrival", "last_token")
+
+    def __init__(self, arrival: float) -> None:
+        self.arrival = arrival
+        self.last_token: dict[int, float] = {}  # completion index -> time of its latest token
+
+
+class EngineMetrics(NullMetrics):
+    """The engine's metrics on a private registry. ``bind(snapshot)`` points the gauges at the
+    worker's snapshot; ``serve(port)`` exposes them over HTTP."""
+
+    def __init__(self, model: str, engine_id: str, *, clock: Callable[[], float] = time.monotonic,
+                 process_metrics: bool = True) -> None:
+        self.model = model
+        self.engine_id = engine_id
+        self.clock = clock
+        self.registry = CollectorRegistry(auto_describe=True)
+        if process_metrics:
+            ProcessCollector(registry=self.registry)
+        self._snapshot: Callable[[], dict[str, Any]] = dict
+        self.registry.register(_SnapshotCollector(lambda: self._snapshot(), (model, engine_id)))
+        self._server = None
+        self._live: dict[str, _Live] = {}
+        r = self.registry
+        lv = {"model": model, "engine_id": engine_id}
+
+        def hist(name: str, doc: str, buckets: tuple) -> Any:
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(**lv)
+
+        self.ttft = hist("sluice:time_to_first_token_seconds",
+                         "Arrival at the engine to the completion's first token", TTFT_BUCKETS)
+        self.tpot = hist("sluice:time_per_output_token_seconds",
+                         "Mean time per output token after the first, per finished completion", TPOT_BUCKETS)
+        self.itl = hist("sluice:inter_token_latency_seconds",
+                        "Time between successive tokens of a completion", ITL_BUCKETS)
+        self.e2e = hist("sluice:e2e_request_latency_seconds",
+                        "Arrival at the engine to the completion's end", REQUEST_BUCKETS)
+        self.queue_time = hist("sluice:request_queue_time_seconds",
+                               "Arrival at the engine to first scheduled (time in the engine's waiting queue)",
+                               QUEUE_BUCKETS)
+        self.stream_time = hist("sluice:request_stream_queue_time_seconds",
+                                "Gateway XADD to the engine reading the entry (time in the Redis stream; "
+                                "wall clocks of two hosts)", QUEUE_BUCKETS)
+        self.prefill_time = hist("sluice:request_prefill_time_seconds",
+                                 "First scheduled to first token", REQUEST_BUCKETS)
+        self.decode_time = hist("sluice:request_decode_time_seconds",
+                                "First token to the completion's end", REQUEST_BUCKETS)
+        self.prompt_len = hist("sluice:request_prompt_tokens", "Prompt length of finished completions",
+                               TOKEN_BUCKETS)
+        self.gen_len = hist("sluice:request_generation_tokens", "Tokens generated by finished completions",
+                            TOKEN_BUCKETS)
+        self.step_time = hist("sluice:engine_step_duration_seconds",
+                              "Wall time of one engine step (schedule, forward, sample)", STEP_BUCKETS)
+        self.batch_size = hist("sluice:batch_size", "Sequences scheduled in one engine step", BATCH_BUCKETS)
+        self.step_tokens = hist("sluice:iteration_tokens_total", "Tokens forwarded in one engine step",
+                                TOKEN_BUCKETS)
+
+        success = Counter("sluice:request_success", "Completions finished, by finish reason",
+                          [*LABELS, "finished_reason"], registry=r)
+        self._success = {reason: success.labels(**lv, finished_reason=reason) for reason in FINISH_REASONS}
+        self._success_family = success
+        self._errors_family = Counter("sluice:request_errors",
+                                      "Error events sent to clients, by error code (sluice.wire.contract)",
+                                      [*LABELS, "code"], registry=r)
+        self._errors = {code: self._errors_family.labels(**lv, code=code) for code in ERROR_CODES}
+        aborts = Counter("sluice:request_aborts", "Requests the engine stopped before their end, by cause",
+                         [*LABELS, "cause"], registry=r)
+        self._aborts = {cause: aborts.labels(**lv, cause=cause) for cause in ABORT_CAUSES}
+        self._reclaimed = Counter("sluice:reclaimed_requests",
+                                  "Pending entries of dead engines claimed by this one",
+                                  LABELS, registry=r).labels(**lv)
+        reconnects = Counter("sluice:redis_reconnects",
+                             "Redis connections re-established after a failure, by I/O thread",
+                             [*LABELS, "connection"], registry=r)
+        self._reconnects = {name: reconnects.labels(**lv, connection=name) for name in IO_THREADS}
+        self._reconnects_family = reconnects
+        self._lv = lv
+
+    # ---------------------------------------------------------------- wiring
+    def bind(self, snapshot: Callable[[], dict[str, Any]]) -> EngineMetrics:
+        """Read gauges and scheduler counters from ``snapshot()`` (e.g. ``Worker.snapshot``)."""
+        self._snapshot = snapshot
+        return self
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serve ``/metrics`` on ``host:port`` (0: any free port) from a daemon thread; returns the
+        port. Raises ``MetricsPortInUse`` when the address is taken."""
+        from prometheus_client import start_http_server
+
+        try:
+            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise _port_error(port, host, exc) from exc
+        bound = self._server.server_address[1]
+        log.info("metrics on http://%s:%d/metrics", host, bound)
+        return bound
+
+    @property
+    def port(self) -> int | None:
+        return self._server.server_address[1] if self._server is not None else None
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    # ---------------------------------------------------------------- the step loop
+    def request_started(self, request_id: str, n: int, enqueue_time: float = 0.0) -> None:
+        self._live[request_id] = _Live(self.clock())
+        if enqueue_time > 0:
+            self.stream_time.observe(max(0.0, time.time() - enqueue_time))
+
+    def request_done(self, request_id: str) -> None:
+        self._live.pop(request_id, None)
+
+    def step(self, duration_s: float, num_seqs: int, num_tokens: int) -> None:
+        self.step_time.observe(duration_s)
+        if num_seqs:
+            self.batch_size.observe(num_seqs)
+            self.step_tokens.observe(num_tokens)
+
+    def outputs(self, outputs: Iterable[Any]) -> None:
+        now = self.clock()
+        live_map = self._live
+        for out in outputs:
+            live = live_map.get(out.request_id)
+            if live is None:
+                continue
+            if out.new_token_ids:
+                last = live.last_token.get(out.index)
+                if last is None:
+                    self.ttft.observe(now - live.arrival)
+                else:
+                    self.itl.observe(now - last)
+                live.last_token[out.index] = now
+            if out.finish_reason is None:
+                continue
+            live.last_token.pop(out.index, None)
+            self.e2e.observe(now - live.arrival)
+            m = out.metrics
+            if m is not None:
+                if m.first_scheduled_time is not None:
+                    self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+                    if m.first_token_time is not None:
+                        self.prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+                if m.first_token_time is not None and m.finished_time is not None:
+                    decode = max(0.0, m.finished_time - m.first_token_time)
+                    self.decode_time.observe(decode)
+                    if out.num_output_tokens > 1:
+                        self.tpot.observe(decode / (out.num_output_tokens - 1))
+            self.prompt_len.observe(out.num_prompt_tokens)
+            self.gen_len.observe(out.num_output_tokens)
+
+    def events(self, events: Iterable[Any]) -> None:
+        for event in events:
+            if event.HasField("finished"):
+                reason = event.finished.finish_reason or "stop"
+                child = self._success.get(reason)
+                if child is None:
+                    child = self._success[reason] = self._success_family.labels(**self._lv, finished_reason=reason)
+                child.inc()
+            elif event.HasField("error"):
+                code = event.error.code or "internal"
+                child = self._errors.get(code)
+                if child is None:
+                    child = self._errors[code] = self._errors_family.labels(**self._lv, code=code)
+                child.inc()
+
+    def aborted(self, cause: str, n: int = 1) -> None:
+        if n > 0:
+            self._aborts[cause].inc(n)
+
+    # ---------------------------------------------------------------- the I/O threads
+    def reclaimed(self, n: int) -> None:
+        if n > 0:
+            self._reclaimed.inc(n)
+
+    def redis_reconnected(self, connection: str) -> None:
+        child = self._reconnects.get(connection)
+        if child is None:
+            child = self._reconnects_family.labels(**self._lv, connection=connection)
+        child.inc()
