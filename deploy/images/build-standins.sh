@@ -4,6 +4,9 @@
 #
 #   redis:7            Debian bookworm's redis-server (7.0), CMD redis-server --protected-mode no
 #   python:3.11-slim   Debian bookworm's python3 (3.11) with pip and venv; python/pip on PATH
+#   prom/prometheus:v2.42.0  Debian bookworm's prometheus (2.42.0) and promtool, laid out like the
+#                      official image (/bin/prometheus, /etc/prometheus, /prometheus, user nobody);
+#                      compose's `monitoring` profile. Debian has no Grafana package: no stand-in.
 #
 # Each image is built only when `docker image inspect` does not find it (FORCE=1 rebuilds).
 # Both start from one debootstrapped bookworm minbase rootfs, cached as a tarball under
@@ -27,7 +30,7 @@ die() { log "error: $*"; exit 1; }
 command -v docker >/dev/null || die "docker is not installed"
 docker info >/dev/null 2>&1 || die "the docker daemon is not answering"
 
-ALL_IMAGES=("redis:7" "python:3.11-slim")
+ALL_IMAGES=("redis:7" "python:3.11-slim" "prom/prometheus:v2.42.0")
 images=("$@")
 [ "${#images[@]}" -gt 0 ] || images=("${ALL_IMAGES[@]}")
 
@@ -185,12 +188,39 @@ build_python() {
         --change 'LABEL org.opencontainers.image.description=sluice-standin'
 }
 
+# --- prom/prometheus:v2.42.0 -------------------------------------------------------------------
+build_prometheus() {
+    local root
+    new_root
+    chroot_apt "$root" prometheus
+    local v
+    v="$(chroot "$root" prometheus --version 2>&1 | head -n 1)"
+    case "$v" in *" 2.42."*) ;; *) die "bookworm's prometheus is not 2.42: $v" ;; esac
+    # /bin is /usr/bin in bookworm (merged /usr); link only where it is not
+    for tool in prometheus promtool; do
+        [ -e "$root/bin/$tool" ] || ln -s "/usr/bin/$tool" "$root/bin/$tool"
+    done
+    mkdir -p "$root/prometheus" "$root/usr/share/prometheus"
+    chown 65534:65534 "$root/prometheus"
+    finish_root "$root"
+    import_root "$root" "prom/prometheus:v2.42.0" \
+        --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+        --change 'USER nobody' \
+        --change 'WORKDIR /prometheus' \
+        --change 'VOLUME /prometheus' \
+        --change 'EXPOSE 9090' \
+        --change 'ENTRYPOINT ["/bin/prometheus"]' \
+        --change 'CMD ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus"]' \
+        --change 'LABEL org.opencontainers.image.description=sluice-standin'
+}
+
 [ -f "$BASE_TAR" ] || build_base
 for image in "${missing[@]}"; do
     t0=$SECONDS
     case "$image" in
         redis:7) build_redis ;;
         python:3.11-slim) build_python ;;
+        prom/prometheus:v2.42.0) build_prometheus ;;
         *) die "no stand-in recipe for $image (known: ${ALL_IMAGES[*]})" ;;
     esac
     size="$(docker image inspect --format '{{.Size}}' "$image")"

@@ -168,6 +168,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         if settings.metrics_port:  # fail now, not after loading the model
             check_port_free(settings.metrics_port, settings.metrics_host)
+            from prometheus_client import disable_created_metrics
+
+            disable_created_metrics()  # no `_created` twin for every counter and histogram
         log.info("engine %s: loading the model", settings.engine_id)
         engine = LLMEngine(engine_config_from_args(args))
         service = EngineService(engine, settings, args.served_model_name or engine.model_name)

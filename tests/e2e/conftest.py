@@ -60,7 +60,7 @@ def _wait_http(url: str, procs: list[subprocess.Popen], timeout: float) -> None:
 
 
 def start_stack(redis: str, model_dir: Path, log_dir: Path, num_gateways: int = 2,
-                extra_gateway_flags: list[str] | None = None) -> Stack:
+                extra_gateway_flags: list[str] | None = None, extra_engine_flags: list[str] | None = None) -> Stack:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cli = [sys.executable, "-m", "sluice_cli.cli"]
     grpc_port = free_port()
@@ -69,7 +69,7 @@ def start_stack(redis: str, model_dir: Path, log_dir: Path, num_gateways: int = 
     stack.logs.append(engine_log)
     stack.procs.append(subprocess.Popen(
         [*cli, "engine", "--model", str(model_dir), "--redis-url", redis, "--grpc-port", str(grpc_port),
-         *ENGINE_FLAGS], stdout=engine_log.open("w"), stderr=subprocess.STDOUT, env=env))
+         *ENGINE_FLAGS, *(extra_engine_flags or [])], stdout=engine_log.open("w"), stderr=subprocess.STDOUT, env=env))
     for i in range(num_gateways):
         port = free_port()
         log = log_dir / f"gateway{i}.log"
