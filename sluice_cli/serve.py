@@ -68,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="use this Redis instead of starting a private one ($REDIS_URL)")
     parser.add_argument("--grpc-port", type=int, default=50051, help="the engine's gRPC health/admin port")
     parser.add_argument("--api-key", default=None, help="require this Bearer key at the gateway")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="the engine's Prometheus /metrics port, on 127.0.0.1 (0: off)")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     # Every engine knob, generated from EngineConfig (torch-free), forwarded to `sluice engine`.
     add_engine_arguments(parser)
@@ -117,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
         # The admin port's Drain needs no credentials: on this machine only.
         engine_cmd = [*cli, "engine", "--redis-url", redis_url, "--grpc-port", str(args.grpc_port),
                       "--grpc-host", "127.0.0.1", *engine_cli_args(engine_config)]
+        if args.metrics_port:
+            engine_cmd += ["--metrics-port", str(args.metrics_port), "--metrics-host", "127.0.0.1"]
         procs.append(subprocess.Popen(engine_cmd, start_new_session=True))
         names[procs[-1].pid] = "engine"
         gateway_cmd = [*cli, "gateway", "--redis-url", redis_url, "--host", args.host, "--port", str(args.port),
