@@ -69,8 +69,9 @@ class NullMetrics:
     def request_started(self, request_id: str, n: int, enqueue_time: float = 0.0) -> None:
         """A request entered the engine (``enqueue_time``: the gateway's wall-clock XADD time)."""
 
-    def request_done(self, request_id: str) -> None:
-        """Every completion of the request has its terminal event (or it was dropped)."""
+    def request_done(self, request_id: str, ended: bool = True) -> None:
+        """Every completion of the request has its terminal event (``ended``), or the request left
+        this engine without one (handed back to the queue on drain: ``ended=False``)."""
 
     def step(self, duration_s: float, num_seqs: int, num_tokens: int) -> None:
         """One engine step ran ``num_seqs`` sequences, ``num_tokens`` tokens, in ``duration_s``."""
@@ -171,10 +172,12 @@ class _SnapshotCollector:
 
 
 class _Live:
-    __slots__ = ("arrival", "last_token")
+    __slots__ = ("arrival", "last_token", "n", "num_ended")
 
-    def __init__(self, arrival: float) -> None:
+    def __init__(self, arrival: float, n: int) -> None:
         self.arrival = arrival
+        self.n = n
+        self.num_ended = 0  # completions whose end the engine reported (e2e observed)
         self.last_token: dict[int, float] = {}  # completion index -> time of its latest token
 
 
@@ -283,12 +286,18 @@ class EngineMetrics(NullMetrics):
 
     # ---------------------------------------------------------------- the step loop
     def request_started(self, request_id: str, n: int, enqueue_time: float = 0.0) -> None:
-        self._live[request_id] = _Live(self.clock())
+        self._live[request_id] = _Live(self.clock(), max(1, n))
         if enqueue_time > 0:
             self.stream_time.observe(max(0.0, time.time() - enqueue_time))
 
-    def request_done(self, request_id: str) -> None:
-        self._live.pop(request_id, None)
+    def request_done(self, request_id: str, ended: bool = True) -> None:
+        live = self._live.pop(request_id, None)
+        if live is None or not ended:
+            return
+        # completions ended without an engine output (cancelled, expired, failed): their e2e too
+        now = self.clock()
+        for _ in range(live.n - live.num_ended):
+            self.e2e.observe(now - live.arrival)
 
     def step(self, duration_s: float, num_seqs: int, num_tokens: int) -> None:
         self.step_time.observe(duration_s)
@@ -313,6 +322,7 @@ class EngineMetrics(NullMetrics):
             if out.finish_reason is None:
                 continue
             live.last_token.pop(out.index, None)
+            live.num_ended += 1
             self.e2e.observe(now - live.arrival)
             m = out.metrics
             if m is not None:

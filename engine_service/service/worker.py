@@ -386,6 +386,7 @@ class Worker:
             if not live.emitted:
                 self._abort_silently(rid)
                 del self.live[rid]
+                self.metrics.request_done(rid, ended=False)
                 self._hand_back(live.request, live.entry_id, batch)
 
     def _hand_back(self, req: GenerateRequest, entry_id: bytes, batch: Batch) -> None:

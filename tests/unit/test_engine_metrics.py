@@ -146,6 +146,20 @@ def test_request_timings_are_measured_at_the_engine():
     assert value(m, "sluice:time_to_first_token_seconds_count") == 1
 
 
+def test_requests_ended_without_an_output_still_get_their_e2e():
+    clock = Clock()
+    m = EngineMetrics("m", "e", clock=clock, process_metrics=False)
+    m.request_started("cancelled", 2)
+    m.request_started("handed-back", 1)
+    clock.t = 102.0
+    m.outputs([_out("cancelled", [1], 1, FinishReason.ABORT, index=0)])  # one completion reported its end
+    m.request_done("cancelled")  # the other ended silently (e.g. a cancel)
+    m.request_done("handed-back", ended=False)  # left for another engine: not an end
+    assert value(m, "sluice:e2e_request_latency_seconds_count") == 2
+    assert value(m, "sluice:e2e_request_latency_seconds_sum") == pytest.approx(4.0)
+    assert not m._live
+
+
 def test_n_completions_each_get_a_first_token():
     clock = Clock()
     m = EngineMetrics("m", "e", clock=clock, process_metrics=False)
