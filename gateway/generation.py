@@ -25,7 +25,7 @@ from gateway.broker import Broker, Lost, ModelCard
 from gateway.metrics import METRICS
 from sluice.text.detokenizer import IncrementalDetokenizer, token_text
 from sluice.text.stop import StopMatcher, StopResult
-from sluice.wire import contract, policy
+from sluice.wire import contract, limits, policy
 from sluice.wire.messages_pb2 import Event, GenerateRequest, SamplingParams
 
 # With no event for this long, check that an engine for the model is still alive; with none alive,
@@ -203,13 +203,9 @@ class Generation:
 
     async def start(self) -> None:
         """Subscribe to every output channel, then enqueue (in that order: pub/sub keeps nothing)."""
-        await self.broker.subscribe([s.channel for s in self.subs], self._queue)
-        self._started = True
-        METRICS.running.inc()
         now = time.time()
-        self.enqueue_time = time.monotonic()
-        for sub in self.subs:
-            req = GenerateRequest(
+        reqs = [
+            GenerateRequest(
                 version=contract.CONTRACT_VERSION,
                 request_id=sub.request_id,
                 model=self.card.name,
@@ -218,6 +214,17 @@ class Generation:
                 deadline=self.deadline,
                 enqueue_time=now,
             )
+            for sub in self.subs
+        ]
+        for req in reqs:  # the limits the engine enforces too (sluice.wire.limits): a 400 here, not there
+            problem = limits.check_request(req, vocab_size=self.card.vocab_size, max_model_len=self.card.max_model_len)
+            if problem is not None:
+                raise errors.invalid(problem[1][:1].upper() + problem[1][1:] + ".", code=problem[0])
+        await self.broker.subscribe([s.channel for s in self.subs], self._queue)
+        self._started = True
+        METRICS.running.inc()
+        self.enqueue_time = time.monotonic()
+        for req in reqs:
             await self.broker.enqueue(req)
 
     async def deltas(self) -> AsyncIterator[list[Delta]]:

@@ -258,11 +258,10 @@ def _faults(chaos: Chaos, rds: Redis, engines: list[Engine], stop: threading.Eve
     """The plan's faults one after the other, ``period`` seconds apart. An engine fault waits (up to
     30 s) until both engines serve, so one engine is down at a time (a reload of the model takes a
     while); if they still do not, a Redis restart comes instead."""
-    rng = random.Random(seed)
     plan = ["kill9", "redis", "drain", "redis", "kill9", "drain", "redis", "kill9"]
     period = max(6.0, (DURATION_S - 12.0) / len(plan))
     stop.wait(6.0)
-    for what in plan:
+    for slot, what in enumerate(plan):
         if stop.is_set():
             return
         up = [e for e in engines if serving(rds.url, e)]
@@ -274,12 +273,12 @@ def _faults(chaos: Chaos, rds: Redis, engines: list[Engine], stop: threading.Eve
             if len(up) < len(engines) or stop.is_set():
                 what = "redis"
         if what == "kill9":
-            engine = rng.choice(up)
+            engine = up[slot % len(up)]  # alternate engines
             chaos.fault(f"kill -9 {engine.engine_id}")
             engine.kill9()
             engine.start()  # same --engine-id: its new life reclaims what the old one held
         elif what == "drain":
-            engine = rng.choice(up)
+            engine = up[(slot + 1) % len(up)]
             chaos.fault(f"drain {engine.engine_id}")
             code = engine.drain()
             assert code == 0, f"drained engine exited with {code}"

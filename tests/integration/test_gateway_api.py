@@ -459,3 +459,18 @@ def test_two_gateways_interleaved(make_gateway, fake_engine):
         results = list(pool.map(one, range(12)))
     assert all(status == 200 and text == reply_prefix(fake_engine, 6) for status, text in results)
     assert len(fake_engine.requests) == 12
+
+
+def test_limits_shared_with_the_engine_refused_before_queueing(gateway, fake_engine):
+    """sluice.wire.limits: what the engine would refuse, the gateway refuses first (400, nothing queued)."""
+    from sluice.wire import limits
+
+    too_many = list(range(limits.MAX_STOP_TOKEN_IDS + 1))
+    r = httpx.post(f"{gateway.url}/v1/completions",
+                   json={"model": MODEL, "prompt": "x", "max_tokens": 2, "stop_token_ids": too_many})
+    assert_error(r, 400)
+    bias = {str(i): 1 for i in range(limits.MAX_LOGIT_BIAS + 1)}
+    r = httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                          "logit_bias": bias})
+    assert_error(r, 400)
+    assert not fake_engine.requests
