@@ -10,10 +10,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gateway import errors
-from gateway.api import router
 from gateway.broker import Broker
 from gateway.config import GatewayConfig
 from gateway.metrics import METRICS
+from gateway.routes import STREAM_CHUNK_MODELS, router
 
 log = logging.getLogger("sluice.gateway")
 
@@ -109,6 +109,21 @@ class GatewayMiddleware:
         await self.app(scope, receive, counting_send)
 
 
+def _openapi_with_stream_chunks(app: FastAPI) -> dict:
+    """FastAPI's schema plus the stream-chunk models the routes reference for ``text/event-stream``."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = FastAPI.openapi(app)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for model in STREAM_CHUNK_MODELS:
+        js = model.model_json_schema(mode="serialization", ref_template="#/components/schemas/{model}")
+        for name, definition in js.pop("$defs", {}).items():
+            components.setdefault(name, definition)
+        components.setdefault(model.__name__, js)
+    app.openapi_schema = schema
+    return schema
+
+
 def create_app(config: GatewayConfig | None = None, *, broker: Broker | None = None) -> FastAPI:
     config = config or GatewayConfig.from_env()
 
@@ -129,6 +144,7 @@ def create_app(config: GatewayConfig | None = None, *, broker: Broker | None = N
         lifespan=lifespan,
     )
     app.state.config = config
+    app.openapi = lambda: _openapi_with_stream_chunks(app)  # type: ignore[method-assign]
     errors.install_handlers(app)
     app.include_router(router)
     app.add_middleware(GatewayMiddleware, config=config)

@@ -1,8 +1,10 @@
 """OpenAI request bodies as pydantic models (plus vLLM's sampling extensions).
 
+The request models come first, then the response and stream-chunk models.
+
 Field ranges are checked here so that FastAPI's validation (answered as a 400 naming the
 parameter, see ``errors.py``) refuses them; checks that need the model card (vocabulary size,
-context length) happen in ``api.py``. Unknown fields are ignored, as vLLM does.
+context length) happen in ``serving*.py``. Unknown fields are ignored, as vLLM does.
 """
 
 from __future__ import annotations
@@ -84,3 +86,134 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+
+
+# --- responses ---------------------------------------------------------------------------------
+# OpenAI's response and stream-chunk bodies (with vLLM's ``stop_reason``). The gateway builds them
+# in ``serving_completion`` / ``serving_chat`` and serializes them with ``exclude_unset``, so a
+# field is in the JSON exactly when the code set it (``null`` included); ``/openapi.json``
+# documents them (see ``gateway.routes``).
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ResponseEnvelope(BaseModel):
+    """The fields every generation response and chunk carries; filled in one place,
+    ``gateway.serving.envelope``."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+
+
+class CompletionLogProbs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop string or stop token that ended the choice
+
+
+class CompletionResponse(ResponseEnvelope):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(ResponseEnvelope):
+    """One ``data:`` event of a streamed completion; the last one (with
+    ``stream_options.include_usage``) has no choices and the usage."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProb(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(BaseModel):
+    content: list[ChatCompletionLogProb] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(ResponseEnvelope):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionResponseStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # present on a choice's last chunk
+
+
+class ChatCompletionStreamResponse(ResponseEnvelope):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelInfo(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "sluice"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelInfo]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

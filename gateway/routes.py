@@ -1,0 +1,139 @@
+"""The HTTP routes, thin: each generation endpoint hands its validated body to its serving module
+(``serving_completion``, ``serving_chat``); health, metrics and the model list are answered here.
+
+The ``responses=`` of the generation routes document their bodies in ``/openapi.json``: the JSON
+response, and for ``"stream": true`` the ``text/event-stream`` whose ``data:`` events are the
+``*StreamResponse`` chunks (registered in the schema's components by ``gateway.app``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from redis.exceptions import RedisError
+
+from gateway import errors, serving
+from gateway.broker import ModelCard
+from gateway.metrics import METRICS, render
+from gateway.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    ErrorResponse,
+    ModelInfo,
+    ModelList,
+)
+from gateway.serving import redis_down, to_json
+from gateway.serving_chat import create_chat_completion
+from gateway.serving_completion import create_completion
+
+router = APIRouter()
+
+# Models whose schemas /openapi.json carries beyond those FastAPI finds (the stream chunks).
+STREAM_CHUNK_MODELS = (CompletionStreamResponse, ChatCompletionStreamResponse)
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text}
+    for status, text in ((400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
+                         (413, "body too large"), (429, "queue full (Retry-After)"),
+                         (503, "no live engine or Redis unavailable"), (504, "deadline exceeded"))
+}
+
+
+def _generation_responses(model: type, chunk: type) -> dict[int | str, dict[str, Any]]:
+    return {
+        200: {
+            "model": model,
+            "description": f"the {model.__name__}; with `\"stream\": true` an SSE stream of "
+                           f"{chunk.__name__} `data:` events ending with `data: [DONE]`",
+            "content": {"text/event-stream": {"schema": {"$ref": f"#/components/schemas/{chunk.__name__}"}}},
+        },
+        **_ERRORS,
+    }
+
+
+# --- health, metrics, models -------------------------------------------------------------------
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    broker = serving.broker_of(request)
+    if not await broker.ping():
+        return errors.OpenAIError(503, "Redis is not answering.", type="service_unavailable_error",
+                                  code="redis_unavailable").response()
+    try:
+        live = await broker.live_engines(fresh=True)
+    except (RedisError, OSError) as exc:
+        return redis_down(exc).response()
+    if not any(live.values()):
+        return errors.OpenAIError(503, "No engine is alive.", type="service_unavailable_error",
+                                  code="no_engine").response()
+    return JSONResponse({"status": "ok", "engines": live})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    broker = serving.broker_of(request)
+    try:
+        async with asyncio.timeout(1.0):
+            for model in await broker.model_names():
+                METRICS.queue_depth.labels(model=model).set(await broker.queue_depth(model))
+    except (RedisError, OSError, TimeoutError):
+        pass
+    body, content_type = render()
+    return Response(body, media_type=content_type)
+
+
+def _model_info(card: ModelCard | None, name: str) -> ModelInfo:
+    info = ModelInfo(id=name, object="model", created=card.created if card else 0, owned_by="sluice",
+                     root=name, parent=None)
+    if card is not None:
+        info.max_model_len = card.max_model_len
+    return info
+
+
+@router.get("/v1/models", responses={200: {"model": ModelList}})
+async def list_models(request: Request) -> Response:
+    broker = serving.broker_of(request)
+    try:
+        live = await broker.live_engines()
+        data = []
+        for name in await broker.model_names():
+            if live.get(name):
+                data.append(_model_info(await broker.card(name), name))
+    except (RedisError, OSError) as exc:
+        raise redis_down(exc) from exc
+    return JSONResponse(to_json(ModelList(object="list", data=data)))
+
+
+@router.get("/v1/models/{model_id:path}", responses={200: {"model": ModelInfo}, 404: _ERRORS[404]})
+async def get_model(model_id: str, request: Request) -> Response:
+    broker = serving.broker_of(request)
+    try:
+        live = await broker.live_engines()
+        card = await broker.card(model_id) if live.get(model_id) else None
+    except (RedisError, OSError) as exc:
+        raise redis_down(exc) from exc
+    if card is None:
+        raise errors.model_not_found(model_id)
+    return JSONResponse(to_json(_model_info(card, model_id)))
+
+
+# --- generation --------------------------------------------------------------------------------
+
+
+@router.post("/v1/completions", responses=_generation_responses(CompletionResponse, CompletionStreamResponse))
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await create_completion(body, request)
+
+
+@router.post("/v1/chat/completions",
+             responses=_generation_responses(ChatCompletionResponse, ChatCompletionStreamResponse))
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await create_chat_completion(body, request)

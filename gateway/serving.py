@@ -1,0 +1,298 @@
+"""What both generation endpoints share (vLLM's ``serving_engine``): the model card lookup, the
+OpenAI → wire sampling mapping, admission, and turning a :class:`Generation` into a JSON response
+or an SSE stream through an endpoint's formatter.
+
+An endpoint module (``serving_completion``, ``serving_chat``) validates its request, builds a
+``Generation`` and hands it to :func:`respond` with a :class:`StreamFormatter` (stream) or a
+builder of the whole response (not streamed). :func:`envelope` is the one place that fills the
+``id / object / created / model`` every response and chunk carries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from redis.exceptions import RedisError
+from sse_starlette.sse import EventSourceResponse
+
+from gateway import errors
+from gateway.broker import Broker, ModelCard
+from gateway.config import GatewayConfig
+from gateway.errors import OpenAIError
+from gateway.generation import Delta, Generation
+from gateway.metrics import METRICS
+from gateway.protocol import ResponseEnvelope, SamplingFields, UsageInfo
+from sluice.wire.messages_pb2 import SamplingParams
+
+DISCONNECT_POLL_S = 0.2
+
+E = TypeVar("E", bound=ResponseEnvelope)
+
+
+class ClientGone(Exception):
+    pass
+
+
+def broker_of(request: Request) -> Broker:
+    return request.app.state.broker
+
+
+def config_of(request: Request) -> GatewayConfig:
+    return request.app.state.config
+
+
+def redis_down(exc: Exception) -> OpenAIError:
+    return OpenAIError(
+        503, f"The queue (Redis) is unavailable: {type(exc).__name__}", type="service_unavailable_error",
+        code="redis_unavailable",
+    )
+
+
+# --- the response envelope ---------------------------------------------------------------------
+
+
+def envelope(cls: type[E], gen: Generation, **fields: Any) -> E:
+    """A response or chunk of ``cls`` for ``gen``: its id, object name, creation time and model."""
+    return cls(id=gen.id, object=cls.model_fields["object"].default, created=gen.created,
+               model=gen.card.name, **fields)
+
+
+def usage(gen: Generation) -> UsageInfo:
+    return UsageInfo(**gen.usage())
+
+
+def to_json(model: BaseModel) -> dict:
+    """A response model as the JSON object the client gets: the fields the code set, nulls included."""
+    return model.model_dump(mode="json", exclude_unset=True)
+
+
+def finite(x: float | None) -> float:
+    if x is None or not math.isfinite(x):
+        return -9999.0
+    return x
+
+
+# --- request preparation -----------------------------------------------------------------------
+
+
+async def card_for(broker: Broker, model: str) -> ModelCard:
+    """The model's card, or the OpenAI error that explains why there is none to use
+    (404 unknown model, 503 no live engine or Redis unreachable)."""
+    try:
+        card = await broker.card(model)
+        if card is None:
+            raise errors.model_not_found(model)
+        live = await broker.live_engines()
+        if not live.get(model):
+            live = await broker.live_engines(fresh=True)
+            if not live.get(model):
+                raise errors.no_engine(model)
+    except (RedisError, OSError) as exc:
+        raise redis_down(exc) from exc
+    return card
+
+
+def check_ids(ids: list[int], card: ModelCard, param: str) -> None:
+    if card.vocab_size is None:
+        return
+    for t in ids:
+        if not 0 <= t < card.vocab_size:
+            raise errors.invalid(f"Token id {t} in '{param}' is out of the vocabulary (size {card.vocab_size}).",
+                                 param=param, code="invalid_value")
+
+
+def sampling_params(req: SamplingFields, card: ModelCard, cfg: GatewayConfig, max_tokens: int,
+                    logprobs: int | None) -> SamplingParams:
+    if req.n > cfg.max_n:
+        raise errors.invalid(f"'n' must be at most {cfg.max_n}.", param="n", code="invalid_value")
+    if req.min_tokens > max_tokens:
+        raise errors.invalid("'min_tokens' must not exceed 'max_tokens'.", param="min_tokens", code="invalid_value")
+    if req.stream_options is not None and not req.stream:
+        raise errors.invalid("'stream_options' is only allowed when 'stream' is true.", param="stream_options",
+                             code="invalid_value")
+    p = SamplingParams(
+        n=req.n,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if not req.top_k else req.top_k,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos,
+    )
+    if req.seed is not None:
+        p.seed = req.seed
+    if req.stop_token_ids:
+        check_ids(req.stop_token_ids, card, "stop_token_ids")
+        p.stop_token_ids.extend(req.stop_token_ids)
+    if req.logit_bias:
+        for key, bias in req.logit_bias.items():
+            try:
+                tid = int(key)
+            except ValueError:
+                raise errors.invalid(f"Invalid key {key!r} in 'logit_bias': keys are token ids.",
+                                     param="logit_bias", code="invalid_value") from None
+            if tid < 0 or (card.vocab_size is not None and tid >= card.vocab_size) or tid > 2**31 - 1:
+                raise errors.invalid(f"Token id {tid} in 'logit_bias' is out of the vocabulary.",
+                                     param="logit_bias", code="invalid_value")
+            p.logit_bias[tid] = bias
+    if logprobs is not None:
+        if logprobs > cfg.max_logprobs:
+            raise errors.invalid(f"At most {cfg.max_logprobs} logprobs may be requested.", param="logprobs")
+        p.logprobs = logprobs
+    return p
+
+
+def stop_strings(req: SamplingFields) -> list[str]:
+    if req.stop is None:
+        return []
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    return [s for s in stops if s]
+
+
+def context_error(card: ModelCard, prompt_len: int, max_tokens: int, chat: bool) -> OpenAIError:
+    total = prompt_len + max_tokens
+    if chat:
+        msg = (f"This model's maximum context length is {card.max_model_len} tokens. However, you requested "
+               f"{total} tokens ({prompt_len} in the messages, {max_tokens} in the completion). "
+               "Please reduce the length of the messages or completion.")
+    else:
+        msg = (f"This model's maximum context length is {card.max_model_len} tokens, however you requested "
+               f"{total} tokens ({prompt_len} in your prompt; {max_tokens} for the completion). "
+               "Please reduce your prompt; or completion length.")
+    return errors.invalid(msg, param="messages" if chat else "prompt", code="context_length_exceeded")
+
+
+async def encode(tok, text: str, *, add_special_tokens: bool) -> list[int]:
+    """Tokenize; long texts in a thread so that one big prompt does not stall every stream."""
+    if len(text) < 8192:
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+    return await asyncio.to_thread(tok.encode, text, add_special_tokens=add_special_tokens)
+
+
+async def _admit(broker: Broker, cfg: GatewayConfig, model: str, num_requests: int) -> None:
+    if cfg.max_queue_len is None:
+        return
+    depth = await broker.queue_depth(model)
+    METRICS.queue_depth.labels(model=model).set(depth)
+    if depth + num_requests > cfg.max_queue_len:
+        raise errors.queue_full(model, cfg.retry_after_s)
+
+
+async def start(gen: Generation, broker: Broker, cfg: GatewayConfig, model: str) -> None:
+    """Admission (429 over ``max_queue_len``), then subscribe and enqueue."""
+    try:
+        await _admit(broker, cfg, model, len(gen.subs))
+        await gen.start()
+    except OpenAIError:
+        gen.close_nowait()
+        raise
+    except (TimeoutError, RedisError, OSError) as exc:
+        gen.close_nowait()
+        raise redis_down(exc) from exc
+
+
+# --- response assembly -------------------------------------------------------------------------
+
+
+class StreamFormatter(Protocol):
+    """An endpoint's stream format: the chunks to send first, per delta, and last."""
+
+    def start(self) -> list[BaseModel]: ...
+
+    def on_delta(self, d: Delta) -> list[BaseModel]: ...
+
+    def end(self) -> list[BaseModel]: ...
+
+
+async def respond(request: Request, gen: Generation, *, stream: StreamFormatter | None,
+                  build: Callable[[], BaseModel]) -> Response:
+    """Stream ``gen`` through ``stream``, or collect it and answer ``build()``."""
+    if stream is not None:
+        return await _stream(request, gen, stream)
+    return await _collect(request, gen, build)
+
+
+async def _watch(request: Request, task: asyncio.Future) -> Any:
+    """Await ``task`` unless the client goes away first (then cancel it and raise ClientGone)."""
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClientGone()
+
+
+async def _collect(request: Request, gen: Generation, build: Callable[[], BaseModel]) -> Response:
+    async def run() -> None:
+        async for _ in gen.deltas():
+            pass
+
+    task = asyncio.create_task(run())
+    try:
+        await _watch(request, task)
+    except ClientGone:
+        gen.close_nowait()
+        return Response(status_code=499)
+    except asyncio.CancelledError:
+        task.cancel()
+        gen.close_nowait()
+        raise
+    return JSONResponse(to_json(build()))
+
+
+def _sse(data: BaseModel | dict | str) -> dict:
+    if isinstance(data, BaseModel):
+        return {"data": data.model_dump_json(exclude_unset=True)}
+    if isinstance(data, dict):
+        return {"data": json.dumps(data, separators=(",", ":"))}
+    return {"data": data}
+
+
+async def _stream(request: Request, gen: Generation, fmt: StreamFormatter) -> Response:
+    agen = gen.deltas()
+    first_task = asyncio.ensure_future(agen.__anext__())
+    try:
+        first = await _watch(request, first_task)
+    except ClientGone:
+        gen.close_nowait()
+        return Response(status_code=499)
+    except StopAsyncIteration:
+        first = []
+    except asyncio.CancelledError:
+        first_task.cancel()
+        gen.close_nowait()
+        raise
+
+    async def events() -> AsyncIterator[dict]:
+        try:
+            for chunk in fmt.start():
+                yield _sse(chunk)
+            for d in first:
+                for chunk in fmt.on_delta(d):
+                    yield _sse(chunk)
+            async for deltas in agen:
+                for d in deltas:
+                    for chunk in fmt.on_delta(d):
+                        yield _sse(chunk)
+            for chunk in fmt.end():
+                yield _sse(chunk)
+        except OpenAIError as exc:
+            yield _sse(exc.body())
+        finally:
+            gen.close_nowait()
+        yield _sse("[DONE]")
+
+    return EventSourceResponse(events(), sep="\n", ping=15)

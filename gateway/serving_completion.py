@@ -1,0 +1,159 @@
+"""``POST /v1/completions``: the OpenAI request → engine requests, engine events → the response
+or its stream chunks (vLLM's ``serving_completion``)."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from gateway import errors, serving
+from gateway.broker import ModelCard
+from gateway.generation import Delta, Generation, SubRequest, TokenInfo, position_info
+from gateway.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+)
+from gateway.serving import envelope, finite, usage
+
+
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    broker, cfg = serving.broker_of(request), serving.config_of(request)
+    arrival = time.time()
+    card = await serving.card_for(broker, body.model)
+    tok = card.tokenizer
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompts_in: list = [prompt]
+    elif prompt and all(isinstance(x, int) for x in prompt):
+        prompts_in = [list(prompt)]
+    else:
+        prompts_in = list(prompt)
+    if not prompts_in:
+        raise errors.invalid("'prompt' must not be empty.", param="prompt")
+    if len(prompts_in) > cfg.max_prompts:
+        raise errors.invalid(f"At most {cfg.max_prompts} prompts per request.", param="prompt")
+    prompts: list[list[int]] = []
+    for p in prompts_in:
+        ids = await serving.encode(tok, p, add_special_tokens=True) if isinstance(p, str) else list(p)
+        if not ids:
+            raise errors.invalid("'prompt' must not be empty.", param="prompt")
+        serving.check_ids(ids, card, "prompt")
+        prompts.append(list(ids))
+    max_tokens = body.max_tokens if body.max_tokens is not None else card.max_model_len - max(map(len, prompts))
+    for ids in prompts:
+        if len(ids) + max(max_tokens, 0) > card.max_model_len or max_tokens < 1:
+            raise serving.context_error(card, len(ids), max_tokens, chat=False)
+    echo = bool(body.echo)
+    params = serving.sampling_params(body, card, cfg, max_tokens, body.logprobs)
+    if echo and body.logprobs is not None:
+        params.prompt_logprobs = body.logprobs
+    opts = {"stop": serving.stop_strings(body), "include_stop_str": body.include_stop_str_in_output,
+            "skip_special_tokens": body.skip_special_tokens, "logprobs": body.logprobs}
+    gen = Generation(broker, card, prompts, params, opts, deadline=arrival + cfg.request_timeout_s,
+                     endpoint="completions", id_prefix="cmpl")
+    await serving.start(gen, broker, cfg, body.model)
+    echo_text = {s.request_id: tok.decode(s.prompt_ids, skip_special_tokens=False) for s in gen.subs} if echo else {}
+    return await serving.respond(
+        request, gen,
+        stream=CompletionStreamFormatter(gen, card, body, echo_text) if body.stream else None,
+        build=lambda: completion_response(gen, card, body, echo_text),
+    )
+
+
+class LogprobsBuilder:
+    """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset; the
+    offsets continue across the chunks of a stream."""
+
+    def __init__(self, start_offset: int = 0) -> None:
+        self.offset = start_offset
+
+    def build(self, infos: list[TokenInfo], first_is_none: bool = False) -> CompletionLogProbs:
+        out = CompletionLogProbs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for i, info in enumerate(infos):
+            out.tokens.append(info.text)
+            none = first_is_none and i == 0
+            out.token_logprobs.append(None if none or info.logprob is None else finite(info.logprob))
+            if none or info.logprob is None:
+                out.top_logprobs.append(None)
+            else:
+                top = {info.text: finite(info.logprob)}
+                for t, lp, _ in info.top:
+                    top.setdefault(t, finite(lp))
+                out.top_logprobs.append(top)
+            out.text_offset.append(self.offset)
+            self.offset += len(info.text)
+        return out
+
+
+def _prompt_infos(sub: SubRequest, card: ModelCard, num_top: int) -> list[TokenInfo]:
+    infos = []
+    for i, tid in enumerate(sub.prompt_ids):
+        pos = sub.prompt_logprobs[i] if i < len(sub.prompt_logprobs) else None
+        infos.append(position_info(card.tokenizer, tid, pos, num_top))
+    return infos
+
+
+def completion_response(gen: Generation, card: ModelCard, body: CompletionRequest,
+                        echo_text: dict) -> CompletionResponse:
+    choices = []
+    for c in gen.choices:
+        prefix = echo_text.get(c.sub.request_id, "")
+        lp = None
+        if body.logprobs is not None:
+            infos = _prompt_infos(c.sub, card, body.logprobs) + c.logprobs if prefix else c.logprobs
+            lp = LogprobsBuilder().build(infos, first_is_none=bool(prefix))
+        choices.append(CompletionResponseChoice(index=c.index, text=prefix + c.text, logprobs=lp,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    return envelope(CompletionResponse, gen, choices=choices, usage=usage(gen))
+
+
+class CompletionStreamFormatter:
+    def __init__(self, gen: Generation, card: ModelCard, body: CompletionRequest, echo_text: dict) -> None:
+        self.gen, self.card, self.body, self.echo_text = gen, card, body, echo_text
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.builders: dict[int, LogprobsBuilder] = {}
+        self.echoed: set[int] = set()
+
+    def _chunk(self, choice: CompletionResponseChoice) -> CompletionStreamResponse:
+        if self.include_usage:
+            return envelope(CompletionStreamResponse, self.gen, choices=[choice], usage=None)
+        return envelope(CompletionStreamResponse, self.gen, choices=[choice])
+
+    def start(self) -> list[CompletionStreamResponse]:
+        return []
+
+    def on_delta(self, d: Delta) -> list[CompletionStreamResponse]:
+        choice = self.gen.choices[d.index]
+        prefix = ""
+        infos: list[TokenInfo] | None = d.logprobs
+        first_is_none = False
+        if d.index not in self.echoed:
+            self.echoed.add(d.index)
+            prefix = self.echo_text.get(choice.sub.request_id, "")
+            if prefix and self.body.logprobs is not None:
+                infos = _prompt_infos(choice.sub, self.card, self.body.logprobs) + (infos or [])
+                first_is_none = True
+        lp = None
+        if self.body.logprobs is not None:
+            builder = self.builders.setdefault(d.index, LogprobsBuilder())
+            lp = builder.build(infos or [], first_is_none=first_is_none)
+        out = []
+        text = prefix + d.text
+        if text or lp and lp.tokens or not d.finish_reason:
+            out.append(self._chunk(CompletionResponseChoice(index=d.index, text=text, logprobs=lp,
+                                                            finish_reason=None, stop_reason=None)))
+        if d.finish_reason:
+            out.append(self._chunk(CompletionResponseChoice(index=d.index, text="", logprobs=None,
+                                                            finish_reason=d.finish_reason,
+                                                            stop_reason=d.stop_reason)))
+        return out
+
+    def end(self) -> list[CompletionStreamResponse]:
+        if not self.include_usage:
+            return []
+        return [envelope(CompletionStreamResponse, self.gen, choices=[], usage=usage(self.gen))]
