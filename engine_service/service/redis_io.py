@@ -467,16 +467,16 @@ class RedisIO:
         pipe.execute()
 
     def heartbeat(self) -> None:
+        # The card first: if Redis lost its data (a restart without persistence; the healing client
+        # may have hidden the outage from us), the card is back before the liveness key says
+        # "this engine serves", so a gateway that sees the engine also finds its card.
+        if not self.redis.exists(contract.model_card_key(self.model)):
+            self.publish_card()
         info = {"model": self.model, "engine_id": self.consumer, "heartbeat": time.time(), **self.load()}
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(contract.engine_key(self.consumer), json.dumps({"model": self.model}), px=int(self.settings.heartbeat_ttl_s * 1000))
         pipe.hset(contract.ENGINES_KEY, self.consumer, json.dumps(info))
-        pipe.exists(contract.model_card_key(self.model))
-        card_present = pipe.execute()[-1]
-        if not card_present:
-            # Redis lost its data (a restart without persistence) between two heartbeats, so no
-            # command of ours saw the outage: put the card back.
-            self.publish_card()
+        pipe.execute()
 
     def _housekeeper_loop(self) -> None:
         backoff = self._backoff("housekeeper")
