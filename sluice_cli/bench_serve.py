@@ -9,7 +9,9 @@ fixed request rate, under an optional concurrency cap, and reports
 - request, output-token and total-token throughput;
 - goodput: requests per second that met every SLO given with ``--goodput ttft:MS tpot:MS e2el:MS``.
 
-It prints a table and writes the figures as JSON (``--result-file``).
+It prints a table, writes the figures as JSON (``--result-file``; with every request's send time,
+TTFT, ITLs and latency under ``requests``) and draws them (``--plot``, sluice/plots.py): the TTFT,
+TPOT and ITL distributions and output throughput over time.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sluice import plots
+
 
 @dataclass
 class BenchRequest:
@@ -36,6 +40,7 @@ class BenchRequest:
 @dataclass
 class RequestResult:
     ok: bool = False
+    start: float = 0.0  # sent, seconds after the benchmark started
     prompt_len: int = 0
     output_tokens: int = 0
     ttft: float = 0.0
@@ -73,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
     parser.add_argument("--percentiles", default="50,90,99", help="percentiles to report (default: 50,90,99)")
     parser.add_argument("--result-file", default=None, help="write the results as JSON here")
+    plots.add_plot_arguments(parser, "TTFT/TPOT/ITL distributions and throughput over time",
+                             "next to --result-file, else bench-results/serve.png")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     parser.add_argument("--disable-tqdm", action="store_true")
     parser.add_argument("--offline-baseline", action="store_true",
@@ -129,12 +136,13 @@ def arrival_gaps(num: int, rate: float, burstiness: float, fixed: bool, seed: in
 # --- one request -------------------------------------------------------------------------------
 
 
-async def send_one(client, url: str, model: str, req: BenchRequest, args) -> RequestResult:
+async def send_one(client, url: str, model: str, req: BenchRequest, args, t0: float | None = None) -> RequestResult:
     payload = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "stream": True,
                "stream_options": {"include_usage": True}, "temperature": args.temperature,
                "ignore_eos": args.ignore_eos}
     res = RequestResult(prompt_len=req.prompt_len)
     start = time.perf_counter()
+    res.start = start - t0 if t0 is not None else 0.0
     last = start
     try:
         async with client.stream("POST", url, json=payload) as resp:
@@ -255,15 +263,15 @@ async def benchmark(args, requests: list[BenchRequest]) -> tuple[dict, list[Requ
 
         async def run(req: BenchRequest) -> RequestResult:
             if sem is None:
-                res = await send_one(client, url, model, req, args)
+                res = await send_one(client, url, model, req, args, start)
             else:
                 async with sem:
-                    res = await send_one(client, url, model, req, args)
+                    res = await send_one(client, url, model, req, args, start)
             bar.update(1)
             return res
 
         gaps = arrival_gaps(len(requests), args.request_rate, args.burstiness, args.fixed_rate, args.seed)
-        start = time.perf_counter()
+        start = time.perf_counter()  # read by run() above when each request is sent
         tasks = []
         for req, gap in zip(requests, gaps, strict=True):
             tasks.append(asyncio.create_task(run(req)))
@@ -276,8 +284,15 @@ async def benchmark(args, requests: list[BenchRequest]) -> tuple[dict, list[Requ
     summary = summarize(list(results), duration, parse_goodput(args.goodput), percentiles)
     summary.update({"model": model, "base_url": base, "num_prompts": len(requests),
                     "request_rate": args.request_rate, "burstiness": args.burstiness,
-                    "max_concurrency": args.max_concurrency, "seed": args.seed})
+                    "max_concurrency": args.max_concurrency, "seed": args.seed,
+                    "requests": [request_record(r) for r in results]})
     return summary, list(results)
+
+
+def request_record(r: RequestResult) -> dict:
+    """One request in the JSON result: what the charts are drawn from (seconds)."""
+    return {"ok": r.ok, "start_s": r.start, "prompt_len": r.prompt_len, "output_tokens": r.output_tokens,
+            "ttft_s": r.ttft, "latency_s": r.latency, "itl_s": r.itl, "error": r.error}
 
 
 def format_table(s: dict) -> str:
@@ -318,6 +333,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         requests = synthetic_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
                                      args.random_range_ratio, tuple(args.random_vocab), args.seed)
+    chart = plots.plot_target(args, args.result_file, "bench-results/serve.png", "sluice bench serve")
     summary, _ = asyncio.run(benchmark(args, requests))
     print(format_table(summary))
     if args.offline_baseline:
@@ -325,6 +341,8 @@ def run(args: argparse.Namespace) -> int:
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(summary, indent=2))
         print(f"results written to {args.result_file}")
+    if chart is not None:
+        print(f"chart written to {plots.plot_serve(summary, chart)}")
     return 0 if summary["completed"] else 1
 
 

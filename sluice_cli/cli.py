@@ -20,6 +20,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "offline"): ("engine_service.bench.offline", "offline throughput benchmark against transformers"),
     ("bench", "scheduler"): ("engine_service.bench.scheduler", "model-free scheduler benchmark (batchbench)"),
     ("bench", "serve"): ("sluice_cli.bench_serve", "serving benchmark against a running gateway"),
+    ("bench", "plot"): ("sluice.plots", "charts of saved bench results (JSON), as the benches draw them"),
 }
 
 

@@ -4,6 +4,7 @@ One seeded workload (default 64 requests, prompts 16-512 tokens, outputs 16-256 
 ignored) runs through Sluice's continuous batching and through transformers' static batching at
 batch sizes 1 and 8, on the same requests, in the same process, one after the other. Static
 batches generate until their longest member is done; only each request's own tokens count.
+It prints a table, writes JSON (``--json``) and a bar chart of the systems compared (``--plot``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from sluice import plots
 
 
 @dataclass
@@ -98,6 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run transformers on only the first N requests (default: all)")
     parser.add_argument("--sampler-batch", type=int, default=256, help="batch size for the sampler cost probe")
     parser.add_argument("--json", type=Path, default=Path("bench-results/offline.json"))
+    plots.add_plot_arguments(parser, "a bar chart of the systems compared", "next to --json, .png")
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -111,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     from engine_service.llm import LLM
     from engine_service.model.loader import parse_dtype
 
+    chart = plots.plot_target(args, args.json, "bench-results/offline.png", "sluice bench offline")
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens)
     engine = llm.engine
@@ -156,4 +161,6 @@ def run(args: argparse.Namespace) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")
+    if chart is not None:
+        print(f"wrote {plots.plot_offline(result, chart)}")
     return 0

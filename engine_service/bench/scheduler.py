@@ -3,7 +3,8 @@
 ``sluice bench scheduler`` generates arrival times (in steps), prompt lengths and output lengths
 from a seed, runs the workload through the scheduler once per watermark reserve
 (``--sweep-watermarks 0,1,2,3``), and prints a table of evictions (preemptions), thrashed
-admissions, iterations and recompute share; ``--json PATH`` writes everything. The "sampled" tokens
+admissions, iterations and recompute share; ``--json PATH`` writes everything, and a sweep is also
+drawn as a chart (``--plot``, sluice/plots.py). The "sampled" tokens
 are fake ids; a request stops at its target output length (``max_tokens`` with ``ignore_eos``).
 It also measures the scheduler's own cost per step with 256 running and 1,000 waiting requests.
 
@@ -24,6 +25,7 @@ from engine_service.config import SchedulerConfig
 from engine_service.core.request import Request
 from engine_service.core.scheduler import Scheduler, SchedulerOutput
 from engine_service.sampling.params import SamplingParams
+from sluice import plots
 
 FAKE_TOKEN_BASE = 50_000
 
@@ -354,6 +356,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--shared-prefix-len", type=int, default=0, help="tokens every prompt shares")
     o = parser.add_argument_group("output")
     o.add_argument("--json", type=str, default=None, help="write the results as JSON to this path")
+    plots.add_plot_arguments(o, "the --sweep-watermarks results",
+                             "next to --json, else bench-results/scheduler-sweep.png")
     o.add_argument("--check-invariants", action="store_true", help="assert the invariants after every step")
     o.add_argument("--no-cost", action="store_true", help="skip the per-step cost measurement")
     o.add_argument("--cost-running", type=int, default=256)
@@ -389,6 +393,9 @@ def run(args: argparse.Namespace) -> int:
         reserves = [int(x) for x in args.sweep_watermarks.split(",") if x.strip()]
     else:
         reserves = [cfg.resolved_watermark_blocks()]
+    chart = None
+    if len(reserves) > 1:  # one reserve makes no chart
+        chart = plots.plot_target(args, args.json, "bench-results/scheduler-sweep.png", "sluice bench scheduler")
     per_seed: list[list[SimResult]] = []
     workloads: dict[int, list[SyntheticRequest]] = {}
     spec = None
@@ -435,7 +442,7 @@ def run(args: argparse.Namespace) -> int:
             f"p50 {cost['step_us_p50']:.0f} us, p99 {cost['step_us_p99']:.0f} us; "
             f"CPU time {cost['step_cpu_us_mean']:.0f} us/step mean, p50 {cost['step_cpu_us_p50']:.0f} us"
         )
-    if args.json:
+    if args.json or chart is not None:
         doc = {
             "config": asdict(cfg),
             "workload": asdict(spec) | {"seed": args.seed},
@@ -458,7 +465,10 @@ def run(args: argparse.Namespace) -> int:
             },
             "cost": cost,
         }
+    if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
         print(f"wrote {args.json}")
+    if chart is not None:
+        print(f"wrote {plots.plot_scheduler_sweep(doc, chart)}")
     return 0

@@ -36,7 +36,18 @@ def test_bench_serve_end_to_end(gateway, tmp_path, capsys):
         assert {"mean", "median", "p99"} <= set(result[key])
         assert result[key]["mean"] > 0
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
-    assert "Serving Benchmark Result" in capsys.readouterr().out
+    # every request's record, what the chart is drawn from
+    records = result["requests"]
+    assert len(records) == 12 and all(r["ok"] and r["error"] == "" for r in records)
+    assert all(r["output_tokens"] == 8 and len(r["itl_s"]) >= 1 for r in records)
+    assert all(0 < r["ttft_s"] <= r["latency_s"] for r in records)
+    assert all(0 <= r["start_s"] < result["duration_s"] for r in records)
+    assert max(r["start_s"] for r in records) > 0  # sent over time (50 req/s), not all at t=0
+    out_text = capsys.readouterr().out
+    assert "Serving Benchmark Result" in out_text
+    chart = out.with_suffix(".png")
+    assert f"chart written to {chart}" in out_text
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_dataset_and_arrivals_are_seeded():

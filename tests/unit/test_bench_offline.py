@@ -1,0 +1,26 @@
+"""``sluice bench offline`` end to end on a tiny workload: table, JSON and its bar chart."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.model
+
+
+def test_bench_offline_writes_json_and_chart(model_dir, tmp_path, capsys) -> None:
+    from sluice_cli.cli import main
+
+    path = tmp_path / "offline.json"
+    argv = ["bench", "offline", "--model", str(model_dir), "--num-requests", "3", "--prompt-len", "4-8",
+            "--output-len", "2-4", "--hf-batch-sizes", "2", "--sampler-batch", "4", "--json", str(path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(path.read_text())
+    assert [r["system"] for r in doc["rows"]] == ["sluice (continuous batching)", "transformers generate, batch 2"]
+    assert doc["rows"][0]["output_tokens"] == doc["rows"][1]["output_tokens"] > 0
+    chart = path.with_suffix(".png")
+    assert f"wrote {chart}" in out
+    data = chart.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(data[16:20], "big") > 500
