@@ -17,7 +17,8 @@ from gateway.routes import STREAM_CHUNK_MODELS, router
 
 log = logging.getLogger("sluice.gateway")
 
-_KNOWN_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+_KNOWN_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+                    "/tokenize", "/detokenize", "/version", "/ping"}
 
 
 def _endpoint_label(path: str) -> str:

@@ -1,5 +1,6 @@
 """The HTTP routes, thin: each generation endpoint hands its validated body to its serving module
-(``serving_completion``, ``serving_chat``); health, metrics and the model list are answered here.
+(``serving_completion``, ``serving_chat``, ``serving_tokenization``); health, metrics, the model
+list and vLLM's ``/version`` and ``/ping`` are answered here.
 
 The ``responses=`` of the generation routes document their bodies in ``/openapi.json``: the JSON
 response, and for ``"stream": true`` the ``text/event-stream`` whose ``data:`` events are the
@@ -15,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
+import sluice
 from gateway import errors, serving
 from gateway.broker import ModelCard
 from gateway.metrics import METRICS, render
@@ -25,13 +27,19 @@ from gateway.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelInfo,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
 )
 from gateway.serving import redis_down, to_json
 from gateway.serving_chat import create_chat_completion
 from gateway.serving_completion import create_completion
+from gateway.serving_tokenization import create_detokenize, create_tokenize
 
 router = APIRouter()
 
@@ -137,3 +145,30 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
              responses=_generation_responses(ChatCompletionResponse, ChatCompletionStreamResponse))
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return await create_chat_completion(body, request)
+
+
+# --- vLLM's utility endpoints ------------------------------------------------------------------
+
+
+@router.post("/tokenize", responses={200: {"model": TokenizeResponse}, **{k: _ERRORS[k] for k in (400, 404, 503)}})
+async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+    return JSONResponse(to_json(await create_tokenize(body, request)))
+
+
+@router.post("/detokenize",
+             responses={200: {"model": DetokenizeResponse}, **{k: _ERRORS[k] for k in (400, 404, 503)}})
+async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+    return JSONResponse(to_json(await create_detokenize(body, request)))
+
+
+@router.get("/version", responses={200: {"model": VersionResponse}})
+async def version() -> Response:
+    return JSONResponse(to_json(VersionResponse(version=sluice.__version__)))
+
+
+@router.get("/ping", responses={503: _ERRORS[503]})
+@router.post("/ping", responses={503: _ERRORS[503]})
+async def ping(request: Request) -> Response:
+    """vLLM's (and SageMaker's) probe: 200 with no body when /health would answer 200, else its 503."""
+    answer = await health(request)
+    return Response(status_code=200) if answer.status_code == 200 else answer

@@ -19,11 +19,17 @@ from gateway.protocol import (
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
+    ChatMessage,
     ChatResponseMessage,
     DeltaMessage,
     TopLogprob,
 )
 from gateway.serving import envelope, finite, usage
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the chat template receives them (also what ``POST /tokenize`` renders)."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
@@ -32,11 +38,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     card = await serving.card_for(broker, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise errors.invalid("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in body.messages]
     try:
         text = card.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
+            template_messages(body.messages), add_generation_prompt=body.add_generation_prompt, tokenize=False
         )
     except ValueError as exc:
         raise errors.invalid(f"Invalid messages for the chat template: {exc}", param="messages") from exc

@@ -1,0 +1,68 @@
+"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's ``serving_tokenization``).
+
+The tokenizer and chat template are the model card's, the same that generation uses, so the ids are
+exactly what ``/v1/completions`` (a ``prompt``) or ``/v1/chat/completions`` (``messages``) would
+enqueue; nothing reaches an engine. Shapes follow vLLM's OpenAI server (docs/gateway.md).
+"""
+
+from __future__ import annotations
+
+from fastapi import Request
+from redis.exceptions import RedisError
+
+from gateway import errors, serving
+from gateway.broker import Broker, ModelCard
+from gateway.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from gateway.serving_chat import template_messages
+
+
+async def _card(broker: Broker, model: str | None) -> ModelCard:
+    """The card of ``model`` (as for generation: 404 unknown, 503 no live engine), or of the only
+    model served when none is named (400 when several are)."""
+    if model is None:
+        try:
+            live = await broker.live_engines()
+            served = [name for name in await broker.model_names() if live.get(name)]
+        except (RedisError, OSError) as exc:
+            raise serving.redis_down(exc) from exc
+        if len(served) != 1:
+            choices = f": one of {', '.join(repr(s) for s in served)}" if served else ""
+            raise errors.invalid(f"'model' is required when {len(served)} models are served{choices}.",
+                                 param="model", code="missing_required_parameter")
+        model = served[0]
+    return await serving.card_for(broker, model)
+
+
+async def create_tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    card = await _card(serving.broker_of(request), body.model)
+    tok = card.tokenizer
+    if body.messages is not None:
+        if body.chat_template is not None:
+            # as vLLM without --trust-request-chat-template: the model's own template only
+            raise errors.invalid("A chat template in the request is not accepted; the model's template is used.",
+                                 param="chat_template")
+        try:
+            text = tok.apply_chat_template(
+                template_messages(body.messages), add_generation_prompt=body.add_generation_prompt,
+                tokenize=False, continue_final_message=body.continue_final_message, tools=body.tools,
+                **(body.chat_template_kwargs or {}),
+            )
+        except (ValueError, TypeError) as exc:  # TypeError: chat_template_kwargs naming a parameter
+            raise errors.invalid(f"Invalid messages for the chat template: {exc}", param="messages") from exc
+        add_special = bool(body.add_special_tokens)  # default false: the template writes them
+    else:
+        text = body.prompt or ""
+        add_special = body.add_special_tokens is not False
+    ids = list(await serving.encode(tok, text, add_special_tokens=add_special))
+    return TokenizeResponse(count=len(ids), max_model_len=card.max_model_len, tokens=ids,
+                            token_strs=tok.convert_ids_to_tokens(ids) if body.return_token_strs else None)
+
+
+async def create_detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    card = await _card(serving.broker_of(request), body.model)
+    if card.vocab_size is not None:
+        for t in body.tokens:
+            if t >= card.vocab_size:
+                raise errors.invalid(f"Token id {t} in 'tokens' is out of the vocabulary (size {card.vocab_size}).",
+                                     param="tokens", code="invalid_value")
+    return DetokenizeResponse(prompt=card.tokenizer.decode(body.tokens))
