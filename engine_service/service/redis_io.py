@@ -199,12 +199,16 @@ class RedisIO:
         self._headroom = 0
         self._consumed = 0
         self._delivered = 0
+        # Entries handed to the worker and not acknowledged yet (their XACK not sent): our own
+        # pending entries that are NOT here are orphans (see ``reclaim_orphans``).
+        self._held: set[bytes] = set()
+        self._held_lock = threading.Lock()
         self.reading = True  # False while draining
         self.connected = threading.Event()
         self.own_reclaimed = threading.Event()  # the start's reclaim of our own entries is done
         self.stats = {
             "published_batches": 0, "publish_retries": 0, "dropped_batches": 0, "reclaimed": 0,
-            "trimmed": 0, "pruned_engines": 0,
+            "trimmed": 0, "pruned_engines": 0, "orphans": 0,
         }
         self.metrics: NullMetrics = NULL_METRICS  # reconnects, reclaims, events answered here
 
@@ -335,6 +339,8 @@ class RedisIO:
                 # The entries are ours now (pending); the pub/sub cancel still reaches us.
                 log.warning("could not check markers: %s", exc)
         entries = self._answer_lost(entries)
+        with self._held_lock:
+            self._held.update(e.entry_id for e in entries)
         with self._credit_lock:
             self._delivered += len(entries)
         for e in entries:
@@ -441,6 +447,9 @@ class RedisIO:
                     if isinstance(result, Exception):
                         log.warning("publish: a command failed: %s", result)
                 self.stats["published_batches"] += 1
+                if batch.acks:
+                    with self._held_lock:
+                        self._held.difference_update(batch.acks)
                 backoff.ok()
                 return
             except _REDIS_ERRORS as exc:
@@ -484,6 +493,7 @@ class RedisIO:
         next_beat = next_reclaim = 0.0
         next_prune = time.monotonic() + 30.0
         next_tidy = time.monotonic() + self.settings.trim_interval_s
+        next_orphans = time.monotonic() + self.settings.orphan_check_s
         while not self._stop.is_set():
             now = time.monotonic()
             try:
@@ -502,6 +512,9 @@ class RedisIO:
                 if now >= next_reclaim and self.reading:
                     self.reclaim()
                     next_reclaim = now + self.settings.reclaim_interval_s
+                if now >= next_orphans and self.reading:
+                    self.reclaim_orphans()
+                    next_orphans = now + self.settings.orphan_check_s
                 if now >= next_tidy:
                     self.tidy()
                     next_tidy = now + self.settings.trim_interval_s
@@ -521,6 +534,47 @@ class RedisIO:
                 backoff.fail(self._stop)
                 continue
             self._stop.wait(min(next_beat, next_reclaim) - time.monotonic() if self.reading else 0.2)
+
+    def reclaim_orphans(self) -> int:
+        """Take back our own pending entries that the worker does not hold: their XACK was lost
+        (Redis crashed within its last fsync second, after our acknowledgement) or they belong to
+        a previous life of this engine id. Left alone they would stay pending forever (no peer
+        reclaims a live consumer's entries) and stop the stream's trim. They go through the
+        reclaim path: errored (emitted, cancelled, expired) or restarted, and acknowledged."""
+        try:
+            pending = self.redis.xpending_range(
+                self.stream, contract.CONSUMER_GROUP, min="-", max="+", count=1000,
+                consumername=self.consumer, idle=self.settings.orphan_idle_ms,
+            )
+        except redis.ResponseError:
+            return 0
+        with self._held_lock:
+            orphans = [p for p in pending if p["message_id"] not in self._held]
+        if not orphans:
+            return 0
+        ids = [p["message_id"] for p in orphans]
+        deliveries = {p["message_id"]: int(p["times_delivered"]) for p in orphans}
+        messages = self.redis.xclaim(
+            self.stream, contract.CONSUMER_GROUP, self.consumer, self.settings.orphan_idle_ms, ids
+        )
+        entries = []
+        for entry_id, fields in messages:
+            with self._held_lock:
+                if entry_id in self._held:  # delivered meanwhile: ours after all
+                    continue
+            entry = parse_entry(entry_id, fields)
+            entry.reclaimed = True
+            entry.deliveries = deliveries.get(entry_id, 1)
+            entries.append(entry)
+        claimed = {e for e, _ in messages}
+        gone = [i for i in ids if i not in claimed]  # deleted entries: nothing to run, just forget them
+        if gone:
+            self.redis.xack(self.stream, contract.CONSUMER_GROUP, *gone)
+        if entries:
+            log.warning("took back %d orphaned pending entries of our own (lost acknowledgements?)", len(entries))
+            self.stats["orphans"] += len(entries)
+            self._deliver(entries)
+        return len(entries) + len(gone)
 
     def tidy(self) -> None:
         """Trim the stream's acknowledged entries and forget dead engines' registry entries."""

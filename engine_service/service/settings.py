@@ -31,4 +31,6 @@ class ServiceSettings:
     read_block_ms: int = 100  # XREADGROUP BLOCK when the engine has room
     max_read_batch: int = 16  # at most this many entries per XREADGROUP: a replica takes a bite, not the queue
     trim_interval_s: float = 2.0  # how often acknowledged stream entries are trimmed, dead engines pruned
+    orphan_check_s: float = 5.0  # how often our own pending entries are checked for lost acknowledgements
+    orphan_idle_ms: int = 30_000  # an own pending entry idle this long and not held by the worker is an orphan
     publish_retry_s: float = 60.0  # how long events are retried while Redis is away

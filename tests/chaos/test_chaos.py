@@ -1,5 +1,6 @@
 """Chaos: real processes (a redis-server with AOF, two engines, a gateway) under mixed traffic while
-engines are killed (-9) and restarted, Redis is restarted, an engine is drained, clients hang up.
+engines are killed (-9) and restarted, Redis is restarted (cleanly, and once with kill -9), an
+engine is drained, clients hang up.
 
 At the end every request has a terminal outcome — completed, or an error the client was told
 about within 10 s of the fault (or of its own start) — no engine holds a KV block or a running
@@ -81,6 +82,13 @@ class Redis:
     def restart(self, pause: float = 1.0) -> None:
         """A clean restart (SIGTERM: Redis writes the AOF out and exits), ``pause`` s of no Redis."""
         self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(20)
+        time.sleep(pause)
+        self.start()
+
+    def crash(self, pause: float = 1.0) -> None:
+        """kill -9: Redis loses what it had not fsynced yet (AOF everysec: up to the last second)."""
+        self.proc.kill()
         self.proc.wait(20)
         time.sleep(pause)
         self.start()
@@ -256,17 +264,17 @@ def serving(url: str, engine: Engine) -> bool:
 
 def _faults(chaos: Chaos, rds: Redis, engines: list[Engine], stop: threading.Event, seed: int) -> None:
     """The plan's faults one after the other, ``period`` seconds apart. An engine fault waits (up to
-    30 s) until both engines serve, so one engine is down at a time (a reload of the model takes a
+    45 s) until both engines serve, so one engine is down at a time (a reload of the model takes a
     while); if they still do not, a Redis restart comes instead."""
-    plan = ["kill9", "redis", "drain", "redis", "kill9", "drain", "redis", "kill9"]
+    plan = ["kill9", "redis", "drain", "redis-9", "kill9", "drain", "redis", "kill9"]
     period = max(6.0, (DURATION_S - 12.0) / len(plan))
     stop.wait(6.0)
     for slot, what in enumerate(plan):
         if stop.is_set():
             return
         up = [e for e in engines if serving(rds.url, e)]
-        if what != "redis":
-            end = time.monotonic() + 30
+        if not what.startswith("redis"):
+            end = time.monotonic() + 45
             while len(up) < len(engines) and time.monotonic() < end and not stop.is_set():
                 stop.wait(0.5)
                 up = [e for e in engines if serving(rds.url, e)]
@@ -283,6 +291,9 @@ def _faults(chaos: Chaos, rds: Redis, engines: list[Engine], stop: threading.Eve
             code = engine.drain()
             assert code == 0, f"drained engine exited with {code}"
             engine.start()
+        elif what == "redis-9":
+            chaos.fault("redis kill -9")
+            rds.crash()
         else:
             chaos.fault("redis restart")
             rds.restart()
@@ -335,7 +346,8 @@ def test_chaos(model_dir, tmp_path):
             wait_engine(rds.url, e.engine_id, timeout=120)
         r = redis.Redis.from_url(rds.url)
         stream = contract.request_stream(MODEL)
-        end = time.monotonic() + 30
+        # (an entry whose acknowledgement a Redis crash lost is taken back after 30 s idle)
+        end = time.monotonic() + 50
         while True:
             loads = {e.engine_id: json.loads(r.hget(contract.ENGINES_KEY, e.engine_id) or b"{}") for e in engines}
             running = sum(int(v.get("running") or 0) + int(v.get("live_requests") or 0) + int(v.get("waiting") or 0)
@@ -403,7 +415,7 @@ def test_chaos(model_dir, tmp_path):
     assert not late, f"errors told more than {TOLD_WITHIN_S}s after the fault: {details}"
     assert leaked == 0 and running == 0, loads
     assert pending == 0
-    assert table["completed"] > 0 and len(chaos.faults) >= 6, table["faults"]
+    assert table["completed"] > 0 and len(chaos.faults) >= 5, table["faults"]
     assert {"kill", "redis", "drain"} <= {f.split()[0] for f in table["faults"]}, table["faults"]
     assert "transport_error" not in counts, [o.detail for o in outcomes if o.result == "transport_error"][:3]
     assert set(ENGINE_IDS) <= registry

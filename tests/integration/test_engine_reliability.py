@@ -18,7 +18,7 @@ from engine_service.service.redis_io import RedisIO, trim_stream
 from engine_service.service.settings import ServiceSettings
 from engine_service.service.worker import Worker
 from sluice.wire import codec, contract, limits
-from sluice.wire.client import WireClient
+from sluice.wire.client import RequestHandle, WireClient
 from tests.docker_support import wait_for_redis
 from tests.integration.test_engine_service_worker import FakeEngine
 
@@ -329,3 +329,36 @@ def test_drain_exits_within_its_grace_period(clean_redis, redis_client, tmp_path
     result = handle.collect(timeout=5)
     assert result.error_code == contract.ERR_DRAINING, result
     assert not redis_client.hexists(contract.ENGINES_KEY, "drainer")
+
+
+# --------------------------------------------------------------------------- lost acknowledgements
+
+
+def test_own_pending_entry_with_a_lost_ack_is_taken_back(services, redis_client):
+    """Redis crashed within its fsync second after this engine's XACK: the entry is pending again
+    under a live consumer, which no peer reclaims. The engine finds it (pending, idle, not held)
+    and takes it through the reclaim path; nothing stays pending, the stream can be trimmed."""
+    svc = services(orphan_check_s=0.2, orphan_idle_ms=300, trim_interval_s=0.2)
+    client = WireClient(redis_client)
+    client.wait_for_engine(MODEL, timeout=10)
+    stream = contract.request_stream(MODEL)
+    # One that had emitted tokens (its client got them and its end): errored, acknowledged.
+    done = codec.make_request("done-before-crash", MODEL, [1, 2, 3], {"temperature": 0.0, "max_tokens": 2})
+    redis_client.set(contract.emitted_key(done.request_id), svc.settings.engine_id)
+    # One that had not started (its read survived, its run did not): run again.
+    fresh = codec.make_request("fresh-after-crash", MODEL, [1, 2, 3], {"temperature": 0.0, "max_tokens": 2})
+    handles = {}
+    for req in (done, fresh):
+        handles[req.request_id] = RequestHandle(client, req.request_id, 1, client.subscribe(req.request_id))
+        pipe = redis_client.pipeline(transaction=True)  # pending under the engine's own name, unseen by it
+        pipe.xadd(stream, codec.encode_request(req))
+        pipe.xreadgroup(contract.CONSUMER_GROUP, svc.settings.engine_id, {stream: ">"}, count=1)
+        pipe.execute()
+    assert len(pending_ids(redis_client, svc.settings.engine_id)) == 2
+    lost = handles["done-before-crash"].collect(timeout=10)
+    assert lost.error_code == contract.ERR_ENGINE_LOST, lost
+    again = handles["fresh-after-crash"].collect(timeout=10)
+    assert again.error_code is None and again.finish_reason == "length", again
+    wait_until(lambda: not pending_ids(redis_client), 5, "nothing left pending")
+    wait_until(lambda: redis_client.xlen(stream) == 0, 5, "the stream trimmed past them")
+    assert svc.io.stats["orphans"] == 2
