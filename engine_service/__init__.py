@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig", "StructuredOutputsParams"]
 
 if TYPE_CHECKING:
     from engine_service.config import EngineConfig
     from engine_service.core.engine import LLMEngine
     from engine_service.llm import LLM
     from engine_service.sampling.params import SamplingParams
+    from sluice.structured import StructuredOutputsParams
 
 
 def __getattr__(name: str):
@@ -32,6 +33,10 @@ def __getattr__(name: str):
         from engine_service.sampling.params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from sluice.structured import StructuredOutputsParams
+
+        return StructuredOutputsParams
     if name == "EngineConfig":
         from engine_service.config import EngineConfig
 

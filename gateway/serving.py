@@ -29,6 +29,7 @@ from gateway.errors import OpenAIError
 from gateway.generation import Delta, Generation
 from gateway.metrics import METRICS
 from gateway.protocol import ResponseEnvelope, SamplingFields, UsageInfo
+from sluice.wire import codec
 from sluice.wire.messages_pb2 import SamplingParams
 
 DISCONNECT_POLL_S = 0.2
@@ -151,6 +152,12 @@ def sampling_params(req: SamplingFields, card: ModelCard, cfg: GatewayConfig, ma
             raise errors.invalid(f"At most {cfg.max_logprobs} logprobs may be requested.", param="logprobs")
         p.logprobs = logprobs
     return p
+
+
+def constrain(params: SamplingParams, constraint: Any) -> None:
+    """Put a checked output constraint (``gateway.tools``) on the wire."""
+    if constraint is not None:
+        params.structured_outputs.CopyFrom(codec.structured_outputs_to_proto(constraint))
 
 
 def stop_strings(req: SamplingFields) -> list[str]:

@@ -4,11 +4,12 @@ response or its stream chunks (vLLM's ``serving_chat``)."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from gateway import errors, serving
+from gateway import errors, serving, tools
 from gateway.broker import ModelCard
 from gateway.generation import Delta, Generation, TokenInfo
 from gateway.protocol import (
@@ -22,14 +23,36 @@ from gateway.protocol import (
     ChatMessage,
     ChatResponseMessage,
     DeltaMessage,
+    DeltaToolCall,
+    ToolCall,
     TopLogprob,
 )
 from gateway.serving import envelope, finite, usage
+from sluice.text.chat_template import template_variables
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """The messages as the chat template receives them (also what ``POST /tokenize`` renders)."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    """The messages as the chat template receives them (also what ``POST /tokenize`` renders):
+    assistant ``tool_calls`` and ``tool`` results kept; a 400 naming the message for a bad one."""
+    out = []
+    for i, m in enumerate(messages):
+        try:
+            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        except ValueError as exc:
+            raise errors.invalid(f"messages[{i}]: {exc}.", param=f"messages[{i}].content") from None
+        if m.tool_calls:
+            for j, call in enumerate(m.tool_calls):
+                fn = call.get("function")
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise errors.invalid(f"messages[{i}].tool_calls[{j}] needs a function with a name.",
+                                         param=f"messages[{i}].tool_calls")
+            msg["tool_calls"] = m.tool_calls
+        if m.role == "tool":
+            msg["tool_call_id"] = m.tool_call_id or ""
+            if m.name:
+                msg["name"] = m.name
+        out.append(msg)
+    return out
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
@@ -38,9 +61,22 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     card = await serving.card_for(broker, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise errors.invalid("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+    spec = tools.parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    constraint = tools.constraint_for(body.response_format, body.structured_outputs)
+    if spec is not None and spec.constrained:
+        if constraint is not None:
+            raise errors.invalid("A forced 'tool_choice' cannot be combined with 'response_format' or "
+                                 "'structured_outputs'.", param="tool_choice")
+        constraint = tools.tool_constraint(spec)
+    messages = template_messages(body.messages)
     try:
+        # tools go through the template's `tools` variable when it reads one, else a system block
+        template_tools = tools.template_tools(spec)
+        reads_tools = "tools" in template_variables(card.tokenizer.get_chat_template(tools=template_tools))
+        messages = tools.render_messages(messages, spec, reads_tools)
         text = card.tokenizer.apply_chat_template(
-            template_messages(body.messages), add_generation_prompt=body.add_generation_prompt, tokenize=False
+            messages, add_generation_prompt=body.add_generation_prompt, tokenize=False,
+            tools=template_tools if reads_tools else None,
         )
     except ValueError as exc:
         raise errors.invalid(f"Invalid messages for the chat template: {exc}", param="messages") from exc
@@ -54,6 +90,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                                     chat=True)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = serving.sampling_params(body, card, cfg, max_tokens, logprobs)
+    serving.constrain(params, constraint)
     opts = {"stop": serving.stop_strings(body), "include_stop_str": body.include_stop_str_in_output,
             "skip_special_tokens": body.skip_special_tokens, "logprobs": logprobs}
     gen = Generation(broker, card, [ids], params, opts, deadline=arrival + cfg.request_timeout_s,
@@ -61,8 +98,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     await serving.start(gen, broker, cfg, body.model)
     return await serving.respond(
         request, gen,
-        stream=ChatStreamFormatter(gen, card, body) if body.stream else None,
-        build=lambda: chat_response(gen, body),
+        stream=ChatStreamFormatter(gen, card, body, spec) if body.stream else None,
+        build=lambda: chat_response(gen, body, spec),
     )
 
 
@@ -76,24 +113,36 @@ def chat_logprobs(infos: list[TokenInfo]) -> ChatCompletionLogProbs:
     ])
 
 
-def chat_response(gen: Generation, body: ChatCompletionRequest) -> ChatCompletionResponse:
-    choices = [
-        ChatCompletionResponseChoice(
+def chat_response(gen: Generation, body: ChatCompletionRequest,
+                  spec: tools.ToolSpec | None = None) -> ChatCompletionResponse:
+    choices = []
+    for c in gen.choices:
+        message = ChatResponseMessage(role="assistant", content=c.text)
+        finish = c.finish_reason
+        if spec is not None and spec.parses_output:
+            content, calls = tools.extract_tool_calls(spec, c.text)
+            if calls:  # finish_reason "tool_calls" (a call cut short by max_tokens stays text, "length")
+                message = ChatResponseMessage(role="assistant", content=content,
+                                              tool_calls=[ToolCall(**call) for call in calls])
+                finish = "tool_calls" if finish == "stop" else finish
+        choices.append(ChatCompletionResponseChoice(
             index=c.index,
-            message=ChatResponseMessage(role="assistant", content=c.text),
+            message=message,
             logprobs=chat_logprobs(c.logprobs) if body.logprobs else None,
-            finish_reason=c.finish_reason,
+            finish_reason=finish,
             stop_reason=c.stop_reason,
-        )
-        for c in gen.choices
-    ]
+        ))
     return envelope(ChatCompletionResponse, gen, choices=choices, usage=usage(gen))
 
 
 class ChatStreamFormatter:
-    def __init__(self, gen: Generation, card: ModelCard, body: ChatCompletionRequest) -> None:
+    def __init__(self, gen: Generation, card: ModelCard, body: ChatCompletionRequest,
+                 spec: tools.ToolSpec | None = None) -> None:
         self.gen, self.card, self.body = gen, card, body
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.tool_streams = ({c.index: tools.ToolStream(spec) for c in gen.choices}
+                             if spec is not None and spec.parses_output else None)
+        self.called: set[int] = set()
 
     def _chunk(self, index: int, delta: DeltaMessage, logprobs: ChatCompletionLogProbs | None = None,
                finish: str | None = None, stop_reason: int | str | None = None) -> ChatCompletionStreamResponse:
@@ -110,10 +159,31 @@ class ChatStreamFormatter:
     def on_delta(self, d: Delta) -> list[ChatCompletionStreamResponse]:
         out = []
         lp = chat_logprobs(d.logprobs) if self.body.logprobs and d.logprobs else None
+        if self.tool_streams is not None:
+            return self._on_tool_delta(d, lp)
         if d.text or lp:
             out.append(self._chunk(d.index, DeltaMessage(content=d.text), lp))
         if d.finish_reason:
             out.append(self._chunk(d.index, DeltaMessage(), None, d.finish_reason, d.stop_reason))
+        return out
+
+    def _on_tool_delta(self, d: Delta, lp: ChatCompletionLogProbs | None) -> list[ChatCompletionStreamResponse]:
+        """Text that is surely content goes out at once; calls as OpenAI's ``tool_calls`` deltas."""
+        stream = self.tool_streams[d.index]
+        out = []
+        content, calls = stream.feed(d.text)
+        if d.finish_reason:
+            rest, more = stream.finish()
+            content += rest
+            calls += more
+        if content or lp:
+            out.append(self._chunk(d.index, DeltaMessage(content=content), lp))
+        if calls:
+            self.called.add(d.index)
+            out.append(self._chunk(d.index, DeltaMessage(tool_calls=[DeltaToolCall(**c) for c in calls])))
+        if d.finish_reason:
+            finish = "tool_calls" if d.index in self.called and d.finish_reason == "stop" else d.finish_reason
+            out.append(self._chunk(d.index, DeltaMessage(), None, finish, d.stop_reason))
         return out
 
     def end(self) -> list[ChatCompletionStreamResponse]:

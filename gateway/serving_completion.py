@@ -8,7 +8,7 @@ import time
 from fastapi import Request
 from fastapi.responses import Response
 
-from gateway import errors, serving
+from gateway import errors, serving, tools
 from gateway.broker import ModelCard
 from gateway.generation import Delta, Generation, SubRequest, TokenInfo, position_info
 from gateway.protocol import (
@@ -50,6 +50,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             raise serving.context_error(card, len(ids), max_tokens, chat=False)
     echo = bool(body.echo)
     params = serving.sampling_params(body, card, cfg, max_tokens, body.logprobs)
+    serving.constrain(params, tools.constraint_for(body.response_format, body.structured_outputs))
     if echo and body.logprobs is not None:
         params.prompt_logprobs = body.logprobs
     opts = {"stop": serving.stop_strings(body), "include_stop_str": body.include_stop_str_in_output,

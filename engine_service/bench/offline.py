@@ -49,15 +49,30 @@ def make_workload(vocab_size: int, num_requests: int, prompt_range: tuple[int, i
     return items
 
 
-def run_sluice(llm, work: list[WorkItem]) -> BenchRow:
+def run_sluice(llm, work: list[WorkItem], structured_share: float = 0.0) -> BenchRow:
+    """``structured_share`` of the requests (spread evenly) decode under a JSON schema that cannot
+    end before the request's output length (a string at least that many tokens long), so both runs
+    generate exactly the same number of tokens and only the grammar's cost differs."""
     from engine_service.sampling.params import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=w.output_len, ignore_eos=True) for w in work]
+    constrained = 0
+    if structured_share > 0:
+        longest = max(len(t) for t in llm.engine.tokenizer.get_vocab())
+        every = max(1, round(1 / structured_share))
+        for i in range(0, len(work), every):
+            schema = {"type": "object", "properties": {"text": {
+                "type": "string", "minLength": longest * (work[i].output_len + 1)}}, "required": ["text"]}
+            params[i] = params[i].replace(structured_outputs={"json": schema})
+            constrained += 1
     started = time.perf_counter()
     outs = llm.generate([w.prompt_token_ids for w in work], params)
     seconds = time.perf_counter() - started
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return BenchRow("sluice (continuous batching)", len(work), tokens, seconds)
+    name = "sluice (continuous batching)"
+    if constrained:
+        name = f"sluice, {constrained}/{len(work)} under a JSON schema"
+    return BenchRow(name, len(work), tokens, seconds)
 
 
 def run_transformers(model_dir: Path, work: list[WorkItem], batch_size: int, dtype) -> BenchRow:
@@ -99,6 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="transformers static batch sizes to compare; empty to skip")
     parser.add_argument("--hf-num-requests", type=int, default=None,
                         help="run transformers on only the first N requests (default: all)")
+    parser.add_argument("--structured-share", type=float, default=0.0,
+                        help="also run the workload with this share of requests under a JSON schema "
+                             "(e.g. 0.25) and report the throughput cost side by side")
     parser.add_argument("--sampler-batch", type=int, default=256, help="batch size for the sampler cost probe")
     parser.add_argument("--json", type=Path, default=Path("bench-results/offline.json"))
     plots.add_plot_arguments(parser, "a bar chart of the systems compared", "next to --json, .png")
@@ -124,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
     llm.generate([work[0].prompt_token_ids[:16]], None)  # warm-up
     rows = [run_sluice(llm, work)]
     stats = engine.get_stats()
+    if args.structured_share > 0:
+        rows.append(run_sluice(llm, work, args.structured_share))
     del llm
     hf_work = work[: args.hf_num_requests] if args.hf_num_requests else work
     for size in [int(s) for s in args.hf_batch_sizes.split(",") if s.strip()]:
@@ -146,6 +166,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{row.system:<36}{row.requests:>9}{row.output_tokens:>12}{row.seconds:>10.1f}"
               f"{row.tokens_per_s:>10.1f}{ratio:>10.2f}")
     print(f"preemptions {stats.num_preemptions}, iterations {stats.iterations}")
+    structured_cost = None
+    if args.structured_share > 0:
+        structured_cost = 1 - rows[1].tokens_per_s / rows[0].tokens_per_s
+        print(f"structured outputs: {rows[1].system}: {100 * structured_cost:.1f}% below the unconstrained run")
     if sampler_ms is not None:
         print(f"sampler cost per step at batch {args.sampler_batch}: {sampler_ms:.2f} ms")
     result = {
@@ -157,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
         "sluice_iterations": stats.iterations,
         "sampler_ms_per_step": sampler_ms,
         "sampler_batch": args.sampler_batch,
+        "structured_share": args.structured_share,
+        "structured_throughput_cost": structured_cost,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))

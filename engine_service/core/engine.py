@@ -24,6 +24,7 @@ from engine_service.model.config import ModelConfig
 from engine_service.model.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from engine_service.model.loader import load_model, parse_dtype
 from engine_service.model.runner import ModelRunner
+from engine_service.sampling.grammar import GrammarManager
 from engine_service.sampling.params import SamplingParams
 from engine_service.sampling.sampler import Sampler, compute_logprobs
 from sluice.text.tokenizer import Tokenizer
@@ -111,6 +112,7 @@ class LLMEngine:
         eos = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids: list[int] = sorted(eos)
         self._eos = frozenset(eos)
+        self.grammars = GrammarManager(self.tokenizer.backend.to_str(), self.vocab_size, self.eos_token_ids)
         self._groups: dict[str, _Group] = {}
         self._child_index: dict[str, tuple[_Group, int]] = {}
         self._prompt_tokens_total = 0
@@ -133,6 +135,11 @@ class LLMEngine:
                 "invalid_request", f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
         params.verify(self.vocab_size)
+        if params.structured_outputs is not None:
+            try:  # compiled against the vocabulary (cached): a constraint from the queue is re-checked
+                self.grammars.check(params.structured_outputs)
+            except ValueError as exc:
+                raise RequestRejected("invalid_request", str(exc)) from None
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):
@@ -154,6 +161,7 @@ class LLMEngine:
         self._groups[request_id] = group
         for i, child in enumerate(children):
             self._child_index[child.request_id] = (group, i)
+            self.grammars.add(child)  # one matcher per sequence
 
     def abort_request(self, request_ids: Iterable[str]) -> list[EngineOutput]:
         """Abort requests wherever they are; returns a terminal output per live completion."""
@@ -209,9 +217,12 @@ class LLMEngine:
         sampled: dict[str, int] = {}
         new_logprobs: dict[str, dict] = {}
         if result.sample_requests:
+            # grammar bitmasks on the constrained rows only, before any sampling stage
+            self.grammars.apply_bitmask(result.sample_logits, result.sample_requests)
             out = self.sampler(result.sample_logits, result.sample_requests)
             for req, token, lp in zip(result.sample_requests, out.token_ids, out.logprobs, strict=True):
                 sampled[req.request_id] = token
+                self.grammars.accept(req, token)
                 if lp is not None:
                     new_logprobs[req.request_id] = lp
         self._prompt_tokens_total += sum(
@@ -255,6 +266,7 @@ class LLMEngine:
         )
 
     def _release(self, req: Request) -> None:
+        self.grammars.free(req.request_id)
         group, _ = self._child_index.pop(req.request_id)
         group.num_live -= 1
         if group.num_live == 0:

@@ -54,6 +54,10 @@ class Request:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # Structured outputs (set by the engine's grammar matcher): the grammar is complete, or the
+    # sampled token broke it; the stopping rules end the request on either.
+    structured_done: bool = False
+    structured_error: str | None = None
     # Timings (time.monotonic) and counters
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -17,6 +17,9 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     if num_out == 0:
         return False
     last = request.output_token_ids[-1]
+    if request.structured_error is not None:
+        request.finish(FinishReason.ERROR, error=request.structured_error)
+        return True
     if num_out >= params.min_tokens:
         if not params.ignore_eos and last in request.eos_token_ids:
             request.finish(FinishReason.STOP)
@@ -24,6 +27,9 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         if params.stop_token_ids and last in params.stop_token_ids:
             request.finish(FinishReason.STOP, stop_reason=last)
             return True
+    if request.structured_done:  # the grammar is complete: it allows nothing but EOS from here
+        request.finish(FinishReason.STOP)
+        return True
     if params.max_tokens is not None and num_out >= params.max_tokens:
         request.finish(FinishReason.LENGTH)
         return True

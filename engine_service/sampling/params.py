@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from sluice.structured import StructuredOutputsParams
+
 # Below this temperature a request is sampled greedily (vLLM uses the same threshold).
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -54,6 +56,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives besides the chosen token
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Constrained decoding: a JSON schema, any JSON object, a regex, a choice list or a grammar
+    # (vLLM's name; a dict with one of those keys is accepted).
+    structured_outputs: StructuredOutputsParams | None = None
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +80,8 @@ class SamplingParams:
             self.logit_bias = bias
         if self.stop_token_ids is not None:
             self.stop_token_ids = list(self.stop_token_ids)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:

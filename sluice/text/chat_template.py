@@ -105,6 +105,18 @@ def compile_chat_template(template: str) -> jinja2.Template:
         raise ChatTemplateError(f"chat template syntax error at line {exc.lineno}: {exc.message}") from exc
 
 
+@lru_cache(maxsize=64)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables a template reads from its context (e.g. whether it renders ``tools``)."""
+    import jinja2.meta
+
+    env = jinja2.Environment(extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template syntax error at line {exc.lineno}: {exc.message}") from exc
+
+
 def _plain(value: Any) -> Any:
     """Deep copy into plain dicts/lists (pydantic models and dataclasses become dicts)."""
     if hasattr(value, "model_dump"):

@@ -12,15 +12,18 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from sluice.structured import StructuredOutputsParams
 from sluice.wire import contract
 from sluice.wire.messages_pb2 import (
     Cancel,
+    ChoiceList,
     Error,
     Event,
     Finished,
     GenerateRequest,
     PositionLogprobs,
     SamplingParams,
+    StructuredOutputs,
     TokenLogprob,
     Usage,
 )
@@ -70,7 +73,33 @@ def sampling_params_to_proto(params: Any) -> SamplingParams:
     for token_id, bias in (_get(params, "logit_bias") or {}).items():
         msg.logit_bias[int(token_id)] = float(bias)
     msg.stop_token_ids.extend(int(t) for t in (_get(params, "stop_token_ids") or ()))
+    structured = _get(params, "structured_outputs")
+    if structured is not None:
+        msg.structured_outputs.CopyFrom(structured_outputs_to_proto(structured))
     return msg
+
+
+def structured_outputs_to_proto(value: Any) -> StructuredOutputs:
+    """From a ``StructuredOutputsParams`` (or a dict with one of its keys)."""
+    params = StructuredOutputsParams.from_dict(value) if isinstance(value, Mapping) else value
+    kind = params.kind
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "choice":
+        return StructuredOutputs(choice=ChoiceList(choices=list(params.choice)))
+    return StructuredOutputs(**{kind: params.spec})
+
+
+def structured_outputs_from_proto(msg: StructuredOutputs) -> StructuredOutputsParams | None:
+    """``None`` when no kind is set; raises ``StructuredOutputError`` (a ValueError) when malformed."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "choice":
+        return StructuredOutputsParams(choice=list(msg.choice.choices))
+    return StructuredOutputsParams(**{kind: getattr(msg, kind)})
 
 
 def sampling_kwargs_from_proto(msg: SamplingParams) -> dict[str, Any]:
@@ -91,6 +120,10 @@ def sampling_kwargs_from_proto(msg: SamplingParams) -> dict[str, Any]:
         kwargs["logit_bias"] = {int(k): float(f"{v:.7g}") for k, v in msg.logit_bias.items()}
     if msg.stop_token_ids:
         kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    if msg.HasField("structured_outputs"):
+        structured = structured_outputs_from_proto(msg.structured_outputs)
+        if structured is not None:
+            kwargs["structured_outputs"] = structured
     return kwargs
 
 

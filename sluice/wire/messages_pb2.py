@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asluice/wire/messages.proto\x12\x0bsluice.wire\"\x98\x05\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12>\n\nlogit_bias\x18\n \x03(\x0b\x32*.sluice.wire.SamplingParams.LogitBiasEntry\x12\x17\n\nmax_tokens\x18\x0b \x01(\rH\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xc5\x01\n\x0fGenerateRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12+\n\x06params\x18\x05 \x01(\x0b\x32\x1b.sluice.wire.SamplingParams\x12\x10\n\x08\x64\x65\x61\x64line\x18\x06 \x01(\x01\x12\x14\n\x0c\x65nqueue_time\x18\x07 \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x08 \x01(\r\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\">\n\x10PositionLogprobs\x12*\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x19.sluice.wire.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"r\n\x08\x46inished\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1a\n\rstop_token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.sluice.wire.UsageB\x10\n\x0e_stop_token_id\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x85\x02\n\x05\x45vent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1d.sluice.wire.PositionLogprobs\x12\x36\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1d.sluice.wire.PositionLogprobs\x12\'\n\x08\x66inished\x18\x06 \x01(\x0b\x32\x15.sluice.wire.Finished\x12!\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x12.sluice.wire.Error\x12\x11\n\tengine_id\x18\x08 \x01(\t\"\x1d\n\x06\x43\x61ncel\x12\x13\n\x0brequest_ids\x18\x01 \x03(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asluice/wire/messages.proto\x12\x0bsluice.wire\"\xd4\x05\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12>\n\nlogit_bias\x18\n \x03(\x0b\x32*.sluice.wire.SamplingParams.LogitBiasEntry\x12\x17\n\nmax_tokens\x18\x0b \x01(\rH\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x0b\x88\x01\x01\x12:\n\x12structured_outputs\x18\x11 \x01(\x0b\x32\x1e.sluice.wire.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x91\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x17.sluice.wire.ChoiceListH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xc5\x01\n\x0fGenerateRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12+\n\x06params\x18\x05 \x01(\x0b\x32\x1b.sluice.wire.SamplingParams\x12\x10\n\x08\x64\x65\x61\x64line\x18\x06 \x01(\x01\x12\x14\n\x0c\x65nqueue_time\x18\x07 \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x08 \x01(\r\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\">\n\x10PositionLogprobs\x12*\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x19.sluice.wire.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"r\n\x08\x46inished\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1a\n\rstop_token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.sluice.wire.UsageB\x10\n\x0e_stop_token_id\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x85\x02\n\x05\x45vent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1d.sluice.wire.PositionLogprobs\x12\x36\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1d.sluice.wire.PositionLogprobs\x12\'\n\x08\x66inished\x18\x06 \x01(\x0b\x32\x15.sluice.wire.Finished\x12!\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x12.sluice.wire.Error\x12\x11\n\tengine_id\x18\x08 \x01(\t\"\x1d\n\x06\x43\x61ncel\x12\x13\n\x0brequest_ids\x18\x01 \x03(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,23 +34,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=708
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=485
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=533
-  _globals['_GENERATEREQUEST']._serialized_start=711
-  _globals['_GENERATEREQUEST']._serialized_end=908
-  _globals['_TOKENLOGPROB']._serialized_start=910
-  _globals['_TOKENLOGPROB']._serialized_end=973
-  _globals['_POSITIONLOGPROBS']._serialized_start=975
-  _globals['_POSITIONLOGPROBS']._serialized_end=1037
-  _globals['_USAGE']._serialized_start=1039
-  _globals['_USAGE']._serialized_end=1119
-  _globals['_FINISHED']._serialized_start=1121
-  _globals['_FINISHED']._serialized_end=1235
-  _globals['_ERROR']._serialized_start=1237
-  _globals['_ERROR']._serialized_end=1275
-  _globals['_EVENT']._serialized_start=1278
-  _globals['_EVENT']._serialized_end=1539
-  _globals['_CANCEL']._serialized_start=1541
-  _globals['_CANCEL']._serialized_end=1570
+  _globals['_SAMPLINGPARAMS']._serialized_end=768
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=545
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=593
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=771
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=916
+  _globals['_CHOICELIST']._serialized_start=918
+  _globals['_CHOICELIST']._serialized_end=947
+  _globals['_GENERATEREQUEST']._serialized_start=950
+  _globals['_GENERATEREQUEST']._serialized_end=1147
+  _globals['_TOKENLOGPROB']._serialized_start=1149
+  _globals['_TOKENLOGPROB']._serialized_end=1212
+  _globals['_POSITIONLOGPROBS']._serialized_start=1214
+  _globals['_POSITIONLOGPROBS']._serialized_end=1276
+  _globals['_USAGE']._serialized_start=1278
+  _globals['_USAGE']._serialized_end=1358
+  _globals['_FINISHED']._serialized_start=1360
+  _globals['_FINISHED']._serialized_end=1474
+  _globals['_ERROR']._serialized_start=1476
+  _globals['_ERROR']._serialized_end=1514
+  _globals['_EVENT']._serialized_start=1517
+  _globals['_EVENT']._serialized_end=1778
+  _globals['_CANCEL']._serialized_start=1780
+  _globals['_CANCEL']._serialized_end=1809
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,262 @@
+"""Structured outputs and tools over HTTP, against one real `sluice serve` (default model) per module.
+
+Requests of a test are sent concurrently so the engine batches them: 50 JSON-schema prompts
+streaming and 50 not, 50 json_object, 50 forced tool calls (25 "required", 25 named), the
+errors a client gets before anything is queued, and LangChain's ``bind_tools`` and
+``with_structured_output`` with the real client library.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import jsonschema
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+from tests.docker_support import free_port
+from tests.structured_cases import MAX_TOKENS, cases
+
+pytestmark = pytest.mark.model
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
+        "b": {"type": "integer", "minimum": -1000, "maximum": 1000}},
+        "required": ["a", "b"], "additionalProperties": False}}}
+TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    port, grpc_port = free_port(), free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sluice.cli", "serve", "--model", str(model_dir), "--port", str(port),
+         "--grpc-port", str(grpc_port), "--max-model-len", "1024"],
+        stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail("sluice serve never became healthy:\n" + log_path.read_text())
+        yield base, model_dir.name
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _aclient(base: str) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=600)
+
+
+async def _stream_text(client: AsyncOpenAI, **kwargs) -> tuple[str, str, list]:
+    text, finish, tool_deltas = "", None, []
+    async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            tool_deltas.extend(choice.delta.tool_calls or [])
+            finish = choice.finish_reason or finish
+    return text, finish, tool_deltas
+
+
+def test_fifty_json_schemas_streaming_and_not(server):
+    base, model = server
+    pairs = cases(50)
+
+    def fmt(i, schema):
+        return {"type": "json_schema", "json_schema": {"name": f"case{i}", "schema": schema, "strict": True}}
+
+    async def main():
+        client = _aclient(base)
+        plain = [client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": p}], temperature=0, max_tokens=MAX_TOKENS,
+            response_format=fmt(i, s)) for i, (p, s) in enumerate(pairs)]
+        streamed = [_stream_text(client, model=model, messages=[{"role": "user", "content": p}], temperature=0,
+                                 max_tokens=MAX_TOKENS, response_format=fmt(i, s)) for i, (p, s) in enumerate(pairs)]
+        return await asyncio.gather(*plain), await asyncio.gather(*streamed)
+
+    plain, streamed = asyncio.run(main())
+    ok_plain = ok_stream = 0
+    for resp, (text, finish, _), (_, schema) in zip(plain, streamed, pairs, strict=True):
+        jsonschema.validate(json.loads(resp.choices[0].message.content), schema)
+        assert resp.choices[0].finish_reason == "stop"
+        ok_plain += 1
+        jsonschema.validate(json.loads(text), schema)
+        assert finish == "stop"
+        ok_stream += 1
+    assert (ok_plain, ok_stream) == (50, 50)
+
+
+def test_fifty_json_objects_and_fifty_forced_tool_calls(server):
+    base, model = server
+    subjects = [p for p, _ in cases(50)]
+
+    async def main():
+        client = _aclient(base)
+        objects = [client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": p + " Use at most three keys."}], temperature=0,
+            max_tokens=MAX_TOKENS, response_format={"type": "json_object"}) for p in subjects]
+        calls = []
+        for i in range(50):
+            city = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo"][i % 5]
+            if i % 2:
+                calls.append(client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": f"What is the weather in {city}?"}],
+                    tools=[WEATHER, ADD], tool_choice="required", temperature=0, max_tokens=MAX_TOKENS,
+                    parallel_tool_calls=False))
+            else:
+                calls.append(client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": f"Add {i} and {3 * i + 1}."}],
+                    tools=[WEATHER, ADD], tool_choice={"type": "function", "function": {"name": "add"}},
+                    temperature=0, max_tokens=MAX_TOKENS))
+        return await asyncio.gather(*objects), await asyncio.gather(*calls)
+
+    objects, calls = asyncio.run(main())
+    assert sum(isinstance(json.loads(r.choices[0].message.content), dict) for r in objects) == 50
+    valid = 0
+    for i, resp in enumerate(calls):
+        choice = resp.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        assert call.id.startswith("call_") and call.type == "function"
+        assert call.function.name == ("get_weather" if i % 2 else "add") or i % 2
+        jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name])
+        valid += 1
+    assert valid == 50
+
+
+def test_streamed_tool_calls_and_tool_history(server):
+    base, model = server
+    client = OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=600)
+
+    async def streams():
+        c = _aclient(base)
+        named = _stream_text(c, model=model, messages=[{"role": "user", "content": "Add 2 and 3."}],
+                             tools=[ADD], tool_choice={"type": "function", "function": {"name": "add"}},
+                             temperature=0, max_tokens=40)
+        required = _stream_text(c, model=model, messages=[{"role": "user", "content": "Weather in Rome?"}],
+                                tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=60)
+        return await asyncio.gather(named, required)
+
+    for text, finish, deltas in asyncio.run(streams()):
+        assert finish == "tool_calls" and text == ""
+        first = deltas[0]
+        assert first.index == 0 and first.id.startswith("call_") and first.function.name in TOOL_SCHEMAS
+        arguments = "".join(d.function.arguments or "" for d in deltas if d.index == 0)
+        jsonschema.validate(json.loads(arguments), TOOL_SCHEMAS[first.function.name])
+
+    # a history with an assistant tool call and the tool's result is accepted and rendered
+    history = [
+        {"role": "user", "content": "Weather in Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Rome", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
+    resp = client.chat.completions.create(model=model, messages=history, tools=[WEATHER], tool_choice="auto",
+                                          temperature=0, max_tokens=12)
+    assert resp.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    none = client.chat.completions.create(model=model, messages=history, tools=[WEATHER], tool_choice="none",
+                                          temperature=0, max_tokens=8)
+    assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
+
+
+def test_completions_structured_outputs_and_errors_before_queueing(server):
+    base, model = server
+    http = httpx.Client(base_url=base, timeout=600)
+    reqs = {
+        "regex": ({"regex": r"[A-Z][a-z]{2,8}"}, lambda t: t[0].isupper() and t[1:].isalpha()),
+        "choice": ({"choice": ["red", "green", "blue"]}, lambda t: t in {"red", "green", "blue"}),
+        "grammar": ({"grammar": 'start: "The answer is " NUM\nNUM: /[0-9]{1,3}/'},
+                    lambda t: t.startswith("The answer is ") and t[14:].isdigit()),
+        "json": ({"json": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+                 lambda t: isinstance(json.loads(t)["x"], int)),
+    }
+    for name, (so, check) in reqs.items():
+        r = http.post("/v1/completions", json={"model": model, "prompt": "Q: Tell me something.\nA:",
+                                               "max_tokens": 24, "temperature": 0, "structured_outputs": so})
+        assert r.status_code == 200, r.text
+        assert check(r.json()["choices"][0]["text"]), (name, r.json())
+    r = http.post("/v1/completions", json={"model": model, "prompt": "JSON:", "max_tokens": 40, "temperature": 0,
+                                           "response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(r.json()["choices"][0]["text"]), dict)
+    r = http.post("/v1/chat/completions", json={"model": model, "max_tokens": 8, "messages": [
+        {"role": "user", "content": "Pick"}], "structured_outputs": {"choice": ["up", "down"]}})
+    assert r.json()["choices"][0]["message"]["content"] in ("up", "down")
+
+    def error(path, body):
+        r = http.post(path, json={"model": model, "max_tokens": 8, **body})
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    e = error("/v1/chat/completions", {**chat, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}})
+    assert e["param"] == "response_format.json_schema.schema" and "nope" in e["message"]
+    e = error("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "[a-"}})
+    assert e["param"] == "structured_outputs.regex"
+    e = error("/v1/completions", {"prompt": "x", "structured_outputs": {"grammar": "start: ( "}})
+    assert e["param"] == "structured_outputs.grammar"
+    e = error("/v1/chat/completions", {**chat, "response_format": {"type": "xml"}})
+    assert e["param"] == "response_format.type" and "xml" in e["message"]
+    e = error("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]})
+    assert "only text content parts are supported" in e["message"]
+    e = error("/v1/chat/completions", {**chat, "tools": [WEATHER], "tool_choice": {
+        "type": "function", "function": {"name": "missing"}}})
+    assert e["param"] == "tool_choice"
+    e = error("/v1/chat/completions", {**chat, "tools": [{"type": "retrieval"}]})
+    assert e["param"] == "tools[0]"
+
+
+def test_langchain_bind_tools_and_with_structured_output(server):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    base, model = server
+    llm = ChatOpenAI(model=model, base_url=f"{base}/v1", api_key="x", temperature=0, max_tokens=64,
+                     max_retries=0, timeout=600)
+
+    def get_weather(city: str, unit: str) -> str:
+        """Current weather in a city; unit is celsius or fahrenheit."""
+        return "sunny"
+
+    msg = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    (call,) = msg.tool_calls
+    assert call["name"] == "get_weather" and set(call["args"]) == {"city", "unit"} and call["id"]
+    msg = llm.bind_tools([get_weather], tool_choice="any").invoke("Weather in Oslo, please.")
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
+
+    class Person(BaseModel):
+        name: str = Field(max_length=20)
+        age: int = Field(ge=0, le=120)
+
+    person = llm.with_structured_output(Person).invoke("Invent a person.")
+    assert isinstance(person, Person)

@@ -1,0 +1,120 @@
+"""The gateway's structured-output and tool-call helpers (no model, no Redis)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway import tools
+from gateway.errors import OpenAIError
+from sluice.structured import StructuredOutputError, StructuredOutputsParams, compile_grammar
+from sluice.wire import codec
+
+FN = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def _error(fn, *args) -> OpenAIError:
+    with pytest.raises(OpenAIError) as info:
+        fn(*args)
+    assert info.value.status == 400
+    return info.value
+
+
+def test_response_format_kinds_and_errors():
+    assert tools.constraint_for({"type": "text"}, None) is None
+    assert tools.constraint_for({"type": "json_object"}, None).kind == "json_object"
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    c = tools.constraint_for({"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
+                                                                     "strict": True}}, None)
+    assert c.kind == "json" and list(json.loads(c.json)["properties"]) == ["b", "a"]  # order kept
+    assert _error(tools.constraint_for, {"type": "yaml"}, None).param == "response_format.type"
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}
+    assert _error(tools.constraint_for, bad, None).param == "response_format.json_schema.schema"
+    assert _error(tools.constraint_for, None, {"regex": "("}).param == "structured_outputs.regex"
+    assert _error(tools.constraint_for, None, {"bogus": 1}).param == "structured_outputs"
+    assert _error(tools.constraint_for, None, {"regex": "a", "choice": ["a"]}).param == "structured_outputs"
+    assert _error(tools.constraint_for, {"type": "json_object"}, {"regex": "a"}).param == "response_format"
+    assert tools.constraint_for(None, {"grammar": 'root ::= "yes" | "no"'}).kind == "grammar"  # GBNF
+    assert tools.constraint_for(None, {"grammar": 'start: "yes" | "no"'}).kind == "grammar"  # Lark
+
+
+def test_constraint_round_trips_the_wire():
+    for so in ({"json": {"type": "object"}}, {"json_object": True}, {"regex": "[0-9]+"},
+               {"choice": ["a", "b"]}, {"grammar": 'start: "x"'}):
+        params = StructuredOutputsParams.from_dict(so)
+        msg = codec.sampling_params_to_proto({"structured_outputs": params, "max_tokens": 4})
+        back = codec.sampling_kwargs_from_proto(msg)["structured_outputs"]
+        assert back.key == params.key
+    assert "structured_outputs" not in codec.sampling_kwargs_from_proto(codec.sampling_params_to_proto({}))
+    with pytest.raises(StructuredOutputError):
+        compile_grammar("regex", "[")
+
+
+def test_tool_choice_parsing_and_schemas():
+    assert tools.parse_tools(None, None, None) is None
+    assert tools.parse_tools([FN], None, None).choice == "auto"
+    named = tools.parse_tools([FN], {"type": "function", "function": {"name": "get_weather"}}, None)
+    assert named.choice == "named" and tools.tool_constraint(named).key[1] == json.dumps(FN["function"]["parameters"])
+    req = tools.parse_tools([FN], "required", False)
+    schema = json.loads(tools.tool_constraint(req).json)
+    assert schema["maxItems"] == 1 and schema["items"]["properties"]["name"]["enum"] == ["get_weather"]
+    assert _error(tools.parse_tools, [FN], "sometimes", None).param == "tool_choice"
+    assert _error(tools.parse_tools, None, "required", None).param == "tool_choice"
+    assert _error(tools.parse_tools, [{"type": "code_interpreter"}], None, None).param == "tools[0]"
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}
+    assert _error(tools.parse_tools, [bad], "required", None).param == "tools"
+
+
+def test_extract_calls_and_hermes_parser():
+    req = tools.parse_tools([FN], "required", None)
+    content, calls = tools.extract_tool_calls(req, '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
+    assert content is None and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
+    content, calls = tools.extract_tool_calls(req, '[{"name": "get_wea')  # cut short: stays text
+    assert calls == [] and content == '[{"name": "get_wea'
+    content, calls = tools.parse_hermes(
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Nice"}}</tool_call>')
+    assert content == "Let me check." and [json.loads(c["function"]["arguments"])["city"] for c in calls] == [
+        "Rome", "Nice"]
+    assert tools.parse_hermes("no calls here") == ("no calls here", [])
+    assert tools.parse_hermes("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+
+
+def test_tool_stream_holds_back_only_what_may_be_a_call():
+    auto = tools.ToolStream(tools.parse_tools([FN], "auto", None))
+    sent = ""
+    for piece in ["Sure", ", <tool", "_ca", "ll>{\"name\": \"get_weather\", ", "\"arguments\": {\"city\": \"X\"}}",
+                  "</tool_call>"]:
+        content, calls = auto.feed(piece)
+        sent += content
+        assert calls == []
+    rest, calls = auto.finish()
+    assert sent + rest == "Sure, " and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
+    plain = tools.ToolStream(tools.parse_tools([FN], "auto", None))
+    assert plain.feed("a <to") == ("a ", []) and plain.feed("ol") == ("", [])
+    assert plain.feed(" x") == ("<tool x", []) and plain.finish() == ("", [])
+    named = tools.ToolStream(tools.parse_tools([FN], {"type": "function", "function": {"name": "get_weather"}},
+                                               None))
+    _, first = named.feed('{"ci')
+    assert first[0]["id"].startswith("call_") and first[0]["function"]["name"] == "get_weather"
+    assert first[1] == {"index": 0, "function": {"arguments": '{"ci'}}
+
+
+def test_messages_with_tools_render_through_the_default_block(ours):
+    spec = tools.parse_tools([FN], "auto", None)
+    history = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "content": "21C", "tool_call_id": "c1"},
+    ]
+    messages = tools.render_messages(history, spec, template_reads_tools=False)
+    text = ours.apply_chat_template(messages, add_generation_prompt=True)
+    assert "<tools>" in text and '"name": "get_weather"' in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' in text
+    assert "<tool_response>\n21C\n</tool_response>" in text
+    kept = tools.render_messages(history, spec, template_reads_tools=True)
+    assert kept[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Rome"} and kept[2]["role"] == "tool"

@@ -1,0 +1,177 @@
+"""Grammar-constrained decoding in the engine, with the default model (one engine per module).
+
+50 JSON-schema prompts through the offline API; a constrained request batched with 31 others
+leaves their greedy tokens unchanged; preemption (a tiny KV pool) and abort with grammars in
+flight leak no matcher and recompute to the same tokens; n > 1 gets one matcher per completion;
+EOS only where the grammar may end.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from engine_service import LLM, SamplingParams
+from engine_service.core.scheduler import RequestRejected
+from engine_service.sampling.grammar import GrammarManager, apply_token_bitmask
+from sluice.structured import StructuredOutputsParams
+from tests.structured_cases import MAX_TOKENS, cases
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, max_model_len=1024, num_blocks=512)
+
+
+def _chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_fifty_json_schemas_offline_parse_and_validate(llm):
+    pairs = cases(50)
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs={"json": schema})
+              for _, schema in pairs]
+    outs = llm.chat([_chat(p) for p, _ in pairs], params)
+    valid = 0
+    for out, (_, schema) in zip(outs, pairs, strict=True):
+        completion = out.outputs[0]
+        doc = json.loads(completion.text)
+        jsonschema.validate(doc, schema)
+        assert completion.finish_reason == "stop"
+        valid += 1
+    assert valid == 50
+    assert llm.engine.grammars.num_active == 0
+
+
+def test_grammar_in_a_batch_of_32_leaves_the_others_token_identical(llm):
+    prompts = [f"Write a short sentence about the number {i}." for i in range(32)]
+    plain = SamplingParams(temperature=0.0, max_tokens=12)
+    alone = llm.generate(prompts, plain)
+    constrained = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"regex": r"[0-9]{2,5}"})
+    mixed = llm.generate(prompts, [constrained] + [plain] * 31)
+    for a, b in zip(alone[1:], mixed[1:], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert re.fullmatch(r"[0-9]{2,5}", mixed[0].outputs[0].text)
+    assert alone[0].outputs[0].token_ids != mixed[0].outputs[0].token_ids
+    assert llm.engine.grammars.num_active == 0
+
+
+def test_n_completions_each_get_their_own_matcher(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16,
+                            structured_outputs={"regex": r"(cat|dog|bird)-[0-9]{3}"})
+    out = llm.generate(["Name an animal and a number:"], params)[0]
+    texts = [c.text for c in out.outputs]
+    assert all(re.fullmatch(r"(cat|dog|bird)-[0-9]{3}", t) for t in texts), texts
+    assert len(set(texts)) > 1  # independent sequences, not one matcher shared
+    choice = llm.generate(["Is water wet? Answer:"], SamplingParams(
+        temperature=0.0, max_tokens=8, structured_outputs={"choice": ["yes", "no", "maybe"]}))[0]
+    assert choice.outputs[0].text in {"yes", "no", "maybe"}
+
+
+def test_preemption_and_abort_with_grammars_in_flight(llm, model_dir):
+    pairs = cases(6)
+    params = [SamplingParams(temperature=0.0, max_tokens=48, structured_outputs={"json": schema})
+              for _, schema in pairs]
+    convs = [_chat(p) for p, _ in pairs]
+    roomy = llm.chat(convs, params)
+    tiny = LLM(model_dir, max_model_len=256, num_blocks=20, block_size=16, enable_prefix_caching=False)
+    squeezed = tiny.chat(convs, params)
+    assert tiny.engine.scheduler.stats.preemptions > 0  # the pool forced recomputes
+    for a, b in zip(roomy, squeezed, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    engine = tiny.engine
+    assert engine.grammars.num_active == 0
+
+    # abort with grammars running, waiting and preempted
+    tok = engine.tokenizer
+    for i, (conv, p) in enumerate(zip(convs, params, strict=True)):
+        engine.add_request(f"a{i}", tok.encode(tok.apply_chat_template(conv, add_generation_prompt=True)), p)
+    assert engine.grammars.num_active == 6
+    for _ in range(6):
+        engine.step()
+    outs = engine.abort_request([f"a{i}" for i in range(6)])
+    assert outs and all(o.finished for o in outs)
+    assert engine.grammars.num_active == 0
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.block_pool.num_free_blocks == engine.scheduler.block_pool.num_total_blocks
+    engine.scheduler.check_invariants()
+
+
+def test_invalid_constraint_is_refused_at_the_engine_door(llm):
+    engine = llm.engine
+    bad = SamplingParams(max_tokens=4, structured_outputs={"json": {"type": "object", "properties": {
+        "x": {"type": "no-such-type"}}}})
+    with pytest.raises(RequestRejected, match="structured_outputs.json"):
+        engine.add_request("bad", [1, 2, 3], bad)
+    with pytest.raises(RequestRejected, match="structured_outputs.regex"):
+        engine.add_request("bad", [1, 2, 3], SamplingParams(structured_outputs={"regex": "[a-"}))
+    assert not engine.has_unfinished_requests() and engine.grammars.num_active == 0
+
+
+class _Seq:
+    def __init__(self, rid: str, params: SamplingParams) -> None:
+        self.request_id = rid
+        self.sampling_params = params
+        self.output_token_ids: list[int] = []
+        self.structured_done = False
+        self.structured_error = None
+
+
+def test_eos_only_where_the_grammar_may_end_and_rows_untouched(llm):
+    engine = llm.engine
+    manager = GrammarManager(engine.tokenizer.backend.to_str(), engine.vocab_size, engine.eos_token_ids)
+    seq = _Seq("s", SamplingParams(structured_outputs={"json": {"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"], "additionalProperties": False}}))
+    free = _Seq("f", SamplingParams())
+    manager.add(seq)
+    manager.add(free)
+    assert manager.num_active == 1
+    eos = engine.eos_token_ids[0]
+    tok = engine.tokenizer
+    logits = torch.randn(2, engine.vocab_size)
+    before = logits.clone()
+    for token in tok.encode('{"a": 7', add_special_tokens=False):
+        masked = logits.clone()
+        manager.apply_bitmask(masked, [free, seq])
+        assert torch.equal(masked[0], before[0])  # the unconstrained row is never touched
+        assert masked[1, eos] == float("-inf")  # the document is not complete: no EOS
+        assert masked[1, token] == before[1, token]
+        manager.accept(seq, token)
+        seq.output_token_ids.append(token)
+    last = tok.encode("}", add_special_tokens=False)[0]
+    manager.accept(seq, last)
+    seq.output_token_ids.append(last)
+    assert seq.structured_done
+    masked = logits.clone()
+    manager.apply_bitmask(masked, [seq])
+    assert torch.isfinite(masked[0]).sum() == len(set(engine.eos_token_ids))  # only EOS is left
+    # a matcher out of step with its tokens (a replay after recompute) is rebuilt from them
+    seq.output_token_ids = seq.output_token_ids[:2]
+    masked = logits.clone()
+    manager.apply_bitmask(masked, [seq])
+    assert masked[0, eos] == float("-inf")
+    manager.free("s")
+    assert manager.num_active == 0
+
+
+def test_apply_token_bitmask_only_the_given_rows():
+    logits = torch.randn(3, 70)
+    bitmask = torch.zeros(1, 3, dtype=torch.int32)
+    bitmask[0, 1] = 1 << 4  # token 36 only
+    out = logits.clone()
+    apply_token_bitmask(out, [1], bitmask)
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [36]
+
+
+def test_structured_outputs_params_forms():
+    assert StructuredOutputsParams(json={"type": "object"}).kind == "json"
+    assert SamplingParams(structured_outputs={"choice": ["a"]}).structured_outputs.kind == "choice"
+    with pytest.raises(ValueError, match="exactly one"):
+        SamplingParams(structured_outputs={"regex": "a", "choice": ["a"]})
