@@ -47,7 +47,7 @@ def server(model_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sluice.cli", "serve", "--model", str(model_dir), "--port", str(port),
+        [sys.executable, "-m", "sluice_cli.cli", "serve", "--model", str(model_dir), "--port", str(port),
          "--grpc-port", str(grpc_port), "--max-model-len", "1024"],
         stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env,
     )
@@ -204,9 +204,11 @@ def test_completions_structured_outputs_and_errors_before_queueing(server):
                                                "max_tokens": 24, "temperature": 0, "structured_outputs": so})
         assert r.status_code == 200, r.text
         assert check(r.json()["choices"][0]["text"]), (name, r.json())
-    r = http.post("/v1/completions", json={"model": model, "prompt": "JSON:", "max_tokens": 40, "temperature": 0,
-                                           "response_format": {"type": "json_object"}})
-    assert isinstance(json.loads(r.json()["choices"][0]["text"]), dict)
+    r = http.post("/v1/completions", json={
+        "model": model, "max_tokens": 48, "temperature": 0, "response_format": {"type": "json_object"},
+        "prompt": "<|im_start|>user\nReply with a JSON object with keys name and city.<|im_end|>\n"
+                  "<|im_start|>assistant\n"})
+    assert isinstance(json.loads(r.json()["choices"][0]["text"]), dict), r.json()
     r = http.post("/v1/chat/completions", json={"model": model, "max_tokens": 8, "messages": [
         {"role": "user", "content": "Pick"}], "structured_outputs": {"choice": ["up", "down"]}})
     assert r.json()["choices"][0]["message"]["content"] in ("up", "down")

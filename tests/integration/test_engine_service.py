@@ -249,6 +249,11 @@ def test_malformed_entry_matrix(service, client, prompts, reference, redis_clien
                           contract.ERR_INVALID_REQUEST),
         "logit_bias_many": (dict(params={"logit_bias": {i: 1.0 for i in range(5000)}, "max_tokens": 4}),
                             contract.ERR_INVALID_REQUEST),
+        # a constraint the gateway would have refused: the engine compiles it again
+        "bad_regex": (dict(params={"structured_outputs": {"regex": "[a-"}, "max_tokens": 4}),
+                      contract.ERR_INVALID_REQUEST),
+        "bad_schema": (dict(params={"structured_outputs": {"json": {"type": "nope"}}, "max_tokens": 4}),
+                       contract.ERR_INVALID_REQUEST),
     }
     handles = {}
     for name, (changes, _) in cases.items():
@@ -357,6 +362,15 @@ def test_redis_restart_mid_run(llm, restartable_redis, prompts, reference):
         assert svc.worker.running
     finally:
         cleanup(svc, llm)
+
+
+def test_structured_request_through_the_queue(service, client, prompts, llm):
+    params = {"temperature": 0.0, "max_tokens": 8, "structured_outputs": {"choice": ["alpha", "beta"]}}
+    result = client.submit(service.model, prompts[2], params).collect(timeout=60)
+    assert result.error_code is None, result.error_message
+    assert llm.get_tokenizer().decode(result.token_ids) in ("alpha", "beta")
+    assert result.finish_reason == "stop"
+    assert llm.engine.grammars.num_active == 0
 
 
 def test_parse_entry():

@@ -75,12 +75,16 @@ def test_n_completions_each_get_their_own_matcher(llm):
 
 
 def test_preemption_and_abort_with_grammars_in_flight(llm, model_dir):
-    pairs = cases(6)
-    params = [SamplingParams(temperature=0.0, max_tokens=48, structured_outputs={"json": schema})
-              for _, schema in pairs]
-    convs = [_chat(p) for p, _ in pairs]
+    # long constrained outputs (20-30 words) in a pool of 14 blocks: the growth preempts
+    params = [SamplingParams(temperature=0.0, max_tokens=48,
+                             structured_outputs={"regex": r"[a-z]{1,8}( [a-z]{1,8}){20,30}"})] * 3
+    params += [SamplingParams(temperature=0.0, max_tokens=48, structured_outputs={"json": schema})
+               for _, schema in cases(3)]
+    convs = [_chat(f"Tell me a story about {topic}.") for topic in ("a cat", "the sea", "a robot")]
+    convs += [_chat(p) for p, _ in cases(3)]
     roomy = llm.chat(convs, params)
-    tiny = LLM(model_dir, max_model_len=256, num_blocks=20, block_size=16, enable_prefix_caching=False)
+    tiny = LLM(model_dir, max_model_len=256, num_blocks=14, block_size=16, enable_prefix_caching=False,
+               watermark_blocks=0)
     squeezed = tiny.chat(convs, params)
     assert tiny.engine.scheduler.stats.preemptions > 0  # the pool forced recomputes
     for a, b in zip(roomy, squeezed, strict=True):
