@@ -263,13 +263,47 @@ class EngineMetrics(NullMetrics):
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Serve ``/metrics`` on ``host:port`` (0: any free port) from a daemon thread; returns the
-        port. Raises ``MetricsPortInUse`` when the address is taken."""
-        from prometheus_client import start_http_server
+        port. Raises ``MetricsPortInUse`` when the address is taken.
 
+        Always the Prometheus text format (0.0.4), whatever the scraper's Accept header, as the
+        gateway serves it: prometheus-client's own server answers Prometheus' OpenMetrics request
+        with ``sluice:`` sample names escaped to ``sluice_`` (client 0.26), so the same metric
+        would be stored under two names depending on who exposed it."""
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        registry = self.registry
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the http.server API
+                if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+                    self.send_error(404, "only /metrics is served here")
+                    return
+                body = generate_latest(registry)
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:  # scrapes every few seconds: no log
+                pass
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            allow_reuse_address = True  # TIME_WAIT after a restart; a live listener still refuses
+
+        if ":" in host:
+            import socket
+
+            Server.address_family = socket.AF_INET6
         try:
-            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+            self._server = Server((host, port), Handler)
         except OSError as exc:
             raise _port_error(port, host, exc) from exc
+        threading.Thread(target=self._server.serve_forever, name="sluice-metrics", daemon=True).start()
         bound = self._server.server_address[1]
         log.info("metrics on http://%s:%d/metrics", host, bound)
         return bound

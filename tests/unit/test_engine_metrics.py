@@ -225,6 +225,15 @@ def test_http_server_serves_the_registry_and_frees_its_port():
         r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
         assert r.status_code == 200
         assert 'sluice:num_requests_running{engine_id="e",model="m"} 3.0' in r.text
+        # what Prometheus 2.x asks for: the names must not change with the format (they did with
+        # prometheus-client's own server, which escaped `sluice:` to `sluice_` in OpenMetrics)
+        prom_accept = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+                       "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+        r = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"Accept": prom_accept}, timeout=5)
+        assert r.headers["content-type"].startswith("text/plain")
+        assert 'sluice:kv_cache_blocks_total{engine_id="e",model="m"} 40.0' in r.text
+        assert "sluice_kv_cache" not in r.text
+        assert httpx.get(f"http://127.0.0.1:{port}/other", timeout=5).status_code == 404
     finally:
         m.close()
     check_port_free(port, "127.0.0.1")  # closed means the port is free again
