@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,8 +42,10 @@ def knob(default: Any, help: str, *, cli: bool = True, **argparse_kwargs: Any) -
 class EngineConfig:
     model: str | None = knob(None, "local Hugging Face model directory (default: the prepared default model)")
     served_model_name: str | None = knob(None, "the name clients use (default: the model directory's name)")
-    dtype: str = knob("float32", "weights, activations and KV cache dtype",
-                      choices=["float32", "bfloat16", "float16"])
+    dtype: str | None = knob(
+        None, "weights, activations and KV cache dtype. auto (the default, or $SLUICE_DTYPE): the "
+        "checkpoint's on CUDA; on CPU bfloat16 where the CPU has native bf16 and a probe at start measures "
+        "it faster, else float32 (engine_service.model.dtype)", choices=["auto", "float32", "bfloat16", "float16"])
     device: str = knob("cpu", "cpu | cuda | cuda:N")
     block_size: int = knob(16, "tokens per KV-cache block")
     num_blocks: int | None = knob(None, "KV-cache blocks (default: as many as --kv-cache-memory allows)")
@@ -54,6 +57,17 @@ class EngineConfig:
         None, f"blocks admission keeps free (default: {DEFAULT_WATERMARK_SHARE:.0%} of the pool)")
     enable_prefix_caching: bool = knob(True, "reuse KV blocks of shared prompt prefixes")
     seed: int = knob(0, "seeds the sampler's generator for unseeded requests")
+    enforce_eager: bool | None = knob(
+        None, "no torch.compile: run the eager forward only (vLLM's name). Default: $SLUICE_ENFORCE_EAGER "
+        "(1 = eager), else the decode step is compiled at engine start")
+
+    def resolved_dtype(self) -> str:
+        return self.dtype or os.environ.get("SLUICE_DTYPE") or "auto"
+
+    def resolved_enforce_eager(self) -> bool:
+        if self.enforce_eager is not None:
+            return self.enforce_eager
+        return os.environ.get("SLUICE_ENFORCE_EAGER", "0").lower() in ("1", "true", "yes")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

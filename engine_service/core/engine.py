@@ -20,7 +20,9 @@ from engine_service.config import EngineConfig, SchedulerConfig
 from engine_service.core.outputs import EngineOutput, RequestMetrics
 from engine_service.core.request import Request
 from engine_service.core.scheduler import RequestRejected, Scheduler
+from engine_service.model.compiled import compile_supported
 from engine_service.model.config import ModelConfig
+from engine_service.model.dtype import resolve_auto_dtype
 from engine_service.model.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from engine_service.model.loader import load_model, parse_dtype
 from engine_service.model.runner import ModelRunner
@@ -81,7 +83,13 @@ class LLMEngine:
         self.model_name = config.served_model_name or self.model_dir.name
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.device = torch.device(config.device)
-        self.dtype = parse_dtype(config.dtype)
+        dtype = config.resolved_dtype()
+        if dtype == "auto":
+            self.dtype = resolve_auto_dtype(self.device, self.model_dir, self.model_config.hidden_size,
+                                            self.model_config.intermediate_size)
+        else:
+            self.dtype = parse_dtype(dtype)
+        self.enforce_eager = config.resolved_enforce_eager()
 
         context = self.model_config.context_length
         if config.max_model_len is not None and config.max_model_len > context:
@@ -93,10 +101,19 @@ class LLMEngine:
         num_blocks = config.num_blocks or num_blocks_for_budget(
             self.model_config, config.block_size, self.dtype, self.device, config.kv_cache_memory
         )
-        kv = allocate_kv_cache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
+        # One block more than the scheduler hands out: the compiled step's warm-up writes there.
+        kv = allocate_kv_cache(self.model_config, num_blocks + 1, config.block_size, self.dtype, self.device)
         self.runner = ModelRunner(model, kv, config.block_size, self.device)
         logger.info("loaded %s (%s, %s) with %d KV blocks of %d tokens in %.1fs", self.model_name,
                     self.dtype, self.device, num_blocks, config.block_size, time.perf_counter() - started)
+        self.compile_warmup_seconds: float | None = None
+        if not self.enforce_eager:
+            why_not = compile_supported(self.device)
+            if why_not is None:
+                self.compile_warmup_seconds = self.runner.enable_compiled_decode(num_blocks * config.block_size)
+            else:
+                logger.warning("running eagerly: %s", why_not)
+                self.enforce_eager = True
 
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks,

@@ -4,8 +4,19 @@ Each layer first writes the K/V of every token scheduled this step into its cach
 attends. Writing before reading means a request may attend to blocks another request filled in
 the same step (prefix-cache sharing between copies admitted together).
 
-Decode tokens (one query per sequence) are batched into one padded SDPA call; prefill chunks run
-one SDPA call each, causal over the sequence's cached and new tokens.
+Decode tokens (one query per sequence) have two implementations with the same inputs:
+
+* ``decode_attention_reference``: gathers every sequence's blocks into a padded
+  ``[decodes, kv_heads, max_blocks * block_size, head_dim]`` copy and makes one SDPA call. This is
+  the plain-torch reference the tests compare against, and what the eager forward runs (in eager
+  mode it is the fastest formulation: aten's gather and SDPA are single kernels).
+* ``decode_attention_inplace``: the same attention written as products and reductions whose
+  operands are indexed through the block tables (``k_cache[slot]`` inside the reduction). Eager torch
+  would materialise those gathers; under ``torch.compile`` inductor fuses each gather into the
+  reduction that consumes it, so the cache is read where it lies, once, and no padded copy of any
+  sequence's K/V exists. The compiled decode step (``engine_service.model.compiled``) uses it.
+
+Prefill chunks run one SDPA call each, causal over the sequence's cached and new tokens.
 """
 
 from __future__ import annotations
@@ -29,9 +40,24 @@ class PrefillSequence:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: cache slot of each scheduled token
     prefills: list[PrefillSequence]
-    decode_token_index: torch.Tensor | None  # [num_decodes] long, rows of the flattened batch
+    # rows of the flattened batch that are decodes; None when every row is a decode (decode-only step)
+    decode_token_index: torch.Tensor | None
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long (padded with 0)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] long: tokens each decode attends to
+    decode_inplace: bool = False  # decode_attention_inplace instead of the reference gather + SDPA
+    _decode_mask: torch.Tensor | None = None
+
+    @property
+    def num_decodes(self) -> int:
+        return 0 if self.decode_block_tables is None else self.decode_block_tables.shape[0]
+
+    def decode_mask(self, block_size: int) -> torch.Tensor:
+        """[num_decodes, 1, 1, max_blocks * block_size] bool, True where a decode may attend."""
+        if self._decode_mask is None:
+            width = self.decode_block_tables.shape[1] * block_size
+            positions = torch.arange(width, device=self.decode_block_tables.device)
+            self._decode_mask = (positions[None, :] < self.decode_context_lens[:, None])[:, None, None, :]
+        return self._decode_mask
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -42,24 +68,61 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [decodes, heads, head_dim] -> [decodes, heads, head_dim], through a padded gather."""
+    tables = meta.decode_block_tables
+    keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, D]
+    values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    attn = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype), attn_mask=meta.decode_mask(k_cache.shape[1]),
+        scale=scale, enable_gqa=True,
+    )
+    return attn.squeeze(2)
+
+
+def decode_attention_inplace(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             block_tables: torch.Tensor, context_lens: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """The reference's attention as reductions over K/V indexed through the block tables.
+
+    q: [B, heads, D]; caches [num_blocks, block_size, kv_heads, D]; block_tables [B, M];
+    context_lens [B]. Compiled, no K/V copy is made (see the module docstring)."""
+    batch, heads, head_dim = q.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    width = block_tables.shape[1] * block_size
+    pos = torch.arange(width, device=q.device)
+    slots = block_tables[:, pos // block_size] * block_size + pos % block_size  # [B, L]
+    keys = k_cache.view(num_blocks * block_size, kv_heads, head_dim)[slots]  # [B, L, KV, D] (fused away)
+    values = v_cache.view(num_blocks * block_size, kv_heads, head_dim)[slots]
+    query = q.reshape(batch, 1, kv_heads, group, head_dim).float()
+    scores = (query * keys[:, :, :, None, :].float()).sum(-1) * scale  # [B, L, KV, G]
+    visible = (pos[None, :] < context_lens[:, None])[:, :, None, None]
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=1)
+    out = (probs[..., None] * values[:, :, :, None, :].float()).sum(1)  # [B, KV, G, D]
+    return out.reshape(batch, heads, head_dim).to(q.dtype)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] for this step's tokens.
     Returns [tokens, heads, head_dim]."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
 
-    if meta.decode_token_index is not None:
+    def decode(query: torch.Tensor) -> torch.Tensor:
+        if meta.decode_inplace:
+            return decode_attention_inplace(query, k_cache, v_cache, meta.decode_block_tables,
+                                            meta.decode_context_lens, scale)
+        return decode_attention_reference(query, k_cache, v_cache, meta, scale)
+
+    if not meta.prefills and meta.decode_token_index is None:
+        return decode(q)  # decode-only step: every row is a decode, in order
+
+    out = torch.empty_like(q)
+    if meta.num_decodes:
         idx = meta.decode_token_index
-        tables = meta.decode_block_tables
-        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, D]
-        values = v_cache[tables].flatten(1, 2).transpose(1, 2)
-        query = q[idx].unsqueeze(2)  # [B, heads, 1, D]
-        attn = F.scaled_dot_product_attention(
-            query, keys.to(q.dtype), values.to(q.dtype), attn_mask=meta.decode_mask, scale=scale,
-            enable_gqa=True,
-        )
-        out[idx] = attn.squeeze(2)
+        out[idx] = decode(q[idx])
 
     for seq in meta.prefills:
         start, end = seq.query_start, seq.query_start + seq.query_len

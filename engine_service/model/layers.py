@@ -26,12 +26,14 @@ class RMSNorm(nn.Module):
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.intermediate_size = intermediate_size
+        # gate_proj and up_proj fused: one matmul, [gate; up] on the output axis
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, rope_scaling: dict | None) -> torch.Tensor:
@@ -59,18 +61,36 @@ def rope_inverse_frequencies(head_dim: int, theta: float, rope_scaling: dict | N
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding over absolute positions (``rotate_half`` convention, as HF)."""
+    """Rotary position embedding over absolute positions (``rotate_half`` convention, as HF).
 
-    def __init__(self, head_dim: int, theta: float, rope_scaling: dict | None) -> None:
+    ``cos_sin`` looks positions up in a table computed once (``ensure_positions`` grows it); the
+    table holds exactly what computing per step would give (the same float32 elementwise ops).
+    """
+
+    def __init__(self, head_dim: int, theta: float, rope_scaling: dict | None,
+                 max_positions: int = 0) -> None:
         super().__init__()
         self.register_buffer(
             "inv_freq", rope_inverse_frequencies(head_dim, theta, rope_scaling), persistent=False
         )
+        self.register_buffer("cos_table", torch.empty(0, head_dim), persistent=False)
+        self.register_buffer("sin_table", torch.empty(0, head_dim), persistent=False)
+        if max_positions:
+            self.ensure_positions(max_positions)
+
+    def ensure_positions(self, n: int) -> None:
+        """Make the table cover positions [0, n) (eager code: call it before a compiled forward)."""
+        have = self.cos_table.shape[0]
+        if n <= have:
+            return
+        n = max(n, 2 * have, 256)
+        positions = torch.arange(n, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = positions[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos_table, self.sin_table = emb.cos(), emb.sin()
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return self.cos_table[positions].to(dtype), self.sin_table[positions].to(dtype)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

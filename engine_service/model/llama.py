@@ -1,7 +1,10 @@
 """The Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) over a paged KV cache.
 
-Parameter names follow Hugging Face's so checkpoints load by name. The forward takes one
-flattened batch of every token scheduled this step, whatever request it belongs to.
+Parameter names follow Hugging Face's so checkpoints load by name, except two fused projections:
+``self_attn.qkv_proj`` is ``q_proj``, ``k_proj`` and ``v_proj`` concatenated on the output axis, and
+``mlp.gate_up_proj`` is ``gate_proj`` and ``up_proj``; the loader concatenates the checkpoint's
+separate tensors (``FUSED_PROJECTIONS``), so one matmul replaces three (two) per layer. The forward
+takes one flattened batch of every token scheduled this step, whatever request it belongs to.
 """
 
 from __future__ import annotations
@@ -15,6 +18,12 @@ from engine_service.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
+# fused parameter prefix -> the checkpoint's separate prefixes, concatenated in this order (dim 0)
+FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -23,22 +32,22 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.scale = self.head_dim**-0.5
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
+        qkv = self.qkv_proj(x)
+        # Rotate q and k in one go: they are adjacent in the fused output.
+        qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = RotaryEmbedding.apply(qk, cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(tokens, self.q_size))
 
 
 class DecoderLayer(nn.Module):

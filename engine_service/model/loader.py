@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from engine_service.model.config import ModelConfig
 from engine_service.model.layers import RotaryEmbedding
-from engine_service.model.llama import LlamaForCausalLM
+from engine_service.model.llama import FUSED_PROJECTIONS, LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -20,7 +20,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         return name
     key = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(name, name)
     if key not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {name!r}")
     return DTYPES[key]
 
 
@@ -45,6 +45,14 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     expected = {name for name, _ in model.named_parameters()}
+    # checkpoint name -> (fused parameter name, part index) for the fused projections
+    fused_parts: dict[str, tuple[str, int]] = {}
+    for name in expected:
+        for fused, parts in FUSED_PROJECTIONS.items():
+            if f".{fused}." in name:
+                for i, part in enumerate(parts):
+                    fused_parts[name.replace(fused, part)] = (name, i)
+    pending: dict[str, dict[int, torch.Tensor]] = {}
     state: dict[str, torch.Tensor] = {}
     for path in _weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -53,13 +61,22 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
                     continue  # recomputed from the config
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue  # tied: the embedding is the output projection
+                if name in fused_parts:
+                    fused, index = fused_parts[name]
+                    pending.setdefault(fused, {})[index] = f.get_tensor(name).to(dtype=dtype)
+                    continue
                 if name not in expected:
                     raise ValueError(f"unexpected weight {name!r} in {path.name}")
                 state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    for fused, parts in pending.items():
+        count = len(FUSED_PROJECTIONS[fused.split(".", 3)[3].rsplit(".", 1)[0]])
+        if len(parts) == count:
+            state[fused] = torch.cat([parts[i] for i in range(count)], dim=0).to(device)
     missing = expected - state.keys()
     if missing:
         raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
     model.load_state_dict(state, assign=True, strict=True)
     # Buffers were created on the meta device; rebuild them for real.
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    model.rotary.ensure_positions(min(cfg.context_length, 8192))
     return model.requires_grad_(False).eval()

@@ -48,11 +48,16 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, decode_inplace: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        # decode attention through decode_attention_inplace (what the compiled step runs) instead of
+        # the reference gather + SDPA
+        self.decode_inplace = decode_inplace
+        self.min_decode_width = 1  # the compiled step pads block tables to >= 2 columns (no 1-specialisation)
+        self.compiled_decode = None  # set by enable_compiled_decode
 
     @property
     def num_blocks(self) -> int:
@@ -62,61 +67,82 @@ class ModelRunner:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     def prepare(self, chunks: Sequence[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Lay out one step. Per-token and per-decode arrays are built with whole-array numpy
+        operations: the only per-request Python work is reading each chunk's fields and extending
+        two flat lists (its token ids and its block ids)."""
         bs = self.block_size
-        ids: list[np.ndarray] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        prefills: list[PrefillSequence] = []
-        decode_rows: list[int] = []
-        decode_tables: list[np.ndarray] = []
-        decode_lens: list[int] = []
-        sample_rows: list[int] = []
-        offset = 0
-        for chunk in chunks:
-            req, start, n = chunk.request, chunk.start, chunk.num_tokens
-            ctx = start + n
-            pos = np.arange(start, ctx, dtype=np.int64)
-            table = np.asarray(req.block_ids[: -(-ctx // bs)], dtype=np.int64)
-            ids.append(np.asarray(req.all_token_ids[start:ctx], dtype=np.int64))
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            if n == 1:
-                decode_rows.append(offset)
-                decode_tables.append(table)
-                decode_lens.append(ctx)
-            else:
-                mask = None
-                if start > 0:
-                    mask = self._tensor(np.arange(ctx)[None, :] <= pos[:, None])
-                prefills.append(PrefillSequence(offset, n, ctx, self._tensor(table), mask))
-            if chunk.samples:
-                sample_rows.append(offset + n - 1)
-            offset += n
+        n = len(chunks)
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
+        lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=n)
+        ctx = starts + lens
+        nblocks = -(-ctx // bs)
+        token_ids: list[int] = []
+        block_ids: list[int] = []
+        for chunk, s, e, nb in zip(chunks, starts.tolist(), ctx.tolist(), nblocks.tolist(), strict=True):
+            req = chunk.request
+            token_ids.extend(req.all_token_ids[s:e])
+            block_ids.extend(req.block_ids[:nb])
+        # Row r of `tables` is chunk r's block table, padded with 0.
+        width = int(nblocks.max())
+        tables = np.zeros((n, width), dtype=np.int64)
+        tables[np.arange(width)[None, :] < nblocks[:, None]] = block_ids
+        # Per token: its chunk, position and slot.
+        row_of_token = np.repeat(np.arange(n), lens)
+        ends = np.cumsum(lens)
+        offsets = ends - lens
+        positions = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(offsets - starts, lens)
+        slots = tables[row_of_token, positions // bs] * bs + positions % bs
+        self.model.rotary.ensure_positions(int(ctx.max()))
 
-        decode_index = decode_block_tables = decode_mask = None
-        if decode_rows:
-            width = max(len(t) for t in decode_tables)
-            padded = np.zeros((len(decode_tables), width), dtype=np.int64)
-            for i, t in enumerate(decode_tables):
-                padded[i, : len(t)] = t
-            lens = np.asarray(decode_lens)
-            mask = np.arange(width * bs)[None, :] < lens[:, None]
-            decode_index = self._tensor(np.asarray(decode_rows, dtype=np.int64))
-            decode_block_tables = self._tensor(padded)
-            decode_mask = self._tensor(mask[:, None, None, :])
+        is_decode = lens == 1
+        prefills: list[PrefillSequence] = []
+        for r in np.flatnonzero(~is_decode).tolist():
+            start, ctx_r, off = int(starts[r]), int(ctx[r]), int(offsets[r])
+            mask = None
+            if start > 0:
+                mask = self._tensor(np.arange(ctx_r)[None, :] <= positions[off : off + lens[r], None])
+            prefills.append(PrefillSequence(off, int(lens[r]), ctx_r, self._tensor(tables[r, : nblocks[r]]), mask))
+
+        decode_index = decode_tables = decode_lens = None
+        decode_rows = np.flatnonzero(is_decode)
+        if decode_rows.size:
+            dwidth = max(int(nblocks[decode_rows].max()), self.min_decode_width)
+            dtables = np.zeros((decode_rows.size, dwidth), dtype=np.int64)
+            dtables[:, : min(dwidth, width)] = tables[decode_rows, :dwidth]
+            decode_tables = self._tensor(dtables)
+            decode_lens = self._tensor(ctx[decode_rows])
+            if prefills:
+                decode_index = self._tensor(offsets[decode_rows])
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(np.concatenate(slots)),
+            slot_mapping=self._tensor(slots),
             prefills=prefills,
             decode_token_index=decode_index,
-            decode_block_tables=decode_block_tables,
-            decode_mask=decode_mask,
+            decode_block_tables=decode_tables,
+            decode_context_lens=decode_lens,
+            decode_inplace=self.decode_inplace,
         )
-        return self._tensor(np.concatenate(ids)), self._tensor(np.concatenate(positions)), meta, sample_rows
+        sample_rows = (ends - 1)[np.fromiter((c.samples for c in chunks), dtype=bool, count=n)].tolist()
+        input_ids = self._tensor(np.asarray(token_ids, dtype=np.int64))
+        return input_ids, self._tensor(positions), meta, sample_rows
+
+    def enable_compiled_decode(self, scratch_slot: int) -> float:
+        """Compile the decode-only step (``engine_service.model.compiled``) and warm it up, writing
+        only ``scratch_slot``. Returns the warm-up seconds."""
+        from engine_service.model.compiled import CompiledDecode
+
+        compiled = CompiledDecode(self.model, self.kv_caches)
+        self.min_decode_width = 2
+        seconds = compiled.warm_up(scratch_slot)
+        self.compiled_decode = compiled
+        return seconds
 
     @torch.inference_mode()
     def forward_hidden(self, chunks: Sequence[Chunk]) -> tuple[torch.Tensor, list[int]]:
         input_ids, positions, meta, sample_rows = self.prepare(chunks)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.compiled_decode is not None and not meta.prefills:
+            hidden = self.compiled_decode(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         return hidden, sample_rows
 
     @torch.inference_mode()

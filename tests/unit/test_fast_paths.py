@@ -1,0 +1,165 @@
+"""The fast paths against the eager reference, without compiling anything (compiled: test_compiled.py).
+
+* ``decode_attention_inplace`` (what the compiled decode step runs) equals the reference gather +
+  SDPA on random paged caches, and, run eagerly inside the model, gives token-identical greedy
+  output in float32 on the parity prompts: alone, batched and through preemption.
+* The fused q/k/v and gate/up projections are the checkpoint's tensors, concatenated.
+* The vectorised step layout (positions, slots, block tables) equals a per-request computation.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from engine_service import LLM, SamplingParams
+from engine_service.core.request import Request
+from engine_service.model.attention import (
+    AttentionMetadata,
+    decode_attention_inplace,
+    decode_attention_reference,
+)
+from engine_service.model.kv_cache import allocate_kv_cache
+from engine_service.model.runner import ModelRunner
+from tests.model_helpers import Chunk, parity_prompts
+
+NEW_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("heads,kv_heads,block_size", [(9, 3, 16), (4, 4, 4), (8, 2, 8)])
+def test_inplace_decode_attention_matches_reference(heads, kv_heads, block_size):
+    gen = torch.Generator().manual_seed(heads * 100 + block_size)
+    num_blocks, head_dim, batch = 40, 32, 6
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    # lengths: one token, block-aligned, one either side, and a long one
+    lens = [1, block_size, block_size + 1, 3 * block_size - 1, 3 * block_size, 7 * block_size + 3]
+    width = max(-(-n // block_size) for n in lens) + 1  # one padding column more than needed
+    tables = torch.zeros(batch, width, dtype=torch.long)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    for row, n in enumerate(lens):
+        for col in range(-(-n // block_size)):
+            tables[row, col] = perm.pop()
+    q = torch.randn(batch, heads, head_dim, generator=gen)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(batch, dtype=torch.long), prefills=[],
+                             decode_token_index=None, decode_block_tables=tables,
+                             decode_context_lens=torch.tensor(lens))
+    ref = decode_attention_reference(q, k_cache, v_cache, meta, 0.3)
+    got = decode_attention_inplace(q, k_cache, v_cache, tables, torch.tensor(lens), 0.3)
+    torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.model
+def test_fused_projections_are_the_checkpoint_tensors(model_dir):
+    llm_model = LLM(str(model_dir), dtype="float32", enforce_eager=True, kv_cache_memory=8 << 20).engine.runner.model
+    layer = llm_model.model.layers[3]
+    path = sorted(model_dir.glob("*.safetensors"))[0]
+    with safe_open(str(path), framework="pt") as f:
+        get = lambda name: f.get_tensor(f"model.layers.3.{name}.weight")  # noqa: E731
+        qkv = torch.cat([get("self_attn.q_proj"), get("self_attn.k_proj"), get("self_attn.v_proj")])
+        gate_up = torch.cat([get("mlp.gate_proj"), get("mlp.up_proj")])
+    assert torch.equal(layer.self_attn.qkv_proj.weight, qkv)
+    assert torch.equal(layer.mlp.gate_up_proj.weight, gate_up)
+
+
+class _Model:
+    """Just what ModelRunner.prepare touches of the model."""
+
+    class rotary:  # noqa: N801
+        @staticmethod
+        def ensure_positions(n: int) -> None:
+            pass
+
+
+def test_prepare_layout_equals_per_request_computation():
+    rng = random.Random(0)
+    bs = 16
+    runner = ModelRunner(_Model(), [(torch.zeros(1), torch.zeros(1))], bs, torch.device("cpu"))
+    chunks, free = [], list(range(100_000))
+    rng.shuffle(free)
+    for i in range(256):
+        prompt = [rng.randrange(1000) for _ in range(rng.randint(1, 300))]
+        req = Request(f"r{i}", prompt, SamplingParams())
+        if i % 5 == 0:  # a prefill chunk, fresh or continued
+            start = rng.choice([0, rng.randrange(len(prompt))])
+            n = len(prompt) - start
+        else:  # a decode
+            start, n = len(prompt) - 1, 1
+        req.block_ids = [free.pop() for _ in range(-(-len(prompt) // bs))]
+        chunks.append(Chunk(req, start, n))
+    ids, positions, meta, sample_rows = runner.prepare(chunks)
+
+    exp_ids, exp_pos, exp_slots, decode_rows, offset = [], [], [], [], 0
+    for c in chunks:
+        for p in range(c.start, c.start + c.num_tokens):
+            exp_ids.append(c.request.all_token_ids[p])
+            exp_pos.append(p)
+            exp_slots.append(c.request.block_ids[p // bs] * bs + p % bs)
+        if c.num_tokens == 1:
+            decode_rows.append(offset)
+        offset += c.num_tokens
+    assert ids.tolist() == exp_ids
+    assert positions.tolist() == exp_pos
+    assert meta.slot_mapping.tolist() == exp_slots
+    assert meta.decode_token_index.tolist() == decode_rows
+    decodes = [c for c in chunks if c.num_tokens == 1]
+    assert meta.decode_context_lens.tolist() == [c.start + 1 for c in decodes]
+    for row, c in zip(meta.decode_block_tables.tolist(), decodes, strict=True):
+        nb = -(-(c.start + 1) // bs)
+        assert row[:nb] == c.request.block_ids[:nb] and not any(row[nb:])
+    prefills = [c for c in chunks if c.num_tokens > 1]
+    assert [p.query_len for p in meta.prefills] == [c.num_tokens for c in prefills]
+    assert [(p.mask is None) for p in meta.prefills] == [c.start == 0 for c in prefills]
+    ends = np.cumsum([c.num_tokens for c in chunks]) - 1
+    assert sample_rows == ends.tolist()  # every chunk reaches the end of its tokens here
+
+
+@pytest.fixture(scope="module")
+def reference_llm(model_dir):
+    return LLM(str(model_dir), dtype="float32", enforce_eager=True, max_num_batched_tokens=512,
+               kv_cache_memory=128 << 20)
+
+
+@pytest.fixture(scope="module")
+def prompts(reference_llm):
+    return parity_prompts(reference_llm.get_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(reference_llm, prompts):
+    """Greedy tokens of the eager reference path (batched; test_model_parity shows that batched,
+    alone and transformers agree on this path)."""
+    return [o.outputs[0].token_ids for o in reference_llm.generate(prompts, GREEDY)]
+
+
+def _inplace(llm: LLM) -> LLM:
+    llm.engine.runner.decode_inplace = True
+    return llm
+
+
+@pytest.mark.model
+@pytest.mark.timeout(1800)
+def test_inplace_decode_greedy_identical_alone_and_batched(model_dir, prompts, reference_tokens):
+    llm = _inplace(LLM(str(model_dir), dtype="float32", enforce_eager=True, max_num_batched_tokens=512,
+                       kv_cache_memory=128 << 20))
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert batched == reference_tokens
+    for i in (0, 4, 9):  # shortest, two tokens, ~1,000 tokens
+        assert llm.generate([prompts[i]], GREEDY)[0].outputs[0].token_ids == reference_tokens[i]
+
+
+@pytest.mark.model
+@pytest.mark.timeout(1800)
+def test_inplace_decode_greedy_identical_through_preemption(model_dir, prompts, reference_tokens):
+    short = [i for i, p in enumerate(prompts) if len(p) <= 40]
+    assert len(short) >= 4
+    tight = _inplace(LLM(str(model_dir), dtype="float32", enforce_eager=True, block_size=4, num_blocks=40,
+                         max_num_batched_tokens=64, enable_prefix_caching=False))
+    outs = tight.generate([prompts[i] for i in short], GREEDY)
+    assert tight.engine.get_stats().num_preemptions > 0, "the pool was meant to force preemption"
+    assert [o.outputs[0].token_ids for o in outs] == [reference_tokens[i] for i in short]
