@@ -78,24 +78,28 @@ def run_sluice_iteration(engine, prompts: list[list[int]], output_len: int, row:
         row.decode_tok_s.append(sum(c - 1 for c in count.values()) / decode_s)
 
 
-def run_transformers(model_dir: Path, prompts_per_iter: list[list[list[int]]], output_len: int, dtype) -> LatencyRow:
+def run_transformers(model_dir: Path, prompts_per_iter: list[list[list[int]]], output_len: int, dtype,
+                     device: str = "cpu") -> LatencyRow:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     row = LatencyRow("transformers generate")
     with torch.inference_mode():
-        ids = torch.tensor(prompts_per_iter[0])
+        ids = torch.tensor(prompts_per_iter[0], device=device)
         model.generate(input_ids=ids, max_new_tokens=2, do_sample=False)  # warm-up
         for prompts in prompts_per_iter:
-            ids = torch.tensor(prompts)
+            ids = torch.tensor(prompts, device=device)
             started = time.perf_counter()
             model.generate(input_ids=ids, max_new_tokens=1, do_sample=False)
+            sync()
             ttft = time.perf_counter() - started
             started = time.perf_counter()
             model.generate(input_ids=ids, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False)
+            sync()
             total = time.perf_counter() - started
             decode = max(total - ttft, 1e-9)
             row.ttft_ms.extend([ttft * 1e3] * len(prompts))
@@ -157,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir, dtype, warmup = engine.model_dir, engine.dtype, engine.compile_warmup_seconds
     del llm, engine
     if args.hf:
-        rows.append(run_transformers(model_dir, prompts, args.output_len, dtype))
+        rows.append(run_transformers(model_dir, prompts, args.output_len, dtype, args.device))
 
     summaries = [r.summary() for r in rows]
     print(f"\nsluice bench latency: batch {args.batch_size}, prompt {args.input_len} tokens, "

@@ -75,11 +75,11 @@ def run_sluice(llm, work: list[WorkItem], structured_share: float = 0.0) -> Benc
     return BenchRow(name, len(work), tokens, seconds)
 
 
-def run_transformers(model_dir: Path, work: list[WorkItem], batch_size: int, dtype) -> BenchRow:
+def run_transformers(model_dir: Path, work: list[WorkItem], batch_size: int, dtype, device: str = "cpu") -> BenchRow:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     model.generation_config.eos_token_id = None  # EOS ignored, as in the Sluice run
     model.generation_config.pad_token_id = 0
     tokens = 0
@@ -94,7 +94,7 @@ def run_transformers(model_dir: Path, work: list[WorkItem], batch_size: int, dty
                 ids[row, width - len(w.prompt_token_ids) :] = torch.tensor(w.prompt_token_ids)
                 mask[row, width - len(w.prompt_token_ids) :] = 1
             longest = max(w.output_len for w in batch)
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+            model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest, min_new_tokens=longest,
                            do_sample=False)
             tokens += sum(w.output_len for w in batch)
     seconds = time.perf_counter() - started
@@ -108,6 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", default="16-256", help="range of output lengths, tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--hf-batch-sizes", default="1,8",
@@ -134,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     from engine_service.model.loader import parse_dtype
 
     chart = plots.plot_target(args, args.json, "bench-results/offline.png", "sluice bench offline")
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens)
     engine = llm.engine
     work = make_workload(engine.vocab_size, args.num_requests, _range(args.prompt_len),
@@ -147,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     del llm
     hf_work = work[: args.hf_num_requests] if args.hf_num_requests else work
     for size in [int(s) for s in args.hf_batch_sizes.split(",") if s.strip()]:
-        rows.append(run_transformers(engine.model_dir, hf_work, size, parse_dtype(args.dtype)))
+        rows.append(run_transformers(engine.model_dir, hf_work, size, parse_dtype(args.dtype), args.device))
 
     sampler_ms = None
     try:

@@ -110,7 +110,13 @@ class LLMEngine:
         if not self.enforce_eager:
             why_not = compile_supported(self.device)
             if why_not is None:
-                self.compile_warmup_seconds = self.runner.enable_compiled_decode(num_blocks * config.block_size)
+                try:
+                    self.compile_warmup_seconds = self.runner.enable_compiled_decode(num_blocks * config.block_size)
+                except Exception:  # a compiler failure must not stop the engine: the eager path is complete
+                    logger.exception("torch.compile of the decode step failed; running eagerly")
+                    self.runner.compiled_decode = None
+                    self.runner.min_decode_width = 1
+                    self.enforce_eager = True
             else:
                 logger.warning("running eagerly: %s", why_not)
                 self.enforce_eager = True

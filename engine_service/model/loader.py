@@ -20,7 +20,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         return name
     key = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(name, name)
     if key not in DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {name!r}")
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} (or 'auto' for the engine), got {name!r}")
     return DTYPES[key]
 
 

@@ -23,7 +23,6 @@ from engine_service.model.attention import (
     decode_attention_inplace,
     decode_attention_reference,
 )
-from engine_service.model.kv_cache import allocate_kv_cache
 from engine_service.model.runner import ModelRunner
 from tests.model_helpers import Chunk, parity_prompts
 

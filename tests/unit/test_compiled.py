@@ -1,0 +1,64 @@
+"""The compiled decode step (torch.compile, inductor) against the eager reference, in float32.
+
+This is the one test file that compiles (each compiled engine costs a warm-up of tens of seconds
+on 2 cores). The compiled path must give token-identical greedy output on the parity prompts,
+batched and alone (the batch >= 2 and batch 1 graphs), and through preemption; recompilation must
+stay bounded (two graphs, both built at engine start, whatever batch sizes and context lengths
+follow); ``enforce_eager`` must leave the eager forward alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_service import LLM, SamplingParams
+from engine_service.model.compiled import compile_supported
+from tests.model_helpers import parity_prompts
+
+pytestmark = [pytest.mark.model, pytest.mark.timeout(1800)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+why_not = compile_supported(__import__("torch").device("cpu"))
+needs_compiler = pytest.mark.skipif(why_not is not None, reason=f"torch.compile unavailable here: {why_not}")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    eager = LLM(str(model_dir), dtype="float32", enforce_eager=True, max_num_batched_tokens=512,
+                kv_cache_memory=128 << 20)
+    assert eager.engine.runner.compiled_decode is None and eager.engine.compile_warmup_seconds is None
+    prompts = parity_prompts(eager.get_tokenizer())
+    return prompts, [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY)]
+
+
+def unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@needs_compiler
+def test_compiled_greedy_identical_batched_and_alone(model_dir, reference):
+    prompts, ref = reference
+    before = unique_graphs()
+    llm = LLM(str(model_dir), dtype="float32", enforce_eager=False, max_num_batched_tokens=512,
+              kv_cache_memory=128 << 20)
+    assert llm.engine.compile_warmup_seconds is not None and llm.engine.compile_warmup_seconds > 0
+    built = unique_graphs() - before
+    assert 1 <= built <= 2, built
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert batched == ref
+    for i in (0, 4, 9):  # batch 1: the shortest, two tokens, ~1,000 tokens
+        assert llm.generate([prompts[i]], GREEDY)[0].outputs[0].token_ids == ref[i]
+    assert unique_graphs() - before == built, "a batch size or context length recompiled"
+
+
+@needs_compiler
+def test_compiled_greedy_identical_through_preemption(model_dir, reference):
+    prompts, ref = reference
+    short = [i for i, p in enumerate(prompts) if len(p) <= 40]
+    tight = LLM(str(model_dir), dtype="float32", enforce_eager=False, block_size=4, num_blocks=40,
+                max_num_batched_tokens=64, enable_prefix_caching=False)
+    outs = tight.generate([prompts[i] for i in short], GREEDY)
+    assert tight.engine.get_stats().num_preemptions > 0, "the pool was meant to force preemption"
+    assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in short]
