@@ -1,8 +1,7 @@
-# Sluice images, one Dockerfile, three targets:
+# Sluice images, one Dockerfile, two targets (compose's load balancer, HAProxy, is deploy/lb/):
 #
 #   docker build --target gateway -t sluice-gateway .   # HTTP API, no torch (~ slim)
 #   docker build --target engine  -t sluice-engine  .   # engine with CPU torch by default
-#   docker build --target lb      -t sluice-lb      .   # tiny TCP load balancer for compose
 #
 # CUDA engine:  --build-arg TORCH_SPEC=torch==2.13.0 --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
 # Offline:      deploy/images/collect-wheels.sh fills deploy/wheels/ (and marks it OFFLINE), after
@@ -12,7 +11,7 @@
 #
 # Plain Dockerfile syntax (no BuildKit-only features): Debian's docker.io builds it as is.
 # Stage order matters for Debian's classic builder, which builds every stage above the target:
-# lb and gateway come first so that `--target gateway` never installs torch.
+# the gateway comes first so that `--target gateway` never installs torch.
 
 ARG PYTHON_IMAGE=python:3.11-slim
 
@@ -27,14 +26,6 @@ RUN groupadd --system --gid 10001 sluice \
     && useradd --system --uid 10001 --gid sluice --home-dir /home/sluice --create-home \
        --shell /usr/sbin/nologin sluice \
     && mkdir -p /opt/sluice
-
-# ---------------------------------------------------------------------------------------------
-FROM base AS lb
-COPY deploy/lb/tcp_lb.py /opt/sluice/tcp_lb.py
-USER sluice
-EXPOSE 8000
-ENTRYPOINT ["python", "/opt/sluice/tcp_lb.py"]
-CMD ["--listen", "0.0.0.0:8000", "--backend", "gateway:8000"]
 
 # ---------------------------------------------------------------------------------------------
 # Build stages: a virtualenv in /opt/venv, dependencies first (cached while only code changes).

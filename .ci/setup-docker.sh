@@ -3,7 +3,7 @@
 #
 #   - installs docker.io, docker-compose (v1, Debian), debootstrap and redis-server when missing
 #   - starts dockerd in the background when no daemon answers, and waits for `docker info`
-#   - builds the stand-in base images (redis:7, python:3.11-slim) when they are missing
+#   - builds the stand-in base images (redis:7, python:3.11-slim, haproxy:2.6) when they are missing
 #   - collects the wheels the Sluice images install into deploy/wheels/ (offline docker build:
 #     containers here cannot reach PyPI, only the host's pip can)
 #

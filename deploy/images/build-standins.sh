@@ -7,6 +7,8 @@
 #   prom/prometheus:v2.42.0  Debian bookworm's prometheus (2.42.0) and promtool, laid out like the
 #                      official image (/bin/prometheus, /etc/prometheus, /prometheus, user nobody);
 #                      compose's `monitoring` profile. Debian has no Grafana package: no stand-in.
+#   haproxy:2.6        Debian bookworm's haproxy (2.6), run like the official image: user haproxy,
+#                      `haproxy -W -db -f /usr/local/etc/haproxy/haproxy.cfg`
 #
 # Each image is built only when `docker image inspect` does not find it (FORCE=1 rebuilds).
 # Both start from one debootstrapped bookworm minbase rootfs, cached as a tarball under
@@ -30,7 +32,7 @@ die() { log "error: $*"; exit 1; }
 command -v docker >/dev/null || die "docker is not installed"
 docker info >/dev/null 2>&1 || die "the docker daemon is not answering"
 
-ALL_IMAGES=("redis:7" "python:3.11-slim" "prom/prometheus:v2.42.0")
+ALL_IMAGES=("redis:7" "python:3.11-slim" "prom/prometheus:v2.42.0" "haproxy:2.6")
 images=("$@")
 [ "${#images[@]}" -gt 0 ] || images=("${ALL_IMAGES[@]}")
 
@@ -214,6 +216,43 @@ build_prometheus() {
         --change 'LABEL org.opencontainers.image.description=sluice-standin'
 }
 
+# --- haproxy:2.6 -----------------------------------------------------------------------------
+build_haproxy() {
+    local root
+    new_root
+    chroot_apt "$root" haproxy
+    local v
+    v="$(chroot "$root" haproxy -v | sed -n 's/^HAProxy version \([0-9]*\.[0-9]*\).*/\1/p')"
+    [ "$v" = 2.6 ] || die "bookworm's haproxy is $v, not 2.6"
+    mkdir -p "$root/usr/local/etc/haproxy" "$root/var/lib/haproxy"
+    # The official image ships no config: the user's goes to /usr/local/etc/haproxy/haproxy.cfg.
+    rm -f "$root/etc/haproxy/haproxy.cfg"
+    chroot "$root" chown haproxy:haproxy /var/lib/haproxy
+    cat >"$root/usr/local/bin/docker-entrypoint.sh" <<'SH'
+#!/bin/sh
+# Like the official image's entrypoint: options alone run haproxy, and haproxy runs in the
+# foreground in master-worker mode (-W -db), so SIGUSR2 reloads and logs go to stdout.
+set -e
+if [ "${1#-}" != "$1" ]; then
+    set -- haproxy "$@"
+fi
+if [ "$1" = haproxy ]; then
+    shift
+    set -- haproxy -W -db "$@"
+fi
+exec "$@"
+SH
+    chmod +x "$root/usr/local/bin/docker-entrypoint.sh"
+    finish_root "$root"
+    import_root "$root" "haproxy:2.6" \
+        --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+        --change 'USER haproxy' \
+        --change 'WORKDIR /var/lib/haproxy' \
+        --change 'ENTRYPOINT ["docker-entrypoint.sh"]' \
+        --change 'CMD ["haproxy", "-f", "/usr/local/etc/haproxy/haproxy.cfg"]' \
+        --change 'LABEL org.opencontainers.image.description=sluice-standin'
+}
+
 [ -f "$BASE_TAR" ] || build_base
 for image in "${missing[@]}"; do
     t0=$SECONDS
@@ -221,6 +260,7 @@ for image in "${missing[@]}"; do
         redis:7) build_redis ;;
         python:3.11-slim) build_python ;;
         prom/prometheus:v2.42.0) build_prometheus ;;
+        haproxy:2.6) build_haproxy ;;
         *) die "no stand-in recipe for $image (known: ${ALL_IMAGES[*]})" ;;
     esac
     size="$(docker image inspect --format '{{.Size}}' "$image")"

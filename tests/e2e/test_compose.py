@@ -1,5 +1,6 @@
-"""compose.yaml end to end: build, `up`, the openai SDK through the load balancer, scale the
-gateways to 3, tear everything down.
+"""compose.yaml end to end: build, `up`, the openai SDK through the HAProxy load balancer, SSE
+streamed through it unbuffered, scale the gateways to 3 (found by HAProxy through Docker's DNS)
+and show that every replica served requests, tear everything down.
 
 Needs Docker with the base images present (``.ci/setup-docker.sh`` installs Docker, builds the
 stand-ins and collects the wheels for an offline build). The project is private to the test
@@ -80,6 +81,7 @@ def compose_stack():
     try:
         require_docker("python:3.11-slim")
         require_docker("redis:7")
+        require_docker("haproxy:2.6")
     except DockerUnavailable as exc:
         pytest.fail(str(exc), pytrace=False)
     port = free_port()
@@ -143,25 +145,91 @@ def test_compose_serves_openai_sdk_and_scales(compose_stack) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
-    # scale the gateways to 3 behind the load balancer
+    _check_sse_unbuffered(base_url)
+
+    # scale the gateways to 3: HAProxy's resolvers find the new replicas through Docker's DNS
     t0 = time.monotonic()
     compose("up", "-d", "--no-build", "--scale", "gateway=3", timeout=600)
     gateways = compose.wait_healthy("gateway", 3, timeout=300)
-    print(f"\nscale to 3 gateways: {time.monotonic() - t0:.1f} s")
-    # the lb re-resolves the service name every 2 s; then each new connection goes to the next replica
-    time.sleep(5)
-    before = {g: _request_count(g) for g in gateways}
-    for i in range(9):  # a fresh client (connection) each time
-        c = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-        out = c.completions.create(model=MODEL, prompt=f"Count to {i}:", max_tokens=4, temperature=0)
-        assert out.choices[0].text is not None
-        c.close()
-    served = {g: _request_count(g) - before[g] for g in gateways}
-    lb_logs = compose.logs("lb")
-    assert all(n > 0 for n in served.values()), f"requests per gateway: {served}\n{lb_logs}"
+    slots = _wait_for_slots(base_url, 3, timeout=60, compose=compose)
+    print(f"\nscale to 3 gateways: {time.monotonic() - t0:.1f} s to 3 HAProxy servers {sorted(slots)}")
+    before = {g: _completions_served(g) for g in gateways}
+    # one keep-alive client: HAProxy balances per request, not per connection
+    answered_by: list[str] = []
+    with httpx.Client(base_url=base_url, timeout=120) as http:
+        for i in range(9):
+            r = http.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": f"Count to {i}:", "max_tokens": 4, "temperature": 0},
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] is not None
+            answered_by.append(r.headers["x-sluice-gateway"])
+    served = {g[:12]: _completions_served(g) - before[g] for g in gateways}
+    print(f"completions per gateway replica (their /metrics): {served}; HAProxy slots: {answered_by}")
+    assert all(n > 0 for n in served.values()), f"requests per gateway: {served}\n{compose.logs('lb')}"
+    assert sum(served.values()) == 9, served
+    assert len(set(answered_by)) == 3, answered_by
 
 
-def _request_count(container: str) -> int:
-    """POST /v1/completions lines in a gateway container's (uvicorn access) log."""
-    proc = subprocess.run(["docker", "logs", container], capture_output=True, text=True)
-    return (proc.stdout + proc.stderr).count("POST /v1/completions")
+def _check_sse_unbuffered(base_url: str) -> None:
+    """A streamed completion through HAProxy arrives token by token, not in one piece at the end."""
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 48,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    t0 = time.monotonic()
+    arrivals: list[float] = []
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert "x-sluice-gateway" in r.headers  # it did go through HAProxy
+        done_at = None
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done_at = time.monotonic()
+            elif line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                arrivals.append(time.monotonic())
+    assert done_at is not None and len(arrivals) >= 40, (done_at, len(arrivals))
+    first, spread = arrivals[0] - t0, done_at - arrivals[0]
+    # distinct arrival instants: a buffering proxy would hand over every event at once
+    batches = len({round(t, 2) for t in arrivals})
+    print(f"\nSSE through HAProxy: first token after {first:.2f} s, stream ended {spread:.2f} s later, "
+          f"{len(arrivals)} token events in {batches} distinct 10 ms instants")
+    assert spread > 0.2, f"the first token arrived only {spread:.3f} s before the end of the stream"
+    assert batches >= 10, f"{len(arrivals)} token events arrived in only {batches} bursts"
+
+
+def _wait_for_slots(base_url: str, count: int, timeout: float, compose: Compose) -> set[str]:
+    """Ask through the lb until ``count`` distinct HAProxy servers (X-Sluice-Gateway) answered."""
+    deadline = time.monotonic() + timeout
+    seen: set[str] = set()
+    while time.monotonic() < deadline:
+        r = httpx.get(f"{base_url}/health", timeout=10)
+        if r.status_code == 200:
+            seen.add(r.headers["x-sluice-gateway"])
+            if len(seen) >= count:
+                return seen
+        time.sleep(0.3)
+    raise AssertionError(f"HAProxy answered from {sorted(seen)} only\n{compose.logs('lb')}")
+
+
+def _completions_served(container: str) -> float:
+    """POST /v1/completions answered 200 by one gateway replica, from its own /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    script = "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/metrics').read().decode())"
+    out = subprocess.run(
+        ["docker", "exec", container, "python", "-c", script], capture_output=True, text=True, check=True
+    ).stdout
+    total = 0.0
+    for family in text_string_to_metric_families(out):
+        for sample in family.samples:
+            if (sample.name == "sluice:http_requests_total" and sample.labels.get("status") == "200"
+                    and sample.labels.get("endpoint") == "/v1/completions"):
+                total += sample.value
+    return total
