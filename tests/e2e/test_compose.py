@@ -149,7 +149,9 @@ def test_compose_serves_openai_sdk_and_scales(compose_stack) -> None:
 
     # scale the gateways to 3: HAProxy's resolvers find the new replicas through Docker's DNS
     t0 = time.monotonic()
-    compose("up", "-d", "--no-build", "--scale", "gateway=3", timeout=600)
+    # --no-deps: only the gateways change (a loaded machine's slow engine health check must not
+    # fail the scale-up; the engine is already serving)
+    compose("up", "-d", "--no-build", "--no-deps", "--scale", "gateway=3", "gateway", timeout=600)
     gateways = compose.wait_healthy("gateway", 3, timeout=300)
     slots = _wait_for_slots(base_url, 3, timeout=60, compose=compose)
     print(f"\nscale to 3 gateways: {time.monotonic() - t0:.1f} s to 3 HAProxy servers {sorted(slots)}")
@@ -177,7 +179,7 @@ def _check_sse_unbuffered(base_url: str) -> None:
     body = {
         "model": MODEL,
         "prompt": "Once upon a time",
-        "max_tokens": 48,
+        "max_tokens": 24,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
@@ -194,7 +196,7 @@ def _check_sse_unbuffered(base_url: str) -> None:
                 done_at = time.monotonic()
             elif line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
                 arrivals.append(time.monotonic())
-    assert done_at is not None and len(arrivals) >= 40, (done_at, len(arrivals))
+    assert done_at is not None and len(arrivals) >= 20, (done_at, len(arrivals))
     first, spread = arrivals[0] - t0, done_at - arrivals[0]
     # distinct arrival instants: a buffering proxy would hand over every event at once
     batches = len({round(t, 2) for t in arrivals})
