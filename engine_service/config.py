@@ -46,6 +46,8 @@ class EngineConfig:
         None, "weights, activations and KV cache dtype. auto (the default, or $SLUICE_DTYPE): the "
         "checkpoint's on CUDA; on CPU bfloat16 where the CPU has native bf16 and a probe at start measures "
         "it faster, else float32 (engine_service.model.dtype)", choices=["auto", "float32", "bfloat16", "float16"])
+    quantization: str | None = knob(None, "weight-only quantization computed at load (int8: per output "
+                                     "channel; int4: groups of 32); default: none", choices=["int8", "int4"])
     device: str = knob("cpu", "cpu | cuda | cuda:N")
     block_size: int = knob(16, "tokens per KV-cache block")
     num_blocks: int | None = knob(None, "KV-cache blocks (default: as many as --kv-cache-memory allows)")

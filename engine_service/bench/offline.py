@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
 
     sampler_ms = None
     try:
-        from engine_service.sampling.sampler import benchmark_sampler
+        from engine_service.bench.sampler import benchmark_sampler
 
         sampler_ms = benchmark_sampler(batch_size=args.sampler_batch, vocab_size=engine.vocab_size)
     except ImportError:

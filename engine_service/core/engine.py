@@ -25,6 +25,7 @@ from engine_service.model.config import ModelConfig
 from engine_service.model.dtype import resolve_auto_dtype
 from engine_service.model.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from engine_service.model.loader import load_model, parse_dtype
+from engine_service.model.quantization import parse_quantization
 from engine_service.model.runner import ModelRunner
 from engine_service.sampling.grammar import GrammarManager
 from engine_service.sampling.params import SamplingParams
@@ -90,6 +91,7 @@ class LLMEngine:
         else:
             self.dtype = parse_dtype(dtype)
         self.enforce_eager = config.resolved_enforce_eager()
+        self.quantization = parse_quantization(config.quantization)
 
         context = self.model_config.context_length
         if config.max_model_len is not None and config.max_model_len > context:
@@ -97,15 +99,16 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or context
 
         started = time.perf_counter()
-        model = load_model(self.model_dir, self.dtype, self.device)
+        model = load_model(self.model_dir, self.dtype, self.device, self.quantization)
         num_blocks = config.num_blocks or num_blocks_for_budget(
             self.model_config, config.block_size, self.dtype, self.device, config.kv_cache_memory
         )
         # One block more than the scheduler hands out: the compiled step's warm-up writes there.
         kv = allocate_kv_cache(self.model_config, num_blocks + 1, config.block_size, self.dtype, self.device)
         self.runner = ModelRunner(model, kv, config.block_size, self.device)
-        logger.info("loaded %s (%s, %s) with %d KV blocks of %d tokens in %.1fs", self.model_name,
-                    self.dtype, self.device, num_blocks, config.block_size, time.perf_counter() - started)
+        logger.info("loaded %s (%s%s, %s) with %d KV blocks of %d tokens in %.1fs", self.model_name,
+                    self.dtype, f", {self.quantization}" if self.quantization else "", self.device, num_blocks,
+                    config.block_size, time.perf_counter() - started)
         self.compile_warmup_seconds: float | None = None
         if not self.enforce_eager:
             why_not = compile_supported(self.device)

@@ -91,5 +91,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        # A tied model has no lm_head unless quantization gave it its own (quantized) copy.
+        head = getattr(self, "lm_head", None)
+        if head is None:
+            return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+        return head(hidden).float()

@@ -36,8 +36,9 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
-               device: torch.device | str = "cpu") -> LlamaForCausalLM:
-    """Instantiate the architecture named by config.json and load its weights onto ``device``."""
+               device: torch.device | str = "cpu", quantization: str | None = None) -> LlamaForCausalLM:
+    """Instantiate the architecture named by config.json and load its weights onto ``device``;
+    ``quantization`` ("int8" | "int4") then swaps its linear layers for quantized ones."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     dtype = parse_dtype(dtype)
@@ -79,4 +80,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
     # Buffers were created on the meta device; rebuild them for real.
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
     model.rotary.ensure_positions(min(cfg.context_length, 8192))
-    return model.requires_grad_(False).eval()
+    model = model.requires_grad_(False).eval()
+    if quantization is not None:
+        from engine_service.model.quantization import quantize_model
+
+        with torch.inference_mode():
+            quantize_model(model, quantization)
+    return model

@@ -17,14 +17,12 @@ __all__ = [
     "SamplerOutput",
     "SamplingMetadata",
     "SamplingParams",
-    "benchmark_sampler",
     "compute_logprobs",
 ]
 
 _LAZY = {
     "Sampler": "engine_service.sampling.sampler",
     "SamplerOutput": "engine_service.sampling.sampler",
-    "benchmark_sampler": "engine_service.sampling.sampler",
     "compute_logprobs": "engine_service.sampling.logprobs",
     "SamplingMetadata": "engine_service.sampling.metadata",
 }

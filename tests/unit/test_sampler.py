@@ -8,6 +8,7 @@ import pytest
 import torch
 from scipy import stats
 
+from engine_service.bench.sampler import benchmark_sampler
 from engine_service.core.request import Request
 from engine_service.sampling import SamplingParams
 from engine_service.sampling.logprobs import compute_logprobs
@@ -17,7 +18,6 @@ from engine_service.sampling.sampler import (
     _top_p,
     apply_logits_processors,
     apply_sampling_transforms,
-    benchmark_sampler,
 )
 
 # A fixed small logit vector: distinct values, no ties, no top_p/min_p boundary hit exactly.

@@ -1,0 +1,297 @@
+"""Weight-only quantization computed at load from the float weights: ``int8`` and ``int4``.
+
+After ``load_model`` has built the float model, :func:`quantize_model` replaces every projection
+(``nn.Linear``: q/k/v/o and the MLP's gate/up/down) and the output projection by a module that
+keeps integer weights and runs torch's own packed CPU/CUDA kernels:
+
+- ``int8``: symmetric, one scale per output channel (the group is the whole input row, the layout
+  ``torch.ops.aten._weight_int8pack_mm`` takes): ``w ≈ q * scale``, ``q`` in [-127, 127].
+- ``int4``: asymmetric and group-wise (default 32 input columns per group, the granularity of
+  llama.cpp's Q4_1): ``w ≈ (q - 8) * scale + zero``, ``q`` in [0, 15], one (scale, zero) per
+  group, run by ``_weight_int4pack_mm_for_cpu`` (``_weight_int4pack_mm`` on CUDA) on weights
+  packed once at load by ``_convert_weight_to_int4pack[_for_cpu]``.
+
+Both kernels read the weights as integers and dequantize in registers, so a decode step reads a
+quarter (int8) or an eighth (int4, plus its scales) of the float32 bytes. The activations go
+through the kernel in the *kernel dtype*, chosen at load by timing the kernel with float32 and
+bfloat16 inputs on this machine (bfloat16 when it is faster: on CPUs with AVX512-BF16 it is
+several times faster; the float path of these kernels is not vectorised); the result is cast back
+to the model's dtype, so the rest of the model (norms, attention, the KV cache) is unchanged.
+
+The tied output projection (SmolLM2 shares it with the embedding) gets its own quantized copy
+(``model.lm_head``); the embedding lookup keeps the float table.
+
+A combination the device cannot run (no kernel for it in this torch build, e.g. int4 before
+sm80 on CUDA) is refused at load by :func:`check_supported`, which runs the kernel once on a
+tiny input and reports why it failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_METHODS = ("int8", "int4")
+DEFAULT_INT4_GROUP_SIZE = 32
+INT4_INNER_K_TILES = 2
+INT4_N_MULTIPLE = 16  # the tiling the packed int4 layout is built for (CUDA: 2, 4 or 8)
+
+
+class QuantizationError(ValueError):
+    """A quantization method or device combination this build cannot run."""
+
+
+def parse_quantization(name: str | None) -> str | None:
+    if name is None or name in ("", "none", "None"):
+        return None
+    key = name.lower()
+    if key not in QUANTIZATION_METHODS:
+        raise QuantizationError(
+            f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or none), got {name!r}"
+        )
+    return key
+
+
+# --------------------------------------------------------------------------- numerics (reference)
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: ``weight`` [N, K] float -> (q int8 [N, K], scales [N] f32)
+    with ``weight ≈ q * scales[:, None]``."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return q.float() * scales.float()[:, None]
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4 (min/max per group): ``weight`` [N, K] float -> (q int32 [N, K]
+    in [0, 15], scales [N, K/g] f32, zeros [N, K/g] f32) with
+    ``weight ≈ (q - 8) * scale + zero`` per group (the tinygemm convention torch's kernels use)."""
+    n, k = weight.shape
+    if k % group_size:
+        raise QuantizationError(f"int4 needs the input size {k} to be a multiple of the group size {group_size}")
+    w = weight.float().reshape(n, k // group_size, group_size)
+    lo = w.amin(dim=2)
+    hi = w.amax(dim=2)
+    scales = ((hi - lo) / 15.0).clamp(min=1e-12)
+    q = torch.round((w - lo[..., None]) / scales[..., None]).clamp_(0, 15).to(torch.int32)
+    zeros = lo + 8.0 * scales
+    return q.reshape(n, k), scales, zeros
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    n, k = q.shape
+    g = q.reshape(n, k // group_size, group_size).float()
+    return ((g - 8.0) * scales[..., None] + zeros[..., None]).reshape(n, k)
+
+
+# --------------------------------------------------------------------------- kernels
+def _is_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def pack_int4(q: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The kernel layout of int4 codes ``q`` ([N, K] int32 in [0, 15]) on ``device``."""
+    if _is_cuda(device):
+        # The CUDA kernel packs two codes per byte, high nibble first, before its own tiling.
+        qu8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).to(device)
+        return torch.ops.aten._convert_weight_to_int4pack(qu8, INT4_INNER_K_TILES)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(device), INT4_INNER_K_TILES)
+
+
+def int4_scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[K/g, N, 2] (scale, zero) pairs, the layout the int4 kernels read."""
+    return torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_zeros: torch.Tensor) -> torch.Tensor:
+    if _is_cuda(x.device):
+        return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scales_zeros)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_zeros)
+
+
+def int8_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._weight_int8pack_mm(x, q, scales)
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` held as int8 or int4 and multiplied by torch's packed kernel."""
+
+    def __init__(self, method: str, in_features: int, out_features: int, kernel_dtype: torch.dtype,
+                 group_size: int | None, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.method = method
+        self.in_features = in_features
+        self.out_features = out_features
+        self.kernel_dtype = kernel_dtype
+        self.group_size = group_size
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, method: str,
+                   kernel_dtype: torch.dtype, group_size: int = DEFAULT_INT4_GROUP_SIZE) -> QuantizedLinear:
+        out_features, in_features = weight.shape
+        device = weight.device
+        mod = cls(method, in_features, out_features, kernel_dtype,
+                  group_size if method == "int4" else None, bias)
+        if method == "int8":
+            q, scales = quantize_int8(weight)
+            mod.register_buffer("qweight", q.to(device))
+            mod.register_buffer("scales", scales.to(device=device, dtype=kernel_dtype))
+        elif method == "int4":
+            pad = -out_features % INT4_N_MULTIPLE  # the packed layout tiles N by 16: zero rows, sliced off
+            if pad:
+                weight = torch.cat([weight, weight.new_zeros(pad, in_features)])
+            q, scales, zeros = quantize_int4(weight, group_size)
+            mod.register_buffer("qweight", pack_int4(q, device))
+            mod.register_buffer("scales_zeros", int4_scales_and_zeros(scales, zeros, kernel_dtype).to(device))
+        else:
+            raise QuantizationError(f"unknown quantization method {method!r}")
+        return mod
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        out_dtype = x.dtype
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != self.kernel_dtype:
+            x2 = x2.to(self.kernel_dtype)
+        if self.method == "int8":
+            y = int8_mm(x2, self.qweight, self.scales)
+        else:
+            y = int4_mm(x2.contiguous(), self.qweight, self.group_size, self.scales_zeros)
+            if y.shape[1] != self.out_features:
+                y = y[:, : self.out_features]
+        if y.dtype != out_dtype:
+            y = y.to(out_dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        extra = f", group_size={self.group_size}" if self.group_size else ""
+        return (f"{self.method}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"kernel_dtype={self.kernel_dtype}{extra}")
+
+
+# --------------------------------------------------------------------------- support and choice
+def _kernel_dtypes(device: torch.device) -> list[torch.dtype]:
+    # The int4 kernels take bfloat16 (and float16 on CUDA) activations; int8 takes any float.
+    if _is_cuda(device):
+        return [torch.bfloat16]
+    return [torch.bfloat16, torch.float32]
+
+
+def _probe(method: str, device: torch.device, dtype: torch.dtype, n: int = 64, k: int = 256,
+           group_size: int = DEFAULT_INT4_GROUP_SIZE) -> QuantizedLinear:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.05
+    mod = QuantizedLinear.from_float(w.to(device), None, method, dtype, group_size)
+    x = torch.randn(2, k, device=device, dtype=dtype)
+    y = mod(x)
+    ref = torch.nn.functional.linear(x.float(), w.to(device))
+    err = (y.float() - ref).abs().max().item()
+    if not err < 0.1 * ref.abs().max().item() + 1e-3:
+        raise RuntimeError(f"the kernel's result is off by {err:.3g}")
+    return mod
+
+
+def check_supported(method: str, device: torch.device | str,
+                    group_size: int = DEFAULT_INT4_GROUP_SIZE) -> list[torch.dtype]:
+    """The kernel dtypes ``method`` runs with on ``device``; raises ``QuantizationError`` saying why
+    when there is none (no kernel in this torch build, an unsupported GPU, ...)."""
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise QuantizationError(f"quantization={method!r} runs on cpu or cuda, not {device.type!r}")
+    if method == "int4" and group_size not in (32, 64, 128, 256):
+        raise QuantizationError(f"int4 group size must be 32, 64, 128 or 256, got {group_size}")
+    ok: list[torch.dtype] = []
+    errors: list[str] = []
+    for dtype in _kernel_dtypes(device):
+        try:
+            _probe(method, device, dtype, group_size=group_size)
+            ok.append(dtype)
+        except (RuntimeError, NotImplementedError) as exc:
+            errors.append(f"{dtype}: {str(exc).splitlines()[0][:200]}")
+    if not ok:
+        name = torch.cuda.get_device_name(device) if _is_cuda(device) else "this CPU"
+        raise QuantizationError(
+            f"quantization={method!r} cannot run on {device} ({name}) with torch {torch.__version__}: "
+            + "; ".join(errors)
+        )
+    return ok
+
+
+def choose_kernel_dtype(method: str, device: torch.device, candidates: list[torch.dtype],
+                        shape: tuple[int, int], group_size: int = DEFAULT_INT4_GROUP_SIZE) -> torch.dtype:
+    """The fastest of ``candidates`` for one decode row through a ``shape`` [N, K] layer, timed here."""
+    if len(candidates) == 1:
+        return candidates[0]
+    n, k = shape
+    timings = {}
+    for dtype in candidates:
+        mod = QuantizedLinear.from_float(torch.randn(n, k, device=device) * 0.05, None, method, dtype, group_size)
+        x = torch.randn(1, k, device=device, dtype=dtype)
+        for _ in range(3):
+            mod(x)
+        best = float("inf")
+        for _ in range(10):
+            t = time.perf_counter()
+            mod(x)
+            best = min(best, time.perf_counter() - t)
+        timings[dtype] = best
+    chosen = min(timings, key=timings.get)
+    logger.info("quantization %s: kernel dtype %s (one row through [%d, %d]: %s)", method, chosen, n, k,
+                ", ".join(f"{d}: {t * 1e3:.3f} ms" for d, t in timings.items()))
+    return chosen
+
+
+# --------------------------------------------------------------------------- the model swap
+def quantize_model(model: nn.Module, method: str, *, group_size: int = DEFAULT_INT4_GROUP_SIZE,
+                   kernel_dtype: torch.dtype | None = None, quantize_lm_head: bool = True) -> nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (in place) by a :class:`QuantizedLinear`, and give a
+    tied-embedding model its own quantized output projection. Returns the model."""
+    method = parse_quantization(method)
+    if method is None:
+        return model
+    started = time.perf_counter()
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        return model
+    candidates = check_supported(method, device, group_size)
+    if kernel_dtype is None:
+        cfg = getattr(model, "config", None)
+        shape = (cfg.intermediate_size, cfg.hidden_size) if cfg is not None else (1024, 1024)
+        kernel_dtype = choose_kernel_dtype(method, device, candidates, shape, group_size)
+    elif kernel_dtype not in candidates:
+        raise QuantizationError(f"quantization={method!r} cannot use kernel dtype {kernel_dtype} on {device}")
+
+    float_bytes = quant_bytes = 0
+    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    for name, linear in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if not quantize_lm_head and attr == "lm_head" and parent is model:
+            continue
+        q = QuantizedLinear.from_float(linear.weight.data, None if linear.bias is None else linear.bias.data,
+                                       method, kernel_dtype, group_size)
+        float_bytes += linear.weight.numel() * linear.weight.element_size()
+        quant_bytes += sum(b.numel() * b.element_size() for b in q.buffers())
+        setattr(parent, attr, q)
+    cfg = getattr(model, "config", None)
+    if quantize_lm_head and cfg is not None and cfg.tie_word_embeddings and not hasattr(model, "lm_head"):
+        emb = model.model.embed_tokens.weight
+        model.lm_head = QuantizedLinear.from_float(emb.data, None, method, kernel_dtype, group_size)
+        float_bytes += emb.numel() * emb.element_size()
+        quant_bytes += sum(b.numel() * b.element_size() for b in model.lm_head.buffers())
+    logger.info("quantized %d linear layers to %s (kernel dtype %s%s): %.0f MB of weights -> %.0f MB in %.1fs",
+                len(targets), method, kernel_dtype, f", group {group_size}" if method == "int4" else "",
+                float_bytes / 1e6, quant_bytes / 1e6, time.perf_counter() - started)
+    return model
