@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gateway import errors
+from gateway.body_checks import check_body, check_content_type
 from gateway.broker import Broker
 from gateway.config import GatewayConfig
 from gateway.metrics import METRICS
@@ -38,7 +39,8 @@ async def _send_json(send, status: int, body: dict, headers: dict[str, str] | No
 
 
 class GatewayMiddleware:
-    """Pure ASGI: counts responses by status, checks API keys, enforces the body size limit.
+    """Pure ASGI: counts responses by status, checks API keys, enforces the body size limit, and
+    refuses bodies that are not declared JSON or are not valid Unicode (``body_checks``).
 
     The body is read here (up to the limit) and replayed to the app, so a chunked upload without
     Content-Length is held to the same limit; afterwards ``receive`` is the server's again, so the
@@ -96,6 +98,11 @@ class GatewayMiddleware:
                     await _send_json(counting_send, 413, too_large.body())
                     return
                 more = message.get("more_body", False)
+            if body:
+                refusal = check_content_type(scope.get("headers", [])) or check_body(bytes(body))
+                if refusal is not None:
+                    await _send_json(counting_send, refusal.status, refusal.body())
+                    return
             replayed = False
 
             async def replay() -> dict:

@@ -131,6 +131,28 @@ def _param_of(loc: tuple | list) -> str | None:
     return out
 
 
+# pydantic's type errors (strict validation, see protocol.py) -> what the field expects
+_EXPECTED = {"int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
+             "string_type": "a string", "list_type": "an array", "dict_type": "an object",
+             "model_type": "an object"}
+
+
+def json_type(x: Any) -> str:
+    if x is None:
+        return "null"
+    if isinstance(x, bool):
+        return "a boolean"
+    if isinstance(x, int):
+        return "an integer"
+    if isinstance(x, float):
+        return "a number"
+    if isinstance(x, str):
+        return "a string"
+    if isinstance(x, list):
+        return "an array"
+    return "an object"
+
+
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -155,6 +177,10 @@ def install_handlers(app: FastAPI) -> None:
         elif param is None and err.get("type") in ("model_attributes_type", "dict_type"):
             msg = "The request body must be a JSON object."
             code = "invalid_json"
+        elif param and err.get("type") in _EXPECTED:
+            msg = (f"Invalid type for '{param}': expected {_EXPECTED[err['type']]}, but got "
+                   f"{json_type(err.get('input'))} instead.")
+            code = "invalid_type"
         else:
             detail = str(err.get("msg", "invalid value"))
             msg = f"Invalid value for '{param}': {detail}." if param else f"Invalid request: {detail}."

@@ -5,29 +5,64 @@ The request models come first, then the response and stream-chunk models.
 Field ranges are checked here so that FastAPI's validation (answered as a 400 naming the
 parameter, see ``errors.py``) refuses them; checks that need the model card (vocabulary size,
 context length) happen in ``serving*.py``. Unknown fields are ignored, as vLLM does.
+
+Validation is STRICT (``ConfigDict(strict=True)``): an integer field takes a JSON integer only, not
+``true`` (pydantic's lax mode read it as 1), ``"5"`` or ``5.0``; a number field takes integers and
+floats but not booleans or strings; a boolean takes ``true``/``false`` only. Where a union's first
+branch would produce a misleading message ("Input should be a valid string" for a prompt ``[-1]``
+or an ``image_url`` content part), a wrap validator says what is wrong.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from gateway.errors import json_type
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
+# Every request model: unknown fields ignored (as vLLM), no type coercion (see the module doc).
+REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _prompt_problem(v: Any) -> str | None:
+    """What is wrong with a ``prompt`` that matched none of its forms (None: no better words)."""
+    shape = ("'prompt' must be a string, a list of strings, a list of token ids (integers) or a list of "
+             "lists of token ids")
+    if not isinstance(v, list):
+        return shape
+    lists = v if v and all(isinstance(x, list) for x in v) else [v]
+    for i, ids in enumerate(lists):
+        if any(isinstance(x, str) for x in ids) and len(lists) == 1:
+            return None if all(isinstance(x, str) for x in ids) else shape
+        for j, t in enumerate(ids):
+            where = f"prompt[{i}][{j}]" if lists is v else f"prompt[{j}]"
+            if not _is_int(t):
+                return f"{shape}; {where} is {json_type(t)}"
+            if not 0 <= t <= INT32_MAX:
+                return f"token ids must be between 0 and {INT32_MAX}; {where} is {t}"
+    return None
+
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_CONFIG
     include_usage: bool | None = False
 
 
 class SamplingFields(BaseModel):
     """Parameters /v1/completions and /v1/chat/completions share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_CONFIG
 
     model: str
     n: int = Field(1, ge=1, le=128)
@@ -63,15 +98,45 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = False
 
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _clear_prompt_errors(cls, v: Any, handler):
+        try:
+            return handler(v)
+        except ValidationError:
+            problem = _prompt_problem(v)
+            if problem is None:
+                raise
+            raise PydanticCustomError("invalid_prompt", problem) from None
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_CONFIG
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    # content parts are checked in text() so that an image part gets a clear message
+    # only text parts; anything else is refused at validation with a clear message (an image part
+    # used to be told "Input should be a valid string"); text() joins them
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # a tool result's call
+
+    @field_validator("content")
+    @classmethod
+    def _only_text_parts(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                kind = part.get("type")
+                if kind != "text":
+                    raise PydanticCustomError(
+                        "unsupported_content_part",
+                        "only text content parts are supported; content[{i}] has type {kind}",
+                        {"i": i, "kind": repr(kind) if isinstance(kind, str) else json_type(kind)})
+                if not isinstance(part.get("text"), str):
+                    raise PydanticCustomError(
+                        "invalid_content_part",
+                        'a text part is {{"type": "text", "text": "..."}}; content[{i}] has no string "text"',
+                        {"i": i})
+        return v
 
     def text(self) -> str:
         """The text content; ``ValueError`` for a part that is not text."""
@@ -101,7 +166,7 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(BaseModel):
     """vLLM's ``TokenizeCompletionRequest`` or ``TokenizeChatRequest`` in one: ``prompt`` or ``messages``."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_CONFIG
 
     model: str | None = None
     prompt: str | None = None
@@ -125,7 +190,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_CONFIG
 
     model: str | None = None
     tokens: list[TokenId]
