@@ -128,6 +128,16 @@ def _openapi_with_stream_chunks(app: FastAPI) -> dict:
         for name, definition in js.pop("$defs", {}).items():
             components.setdefault(name, definition)
         components.setdefault(model.__name__, js)
+    # FastAPI documents a 422 for every route with a body; the gateway never sends one (a
+    # validation error is OpenAI's 400, see errors.py), so the schema must not promise it.
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            if isinstance(operation, dict):
+                operation.get("responses", {}).pop("422", None)
+    for name in ("HTTPValidationError", "ValidationError"):  # in this order: the first refers to the second
+        definition = components.pop(name, None)
+        if definition is not None and f'"#/components/schemas/{name}"' in json.dumps(schema):
+            components[name] = definition  # still referenced somewhere: keep it
     app.openapi_schema = schema
     return schema
 

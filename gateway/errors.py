@@ -53,12 +53,13 @@ def model_not_found(model: str) -> OpenAIError:
     )
 
 
-def no_engine(model: str) -> OpenAIError:
+def no_engine(model: str, retry_after_s: int = 1) -> OpenAIError:
     return OpenAIError(
         503,
         f"No engine serving model `{model}` is alive; try again later.",
         type="service_unavailable_error",
         code="no_engine",
+        headers={"Retry-After": str(retry_after_s)},
     )
 
 

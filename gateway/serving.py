@@ -49,11 +49,9 @@ def config_of(request: Request) -> GatewayConfig:
     return request.app.state.config
 
 
-def redis_down(exc: Exception) -> OpenAIError:
-    return OpenAIError(
-        503, f"The queue (Redis) is unavailable: {type(exc).__name__}", type="service_unavailable_error",
-        code="redis_unavailable",
-    )
+def redis_down(exc: Exception, retry_after_s: int = 1) -> OpenAIError:
+    return errors.service_unavailable(f"The queue (Redis) is unavailable: {type(exc).__name__}",
+                                      "redis_unavailable", retry_after_s)
 
 
 # --- the response envelope ---------------------------------------------------------------------

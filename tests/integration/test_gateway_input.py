@@ -162,3 +162,33 @@ def test_body_without_json_content_type(gateway, fake_engine):
         assert "`Content-Type: application/json`" in err["message"] and got in err["message"], err
     assert fake_engine.requests == []
     assert post_raw(gateway, COMPLETIONS, body, {"content-type": "Application/JSON"}).status_code == 200
+
+
+def test_openapi_lists_the_error_responses():
+    """/openapi.json: every generation endpoint documents 400/401/404/413/429/503/504 with OpenAI's
+    error body, and no 422 (the gateway answers validation errors with a 400)."""
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+
+    schema = create_app(GatewayConfig()).openapi()
+    components = schema["components"]["schemas"]
+    assert set(components["ErrorResponse"]["properties"]) == {"error"}
+    info = components["ErrorInfo"]["properties"]
+    assert set(info) == {"message", "type", "param", "code"}
+    for path in (COMPLETIONS, CHAT):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert sorted(responses) == ["200", "400", "401", "404", "413", "429", "503", "504"], sorted(responses)
+        for status in ("400", "401", "404", "413", "429", "503", "504"):
+            assert responses[status]["content"]["application/json"]["schema"] == {
+                "$ref": "#/components/schemas/ErrorResponse"}
+    assert "HTTPValidationError" not in components and "ValidationError" not in components
+
+
+def test_503s_carry_retry_after(gateway, fake_engine):
+    fake_engine.kill()
+    import time
+
+    time.sleep(1.1)
+    r = httpx.post(f"{gateway.url}{COMPLETIONS}", json={"model": MODEL, "prompt": "x"})
+    assert_error(r, 503, code="no_engine")
+    assert r.headers["retry-after"] == "1"
