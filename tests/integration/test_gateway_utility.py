@@ -106,7 +106,7 @@ def test_detokenize_round_trip(gateway, tok) -> None:
         ("/tokenize", {"model": MODEL}, None, "invalid_value", "exactly one of 'prompt' and 'messages'"),
         ("/tokenize", {"model": MODEL, "prompt": "x", "messages": MESSAGES}, None, "invalid_value", "exactly one"),
         ("/tokenize", {"model": MODEL, "messages": []}, "messages", "invalid_value", ""),
-        ("/tokenize", {"model": MODEL, "prompt": 5}, "prompt", "invalid_value", ""),
+        ("/tokenize", {"model": MODEL, "prompt": 5}, "prompt", "invalid_type", ""),
         ("/tokenize", {"model": MODEL, "messages": MESSAGES, "continue_final_message": True}, None,
          "invalid_value", "cannot both be true"),
         ("/tokenize", {"model": MODEL, "messages": MESSAGES, "chat_template": "{{ 'x' }}"}, "chat_template", None,
@@ -116,7 +116,7 @@ def test_detokenize_round_trip(gateway, tok) -> None:
         ("/detokenize", {"model": MODEL}, "tokens", "missing_required_parameter", ""),
         ("/detokenize", {"model": MODEL, "tokens": [-1]}, "tokens[0]", "invalid_value", ""),
         ("/detokenize", {"model": MODEL, "tokens": [10**8]}, "tokens", "invalid_value", "out of the vocabulary"),
-        ("/detokenize", {"model": MODEL, "tokens": "abc"}, "tokens", "invalid_value", ""),
+        ("/detokenize", {"model": MODEL, "tokens": "abc"}, "tokens", "invalid_type", ""),
     ],
 )
 def test_bad_input_is_a_clear_400(gateway, path, body, param, code, fragment) -> None:
