@@ -122,6 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters-warmup", type=int, default=1)
     parser.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                        help="weight-only quantization of the Sluice engine (transformers runs unquantized)")
     parser.add_argument("--enforce-eager", action="store_true", default=None, help="no torch.compile")
     parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                         help="also run transformers generate on the same prompts (default: yes)")
@@ -140,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     started = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-              enable_prefix_caching=False, max_num_seqs=max(args.batch_size, 1),
+              quantization=args.quantization, enable_prefix_caching=False, max_num_seqs=max(args.batch_size, 1),
               max_num_batched_tokens=max(2048, args.input_len))
     engine = llm.engine
     load_s = time.perf_counter() - started
@@ -152,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
                              args.output_len, None)
     mode = "eager" if engine.enforce_eager else "compiled"
     dtype_name = str(engine.dtype).removeprefix("torch.")
-    sluice = LatencyRow(f"sluice ({dtype_name}, {mode})")
+    quant = f"+{engine.quantization}" if engine.quantization else ""
+    sluice = LatencyRow(f"sluice ({dtype_name}{quant}, {mode})")
     for batch in prompts:
         run_sluice_iteration(engine, batch, args.output_len, sluice)
     peak_mb = peak_rss_mb()

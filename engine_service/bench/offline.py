@@ -13,6 +13,7 @@ import argparse
 import json
 import platform
 import random
+import resource
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -107,7 +108,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", default="16-512", help="range of prompt lengths, tokens")
     parser.add_argument("--output-len", default="16-256", help="range of output lengths, tokens")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                        help="weight-only quantization of the Sluice engine (transformers runs unquantized)")
+    parser.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
+                        help="no torch.compile (vLLM's name)")
+    parser.add_argument("--compile", dest="enforce_eager", action="store_false",
+                        help="compile the decode step (the engine's default unless $SLUICE_ENFORCE_EAGER=1)")
+    parser.add_argument("--cycled-concurrency", type=int, default=0, metavar="N",
+                        help="also run the workload's requests cycled to N at once (e.g. 128): throughput "
+                             "should not fall with concurrency")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -136,8 +146,11 @@ def run(args: argparse.Namespace) -> int:
 
     chart = plots.plot_target(args, args.json, "bench-results/offline.png", "sluice bench offline")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization,
+              enforce_eager=args.enforce_eager)
     engine = llm.engine
+    mode = (f"{str(engine.dtype).removeprefix('torch.')}{'+' + engine.quantization if engine.quantization else ''}, "
+            f"{'eager' if engine.enforce_eager else 'compiled'}")
     work = make_workload(engine.vocab_size, args.num_requests, _range(args.prompt_len),
                          _range(args.output_len), args.seed)
     llm.generate([work[0].prompt_token_ids[:16]], None)  # warm-up
@@ -145,6 +158,18 @@ def run(args: argparse.Namespace) -> int:
     stats = engine.get_stats()
     if args.structured_share > 0:
         rows.append(run_sluice(llm, work, args.structured_share))
+    cycled_row = None
+    if args.cycled_concurrency > 0:
+        cycled = [work[i % len(work)] for i in range(args.cycled_concurrency)]
+        cycled_row = run_sluice(llm, cycled)
+        cycled_row.system = f"sluice, {args.cycled_concurrency} at once"
+        rows.append(cycled_row)
+    # Peak resident memory of this process while only the Sluice engine had run (the
+    # transformers runs below come later in the same process).
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_cuda_mb = (torch.cuda.max_memory_allocated(engine.device) / 2**20
+                    if engine.device.type == "cuda" else None)
+    compile_warmup_s = getattr(engine, "compile_warmup_seconds", None)
     del llm
     hf_work = work[: args.hf_num_requests] if args.hf_num_requests else work
     for size in [int(s) for s in args.hf_batch_sizes.split(",") if s.strip()]:
@@ -160,13 +185,21 @@ def run(args: argparse.Namespace) -> int:
 
     base = rows[0].tokens_per_s
     print(f"\nsluice bench offline: {args.num_requests} requests, prompts {args.prompt_len}, "
-          f"outputs {args.output_len} tokens, EOS ignored, {args.dtype}, torch threads {torch.get_num_threads()}")
+          f"outputs {args.output_len} tokens, EOS ignored, {mode}, torch threads {torch.get_num_threads()}")
     print(f"{'system':<36}{'requests':>9}{'out tokens':>12}{'seconds':>10}{'tok/s':>10}{'sluice x':>10}")
     for row in rows:
         ratio = base / row.tokens_per_s if row.tokens_per_s else float("nan")
         print(f"{row.system:<36}{row.requests:>9}{row.output_tokens:>12}{row.seconds:>10.1f}"
               f"{row.tokens_per_s:>10.1f}{ratio:>10.2f}")
     print(f"preemptions {stats.num_preemptions}, iterations {stats.iterations}")
+    print(f"peak memory of the engine process (RSS, before the transformers runs): {peak_rss_mb:,.0f} MiB"
+          + (f"; CUDA peak allocated {peak_cuda_mb:,.0f} MiB" if peak_cuda_mb is not None else ""))
+    if compile_warmup_s is not None:
+        print(f"compile warm-up at engine start: {compile_warmup_s:.1f} s")
+    if cycled_row is not None:
+        print(f"cycled to {args.cycled_concurrency} at once: {cycled_row.tokens_per_s:.1f} tok/s against "
+              f"{rows[0].tokens_per_s:.1f} for the {args.num_requests} requests "
+              f"({cycled_row.tokens_per_s / rows[0].tokens_per_s:.2f}x)")
     structured_cost = None
     if args.structured_share > 0:
         structured_cost = 1 - rows[1].tokens_per_s / rows[0].tokens_per_s
@@ -175,7 +208,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"sampler cost per step at batch {args.sampler_batch}: {sampler_ms:.2f} ms")
     result = {
         "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
-                     "output_len": args.output_len, "seed": args.seed, "dtype": args.dtype},
+                     "output_len": args.output_len, "seed": args.seed, "dtype": args.dtype,
+                     "quantization": args.quantization, "cycled_concurrency": args.cycled_concurrency},
+        "sluice_mode": mode,
+        "peak_rss_mb": peak_rss_mb,
+        "peak_cuda_allocated_mb": peak_cuda_mb,
+        "compile_warmup_s": compile_warmup_s,
         "machine": {"platform": platform.platform(), "torch_threads": torch.get_num_threads()},
         "rows": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in rows],
         "sluice_preemptions": stats.num_preemptions,

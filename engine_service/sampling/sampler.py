@@ -370,7 +370,9 @@ def sample_sparse(x: torch.Tensor, rows: torch.Tensor, row_max: torch.Tensor, cm
         total = w_full.sum(dim=1)
         target = top_p[pending] * total
         guaranteed = ((1.0 - top_p[pending]) * total / vocab) * (1.0 - 1e-3)
-        w_cmax = chunk_maxima(w_full)
+        # The weights' chunk maxima from the logits' (x / T, - max, exp are all monotone): exact,
+        # and no pass over the weights.
+        w_cmax = (cmax[pending] / temps[pending].unsqueeze(1)).sub_(m_t[pending].unsqueeze(1)).exp_()
         sorted_cm = w_cmax.sort(dim=1, descending=True).values
         reach = (torch.cumsum(sorted_cm, dim=1) < target.unsqueeze(1)).sum(dim=1)
         by_chunks = sorted_cm.gather(1, (reach + 4).clamp(max=sorted_cm.shape[1] - 1).unsqueeze(1)).squeeze(1)

@@ -24,3 +24,21 @@ def test_bench_offline_writes_json_and_chart(model_dir, tmp_path, capsys) -> Non
     assert f"wrote {chart}" in out
     data = chart.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(data[16:20], "big") > 500
+
+
+def test_bench_offline_modes_cycled_concurrency_and_peak_memory(model_dir, tmp_path, capsys) -> None:
+    from sluice_cli.cli import main
+
+    path = tmp_path / "offline.json"
+    argv = ["bench", "offline", "--model", str(model_dir), "--num-requests", "3", "--prompt-len", "4-8",
+            "--output-len", "2-4", "--hf-batch-sizes", "", "--sampler-batch", "4", "--quantization", "int8",
+            "--enforce-eager", "--cycled-concurrency", "7", "--json", str(path), "--no-plot"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(path.read_text())
+    assert doc["sluice_mode"] == "float32+int8, eager" and doc["workload"]["quantization"] == "int8"
+    assert [r["system"] for r in doc["rows"]] == ["sluice (continuous batching)", "sluice, 7 at once"]
+    base, cycled = doc["rows"]
+    assert cycled["requests"] == 7 and cycled["output_tokens"] > base["output_tokens"]
+    assert doc["peak_rss_mb"] > 100 and doc["compile_warmup_s"] is None
+    assert "peak memory of the engine process" in out and "cycled to 7 at once" in out
