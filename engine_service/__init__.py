@@ -13,9 +13,9 @@ __all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig", "StructuredOutp
 
 if TYPE_CHECKING:
     from engine_service.config import EngineConfig
-    from engine_service.core.engine import LLMEngine
+    from engine_service.core.sampling_params import SamplingParams
+    from engine_service.engine import LLMEngine
     from engine_service.llm import LLM
-    from engine_service.sampling.params import SamplingParams
     from sluice.structured import StructuredOutputsParams
 
 
@@ -26,11 +26,11 @@ def __getattr__(name: str):
 
         return LLM
     if name == "LLMEngine":
-        from engine_service.core.engine import LLMEngine
+        from engine_service.engine import LLMEngine
 
         return LLMEngine
     if name == "SamplingParams":
-        from engine_service.sampling.params import SamplingParams
+        from engine_service.core.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "StructuredOutputsParams":

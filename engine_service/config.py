@@ -70,6 +70,10 @@ class EngineConfig:
         if self.enforce_eager is not None:
             return self.enforce_eager
         return os.environ.get("SLUICE_ENFORCE_EAGER", "0").lower() in ("1", "true", "yes")
+    generation_config: str = knob(
+        "auto", "auto: the model's generation_config.json sets the temperature, top_p, top_k, min_p and "
+        "repetition_penalty a request leaves unset (vLLM's behaviour); vllm: ignore it (neutral defaults)",
+        choices=["auto", "vllm"])
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from engine_service.config import EngineConfig
-from engine_service.core.engine import LLMEngine
 from engine_service.core.outputs import CompletionOutput, RequestOutput
-from engine_service.sampling.params import SamplingParams
+from engine_service.core.sampling_params import SamplingParams
+from engine_service.engine import LLMEngine
 from sluice.text.detokenizer import IncrementalDetokenizer
 from sluice.text.stop import StopMatcher
 from sluice.text.tokenizer import Tokenizer

@@ -45,9 +45,11 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from sluice.wire import contract
+from sluice.wire import card as wire_card
+from sluice.wire import codec, contract
+from sluice.wire.card import ModelCard
 from sluice.wire.connection import async_redis
-from sluice.wire.messages_pb2 import Cancel, GenerateRequest
+from sluice.wire.messages_pb2 import GenerateRequest
 
 log = logging.getLogger("sluice.gateway.broker")
 
@@ -64,22 +66,31 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def load_tokenizer(tokenizer_json: str, tokenizer_config: str):
-    """Build the shared tokenizer from the card's strings (``sluice.text.tokenizer``)."""
-    from sluice.text.tokenizer import Tokenizer
-
-    return Tokenizer.from_strings(tokenizer_json, tokenizer_config)
-
-
 @dataclass
-class ModelCard:
-    name: str
-    max_model_len: int
-    eos_token_ids: list[int]
-    vocab_size: int | None
+class LoadedCard:
+    """A model card read from Redis (``sluice.wire.card.ModelCard``, decoded there) with its
+    tokenizer built once, cached by the card's fingerprint."""
+
+    card: ModelCard
     tokenizer: Any
-    fingerprint: tuple
+    fingerprint: str
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def name(self) -> str:
+        return self.card.name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.card.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.card.vocab_size
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.card.eos_token_ids
 
 
 @dataclass
@@ -139,19 +150,18 @@ def _entry_id(raw: Any) -> tuple[int, int]:
 
 
 class Broker:
-    def __init__(self, redis_url: str, *, card_ttl_s: float = 2.0, tokenizer_loader=load_tokenizer,
+    def __init__(self, redis_url: str, *, card_ttl_s: float = 2.0,
                  retry_after_s: int = 1) -> None:
         self.redis_url = redis_url
         self.card_ttl_s = card_ttl_s
         self.retry_after_s = retry_after_s
-        self._load_tokenizer = tokenizer_loader
         self.redis: aioredis.Redis = async_redis(redis_url)
         self._pubsub = None
         self._reader: asyncio.Task | None = None
         self._housekeeper: asyncio.Task | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._confirm: dict[str, asyncio.Future] = {}
-        self._cards: dict[str, tuple[float, ModelCard]] = {}
+        self._cards: dict[str, tuple[float, LoadedCard]] = {}
         self._card_locks = _KeyedLocks()
         self._live: tuple[float, dict[str, int]] | None = None
         self._background: set[asyncio.Task] = set()
@@ -336,11 +346,7 @@ class Broker:
         """Publish a Cancel and leave a marker for requests still in the queue (idempotent)."""
         if not request_ids:
             return
-        pipe = self.redis.pipeline(transaction=False)
-        for rid in request_ids:
-            pipe.set(contract.cancelled_key(rid), b"1", ex=contract.CANCEL_MARKER_TTL_S)
-        pipe.publish(contract.CANCEL_CHANNEL, Cancel(request_ids=request_ids).SerializeToString())
-        await pipe.execute()
+        await codec.cancel(self.redis.pipeline(transaction=False), request_ids).execute()
 
     def cancel_nowait(self, request_ids: list[str], give_up_at: float | None = None) -> None:
         """Cancel from a context that must not await (a cancelled task's cleanup). A cancel that
@@ -508,7 +514,7 @@ class Broker:
                     return int(lag)
         return int(await self.redis.xlen(stream))
 
-    async def card(self, model: str) -> ModelCard | None:
+    async def card(self, model: str) -> LoadedCard | None:
         """The model's card, from the cache unless older than ``card_ttl_s`` and changed in Redis."""
         now = time.monotonic()
         cached = self._cards.get(model)
@@ -519,36 +525,17 @@ class Broker:
             if cached is not None and time.monotonic() - cached[0] < self.card_ttl_s:
                 return cached[1]
             key = contract.model_card_key(model)
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hmget(
-                key,
-                [contract.CARD_MAX_MODEL_LEN, contract.CARD_EOS_TOKEN_IDS, contract.CARD_VOCAB_SIZE,
-                 contract.CARD_CONTRACT_VERSION],
-            )
-            pipe.hstrlen(key, contract.CARD_TOKENIZER_JSON)
-            pipe.hstrlen(key, contract.CARD_TOKENIZER_CONFIG)
-            small, tok_len, cfg_len = await pipe.execute()
-            if small[0] is None:
+            fingerprint, version = await self.redis.hmget(key, [wire_card.F_FINGERPRINT, wire_card.F_CONTRACT_VERSION])
+            if fingerprint is None and version is None:
                 self._cards.pop(model, None)
                 return None
-            fingerprint = (*(_s(x) if x is not None else None for x in small), tok_len, cfg_len)
-            if cached is not None and cached[1].fingerprint == fingerprint:
+            wire_card.check_version(version, model)  # ContractMismatch: a clear 503, never a misread
+            if cached is not None and cached[1].fingerprint == _s(fingerprint):
                 self._cards[model] = (time.monotonic(), cached[1])
                 return cached[1]
-            tok_json, tok_cfg = await self.redis.hmget(
-                key, [contract.CARD_TOKENIZER_JSON, contract.CARD_TOKENIZER_CONFIG]
-            )
-            tokenizer = await asyncio.to_thread(
-                self._load_tokenizer, _s(tok_json or b""), _s(tok_cfg or b"{}")
-            )
-            card = ModelCard(
-                name=model,
-                max_model_len=int(_s(small[0])),
-                eos_token_ids=[int(x) for x in json.loads(_s(small[1]))] if small[1] else [],
-                vocab_size=int(_s(small[2])) if small[2] else None,
-                tokenizer=tokenizer,
-                fingerprint=fingerprint,
-            )
+            decoded = ModelCard.decode(await self.redis.hgetall(key))
+            tokenizer = await asyncio.to_thread(decoded.tokenizer)
+            card = LoadedCard(card=decoded, tokenizer=tokenizer, fingerprint=_s(fingerprint))
             self._cards[model] = (time.monotonic(), card)
             return card
 

@@ -9,6 +9,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sluice.wire import codec, contract
+
 
 class OpenAIError(Exception):
     def __init__(
@@ -102,22 +104,30 @@ def body_too_large(limit: int) -> OpenAIError:
     return OpenAIError(413, f"The request body exceeds the limit of {limit} bytes.", code="request_too_large")
 
 
-# Engine Error.code -> (HTTP status, OpenAI type)
-ENGINE_ERRORS: dict[str, tuple[int, str]] = {
-    "invalid_request": (400, "invalid_request_error"),
-    "context_length_exceeded": (400, "invalid_request_error"),
-    "kv_cache_too_small": (400, "invalid_request_error"),
-    "deadline_exceeded": (504, "timeout_error"),
-    "engine_lost": (503, "service_unavailable_error"),
-    "draining": (503, "service_unavailable_error"),
-    "internal": (500, "internal_error"),
+# Engine Error.code (the contract's ErrorCode) -> (HTTP status, OpenAI type). The OpenAI `code`
+# is the enum's short name (codec.error_code_name), e.g. "deadline_exceeded".
+ENGINE_ERRORS: dict[int, tuple[int, str]] = {
+    contract.ERR_INVALID_REQUEST: (400, "invalid_request_error"),
+    contract.ERR_CONTEXT_LENGTH: (400, "invalid_request_error"),
+    contract.ERR_KV_CACHE_TOO_SMALL: (400, "invalid_request_error"),
+    contract.ERR_DEADLINE: (504, "timeout_error"),
+    contract.ERR_ENGINE_LOST: (503, "service_unavailable_error"),
+    contract.ERR_DRAINING: (503, "service_unavailable_error"),
+    contract.ERR_INTERNAL: (500, "internal_error"),
+    contract.ERR_CONTRACT_MISMATCH: (503, "service_unavailable_error"),
 }
 
 
-def from_engine(code: str, message: str, retry_after_s: int = 1) -> OpenAIError:
+def from_engine(code: int, message: str, retry_after_s: int = 1) -> OpenAIError:
     status, type_ = ENGINE_ERRORS.get(code, (500, "internal_error"))
+    name = codec.error_code_name(code)
     headers = {"Retry-After": str(retry_after_s)} if status == 503 else None
-    return OpenAIError(status, message or code, type=type_, code=code or None, headers=headers)
+    return OpenAIError(status, message or name, type=type_, code=name, headers=headers)
+
+
+def contract_mismatch(message: str) -> OpenAIError:
+    """A gateway and an engine of different contract versions (``sluice.wire.card.ContractMismatch``)."""
+    return OpenAIError(503, message, type="service_unavailable_error", code="contract_mismatch")
 
 
 def _param_of(loc: tuple | list) -> str | None:

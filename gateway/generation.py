@@ -21,12 +21,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from gateway import errors
-from gateway.broker import Broker, Lost, ModelCard
+from gateway.broker import Broker, LoadedCard, Lost
 from gateway.metrics import METRICS
 from sluice.text.detokenizer import IncrementalDetokenizer, token_text
 from sluice.text.stop import StopMatcher, StopResult
-from sluice.wire import contract, limits, policy
-from sluice.wire.messages_pb2 import Event, GenerateRequest, SamplingParams
+from sluice.wire import codec, contract, limits, policy
+from sluice.wire.messages_pb2 import Event, SamplingParams
 
 # With no event for this long, check that an engine for the model is still alive; with none alive,
 # untouched work waits this long for one (the rule: ``sluice.wire.policy.engine_lost``).
@@ -55,7 +55,7 @@ class Delta:
 
 
 class Choice:
-    def __init__(self, index: int, sub: SubRequest, card: ModelCard, opts: dict) -> None:
+    def __init__(self, index: int, sub: SubRequest, card: LoadedCard, opts: dict) -> None:
         self.index = index
         self.sub = sub
         self.tok = card.tokenizer
@@ -99,7 +99,7 @@ class Choice:
                     self.finish_reason, self.stop_reason = "stop", res.stop
                 else:
                     parts.append(self.stop.flush())
-                    self.finish_reason = ev.finished.finish_reason or "stop"
+                    self.finish_reason = codec.finish_reason_name(ev.finished.finish_reason) or "stop"
                     if ev.finished.HasField("stop_token_id"):
                         self.stop_reason = ev.finished.stop_token_id
                 self.finished = True
@@ -156,7 +156,7 @@ class Generation:
     def __init__(
         self,
         broker: Broker,
-        card: ModelCard,
+        card: LoadedCard,
         prompts: list[list[int]],
         params: SamplingParams,
         opts: dict,
@@ -204,22 +204,13 @@ class Generation:
     async def start(self) -> None:
         """Subscribe to every output channel, then enqueue (in that order: pub/sub keeps nothing)."""
         now = time.time()
-        reqs = [
-            GenerateRequest(
-                version=contract.CONTRACT_VERSION,
-                request_id=sub.request_id,
-                model=self.card.name,
-                prompt_token_ids=sub.prompt_ids,
-                params=sub.params,
-                deadline=self.deadline,
-                enqueue_time=now,
-            )
-            for sub in self.subs
-        ]
+        reqs = [codec.make_request(sub.request_id, self.card.name, sub.prompt_ids, sub.params,
+                                   deadline=self.deadline, enqueue_time=now) for sub in self.subs]
         for req in reqs:  # the limits the engine enforces too (sluice.wire.limits): a 400 here, not there
             problem = limits.check_request(req, vocab_size=self.card.vocab_size, max_model_len=self.card.max_model_len)
             if problem is not None:
-                raise errors.invalid(problem[1][:1].upper() + problem[1][1:] + ".", code=problem[0])
+                raise errors.invalid(problem[1][:1].upper() + problem[1][1:] + ".",
+                                     code=codec.error_code_name(problem[0]))
         await self.broker.subscribe([s.channel for s in self.subs], self._queue)
         self._started = True
         METRICS.running.inc()

@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 
 import sluice
 from gateway import errors, serving
-from gateway.broker import ModelCard
+from gateway.broker import LoadedCard
 from gateway.metrics import METRICS, render
 from gateway.protocol import (
     ChatCompletionRequest,
@@ -40,6 +40,7 @@ from gateway.serving import redis_down, to_json
 from gateway.serving_chat import create_chat_completion
 from gateway.serving_completion import create_completion
 from gateway.serving_tokenization import create_detokenize, create_tokenize
+from sluice.wire.card import CardError
 
 router = APIRouter()
 
@@ -98,7 +99,7 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type=content_type)
 
 
-def _model_info(card: ModelCard | None, name: str) -> ModelInfo:
+def _model_info(card: LoadedCard | None, name: str) -> ModelInfo:
     info = ModelInfo(id=name, object="model", created=card.created if card else 0, owned_by="sluice",
                      root=name, parent=None)
     if card is not None:
@@ -114,7 +115,11 @@ async def list_models(request: Request) -> Response:
         data = []
         for name in await broker.model_names():
             if live.get(name):
-                data.append(_model_info(await broker.card(name), name))
+                try:
+                    card = await broker.card(name)
+                except CardError:  # another contract version or malformed: listed without its card
+                    card = None
+                data.append(_model_info(card, name))
     except (RedisError, OSError) as exc:
         raise redis_down(exc) from exc
     return JSONResponse(to_json(ModelList(object="list", data=data)))
@@ -128,6 +133,8 @@ async def get_model(model_id: str, request: Request) -> Response:
         card = await broker.card(model_id) if live.get(model_id) else None
     except (RedisError, OSError) as exc:
         raise redis_down(exc) from exc
+    except CardError as exc:
+        raise errors.contract_mismatch(str(exc)) from exc
     if card is None:
         raise errors.model_not_found(model_id)
     return JSONResponse(to_json(_model_info(card, model_id)))

@@ -23,13 +23,14 @@ from redis.exceptions import RedisError
 from sse_starlette.sse import EventSourceResponse
 
 from gateway import errors
-from gateway.broker import Broker, ModelCard
+from gateway.broker import Broker, LoadedCard
 from gateway.config import GatewayConfig
 from gateway.errors import OpenAIError
 from gateway.generation import Delta, Generation
 from gateway.metrics import METRICS
 from gateway.protocol import ResponseEnvelope, SamplingFields, UsageInfo
 from sluice.wire import codec
+from sluice.wire.card import CardError, ContractMismatch
 from sluice.wire.messages_pb2 import SamplingParams
 
 DISCONNECT_POLL_S = 0.2
@@ -81,7 +82,7 @@ def finite(x: float | None) -> float:
 # --- request preparation -----------------------------------------------------------------------
 
 
-async def card_for(broker: Broker, model: str) -> ModelCard:
+async def card_for(broker: Broker, model: str) -> LoadedCard:
     """The model's card, or the OpenAI error that explains why there is none to use
     (404 unknown model, 503 no live engine or Redis unreachable)."""
     try:
@@ -95,10 +96,15 @@ async def card_for(broker: Broker, model: str) -> ModelCard:
                 raise errors.no_engine(model)
     except (RedisError, OSError) as exc:
         raise redis_down(exc) from exc
+    except ContractMismatch as exc:
+        raise errors.contract_mismatch(str(exc)) from exc
+    except CardError as exc:
+        raise errors.OpenAIError(503, f"The model card of `{model}` cannot be read: {exc}",
+                                 type="service_unavailable_error", code="bad_model_card") from exc
     return card
 
 
-def check_ids(ids: list[int], card: ModelCard, param: str) -> None:
+def check_ids(ids: list[int], card: LoadedCard, param: str) -> None:
     if card.vocab_size is None:
         return
     for t in ids:
@@ -107,7 +113,7 @@ def check_ids(ids: list[int], card: ModelCard, param: str) -> None:
                                  param=param, code="invalid_value")
 
 
-def sampling_params(req: SamplingFields, card: ModelCard, cfg: GatewayConfig, max_tokens: int,
+def sampling_params(req: SamplingFields, card: LoadedCard, cfg: GatewayConfig, max_tokens: int,
                     logprobs: int | None) -> SamplingParams:
     if req.n > cfg.max_n:
         raise errors.invalid(f"'n' must be at most {cfg.max_n}.", param="n", code="invalid_value")
@@ -116,40 +122,40 @@ def sampling_params(req: SamplingFields, card: ModelCard, cfg: GatewayConfig, ma
     if req.stream_options is not None and not req.stream:
         raise errors.invalid("'stream_options' is only allowed when 'stream' is true.", param="stream_options",
                              code="invalid_value")
-    p = SamplingParams(
-        n=req.n,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=-1 if not req.top_k else req.top_k,
-        min_p=req.min_p or 0.0,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        max_tokens=max_tokens,
-        min_tokens=req.min_tokens,
-        ignore_eos=req.ignore_eos,
-    )
-    if req.seed is not None:
-        p.seed = req.seed
     if req.stop_token_ids:
         check_ids(req.stop_token_ids, card, "stop_token_ids")
-        p.stop_token_ids.extend(req.stop_token_ids)
-    if req.logit_bias:
-        for key, bias in req.logit_bias.items():
-            try:
-                tid = int(key)
-            except ValueError:
-                raise errors.invalid(f"Invalid key {key!r} in 'logit_bias': keys are token ids.",
-                                     param="logit_bias", code="invalid_value") from None
-            if tid < 0 or (card.vocab_size is not None and tid >= card.vocab_size) or tid > 2**31 - 1:
-                raise errors.invalid(f"Token id {tid} in 'logit_bias' is out of the vocabulary.",
-                                     param="logit_bias", code="invalid_value")
-            p.logit_bias[tid] = bias
-    if logprobs is not None:
-        if logprobs > cfg.max_logprobs:
-            raise errors.invalid(f"At most {cfg.max_logprobs} logprobs may be requested.", param="logprobs")
-        p.logprobs = logprobs
-    return p
+    bias: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise errors.invalid(f"Invalid key {key!r} in 'logit_bias': keys are token ids.",
+                                 param="logit_bias", code="invalid_value") from None
+        if tid < 0 or (card.vocab_size is not None and tid >= card.vocab_size) or tid > 2**31 - 1:
+            raise errors.invalid(f"Token id {tid} in 'logit_bias' is out of the vocabulary.",
+                                 param="logit_bias", code="invalid_value")
+        bias[tid] = value
+    if logprobs is not None and logprobs > cfg.max_logprobs:
+        raise errors.invalid(f"At most {cfg.max_logprobs} logprobs may be requested.", param="logprobs")
+    # What the client left unset stays unset on the wire: the engine applies the model's
+    # generation_config.json defaults to it (``--generation-config auto``), else vLLM's.
+    return codec.sampling_params_to_proto({
+        "n": req.n,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": None if req.top_k is None else (req.top_k or -1),  # 0 disables, as -1
+        "min_p": req.min_p,
+        "seed": req.seed,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "max_tokens": max_tokens,
+        "min_tokens": req.min_tokens,
+        "ignore_eos": req.ignore_eos,
+        "logprobs": logprobs,
+        "stop_token_ids": req.stop_token_ids,
+        "logit_bias": bias,
+    })
 
 
 def constrain(params: SamplingParams, constraint: Any) -> None:
@@ -165,7 +171,7 @@ def stop_strings(req: SamplingFields) -> list[str]:
     return [s for s in stops if s]
 
 
-def context_error(card: ModelCard, prompt_len: int, max_tokens: int, chat: bool) -> OpenAIError:
+def context_error(card: LoadedCard, prompt_len: int, max_tokens: int, chat: bool) -> OpenAIError:
     total = prompt_len + max_tokens
     if chat:
         msg = (f"This model's maximum context length is {card.max_model_len} tokens. However, you requested "

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from gateway import errors, serving, tools
-from gateway.broker import ModelCard
+from gateway.broker import LoadedCard
 from gateway.generation import Delta, Generation, TokenInfo
 from gateway.protocol import (
     ChatCompletionLogProb,
@@ -136,7 +136,7 @@ def chat_response(gen: Generation, body: ChatCompletionRequest,
 
 
 class ChatStreamFormatter:
-    def __init__(self, gen: Generation, card: ModelCard, body: ChatCompletionRequest,
+    def __init__(self, gen: Generation, card: LoadedCard, body: ChatCompletionRequest,
                  spec: tools.ToolSpec | None = None) -> None:
         self.gen, self.card, self.body = gen, card, body
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from gateway import errors, serving, tools
-from gateway.broker import ModelCard
+from gateway.broker import LoadedCard
 from gateway.generation import Delta, Generation, SubRequest, TokenInfo, position_info
 from gateway.protocol import (
     CompletionLogProbs,
@@ -91,7 +91,7 @@ class LogprobsBuilder:
         return out
 
 
-def _prompt_infos(sub: SubRequest, card: ModelCard, num_top: int) -> list[TokenInfo]:
+def _prompt_infos(sub: SubRequest, card: LoadedCard, num_top: int) -> list[TokenInfo]:
     infos = []
     for i, tid in enumerate(sub.prompt_ids):
         pos = sub.prompt_logprobs[i] if i < len(sub.prompt_logprobs) else None
@@ -99,7 +99,7 @@ def _prompt_infos(sub: SubRequest, card: ModelCard, num_top: int) -> list[TokenI
     return infos
 
 
-def completion_response(gen: Generation, card: ModelCard, body: CompletionRequest,
+def completion_response(gen: Generation, card: LoadedCard, body: CompletionRequest,
                         echo_text: dict) -> CompletionResponse:
     choices = []
     for c in gen.choices:
@@ -114,7 +114,7 @@ def completion_response(gen: Generation, card: ModelCard, body: CompletionReques
 
 
 class CompletionStreamFormatter:
-    def __init__(self, gen: Generation, card: ModelCard, body: CompletionRequest, echo_text: dict) -> None:
+    def __init__(self, gen: Generation, card: LoadedCard, body: CompletionRequest, echo_text: dict) -> None:
         self.gen, self.card, self.body, self.echo_text = gen, card, body, echo_text
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.builders: dict[int, LogprobsBuilder] = {}

@@ -11,12 +11,12 @@ from fastapi import Request
 from redis.exceptions import RedisError
 
 from gateway import errors, serving
-from gateway.broker import Broker, ModelCard
+from gateway.broker import Broker, LoadedCard
 from gateway.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from gateway.serving_chat import template_messages
 
 
-async def _card(broker: Broker, model: str | None) -> ModelCard:
+async def _card(broker: Broker, model: str | None) -> LoadedCard:
     """The card of ``model`` (as for generation: 404 unknown, 503 no live engine), or of the only
     model served when none is named (400 when several are)."""
     if model is None:

@@ -49,7 +49,7 @@ def make_prompts(vocab_size: int, batch_size: int, input_len: int, rng: random.R
 
 
 def run_sluice_iteration(engine, prompts: list[list[int]], output_len: int, row: LatencyRow | None) -> None:
-    from engine_service.sampling.params import SamplingParams
+    from engine_service.core.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()

@@ -54,7 +54,7 @@ def run_sluice(llm, work: list[WorkItem], structured_share: float = 0.0) -> Benc
     """``structured_share`` of the requests (spread evenly) decode under a JSON schema that cannot
     end before the request's output length (a string at least that many tokens long), so both runs
     generate exactly the same number of tokens and only the grammar's cost differs."""
-    from engine_service.sampling.params import SamplingParams
+    from engine_service.core.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=w.output_len, ignore_eos=True) for w in work]
     constrained = 0

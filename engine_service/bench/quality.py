@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _perplexity(llm, text: str) -> tuple[float, int]:
-    from engine_service.sampling.params import SamplingParams
+    from engine_service.core.sampling_params import SamplingParams
 
     ids = llm.get_tokenizer().encode(text)
     out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
@@ -81,8 +81,8 @@ def _perplexity(llm, text: str) -> tuple[float, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from engine_service.core.sampling_params import SamplingParams
     from engine_service.llm import LLM
-    from engine_service.sampling.params import SamplingParams
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]

@@ -41,7 +41,7 @@ def benchmark_sampler(
     request greedy; ``dense=True`` measures the dense reference pipeline instead of the sparse one."""
     if vocab_size is not None:
         vocab = vocab_size
-    from engine_service.sampling.params import SamplingParams
+    from engine_service.core.sampling_params import SamplingParams
 
     gen = torch.Generator().manual_seed(1234)
     kinds = [

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field
 
 from engine_service.config import SchedulerConfig
 from engine_service.core.request import Request
+from engine_service.core.sampling_params import SamplingParams
 from engine_service.core.scheduler import Scheduler, SchedulerOutput
-from engine_service.sampling.params import SamplingParams
 from sluice import plots
 
 FAKE_TOKEN_BASE = 50_000

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine_service.sampling.params import SamplingParams
+from engine_service.core.sampling_params import SamplingParams
 
 
 class FinishReason(enum.StrEnum):
@@ -60,7 +60,7 @@ class Request:
     structured_error: str | None = None
     # Timings (time.monotonic) and counters
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
+    first_token_time: float | None = None  # stamped by the scheduler, with its clock
     finished_time: float | None = None
     num_preemptions: int = 0
 
@@ -88,8 +88,6 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
-        if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
 
     # --- lifecycle ---
     @property

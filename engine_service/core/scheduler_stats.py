@@ -1,12 +1,9 @@
 """The scheduler's counters. Per-request queue time and time to first token live on ``Request``
-(``queue_time``, ``time_to_first_token``); ``summarize_requests`` aggregates them."""
+(``queue_time``, ``time_to_first_token``), stamped with the scheduler's clock."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-
-from engine_service.core.request import Request
 
 
 @dataclass
@@ -39,20 +36,3 @@ class SchedulerStats:
         d["recompute_share"] = self.recompute_share
         d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
         return d
-
-
-def summarize_requests(requests: Iterable[Request]) -> dict[str, float | None]:
-    """Mean and max queue time and time to first token over the requests that have them."""
-    requests = list(requests)
-    queue = [r.queue_time for r in requests if r.queue_time is not None]
-    ttft = [r.time_to_first_token for r in requests if r.time_to_first_token is not None]
-
-    def mean(xs: list[float]) -> float | None:
-        return sum(xs) / len(xs) if xs else None
-
-    return {
-        "queue_time_mean": mean(queue),
-        "queue_time_max": max(queue) if queue else None,
-        "ttft_mean": mean(ttft),
-        "ttft_max": max(ttft) if ttft else None,
-    }

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_service.sampling.params import SAMPLING_EPS
+from engine_service.core.sampling_params import SAMPLING_EPS
 from engine_service.sampling.penalties import PenaltyBatch, TokenIdCache
 
 _M64 = (1 << 64) - 1
@@ -58,16 +58,8 @@ class SamplingMetadata:
     processed_rows: list[int]
 
     @property
-    def all_greedy(self) -> bool:
-        return not self.random_rows
-
-    @property
     def needs_processing(self) -> bool:
         return bool(self.processed_rows)
-
-    @property
-    def needs_logprobs(self) -> bool:
-        return any(n is not None for n in self.num_logprobs)
 
     @classmethod
     def from_requests(

@@ -11,16 +11,15 @@ exit 0.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import threading
-from pathlib import Path
 from typing import Any
 
 from engine_service.config import add_engine_arguments, engine_config_from_args
 from engine_service.service.settings import ServiceSettings, default_engine_id
 from sluice.wire import contract
+from sluice.wire.card import ModelCard
 
 log = logging.getLogger("sluice.engine")
 
@@ -55,22 +54,10 @@ def settings_from_args(args: argparse.Namespace) -> ServiceSettings:
     )
 
 
-def model_card(engine: Any, name: str) -> dict[str, str]:
-    model_dir = Path(engine.model_dir)
-
-    def text(filename: str) -> str:
-        path = model_dir / filename
-        return path.read_text(encoding="utf-8") if path.is_file() else ""
-
-    return {
-        contract.CARD_NAME: name,
-        contract.CARD_MAX_MODEL_LEN: str(engine.max_model_len),
-        contract.CARD_EOS_TOKEN_IDS: json.dumps(list(engine.eos_token_ids)),
-        contract.CARD_TOKENIZER_JSON: text("tokenizer.json"),
-        contract.CARD_TOKENIZER_CONFIG: text("tokenizer_config.json"),
-        contract.CARD_VOCAB_SIZE: str(engine.vocab_size),
-        contract.CARD_CONTRACT_VERSION: str(contract.CONTRACT_VERSION),
-    }
+def model_card(engine: Any, name: str) -> ModelCard:
+    """The card this engine publishes (``sluice.wire.card``: one encoder, one decoder)."""
+    return ModelCard.from_model_dir(engine.model_dir, name=name, max_model_len=engine.max_model_len,
+                                    vocab_size=engine.vocab_size, eos_token_ids=list(engine.eos_token_ids))
 
 
 class EngineService:
@@ -93,7 +80,7 @@ class EngineService:
         self.model = model or engine.model_name
         inbox: queue.Queue = queue.Queue()
         self.worker: Worker | None = None
-        self.io = RedisIO(settings, self.model, inbox, model_card(engine, self.model), self._load)
+        self.io = RedisIO(settings, self.model, inbox, model_card(engine, self.model).encode(), self._load)
         self.worker = Worker(engine, self.io, settings, self.model)
         self.admin = None
         if settings.grpc_port:
@@ -162,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     )
     logging.getLogger("redis").setLevel(logging.INFO)  # its DEBUG lines are connection chatter
     settings = settings_from_args(args)
-    from engine_service.core.engine import LLMEngine
+    from engine_service.engine import LLMEngine
     from engine_service.service.metrics import MetricsPortInUse, check_port_free
 
     try:

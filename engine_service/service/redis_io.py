@@ -34,7 +34,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from engine_service.service.metrics import NULL_METRICS, NullMetrics
-from sluice.wire import codec, contract
+from sluice.wire import codec, contract, policy
 from sluice.wire.messages_pb2 import Cancel, Event, GenerateRequest
 
 log = logging.getLogger("sluice.engine.io")
@@ -350,23 +350,19 @@ class RedisIO:
         """Reclaimed entries whose request already emitted tokens (or that were delivered too
         often) need no model: answer them here, at once (error event + XACK in one round trip),
         instead of waiting for the step loop's next iteration."""
-        lost = [
-            e
+        reasons = {
+            id(e): reason
             for e in entries
-            if e.request is not None
-            and e.reclaimed
-            and not e.cancelled
-            and (e.emitted or max(e.deliveries, e.request.attempt + 1) > contract.MAX_ATTEMPTS)
-        ]
+            if e.request is not None and e.reclaimed and not e.cancelled
+            and (reason := policy.lost_on_delivery(emitted=e.emitted, deliveries=e.deliveries,
+                                                   attempt=e.request.attempt)) is not None
+        }
+        lost = [e for e in entries if id(e) in reasons]
         if not lost:
             return entries
         batch = Batch()
         for e in lost:
-            reason = (
-                "the engine running this request was lost after it had emitted tokens"
-                if e.emitted
-                else f"the request was lost by {contract.MAX_ATTEMPTS} engines; not retrying"
-            )
+            reason = reasons[id(e)]
             batch.events.append(codec.error_event(e.request.request_id, contract.ERR_ENGINE_LOST, reason, self.consumer))
             batch.acks.append(e.entry_id)
             log.warning("reclaimed %s: %s", e.request.request_id, reason)

@@ -18,7 +18,7 @@ from typing import Any
 
 from engine_service.service.metrics import NULL_METRICS, NullMetrics
 from engine_service.service.redis_io import Batch, CancelNote, Entry
-from sluice.wire import codec, contract, limits
+from sluice.wire import codec, contract, limits, policy
 from sluice.wire.messages_pb2 import Event, GenerateRequest
 
 log = logging.getLogger("sluice.engine.worker")
@@ -215,7 +215,7 @@ class Worker:
             self._error(batch, rid, code, message)
             return
         try:
-            from engine_service.sampling.params import SamplingParams
+            from engine_service.core.sampling_params import SamplingParams
 
             params = SamplingParams(**codec.sampling_kwargs_from_proto(req.params))
             self.engine.add_request(rid, list(req.prompt_token_ids), params)
@@ -247,15 +247,15 @@ class Worker:
         if entry.cancelled or self.recent_cancels.pop(rid, None) is not None:
             return "cancelled", "cancelled before it ran"
         if req.version != contract.CONTRACT_VERSION:
-            return contract.ERR_INVALID_REQUEST, (
-                f"contract version {req.version} is not supported (this engine speaks {contract.CONTRACT_VERSION})"
+            return contract.ERR_CONTRACT_MISMATCH, (
+                f"the request speaks Sluice contract version {req.version}, this engine version "
+                f"{contract.CONTRACT_VERSION}: run the same Sluice release on gateways and engines"
             )
         if req.model != self.model:
             return contract.ERR_INVALID_REQUEST, f"model {req.model!r} is not served here ({self.model!r})"
-        if entry.emitted:
-            return contract.ERR_ENGINE_LOST, "the engine running this request was lost after it had emitted tokens"
-        if max(entry.deliveries, req.attempt + 1) > contract.MAX_ATTEMPTS:
-            return contract.ERR_ENGINE_LOST, f"the request was lost by {contract.MAX_ATTEMPTS} engines; not retrying"
+        lost = policy.lost_on_delivery(emitted=entry.emitted, deliveries=entry.deliveries, attempt=req.attempt)
+        if lost is not None:
+            return contract.ERR_ENGINE_LOST, lost
         if req.deadline and now > req.deadline:
             return contract.ERR_DEADLINE, f"the deadline passed {now - req.deadline:.3f}s before the request ran"
         wait = self.settings.max_queue_wait

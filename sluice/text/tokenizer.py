@@ -53,6 +53,44 @@ def _clean_up_tokenization(text: str) -> str:
     )
 
 
+def read_chat_template(model_dir: str | Path) -> str | dict[str, str] | None:
+    """A model directory's chat template, found where transformers looks for it.
+
+    ``chat_template.jinja`` (what a recent ``save_pretrained`` writes) takes priority over the
+    ``chat_template`` entry of ``tokenizer_config.json``, as in transformers; named templates in
+    ``additional_chat_templates/*.jinja`` join it (the result is then ``{name: template}``, the
+    file's as ``"default"``). ``chat_template.json`` (``{"chat_template": ...}``, the processors'
+    legacy file) is the last resort. None when the directory has no template.
+    """
+    root = Path(model_dir)
+
+    def read(name: str) -> str | None:
+        path = root / name
+        return path.read_text(encoding="utf-8") if path.is_file() else None
+
+    templates: dict[str, str] = {}
+    if (text := read("chat_template.jinja")) is not None:
+        templates["default"] = text
+    extra_dir = root / "additional_chat_templates"
+    if extra_dir.is_dir():
+        for path in sorted(extra_dir.glob("*.jinja")):
+            templates[path.name.removesuffix(".jinja")] = path.read_text(encoding="utf-8")
+    if templates:
+        return templates["default"] if list(templates) == ["default"] else templates
+    config_text = read("tokenizer_config.json")
+    config = json.loads(config_text) if config_text else {}
+    if config.get("chat_template") is not None:
+        template = config["chat_template"]
+        if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+            return {str(t["name"]): str(t["template"]) for t in template if isinstance(t, Mapping)}
+        return str(template)
+    if (text := read("chat_template.json")) is not None:
+        template = json.loads(text).get("chat_template")
+        if template is not None:
+            return template if isinstance(template, str) else dict(template)
+    return None
+
+
 class Tokenizer:
     """A model's tokenizer and chat template."""
 
@@ -61,7 +99,7 @@ class Tokenizer:
         tokenizer: _HFTokenizer,
         config: Mapping[str, Any] | None = None,
         generation_config: Mapping[str, Any] | None = None,
-        chat_template: str | None = None,
+        chat_template: str | Mapping[str, str] | None = None,
     ) -> None:
         self._tok = tokenizer
         self.config: dict[str, Any] = dict(config or {})
@@ -84,6 +122,8 @@ class Tokenizer:
         self._templates: dict[str, str] = {}
         if isinstance(template, str):
             self._templates["default"] = template
+        elif isinstance(template, Mapping):  # {name: template}
+            self._templates.update({str(k): str(v) for k, v in template.items()})
         elif isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
             for entry in template:
                 if isinstance(entry, Mapping) and "name" in entry and "template" in entry:
@@ -103,7 +143,7 @@ class Tokenizer:
         tokenizer_json: str,
         tokenizer_config_json: str | None = None,
         generation_config_json: str | None = None,
-        chat_template: str | None = None,
+        chat_template: str | Mapping[str, str] | None = None,
     ) -> Tokenizer:
         """From the texts of ``tokenizer.json`` and ``tokenizer_config.json`` (the config may be empty)."""
         try:
@@ -132,13 +172,8 @@ class Tokenizer:
 
         config_text = read("tokenizer_config.json")
         config = json.loads(config_text) if config_text else {}
-        template: str | None = None
-        if "chat_template" not in config:
-            template = read("chat_template.jinja")
-            if template is None and (ct := read("chat_template.json")):
-                template = json.loads(ct).get("chat_template")
         return cls.from_strings(tok_file.read_text(encoding="utf-8"), json.dumps(config),
-                                read("generation_config.json"), template)
+                                read("generation_config.json"), read_chat_template(root))
 
     @property
     def backend(self) -> _HFTokenizer:

@@ -17,6 +17,7 @@ from typing import Any
 import redis
 
 from sluice.wire import codec, contract
+from sluice.wire.card import ModelCard
 from sluice.wire.messages_pb2 import Event
 
 
@@ -36,7 +37,7 @@ class Result:
     request_id: str
     completions: dict[int, Completion]
     events: list[Event]
-    error_code: str | None = None
+    error_code: int | None = None  # contract.ERR_*
     error_message: str | None = None
     timed_out: bool = False
 
@@ -96,10 +97,10 @@ class RequestHandle:
             comp = result.completions.setdefault(event.index, Completion(event.index))
             comp.token_ids.extend(event.token_ids)
             if event.HasField("error"):
-                result.error_code, result.error_message = event.error.code, event.error.message
+                result.error_code, result.error_message = event.error.code, event.error.message  # contract.ERR_*
             elif event.HasField("finished"):
                 fin = event.finished
-                comp.finish_reason = fin.finish_reason
+                comp.finish_reason = codec.finish_reason_name(fin.finish_reason)
                 comp.stop_token_id = fin.stop_token_id if fin.HasField("stop_token_id") else None
                 comp.prompt_tokens = fin.usage.prompt_tokens
                 comp.completion_tokens = fin.usage.completion_tokens
@@ -172,22 +173,11 @@ class WireClient:
         return self.redis.xadd(contract.request_stream(model), fields)
 
     def cancel(self, request_ids: Iterable[str]) -> None:
-        ids = list(request_ids)
-        pipe = self.redis.pipeline(transaction=False)
-        for request_id in ids:
-            pipe.set(contract.cancelled_key(request_id), b"1", ex=contract.CANCEL_MARKER_TTL_S)
-        pipe.publish(contract.CANCEL_CHANNEL, codec.encode_cancel(ids))
-        pipe.execute()
+        codec.cancel(self.redis.pipeline(transaction=False), request_ids).execute()
 
-    def model_card(self, model: str) -> dict[str, Any] | None:
+    def model_card(self, model: str) -> ModelCard | None:
         raw = self.redis.hgetall(contract.model_card_key(model))
-        if not raw:
-            return None
-        card = {k.decode(): v.decode() for k, v in raw.items()}
-        card[contract.CARD_MAX_MODEL_LEN] = int(card[contract.CARD_MAX_MODEL_LEN])
-        card[contract.CARD_VOCAB_SIZE] = int(card[contract.CARD_VOCAB_SIZE])
-        card[contract.CARD_EOS_TOKEN_IDS] = json.loads(card[contract.CARD_EOS_TOKEN_IDS])
-        return card
+        return ModelCard.decode(raw) if raw else None
 
     def engines(self) -> dict[str, dict[str, Any]]:
         """The registry, limited to engines whose liveness key is present."""

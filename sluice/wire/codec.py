@@ -2,7 +2,7 @@
 
 The gateway and the engine both use these, so the mapping of a ``SamplingParams``-like object to
 the proto (and back to keyword arguments) is written once. The engine builds its own
-``engine_service.sampling.params.SamplingParams(**sampling_kwargs_from_proto(msg))``, which
+``engine_service.core.sampling_params.SamplingParams(**sampling_kwargs_from_proto(msg))``, which
 validates the values.
 """
 
@@ -18,8 +18,10 @@ from sluice.wire.messages_pb2 import (
     Cancel,
     ChoiceList,
     Error,
+    ErrorCode,
     Event,
     Finished,
+    FinishReason,
     GenerateRequest,
     PositionLogprobs,
     SamplingParams,
@@ -61,6 +63,9 @@ def sampling_params_to_proto(params: Any) -> SamplingParams:
     """
     msg = SamplingParams()
     if params is None:
+        return msg
+    if isinstance(params, SamplingParams):
+        msg.CopyFrom(params)
         return msg
     for name in _OPTIONAL_SCALARS:
         value = _get(params, name)
@@ -137,6 +142,9 @@ def make_request(
     enqueue_time: float | None = None,
     attempt: int = 0,
 ) -> GenerateRequest:
+    """THE request builder: a ``GenerateRequest`` of this contract version. ``params`` is a wire
+    ``SamplingParams``, or anything ``sampling_params_to_proto`` takes (the engine's
+    ``SamplingParams``, a mapping of its field names)."""
     return GenerateRequest(
         version=contract.CONTRACT_VERSION,
         request_id=request_id,
@@ -185,14 +193,58 @@ def position_logprobs(chosen: int | None, entries: Mapping[int, Any] | None) -> 
     return msg
 
 
-def error_event(request_id: str, code: str, message: str, engine_id: str = "") -> Event:
-    return Event(request_id=request_id, error=Error(code=code, message=message), engine_id=engine_id)
+# -- enums: the short names Python code and OpenAI use <-> the proto values --------------------
+
+_ERROR_PREFIX, _FINISH_PREFIX = "ERROR_CODE_", "FINISH_REASON_"
+_ERROR_BY_NAME = {n.removeprefix(_ERROR_PREFIX).lower(): v for n, v in ErrorCode.items() if v}
+_FINISH_BY_NAME = {n.removeprefix(_FINISH_PREFIX).lower(): v for n, v in FinishReason.items() if v}
+
+
+def error_code(code: int | str) -> int:
+    """An ``ErrorCode`` value from a value or a short name (``"deadline_exceeded"``); an unknown
+    name is ``internal``."""
+    if isinstance(code, str):
+        return _ERROR_BY_NAME.get(code, ErrorCode.ERROR_CODE_INTERNAL)
+    return int(code)
+
+
+def error_code_name(code: int) -> str:
+    """``"deadline_exceeded"`` for ``ERROR_CODE_DEADLINE_EXCEEDED``; ``"unknown"`` for a value
+    this side does not know."""
+    try:
+        return ErrorCode.Name(code).removeprefix(_ERROR_PREFIX).lower()
+    except ValueError:
+        return "unknown"
+
+
+def finish_reason(reason: int | str) -> int:
+    if isinstance(reason, str):
+        try:
+            return _FINISH_BY_NAME[reason]
+        except KeyError:
+            raise ValueError(f"unknown finish reason {reason!r}; known: {sorted(_FINISH_BY_NAME)}") from None
+    return int(reason)
+
+
+def finish_reason_name(reason: int) -> str | None:
+    """``"stop"`` / ``"length"`` / ``"abort"``; None when unset or unknown."""
+    try:
+        return FinishReason.Name(reason).removeprefix(_FINISH_PREFIX).lower() if reason else None
+    except ValueError:
+        return None
+
+
+# -- events ------------------------------------------------------------------------------------
+
+
+def error_event(request_id: str, code: int | str, message: str, engine_id: str = "") -> Event:
+    return Event(request_id=request_id, error=Error(code=error_code(code), message=message), engine_id=engine_id)
 
 
 def finished_event(
     request_id: str,
     index: int,
-    finish_reason: str,
+    finish_reason_: int | str,
     *,
     stop_token_id: int | None = None,
     prompt_tokens: int = 0,
@@ -201,7 +253,7 @@ def finished_event(
     engine_id: str = "",
 ) -> Event:
     finished = Finished(
-        finish_reason=finish_reason,
+        finish_reason=finish_reason(finish_reason_),
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached_tokens),
     )
     if stop_token_id is not None:
@@ -210,8 +262,19 @@ def finished_event(
 
 
 def is_terminal(event: Event) -> bool:
-    return event.HasField("finished") or event.HasField("error")
+    return event.WhichOneof("terminal") is not None
 
 
 def encode_cancel(request_ids: Iterable[str]) -> bytes:
     return Cancel(request_ids=list(request_ids)).SerializeToString()
+
+
+def cancel(pipe: Any, request_ids: Iterable[str]) -> Any:
+    """Queue THE cancel on a Redis pipeline (sync or asyncio; the caller executes it): a marker
+    per request, for a request still in the queue (the engine drops it on read), then one
+    ``Cancel`` on the cancel channel for engines running it. Idempotent. Returns ``pipe``."""
+    ids = list(request_ids)
+    for request_id in ids:
+        pipe.set(contract.cancelled_key(request_id), b"1", ex=contract.CANCEL_MARKER_TTL_S)
+    pipe.publish(contract.CANCEL_CHANNEL, encode_cancel(ids))
+    return pipe

@@ -19,7 +19,12 @@ of ``sluice.wire.messages_pb2`` (source: proto/sluice/wire/messages.proto).
 
 from __future__ import annotations
 
-CONTRACT_VERSION = 1
+from sluice.wire.messages_pb2 import ErrorCode
+
+# Raised whenever the payloads or the rules change; a gateway and an engine of different versions
+# refuse each other (card.check_version, the engine's check of GenerateRequest.version).
+# 2: error codes and finish reasons as enums, terminal event as a oneof, the typed ModelCard.
+CONTRACT_VERSION = 2
 PREFIX = "sluice"
 
 CONSUMER_GROUP = "engines"
@@ -34,14 +39,7 @@ HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TTL_S = 5.0
 CANCEL_MARKER_TTL_S = 600
 
-# Model card hash fields.
-CARD_NAME = "name"
-CARD_MAX_MODEL_LEN = "max_model_len"
-CARD_EOS_TOKEN_IDS = "eos_token_ids"  # JSON list
-CARD_TOKENIZER_JSON = "tokenizer_json"  # the tokenizer.json text
-CARD_TOKENIZER_CONFIG = "tokenizer_config"  # the tokenizer_config.json text (chat template, specials)
-CARD_VOCAB_SIZE = "vocab_size"
-CARD_CONTRACT_VERSION = "contract_version"
+# The model card's hash fields are defined with the card: sluice.wire.card.
 
 
 def request_stream(model: str) -> str:
@@ -83,11 +81,13 @@ EMITTED_TTL_S = 3600
 # a poison request must not take down every engine in turn.
 MAX_ATTEMPTS = 3
 
-# Error codes carried by Event.error.code.
-ERR_INVALID_REQUEST = "invalid_request"
-ERR_CONTEXT_LENGTH = "context_length_exceeded"
-ERR_KV_CACHE_TOO_SMALL = "kv_cache_too_small"
-ERR_DEADLINE = "deadline_exceeded"
-ERR_ENGINE_LOST = "engine_lost"
-ERR_DRAINING = "draining"
-ERR_INTERNAL = "internal"
+# Error codes carried by Event.error.code: the proto enum's values (codec.error_code_name gives
+# the short name, e.g. "deadline_exceeded").
+ERR_INVALID_REQUEST = ErrorCode.ERROR_CODE_INVALID_REQUEST
+ERR_CONTEXT_LENGTH = ErrorCode.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED
+ERR_KV_CACHE_TOO_SMALL = ErrorCode.ERROR_CODE_KV_CACHE_TOO_SMALL
+ERR_DEADLINE = ErrorCode.ERROR_CODE_DEADLINE_EXCEEDED
+ERR_ENGINE_LOST = ErrorCode.ERROR_CODE_ENGINE_LOST
+ERR_DRAINING = ErrorCode.ERROR_CODE_DRAINING
+ERR_INTERNAL = ErrorCode.ERROR_CODE_INTERNAL
+ERR_CONTRACT_MISMATCH = ErrorCode.ERROR_CODE_CONTRACT_MISMATCH

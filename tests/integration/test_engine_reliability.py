@@ -17,7 +17,7 @@ import redis
 from engine_service.service.redis_io import RedisIO, trim_stream
 from engine_service.service.settings import ServiceSettings
 from engine_service.service.worker import Worker
-from sluice.wire import codec, contract, limits
+from sluice.wire import card, codec, contract, limits
 from sluice.wire.client import RequestHandle, WireClient
 from tests.docker_support import wait_for_redis
 from tests.integration.test_engine_service_worker import FakeEngine
@@ -35,7 +35,7 @@ class FakeService:
                                         heartbeat_ttl_s=2.0, heartbeat_interval_s=0.5, **settings)
         self.engine = FakeEngine(slow=slow)
         inbox: queue.Queue = queue.Queue()
-        self.io = RedisIO(self.settings, MODEL, inbox, {contract.CARD_NAME: MODEL, contract.CARD_MAX_MODEL_LEN: "64"},
+        self.io = RedisIO(self.settings, MODEL, inbox, {card.F_NAME: MODEL, card.F_MAX_MODEL_LEN: "64"},
                           lambda: {"running": len(self.engine.reqs)})
         self.worker = Worker(self.engine, self.io, self.settings, MODEL)
         self.thread = threading.Thread(target=self.worker.run, daemon=True)

@@ -116,11 +116,12 @@ def pending(redis_client, model: str) -> int:
 # --------------------------------------------------------------------------------------------
 def test_model_card_and_registry(service, client, llm):
     card = client.model_card(service.model)
-    assert card[contract.CARD_MAX_MODEL_LEN] == MAX_MODEL_LEN
-    assert card[contract.CARD_EOS_TOKEN_IDS] == llm.engine.eos_token_ids
-    assert card[contract.CARD_VOCAB_SIZE] == llm.engine.vocab_size
-    assert card[contract.CARD_TOKENIZER_JSON].startswith("{")
-    assert "chat_template" in card[contract.CARD_TOKENIZER_CONFIG]
+    assert card.max_model_len == MAX_MODEL_LEN
+    assert card.eos_token_ids == llm.engine.eos_token_ids
+    assert card.vocab_size == llm.engine.vocab_size
+    assert card.tokenizer_json.startswith("{")
+    assert card.chat_template == llm.get_tokenizer().chat_template
+    assert card.contract_version == contract.CONTRACT_VERSION
     assert client.redis.sismember(contract.MODELS_KEY, service.model)
     assert service.settings.engine_id in client.engines()
 
@@ -177,7 +178,7 @@ def test_cancel_before_during_and_after(service, client, prompts, reference):
     during = handle.collect(timeout=30)
     assert not during.timed_out
     finals = [e for e in during.events if codec.is_terminal(e)]
-    assert len(finals) == 1 and finals[0].finished.finish_reason == "abort"
+    assert len(finals) == 1 and codec.finish_reason_name(finals[0].finished.finish_reason) == "abort"
     assert during.events[-1] is finals[0], "an event followed the final one"
     assert handle.extra_events(0.5) == []
     s = wait_idle(service)
@@ -231,7 +232,7 @@ def test_malformed_entry_matrix(service, client, prompts, reference, redis_clien
     client.enqueue_raw(model, {contract.REQUEST_FIELD: GenerateRequest(version=1, model=model).SerializeToString()})
 
     cases = {
-        "version": (dict(version=99), contract.ERR_INVALID_REQUEST),
+        "version": (dict(version=99), contract.ERR_CONTRACT_MISMATCH),
         "model": (dict(model="other-model"), contract.ERR_INVALID_REQUEST),
         "top_p": (dict(params={"temperature": 0.5, "top_p": 5.0, "max_tokens": 4}), contract.ERR_INVALID_REQUEST),
         "n0": (dict(params={"n": 0, "max_tokens": 4}), contract.ERR_INVALID_REQUEST),

@@ -17,6 +17,7 @@ from engine_service.service.redis_io import Batch, CancelNote, Entry
 from engine_service.service.settings import ServiceSettings
 from engine_service.service.worker import DrainNote, Worker
 from sluice.wire import codec, contract
+from sluice.wire.messages_pb2 import FINISH_REASON_ABORT, FINISH_REASON_LENGTH
 
 
 @dataclass
@@ -152,7 +153,7 @@ def test_run_to_completion_acks_once():
     stop(worker, thread)
     events = io.events("a")
     assert [t for e in events for t in e.token_ids] == [1, 2, 3]
-    assert events[-1].finished.finish_reason == "length" and len(terminal(events)) == 1
+    assert events[-1].finished.finish_reason == FINISH_REASON_LENGTH and len(terminal(events)) == 1
     assert io.acks() == [b"a-entry"]
     assert any(headroom == 4 for headroom, _ in io.credit)
 
@@ -171,9 +172,9 @@ def test_cancel_before_during_after_is_idempotent():
     time.sleep(0.1)
     stop(worker, thread)
     early = io.events("early")
-    assert len(early) == 1 and early[0].finished.finish_reason == "abort" and not early[0].token_ids
+    assert len(early) == 1 and early[0].finished.finish_reason == FINISH_REASON_ABORT and not early[0].token_ids
     mid = io.events("mid")
-    assert mid[-1].finished.finish_reason == "abort" and len(terminal(mid)) == 1
+    assert mid[-1].finished.finish_reason == FINISH_REASON_ABORT and len(terminal(mid)) == 1
     assert sorted(io.acks()) == [b"early-entry", b"mid-entry"]
     assert not worker.engine.reqs and not worker.live
 
@@ -199,7 +200,8 @@ def test_bad_entries_are_answered_or_dropped():
     io.inbox.put(entry("ok", max_tokens=2))
     wait_for(lambda: terminal(io.events("ok")))
     stop(worker, thread)
-    assert io.events("v")[0].error.code == contract.ERR_INVALID_REQUEST
+    assert io.events("v")[0].error.code == contract.ERR_CONTRACT_MISMATCH
+    assert "contract version 7" in io.events("v")[0].error.message
     assert io.events("empty")[0].error.code == contract.ERR_INVALID_REQUEST
     assert sorted(io.acks()) == [b"empty-entry", b"junk", b"ok-entry", b"v-entry"]
 
@@ -222,7 +224,7 @@ def test_drain_finishes_streaming_and_hands_back_the_rest():
     thread.join(10)
     assert not thread.is_alive(), "the drain did not end the loop"
     streaming = io.events("streaming")
-    assert streaming[-1].finished.finish_reason == "length" and sum(len(e.token_ids) for e in streaming) == 20
+    assert streaming[-1].finished.finish_reason == FINISH_REASON_LENGTH and sum(len(e.token_ids) for e in streaming) == 20
     assert io.events("fresh") == []
     [again] = io.requeued()
     assert again.request_id == "fresh" and again.attempt == 1

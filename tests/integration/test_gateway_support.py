@@ -23,7 +23,8 @@ import pytest
 import redis
 import uvicorn
 
-from sluice.wire import contract
+from sluice.wire import codec, contract
+from sluice.wire.card import ModelCard
 from sluice.wire.messages_pb2 import Cancel, Event, GenerateRequest, PositionLogprobs, TokenLogprob
 
 MODEL = "smollm2-test"
@@ -32,15 +33,9 @@ MAX_MODEL_LEN = 256
 
 
 def card_fields(model_dir: Path, max_model_len: int = MAX_MODEL_LEN) -> dict:
-    return {
-        contract.CARD_NAME: MODEL,
-        contract.CARD_MAX_MODEL_LEN: str(max_model_len),
-        contract.CARD_EOS_TOKEN_IDS: json.dumps([2]),
-        contract.CARD_TOKENIZER_JSON: (model_dir / "tokenizer.json").read_text(),
-        contract.CARD_TOKENIZER_CONFIG: (model_dir / "tokenizer_config.json").read_text(),
-        contract.CARD_VOCAB_SIZE: "49152",
-        contract.CARD_CONTRACT_VERSION: str(contract.CONTRACT_VERSION),
-    }
+    """The card a real engine would publish for ``model_dir`` (sluice.wire.card's encoder)."""
+    return ModelCard.from_model_dir(model_dir, name=MODEL, max_model_len=max_model_len, vocab_size=49152,
+                                    eos_token_ids=[2]).encode()
 
 
 @functools.lru_cache(maxsize=2)
@@ -186,8 +181,7 @@ class FakeEngine:
             if await self.r.exists(contract.cancelled_key(req.request_id)) or self.hang:
                 return
             if self.error is not None:
-                ev = Event(request_id=req.request_id, engine_id=self.engine_id)
-                ev.error.code, ev.error.message = self.error
+                ev = codec.error_event(req.request_id, self.error[0], self.error[1], self.engine_id)
                 await self.r.publish(channel, ev.SerializeToString())
                 return
             n = req.params.n or 1
@@ -212,7 +206,7 @@ class FakeEngine:
                             ev.logprobs.append(pos)
                     done_len = step + 1 == max_tokens and step < len(ids)
                     if step == len(ids) or done_len:
-                        ev.finished.finish_reason = "length" if done_len else "stop"
+                        ev.finished.finish_reason = codec.finish_reason("length" if done_len else "stop")
                         if not done_len:
                             ev.finished.stop_token_id = 2
                         ev.finished.usage.prompt_tokens = len(req.prompt_token_ids)

@@ -12,6 +12,7 @@ import redis
 
 import sluice
 from sluice.text.tokenizer import Tokenizer
+from sluice.wire import card as wire_card
 from sluice.wire import contract
 from tests.integration import test_gateway_support as support
 from tests.integration.test_gateway_api import assert_error
@@ -139,7 +140,7 @@ def test_model_is_required_when_several_are_served(gateway, fake_engine, redis_u
         # a second model with a live engine, registered as an engine does: card, models set,
         # registry entry and heartbeat key
         card = r.hgetall(contract.model_card_key(MODEL))
-        card[contract.CARD_NAME.encode()] = other.encode()
+        card[wire_card.F_NAME.encode()] = other.encode()
         r.hset(contract.model_card_key(other), mapping=card)
         r.sadd(contract.MODELS_KEY, other)
         r.hset(contract.ENGINES_KEY, "fake-other",

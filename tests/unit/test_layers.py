@@ -45,3 +45,42 @@ def test_cli_gateway_command_needs_no_torch() -> None:
     )
     assert res.returncode == 0, res.stderr
     assert "--redis-url" in res.stdout and "sluice COMMAND" in res.stdout
+
+
+def test_core_imports_without_torch() -> None:
+    # The model-free core: requests, sampling params, block pool, scheduler, stopping, outputs.
+    res = _run_without_torch(
+        """
+        import pkgutil, importlib, sys
+        import engine_service.core as core
+        names = [m.name for m in pkgutil.iter_modules(core.__path__, "engine_service.core.")]
+        for name in names:
+            importlib.import_module(name)
+        import engine_service.config
+        assert "torch" not in sys.modules
+        print(len(names))
+        """
+    )
+    assert res.returncode == 0, res.stderr
+    assert int(res.stdout.strip()) >= 7  # every module of the package was imported
+
+
+def test_gateway_imports_without_torch() -> None:
+    res = _run_without_torch("import gateway.app, gateway.routes, gateway.serving_chat, gateway.serving_completion")
+    assert res.returncode == 0, res.stderr
+
+
+def test_import_linter_contracts_hold() -> None:
+    # The layer contracts of pyproject.toml ([tool.importlinter]); a wrong arrow fails here.
+    import os
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    exe = shutil.which("lint-imports")
+    assert exe is not None, "import-linter is a test dependency: pip install import-linter"
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    res = subprocess.run([exe, "--config", str(root / "pyproject.toml")], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    assert "0 broken" in res.stdout

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from engine_service.core.request import Request
+from engine_service.core.sampling_params import SamplingParams
 from engine_service.model.config import ModelConfig
 from engine_service.model.kv_cache import allocate_kv_cache
 from engine_service.model.loader import load_model
 from engine_service.model.runner import ModelRunner
-from engine_service.sampling.params import SamplingParams
 from sluice.text.tokenizer import Tokenizer
 from tests.model_helpers import Chunk
 

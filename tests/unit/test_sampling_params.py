@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from engine_service.sampling.params import SamplingParams
+from engine_service.core.sampling_params import SamplingParams
 
 
 def test_defaults_are_valid_and_follow_vllm():

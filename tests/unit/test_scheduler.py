@@ -12,8 +12,8 @@ import pytest
 from engine_service.bench.scheduler import FakeKVRunner
 from engine_service.config import SchedulerConfig
 from engine_service.core.request import FinishReason, Request, RequestStatus
+from engine_service.core.sampling_params import SamplingParams
 from engine_service.core.scheduler import RequestRejected, ScheduledChunk, Scheduler, SchedulerOutput
-from engine_service.sampling.params import SamplingParams
 
 
 def make_request(rid: str, prompt: int | list[int], max_tokens: int | None = 4, **params) -> Request:

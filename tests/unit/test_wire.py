@@ -24,7 +24,7 @@ def test_generated_code_is_fresh(tmp_path: Path) -> None:
 
 
 def test_unset_proto_fields_mean_the_defaults() -> None:
-    from engine_service.sampling.params import SamplingParams
+    from engine_service.core.sampling_params import SamplingParams
 
     kwargs = codec.sampling_kwargs_from_proto(ProtoParams())
     params = SamplingParams(**kwargs)
@@ -35,7 +35,7 @@ def test_unset_proto_fields_mean_the_defaults() -> None:
 
 
 def test_sampling_params_round_trip() -> None:
-    from engine_service.sampling.params import SamplingParams
+    from engine_service.core.sampling_params import SamplingParams
 
     original = SamplingParams(
         n=3, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=1234, presence_penalty=0.5,

@@ -19,6 +19,7 @@ import torch
 from engine_service.config import EngineConfig, SchedulerConfig
 from engine_service.core.outputs import EngineOutput, RequestMetrics
 from engine_service.core.request import Request
+from engine_service.core.sampling_params import SamplingParams
 from engine_service.core.scheduler import RequestRejected, Scheduler
 from engine_service.model.compiled import compile_supported
 from engine_service.model.config import ModelConfig
@@ -28,9 +29,9 @@ from engine_service.model.loader import load_model, parse_dtype
 from engine_service.model.quantization import parse_quantization
 from engine_service.model.runner import ModelRunner
 from engine_service.sampling.grammar import GrammarManager
-from engine_service.sampling.params import SamplingParams
 from engine_service.sampling.sampler import Sampler, compute_logprobs
 from sluice.text.tokenizer import Tokenizer
+from sluice.wire.card import sampling_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,13 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._finished_requests = 0
+        # What a request leaves unset (temperature, top_p, top_k, min_p, repetition_penalty) takes
+        # the model's generation_config.json value with --generation-config auto (vLLM's default).
+        self.sampling_defaults: dict[str, float | int] = (
+            sampling_defaults(self.tokenizer.generation_config) if config.generation_config == "auto" else {}
+        )
+        if self.sampling_defaults:
+            logger.info("sampling defaults from generation_config.json: %s", self.sampling_defaults)
         # the last step's batch: sequences scheduled and tokens forwarded (for the step metrics)
         self.last_batch: tuple[int, int] = (0, 0)
 
@@ -166,6 +174,7 @@ class LLMEngine:
                 self.grammars.check(params.structured_outputs)
             except ValueError as exc:
                 raise RequestRejected("invalid_request", str(exc)) from None
+        params = params.with_model_defaults(self.sampling_defaults)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):

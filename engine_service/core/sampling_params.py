@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from sluice.structured import StructuredOutputsParams
@@ -14,6 +14,11 @@ from sluice.structured import StructuredOutputsParams
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
+# The fields a model's generation_config.json may default (vLLM's list), with the neutral default
+# used when neither the request nor the model sets them.
+MODEL_DEFAULTABLE: tuple[tuple[str, float | int], ...] = (
+    ("temperature", 1.0), ("top_p", 1.0), ("top_k", -1), ("min_p", 0.0), ("repetition_penalty", 1.0),
+)
 
 
 def _is_int(value: Any) -> bool:
@@ -38,14 +43,16 @@ class SamplingParams:
     """
 
     n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 disables
-    min_p: float = 0.0
+    # None (unset): the model's generation_config.json value when the engine runs with
+    # generation_config="auto" (the default), else the neutral default in MODEL_DEFAULTABLE.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # -1 disables
+    min_p: float | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     logit_bias: dict[int, float] | None = None
     max_tokens: int | None = 16  # None: up to the model's context
     min_tokens: int = 0
@@ -59,9 +66,14 @@ class SamplingParams:
     # Constrained decoding: a JSON schema, any JSON object, a regex, a choice list or a grammar
     # (vLLM's name; a dict with one of those keys is accepted).
     structured_outputs: StructuredOutputsParams | None = None
-    extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        # Unset model-defaultable fields take the neutral default now (so every reader sees a
+        # number) and are remembered, so that with_model_defaults can still fill them.
+        self._unset = frozenset(n for n, _ in MODEL_DEFAULTABLE if getattr(self, n) is None)
+        for name, neutral in MODEL_DEFAULTABLE:
+            if getattr(self, name) is None:
+                setattr(self, name, neutral)
         # Normalise the containers first (JSON gives logit_bias keys as strings, stop as a str).
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -172,6 +184,22 @@ class SamplingParams:
             return "greedy"
         return "random" if self.seed is None else "seeded"
 
+    # --- model defaults ---
+    @property
+    def unset_fields(self) -> frozenset[str]:
+        """The model-defaultable fields the caller left unset."""
+        return self._unset
+
+    def with_model_defaults(self, defaults: dict[str, Any]) -> SamplingParams:
+        """A copy in which the fields the caller left unset take ``defaults`` (the model's
+        ``generation_config.json`` values, ``sluice.wire.card.sampling_defaults``); self when none apply."""
+        changes = {k: v for k, v in defaults.items() if k in self._unset}
+        if not changes:
+            return self
+        out = self.replace(**changes)
+        out._unset = self._unset - set(changes)
+        return out
+
     # --- copies ---
     def clone(self) -> SamplingParams:
         """A deep copy (lists and dicts are not shared)."""
@@ -180,6 +208,8 @@ class SamplingParams:
     def replace(self, **changes: Any) -> SamplingParams:
         """A validated copy with some fields changed."""
         base = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        for name in self._unset:  # still unset in the copy unless changed
+            base[name] = None
         base.update(changes)
         return SamplingParams(**base)
 
