@@ -11,8 +11,7 @@ from engine_service.config import EngineConfig
 from engine_service.core.outputs import CompletionOutput, RequestOutput
 from engine_service.core.sampling_params import SamplingParams
 from engine_service.engine import LLMEngine
-from sluice.text.detokenizer import IncrementalDetokenizer
-from sluice.text.stop import StopMatcher
+from sluice.text.stream import TextStream
 from sluice.text.tokenizer import Tokenizer
 
 PromptInput = str | list[int] | dict
@@ -80,7 +79,7 @@ class LLM:
 
             progress = tqdm(total=len(order), desc="generate", unit="req")
         streams = {
-            (request_id, completion.index): _CompletionStream(
+            (request_id, completion.index): _CompletionCollector(
                 completion, outputs[request_id], params_by_id[request_id], tokenizer
             )
             for request_id in order
@@ -141,8 +140,9 @@ class LLM:
         raise TypeError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
 
 
-class _CompletionStream:
-    """Collects one completion's deltas; applies stop strings on its text as it grows."""
+class _CompletionCollector:
+    """Collects one completion's deltas; applies stop strings on its text as it grows (with
+    ``sluice.text.stream.TextStream``, the gateway's detokenize + stop component)."""
 
     def __init__(self, completion: CompletionOutput, result: RequestOutput, params: SamplingParams,
                  tokenizer: Tokenizer) -> None:
@@ -150,12 +150,12 @@ class _CompletionStream:
         self.result = result
         self.params = params
         self.tokenizer = tokenizer
-        self.detokenizer: IncrementalDetokenizer | None = None
-        self.matcher: StopMatcher | None = None
+        # Without stop strings the text is decoded once, at the end (close).
+        self.stream: TextStream | None = None
         if params.stop:
-            self.detokenizer = IncrementalDetokenizer(tokenizer, result.prompt_token_ids,
-                                                      skip_special_tokens=params.skip_special_tokens)
-            self.matcher = StopMatcher(params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+            self.stream = TextStream(tokenizer, result.prompt_token_ids, stop=params.stop,
+                                     include_stop_str_in_output=params.include_stop_str_in_output,
+                                     skip_special_tokens=params.skip_special_tokens)
 
     def add(self, delta) -> bool:
         """Record an engine delta; return True when a stop string just ended this completion."""
@@ -170,14 +170,14 @@ class _CompletionStream:
         if delta.prompt_logprobs is not None:
             self.result.prompt_logprobs = delta.prompt_logprobs
         self.result.num_cached_tokens = max(self.result.num_cached_tokens, delta.num_cached_tokens)
-        if self.matcher is not None:
-            found = self.matcher.feed(self.detokenizer.add_many(delta.new_token_ids))
-            completion.text += found.text
+        if self.stream is not None:
+            found = self.stream.add_many(delta.new_token_ids)
+            if not found.stopped and delta.finished:
+                found = self.stream.finish()
+            completion.text = self.stream.text
             if found.stopped:
                 completion.finish_reason, completion.stop_reason = "stop", found.stop
-                return True
-            if delta.finished:
-                completion.text += self.matcher.feed(self.detokenizer.flush()).text + self.matcher.flush()
+                return not delta.finished  # still running in the engine: end it there too
         if delta.finished:
             completion.finish_reason = delta.finish_reason.value
             completion.stop_reason = delta.stop_reason
@@ -185,7 +185,7 @@ class _CompletionStream:
 
     def close(self) -> None:
         completion = self.completion
-        if self.matcher is None:
+        if self.stream is None:
             completion.text = self.tokenizer.decode(
                 completion.token_ids, skip_special_tokens=self.params.skip_special_tokens
             )

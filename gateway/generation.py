@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from gateway import errors
 from gateway.broker import Broker, LoadedCard, Lost
 from gateway.metrics import METRICS
-from sluice.text.detokenizer import IncrementalDetokenizer, token_text
-from sluice.text.stop import StopMatcher, StopResult
+from sluice.text.detokenizer import token_text
+from sluice.text.stream import TextStream
 from sluice.wire import codec, contract, limits, policy
 from sluice.wire.messages_pb2 import Event, SamplingParams
 
@@ -59,10 +59,9 @@ class Choice:
         self.index = index
         self.sub = sub
         self.tok = card.tokenizer
-        self.detok = IncrementalDetokenizer(
-            card.tokenizer, sub.prompt_ids, skip_special_tokens=opts.get("skip_special_tokens", True)
-        )
-        self.stop = StopMatcher(opts.get("stop"), include_stop_str_in_output=opts.get("include_stop_str", False))
+        self.stream = TextStream(card.tokenizer, sub.prompt_ids, stop=opts.get("stop"),
+                                 include_stop_str_in_output=opts.get("include_stop_str", False),
+                                 skip_special_tokens=opts.get("skip_special_tokens", True))
         self.want_logprobs = opts.get("logprobs") is not None
         self.num_top = opts.get("logprobs") or 0
         self.token_ids: list[int] = []
@@ -85,7 +84,7 @@ class Choice:
             if lps is not None:
                 lps.append(position_info(self.tok, tid, ev.logprobs[i] if i < len(ev.logprobs) else None,
                                          self.num_top))
-            res = self.stop.feed(self.detok.add(tid)) if self.stop else StopResult(self.detok.add(tid))
+            res = self.stream.add(tid)
             parts.append(res.text)
             if res.stopped:
                 self.finished, self.finish_reason, self.stop_reason = True, "stop", res.stop
@@ -93,12 +92,11 @@ class Choice:
         if ev.HasField("finished"):
             self.engine_done = True
             if not self.finished:
-                res = self.stop.feed(self.detok.flush()) if self.stop else StopResult(self.detok.flush())
+                res = self.stream.finish()
                 parts.append(res.text)
                 if res.stopped:
                     self.finish_reason, self.stop_reason = "stop", res.stop
                 else:
-                    parts.append(self.stop.flush())
                     self.finish_reason = codec.finish_reason_name(ev.finished.finish_reason) or "stop"
                     if ev.finished.HasField("stop_token_id"):
                         self.stop_reason = ev.finished.stop_token_id

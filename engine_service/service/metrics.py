@@ -30,7 +30,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from sluice.wire import contract
+from sluice.wire import codec, contract
 
 log = logging.getLogger("sluice.engine.metrics")
 
@@ -375,13 +375,13 @@ class EngineMetrics(NullMetrics):
     def events(self, events: Iterable[Any]) -> None:
         for event in events:
             if event.HasField("finished"):
-                reason = event.finished.finish_reason or "stop"
+                reason = codec.finish_reason_name(event.finished.finish_reason) or "stop"
                 child = self._success.get(reason)
                 if child is None:
                     child = self._success[reason] = self._success_family.labels(**self._lv, finished_reason=reason)
                 child.inc()
             elif event.HasField("error"):
-                code = event.error.code or "internal"
+                code = codec.error_code_name(event.error.code or contract.ERR_INTERNAL)
                 child = self._errors.get(code)
                 if child is None:
                     child = self._errors[code] = self._errors_family.labels(**self._lv, code=code)

@@ -107,3 +107,15 @@ def test_gateway_refuses_an_engine_of_another_contract_version(model_dir, engine
     err = resp.json()["error"]
     assert err["code"] == "contract_mismatch"
     assert f"contract version {contract.CONTRACT_VERSION - 1}" in err["message"] and "same Sluice release" in err["message"]
+
+
+def test_unset_sampling_fields_stay_unset_on_the_wire(model_dir, engine_for, make_gateway):
+    # the engine applies the model's generation_config.json defaults to them (--generation-config auto)
+    engine = engine_for(Path(model_dir))
+    r = httpx.post(f"{make_gateway().url}/v1/chat/completions", timeout=30,
+                   json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "top_p": 0.5})
+    assert r.status_code == 200, r.text
+    (sent,) = engine.requests
+    for name in ("temperature", "top_k", "min_p", "repetition_penalty"):
+        assert not sent.params.HasField(name), name
+    assert sent.params.HasField("top_p") and abs(sent.params.top_p - 0.5) < 1e-6

@@ -85,3 +85,12 @@ def test_scheduler_defaults_are_the_engine_defaults() -> None:
     e = EngineConfig()
     assert (s.block_size, s.max_num_seqs, s.max_num_batched_tokens, s.enable_prefix_caching) == (
         e.block_size, e.max_num_seqs, e.max_num_batched_tokens, e.enable_prefix_caching)
+
+
+def test_generation_config_switch() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_config_from_args(parser.parse_args([])).generation_config == "auto"
+    assert engine_config_from_args(parser.parse_args(["--generation-config", "vllm"])).generation_config == "vllm"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--generation-config", "model"])
