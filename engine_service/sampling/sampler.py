@@ -41,7 +41,6 @@ __all__ = [
     "apply_sampling_transforms",
     "compute_logprobs",
     "draw_from_weights",
-    "sample_from_logits",
     "sampling_weights",
 ]
 
@@ -171,11 +170,6 @@ def draw_from_weights(w: torch.Tensor, uniforms: torch.Tensor, *, inplace: bool 
     target = (uniforms.to(device=w.device, dtype=torch.float64).unsqueeze(1) * total.double()).to(cdf.dtype)
     target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=w.shape[1] - 1)
-
-
-def sample_from_logits(x: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw from logits (``-inf`` = excluded): see :func:`draw_from_weights`."""
-    return draw_from_weights(torch.exp(x - x.max(dim=1, keepdim=True).values), uniforms, inplace=True)
 
 
 _SPARSE_TOP_K_MAX = 1024  # top_k above this takes the dense path
