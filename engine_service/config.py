@@ -60,8 +60,9 @@ class EngineConfig:
     enable_prefix_caching: bool = knob(True, "reuse KV blocks of shared prompt prefixes")
     seed: int = knob(0, "seeds the sampler's generator for unseeded requests")
     enforce_eager: bool | None = knob(
-        None, "no torch.compile: run the eager forward only (vLLM's name). Default: $SLUICE_ENFORCE_EAGER "
-        "(1 = eager), else the decode step is compiled at engine start")
+        None, "no torch.compile: run the eager forward only (vLLM's name). Default: $SLUICE_ENFORCE_EAGER, "
+        "else eager for now (the compiled decode step is opt-in with --no-enforce-eager until it is "
+        "measured faster and its batch-1 recompile is fixed; docs/performance.md)")
 
     def resolved_dtype(self) -> str:
         return self.dtype or os.environ.get("SLUICE_DTYPE") or "auto"
@@ -69,7 +70,7 @@ class EngineConfig:
     def resolved_enforce_eager(self) -> bool:
         if self.enforce_eager is not None:
             return self.enforce_eager
-        return os.environ.get("SLUICE_ENFORCE_EAGER", "0").lower() in ("1", "true", "yes")
+        return os.environ.get("SLUICE_ENFORCE_EAGER", "1").lower() in ("1", "true", "yes")
     generation_config: str = knob(
         "auto", "auto: the model's generation_config.json sets the temperature, top_p, top_k, min_p and "
         "repetition_penalty a request leaves unset (vLLM's behaviour); vllm: ignore it (neutral defaults)",

@@ -48,9 +48,11 @@ def test_compiled_greedy_identical_batched_and_alone(model_dir, reference):
     assert 1 <= built <= 2, built
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     assert batched == ref
+    assert unique_graphs() - before == built, "a batch size or context length recompiled"
     for i in (0, 4, 9):  # batch 1: the shortest, two tokens, ~1,000 tokens
         assert llm.generate([prompts[i]], GREEDY)[0].outputs[0].token_ids == ref[i]
-    assert unique_graphs() - before == built, "a batch size or context length recompiled"
+    # Seen on the loaded machine: batch 1 after batch >= 2 seemed to recompile (docs/performance.md).
+    assert unique_graphs() - before == built, "batch 1 recompiled"
 
 
 @needs_compiler
