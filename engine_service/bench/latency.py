@@ -124,7 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
                         help="weight-only quantization of the Sluice engine (transformers runs unquantized)")
-    parser.add_argument("--enforce-eager", action="store_true", default=None, help="no torch.compile")
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                        help="--enforce-eager: no torch.compile; --no-enforce-eager: compile the decode step")
     parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                         help="also run transformers generate on the same prompts (default: yes)")
     parser.add_argument("--seed", type=int, default=0)
