@@ -32,6 +32,7 @@ from engine_service.sampling.grammar import GrammarManager
 from engine_service.sampling.sampler import Sampler, compute_logprobs
 from sluice.text.tokenizer import Tokenizer
 from sluice.wire.card import sampling_defaults
+from sluice.wire.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -49,23 +50,6 @@ def resolve_model_dir(model: str | Path | None) -> Path:
             "Sluice loads models from disk only"
         )
     return path
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int  # preempted ones included
-    num_preempted_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_preemptions: int
-    iterations: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    prefix_cache_hit_rate: float
-    finished_requests: int
-    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission
-    prefix_cache_hits: int = 0  # of those, tokens served from the cache
 
 
 @dataclass
@@ -313,12 +297,12 @@ class LLMEngine:
         sched = self.scheduler
         stats = sched.stats
         return EngineStats(
-            num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
-            num_preempted_waiting=sched.num_preempted_waiting,
-            num_free_blocks=sched.block_pool.num_free_blocks,
-            num_total_blocks=sched.block_pool.num_total_blocks,
-            num_preemptions=stats.preemptions,
+            running=sched.num_running,
+            waiting=sched.num_waiting,
+            preempted_waiting=sched.num_preempted_waiting,
+            free_blocks=sched.block_pool.num_free_blocks,
+            total_blocks=sched.block_pool.num_total_blocks,
+            preemptions=stats.preemptions,
             iterations=stats.iterations,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,

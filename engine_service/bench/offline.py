@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         ratio = base / row.tokens_per_s if row.tokens_per_s else float("nan")
         print(f"{row.system:<36}{row.requests:>9}{row.output_tokens:>12}{row.seconds:>10.1f}"
               f"{row.tokens_per_s:>10.1f}{ratio:>10.2f}")
-    print(f"preemptions {stats.num_preemptions}, iterations {stats.iterations}")
+    print(f"preemptions {stats.preemptions}, iterations {stats.iterations}")
     print(f"peak memory of the engine process (RSS, before the transformers runs): {peak_rss_mb:,.0f} MiB"
           + (f"; CUDA peak allocated {peak_cuda_mb:,.0f} MiB" if peak_cuda_mb is not None else ""))
     if compile_warmup_s is not None:
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         "compile_warmup_s": compile_warmup_s,
         "machine": {"platform": platform.platform(), "torch_threads": torch.get_num_threads()},
         "rows": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in rows],
-        "sluice_preemptions": stats.num_preemptions,
+        "sluice_preemptions": stats.preemptions,
         "sluice_iterations": stats.iterations,
         "sampler_ms_per_step": sampler_ms,
         "sampler_batch": args.sampler_batch,

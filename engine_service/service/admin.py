@@ -7,6 +7,7 @@ the engine's counters); ``Drain`` asks the step loop to drain, exactly as SIGTER
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from concurrent import futures
 from typing import Any
@@ -29,30 +30,13 @@ class AdminServicer(admin_pb2_grpc.EngineAdminServicer):
 
     def GetStats(self, request: admin_pb2.GetStatsRequest, context: Any) -> admin_pb2.EngineStats:
         s = self.worker.snapshot()
-        return admin_pb2.EngineStats(
-            engine_id=self.engine_id,
-            model=self.model,
-            running=s["running"],
-            waiting=s["waiting"],
-            free_blocks=s["free_blocks"],
-            total_blocks=s["total_blocks"],
-            preemptions=s["preemptions"],
-            generation_tokens_per_s=s["generation_tokens_per_s"],
-            prompt_tokens_per_s=s["prompt_tokens_per_s"],
-            iterations=s["iterations"],
-            finished_requests=s["finished_requests"],
-            prefix_cache_hit_rate=s["prefix_cache_hit_rate"],
-            draining=s["draining"] or self.worker.draining,
-            prompt_tokens_total=s["prompt_tokens_total"],
-            generation_tokens_total=s["generation_tokens_total"],
-            live_requests=s["live_requests"],
-        )
+        return dataclasses.replace(s, draining=s.draining or self.worker.draining).to_proto()
 
     def Drain(self, request: admin_pb2.DrainRequest, context: Any) -> admin_pb2.DrainResponse:
         s = self.worker.snapshot()
         accepted = self.worker.running and not self.worker.draining
         self.worker.request_drain(request.grace_period_s or None)
-        return admin_pb2.DrainResponse(accepted=accepted, running=s["running"], waiting=s["waiting"])
+        return admin_pb2.DrainResponse(accepted=accepted, running=s.running, waiting=s.waiting)
 
 
 class AdminServer:

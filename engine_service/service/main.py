@@ -101,9 +101,7 @@ class EngineService:
     def _load(self) -> dict[str, Any]:
         if self.worker is None:
             return {}
-        s = self.worker.snapshot()
-        keys = ("running", "waiting", "free_blocks", "total_blocks", "live_requests", "draining", "generation_tokens_per_s")
-        info = {k: s.get(k) for k in keys}
+        info = self.worker.snapshot().load()
         if self.admin is not None:
             info["grpc_port"] = self.admin.port
         return info

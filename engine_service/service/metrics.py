@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from sluice.wire import codec, contract
+from sluice.wire.stats import EngineStats
 
 log = logging.getLogger("sluice.engine.metrics")
 
@@ -122,7 +123,7 @@ def check_port_free(port: int, host: str = "0.0.0.0") -> None:
 class _SnapshotCollector:
     """Gauges and counters read from the worker's latest snapshot at scrape time."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any]], labels: tuple[str, str]) -> None:
+    def __init__(self, snapshot: Callable[[], EngineStats | None], labels: tuple[str, str]) -> None:
         self.snapshot = snapshot
         self.labels = list(labels)
 
@@ -130,7 +131,7 @@ class _SnapshotCollector:
         return []  # collected lazily: the snapshot source may not exist yet at registration
 
     def collect(self):
-        s = self.snapshot() or {}
+        s = self.snapshot() or EngineStats()
         lv = self.labels
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -143,32 +144,29 @@ class _SnapshotCollector:
             c.add_metric(lv, float(value))
             return c
 
-        total = int(s.get("total_blocks") or 0)
-        free = int(s.get("free_blocks") or 0)
-        used = max(0, total - free)
-        yield gauge("sluice:num_requests_running", "Requests in the engine's running batch", s.get("running", 0))
+        yield gauge("sluice:num_requests_running", "Requests in the engine's running batch", s.running)
         yield gauge("sluice:num_requests_waiting",
-                    "Requests waiting in the engine for admission (preempted ones included)", s.get("waiting", 0))
+                    "Requests waiting in the engine for admission (preempted ones included)", s.waiting)
         yield gauge("sluice:num_requests_preempted",
                     "Waiting requests that ran and were preempted (recompute), a subset of waiting",
-                    s.get("preempted_waiting", 0))
+                    s.preempted_waiting)
         yield gauge("sluice:kv_cache_usage_perc", "KV-cache usage: used blocks / total blocks (0 to 1)",
-                    used / total if total else 0.0)
-        yield gauge("sluice:kv_cache_blocks_used", "KV blocks referenced by requests", used)
-        yield gauge("sluice:kv_cache_blocks_total", "KV blocks in the pool", total)
+                    s.kv_cache_usage)
+        yield gauge("sluice:kv_cache_blocks_used", "KV blocks referenced by requests", s.used_blocks)
+        yield gauge("sluice:kv_cache_blocks_total", "KV blocks in the pool", s.total_blocks)
         yield gauge("sluice:engine_draining", "1 while the engine drains (no new requests), else 0",
-                    1.0 if s.get("draining") else 0.0)
+                    1.0 if s.draining else 0.0)
         yield counter("sluice:num_preemptions", "Preemptions by recompute (the scheduler's count)",
-                      s.get("preemptions", 0))
+                      s.preemptions)
         yield counter("sluice:prefix_cache_queries", "Prefix-cache queries, in tokens (looked up at admission)",
-                      s.get("prefix_cache_queries", 0))
+                      s.prefix_cache_queries)
         yield counter("sluice:prefix_cache_hits", "Prefix-cache hits, in tokens (served from the cache)",
-                      s.get("prefix_cache_hits", 0))
+                      s.prefix_cache_hits)
         yield counter("sluice:prompt_tokens",
                       "Prompt tokens prefilled (forwarded; recompute after preemption included, cache hits not)",
-                      s.get("prompt_tokens_total", 0))
-        yield counter("sluice:generation_tokens", "Tokens generated (sampled)", s.get("generation_tokens_total", 0))
-        yield counter("sluice:iterations", "Engine steps that scheduled work", s.get("iterations", 0))
+                      s.prompt_tokens_total)
+        yield counter("sluice:generation_tokens", "Tokens generated (sampled)", s.generation_tokens_total)
+        yield counter("sluice:iterations", "Engine steps that scheduled work", s.iterations)
 
 
 class _Live:
@@ -193,7 +191,7 @@ class EngineMetrics(NullMetrics):
         self.registry = CollectorRegistry(auto_describe=True)
         if process_metrics:
             ProcessCollector(registry=self.registry)
-        self._snapshot: Callable[[], dict[str, Any]] = dict
+        self._snapshot: Callable[[], EngineStats | None] = lambda: None
         self.registry.register(_SnapshotCollector(lambda: self._snapshot(), (model, engine_id)))
         self._server = None
         self._live: dict[str, _Live] = {}
@@ -253,7 +251,7 @@ class EngineMetrics(NullMetrics):
         self._lv = lv
 
     # ---------------------------------------------------------------- wiring
-    def bind(self, snapshot: Callable[[], dict[str, Any]]) -> EngineMetrics:
+    def bind(self, snapshot: Callable[[], EngineStats | None]) -> EngineMetrics:
         """Read gauges and scheduler counters from ``snapshot()`` (e.g. ``Worker.snapshot``)."""
         self._snapshot = snapshot
         return self

@@ -8,6 +8,7 @@ the loop blocks on the inbox instead of spinning.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -20,6 +21,7 @@ from engine_service.service.metrics import NULL_METRICS, NullMetrics
 from engine_service.service.redis_io import Batch, CancelNote, Entry
 from sluice.wire import codec, contract, limits, policy
 from sluice.wire.messages_pb2 import Event, GenerateRequest
+from sluice.wire.stats import EngineStats
 
 log = logging.getLogger("sluice.engine.worker")
 
@@ -69,7 +71,7 @@ class Worker:
         self.stopped = threading.Event()
         self.on_serving_change: list[Any] = []  # callables(bool)
         self._rates: deque[tuple[float, int, int]] = deque()
-        self._snapshot: dict[str, Any] = {}
+        self._snapshot = EngineStats()
         self._snapshot_lock = threading.Lock()
         self.counters = {"invalid": 0, "cancelled": 0, "deadline": 0, "engine_lost": 0, "handed_back": 0}
         self.metrics: NullMetrics = NULL_METRICS
@@ -82,9 +84,10 @@ class Worker:
     def request_stop(self) -> None:
         self.inbox.put(StopNote())
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> EngineStats:
+        """The latest stats, refreshed after every step (immutable: safe to hand to other threads)."""
         with self._snapshot_lock:
-            return dict(self._snapshot)
+            return self._snapshot
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -104,7 +107,7 @@ class Worker:
                 self._expire(batch)
                 produced = True
                 if self.engine.has_unfinished_requests():
-                    before = self._snapshot.get("iterations")
+                    before = self._snapshot.iterations
                     produced = self._step(batch) > 0 or self.engine.get_stats().iterations != before
                 if self.draining:
                     self._drain_progress(batch)
@@ -414,24 +417,14 @@ class Worker:
             self._rates.popleft()
         t0, g0, p0 = self._rates[0]
         span = now - t0
-        snap = {
-            "running": stats.num_running,
-            "waiting": stats.num_waiting,
-            "preempted_waiting": stats.num_preempted_waiting,
-            "free_blocks": stats.num_free_blocks,
-            "total_blocks": stats.num_total_blocks,
-            "preemptions": stats.num_preemptions,
-            "iterations": stats.iterations,
-            "prompt_tokens_total": stats.prompt_tokens_total,
-            "generation_tokens_total": stats.generation_tokens_total,
-            "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
-            "prefix_cache_queries": stats.prefix_cache_queries,
-            "prefix_cache_hits": stats.prefix_cache_hits,
-            "finished_requests": stats.finished_requests,
-            "generation_tokens_per_s": (stats.generation_tokens_total - g0) / span if span > 0 else 0.0,
-            "prompt_tokens_per_s": (stats.prompt_tokens_total - p0) / span if span > 0 else 0.0,
-            "live_requests": len(self.live),
-            "draining": self.draining,
-        }
+        snap = dataclasses.replace(
+            stats,
+            engine_id=self.engine_id,
+            model=self.model,
+            generation_tokens_per_s=(stats.generation_tokens_total - g0) / span if span > 0 else 0.0,
+            prompt_tokens_per_s=(stats.prompt_tokens_total - p0) / span if span > 0 else 0.0,
+            live_requests=len(self.live),
+            draining=self.draining,
+        )
         with self._snapshot_lock:
             self._snapshot = snap

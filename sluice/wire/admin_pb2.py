@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17sluice/wire/admin.proto\x12\x0bsluice.wire\"\x11\n\x0fGetStatsRequest\"\x84\x03\n\x0b\x45ngineStats\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x06 \x01(\r\x12\x13\n\x0bpreemptions\x18\x07 \x01(\x04\x12\x1f\n\x17generation_tokens_per_s\x18\x08 \x01(\x01\x12\x1b\n\x13prompt_tokens_per_s\x18\t \x01(\x01\x12\x12\n\niterations\x18\n \x01(\x04\x12\x19\n\x11\x66inished_requests\x18\x0b \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0c \x01(\x01\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x12\x1b\n\x13prompt_tokens_total\x18\x0e \x01(\x04\x12\x1f\n\x17generation_tokens_total\x18\x0f \x01(\x04\x12\x15\n\rlive_requests\x18\x10 \x01(\r\"&\n\x0c\x44rainRequest\x12\x16\n\x0egrace_period_s\x18\x01 \x01(\x01\"C\n\rDrainResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r2\x91\x01\n\x0b\x45ngineAdmin\x12\x42\n\x08GetStats\x12\x1c.sluice.wire.GetStatsRequest\x1a\x18.sluice.wire.EngineStats\x12>\n\x05\x44rain\x12\x19.sluice.wire.DrainRequest\x1a\x1a.sluice.wire.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17sluice/wire/admin.proto\x12\x0bsluice.wire\"\x11\n\x0fGetStatsRequest\"\xd8\x03\n\x0b\x45ngineStats\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x06 \x01(\r\x12\x13\n\x0bpreemptions\x18\x07 \x01(\x04\x12\x1f\n\x17generation_tokens_per_s\x18\x08 \x01(\x01\x12\x1b\n\x13prompt_tokens_per_s\x18\t \x01(\x01\x12\x12\n\niterations\x18\n \x01(\x04\x12\x19\n\x11\x66inished_requests\x18\x0b \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0c \x01(\x01\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x12\x1b\n\x13prompt_tokens_total\x18\x0e \x01(\x04\x12\x1f\n\x17generation_tokens_total\x18\x0f \x01(\x04\x12\x15\n\rlive_requests\x18\x10 \x01(\r\x12\x19\n\x11preempted_waiting\x18\x11 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x12 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x13 \x01(\x04\"&\n\x0c\x44rainRequest\x12\x16\n\x0egrace_period_s\x18\x01 \x01(\x01\"C\n\rDrainResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r2\x91\x01\n\x0b\x45ngineAdmin\x12\x42\n\x08GetStats\x12\x1c.sluice.wire.GetStatsRequest\x1a\x18.sluice.wire.EngineStats\x12>\n\x05\x44rain\x12\x19.sluice.wire.DrainRequest\x1a\x1a.sluice.wire.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSREQUEST']._serialized_start=40
   _globals['_GETSTATSREQUEST']._serialized_end=57
   _globals['_ENGINESTATS']._serialized_start=60
-  _globals['_ENGINESTATS']._serialized_end=448
-  _globals['_DRAINREQUEST']._serialized_start=450
-  _globals['_DRAINREQUEST']._serialized_end=488
-  _globals['_DRAINRESPONSE']._serialized_start=490
-  _globals['_DRAINRESPONSE']._serialized_end=557
-  _globals['_ENGINEADMIN']._serialized_start=560
-  _globals['_ENGINEADMIN']._serialized_end=705
+  _globals['_ENGINESTATS']._serialized_end=532
+  _globals['_DRAINREQUEST']._serialized_start=534
+  _globals['_DRAINREQUEST']._serialized_end=572
+  _globals['_DRAINRESPONSE']._serialized_start=574
+  _globals['_DRAINRESPONSE']._serialized_end=641
+  _globals['_ENGINEADMIN']._serialized_start=644
+  _globals['_ENGINEADMIN']._serialized_end=789
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("engine_id", "model", "running", "waiting", "free_blocks", "total_blocks", "preemptions", "generation_tokens_per_s", "prompt_tokens_per_s", "iterations", "finished_requests", "prefix_cache_hit_rate", "draining", "prompt_tokens_total", "generation_tokens_total", "live_requests")
+    __slots__ = ("engine_id", "model", "running", "waiting", "free_blocks", "total_blocks", "preemptions", "generation_tokens_per_s", "prompt_tokens_per_s", "iterations", "finished_requests", "prefix_cache_hit_rate", "draining", "prompt_tokens_total", "generation_tokens_total", "live_requests", "preempted_waiting", "prefix_cache_queries", "prefix_cache_hits")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,9 @@ class EngineStats(_message.Message):
     PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_WAITING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model: str
     running: int
@@ -42,7 +45,10 @@ class EngineStats(_message.Message):
     prompt_tokens_total: int
     generation_tokens_total: int
     live_requests: int
-    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., preemptions: _Optional[int] = ..., generation_tokens_per_s: _Optional[float] = ..., prompt_tokens_per_s: _Optional[float] = ..., iterations: _Optional[int] = ..., finished_requests: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., draining: _Optional[bool] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., live_requests: _Optional[int] = ...) -> None: ...
+    preempted_waiting: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., preemptions: _Optional[int] = ..., generation_tokens_per_s: _Optional[float] = ..., prompt_tokens_per_s: _Optional[float] = ..., iterations: _Optional[int] = ..., finished_requests: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., draining: _Optional[bool] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., live_requests: _Optional[int] = ..., preempted_waiting: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("grace_period_s",)

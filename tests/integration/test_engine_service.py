@@ -290,7 +290,7 @@ def test_health_stats_and_drain_hands_back(llm, clean_redis, redis_client, clien
             e.iterations, e.prompt_tokens_total, e.generation_tokens_total, e.finished_requests
         )
         assert (s.free_blocks, s.total_blocks, s.preemptions, s.running, s.waiting) == (
-            e.num_free_blocks, e.num_total_blocks, e.num_preemptions, e.num_running, e.num_waiting
+            e.free_blocks, e.total_blocks, e.preemptions, e.running, e.waiting
         )
         assert not s.draining and s.engine_id == svc.settings.engine_id
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass
 
 from engine_service.core.outputs import EngineOutput
 from engine_service.core.request import FinishReason
@@ -18,23 +17,7 @@ from engine_service.service.settings import ServiceSettings
 from engine_service.service.worker import DrainNote, Worker
 from sluice.wire import codec, contract
 from sluice.wire.messages_pb2 import FINISH_REASON_ABORT, FINISH_REASON_LENGTH
-
-
-@dataclass
-class _Stats:
-    num_running: int = 0
-    num_waiting: int = 0
-    num_preempted_waiting: int = 0
-    num_free_blocks: int = 10
-    num_total_blocks: int = 10
-    num_preemptions: int = 0
-    iterations: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    prefix_cache_hit_rate: float = 0.0
-    finished_requests: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
+from sluice.wire.stats import EngineStats
 
 
 class FakeEngine:
@@ -80,7 +63,7 @@ class FakeEngine:
         return outs
 
     def get_stats(self):
-        return _Stats(num_running=len(self.reqs), iterations=self.iterations)
+        return EngineStats(running=len(self.reqs), iterations=self.iterations, free_blocks=10, total_blocks=10)
 
 
 class FakeIO:

@@ -49,12 +49,12 @@ def test_preempted_and_recomputed_equals_alone(model_dir, alone):
     # 12 blocks of 4 tokens cannot hold six requests of ~35 tokens: the scheduler must preempt.
     tight = LLM(str(model_dir), block_size=4, num_blocks=24, max_num_batched_tokens=64, enable_prefix_caching=False)
     for kind, params in (("greedy", GREEDY), ("seeded", SEEDED)):
-        before = tight.engine.get_stats().num_preemptions
+        before = tight.engine.get_stats().preemptions
         outs = tight.generate(PROMPTS, params)
-        assert tight.engine.get_stats().num_preemptions > before, "the pool was meant to force preemption"
+        assert tight.engine.get_stats().preemptions > before, "the pool was meant to force preemption"
         assert [o.outputs[0].token_ids for o in outs] == alone[kind], kind
     stats = tight.engine.get_stats()
-    assert stats.num_free_blocks == stats.num_total_blocks
+    assert stats.free_blocks == stats.total_blocks
 
 
 def test_prefix_cache_hit_gives_same_output(llm):
@@ -102,7 +102,7 @@ def test_stop_strings_and_token_stops(llm):
     completion = out[0].outputs[0]
     assert completion.finish_reason == "stop" and completion.stop_reason == token
     assert completion.token_ids == base.token_ids[: base.token_ids.index(token) + 1]
-    assert llm.engine.get_stats().num_running == 0
+    assert llm.engine.get_stats().running == 0
 
 
 def test_eos_and_min_tokens(llm):

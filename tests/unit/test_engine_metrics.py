@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 
@@ -21,6 +22,7 @@ from engine_service.service.metrics import (
 )
 from engine_service.service.redis_io import _Backoff
 from sluice.wire import codec
+from sluice.wire.stats import EngineStats
 
 # Every sample name the engine exports (docs/metrics.md documents each).
 ENGINE_SAMPLES = {
@@ -62,15 +64,15 @@ def value(m: EngineMetrics, name: str, **labels) -> float:
     return found[0]
 
 
-SNAPSHOT = {
-    "running": 3, "waiting": 5, "preempted_waiting": 2, "free_blocks": 30, "total_blocks": 40,
-    "preemptions": 7, "prefix_cache_queries": 640, "prefix_cache_hits": 128, "prompt_tokens_total": 900,
-    "generation_tokens_total": 321, "iterations": 55, "draining": False,
-}
+SNAPSHOT = EngineStats(
+    running=3, waiting=5, preempted_waiting=2, free_blocks=30, total_blocks=40,
+    preemptions=7, prefix_cache_queries=640, prefix_cache_hits=128, prompt_tokens_total=900,
+    generation_tokens_total=321, iterations=55, draining=False,
+)
 
 
 def test_every_metric_is_exported_with_model_and_engine_labels():
-    m = EngineMetrics("smol", "e1", process_metrics=False).bind(lambda: dict(SNAPSHOT))
+    m = EngineMetrics("smol", "e1", process_metrics=False).bind(lambda: SNAPSHOT)
     got = samples(m)
     missing = ENGINE_SAMPLES - set(got)
     assert not missing, f"not exported: {sorted(missing)}"
@@ -97,8 +99,8 @@ def test_every_metric_is_exported_with_model_and_engine_labels():
 
 
 def test_registries_are_private_per_engine():
-    a = EngineMetrics("m", "a").bind(lambda: dict(SNAPSHOT))
-    b = EngineMetrics("m", "b").bind(lambda: {**SNAPSHOT, "running": 9})  # same names: no clash
+    a = EngineMetrics("m", "a").bind(lambda: SNAPSHOT)
+    b = EngineMetrics("m", "b").bind(lambda: dataclasses.replace(SNAPSHOT, running=9))  # same names: no clash
     assert value(a, "sluice:num_requests_running") == 3
     assert value(b, "sluice:num_requests_running") == 9
     assert "process_resident_memory_bytes" in samples(a)
@@ -219,7 +221,7 @@ def test_null_metrics_accept_every_call():
 
 
 def test_http_server_serves_the_registry_and_frees_its_port():
-    m = EngineMetrics("m", "e").bind(lambda: dict(SNAPSHOT))
+    m = EngineMetrics("m", "e").bind(lambda: SNAPSHOT)
     port = m.serve(0, "127.0.0.1")
     try:
         r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)

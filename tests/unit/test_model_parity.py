@@ -78,7 +78,7 @@ def test_greedy_all_in_one_batch(llm, prompts, reference):
     for out, (ref_tokens, _) in zip(outs, reference, strict=True):
         assert out.outputs[0].token_ids == ref_tokens
     stats = llm.engine.get_stats()
-    assert stats.num_free_blocks == stats.num_total_blocks or llm.engine.scheduler.block_pool is not None
+    assert stats.free_blocks == stats.total_blocks or llm.engine.scheduler.block_pool is not None
 
 
 def test_logprobs_match_reference_log_softmax(llm, prompts, reference):
