@@ -73,8 +73,9 @@ def test_int4_packing_round_trip_through_the_kernel():
 @pytest.mark.parametrize("kernel_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 5, 33])
 def test_quantized_linear_matches_dequantized_reference(method, kernel_dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
     w = _weight(n=200, k=256, seed=1)
-    bias = torch.randn(200) * 0.1
+    bias = torch.randn(200, generator=gen) * 0.1
     if kernel_dtype not in check_supported(method, "cpu"):
         pytest.skip(f"{method} has no {kernel_dtype} kernel on this CPU")
     mod = QuantizedLinear.from_float(w, bias, method, kernel_dtype, 32)
@@ -82,7 +83,7 @@ def test_quantized_linear_matches_dequantized_reference(method, kernel_dtype, ro
         deq = dequantize_int8(*quantize_int8(w))
     else:
         deq = dequantize_int4(*quantize_int4(w, 32), 32)
-    x = torch.randn(rows, 3, 256)  # leading dims are kept
+    x = torch.randn(rows, 3, 256, generator=gen)  # leading dims are kept
     y = mod(x)
     assert y.shape == (rows, 3, 200) and y.dtype == torch.float32
     ref = torch.nn.functional.linear(x.to(kernel_dtype).float(), deq, bias)
