@@ -227,7 +227,10 @@ def _check_sse_unbuffered(base_url: str) -> None:
     print(f"\nSSE through HAProxy: first token after {first:.2f} s, stream ended {spread:.2f} s later, "
           f"{len(arrivals)} token events in {batches} distinct 10 ms instants")
     assert spread > 0.2, f"the first token arrived only {spread:.3f} s before the end of the stream"
-    assert batches >= 10, f"{len(arrivals)} token events arrived in only {batches} bursts"
+    # A buffering proxy delivers everything in one or two pieces; a streaming one, token by token.
+    # On a loaded 2-core machine the engine's publisher coalesces a few steps' events when it
+    # falls behind (CI once saw 24 events in 8 bursts), so the bound leaves room for that.
+    assert batches >= 5, f"{len(arrivals)} token events arrived in only {batches} bursts"
 
 
 def _wait_for_slots(base_url: str, count: int, timeout: float, compose: Compose) -> set[str]:

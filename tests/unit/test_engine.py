@@ -71,7 +71,7 @@ def test_prefix_cache_hit_gives_same_output(llm):
 def test_seed_reproducible_across_fresh_engines(model_dir, alone):
     fresh = LLM(str(model_dir), kv_cache_memory=64 << 20)
     assert fresh.generate([PROMPTS[1]], SEEDED)[0].outputs[0].token_ids == alone["seeded"][1]
-    other_seed = SamplingParams(**{**SEEDED.__dict__, "seed": 99})
+    other_seed = SEEDED.replace(seed=99)
     assert fresh.generate([PROMPTS[1]], other_seed)[0].outputs[0].token_ids != alone["seeded"][1]
 
 
