@@ -24,6 +24,58 @@ from typing import Any
 # newlines forever. Separators are the ones json.dumps writes by default.
 JSON_DEFAULTS = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
+
+@dataclass(frozen=True)
+class JsonObjectLimits:
+    """The bounds of ``json_object`` ("any JSON object", OpenAI's JSON mode).
+
+    An unbounded "any object" grammar never forces an end: a model caught in a loop (the same
+    array item or member again and again, a string that repeats a fragment) is always allowed to
+    go on, and stops only at ``max_tokens``, cut mid-document. With every container and string
+    bounded, the grammar itself closes the loop: after ``max_items`` items it allows only ``]``,
+    after ``max_members`` members only ``}``, after ``max_string_chars`` characters only ``"``,
+    and past ``max_depth`` nested containers only scalars (and ``{}`` / ``[]``). A ``json_schema``
+    (even ``{"type": "object"}``) is never bounded this way: it means what its author wrote.
+    """
+
+    max_depth: int = 5  # nested containers, the top-level object included
+    max_members: int = 16  # members per object
+    max_items: int = 32  # items per array
+    max_string_chars: int = 256  # characters of a string value (an escape counts as one)
+    max_key_chars: int = 64  # characters of a member name
+    max_int_digits: int = 16  # digits before the point; as many after it; exponent: 3
+
+
+JSON_OBJECT_LIMITS = JsonObjectLimits()
+
+
+def json_object_grammar(limits: JsonObjectLimits | None = None) -> str:
+    """The Lark grammar (llguidance's dialect) of a bounded JSON object (``JSON_OBJECT_LIMITS``
+    unless ``limits`` is given), written the way ``JSON_DEFAULTS`` writes JSON: no free whitespace,
+    ``", "`` and ``": "`` separators."""
+    limits = limits or JSON_OBJECT_LIMITS
+    if min(limits.max_depth, limits.max_members, limits.max_items, limits.max_string_chars,
+           limits.max_key_chars, limits.max_int_digits) < 1:
+        raise ValueError("every JsonObjectLimits bound must be at least 1")
+    scalars = 'string | NUMBER | "true" | "false" | "null"'
+    lines = ["start: object0"]
+    for depth in range(limits.max_depth):
+        inner = f"value{depth + 1}"
+        if depth + 1 < limits.max_depth:
+            lines.append(f"{inner}: object{depth + 1} | array{depth + 1} | {scalars}")
+        else:  # the deepest level: only scalars and empty containers
+            lines.append(f'{inner}: {scalars} | "{{}}" | "[]"')
+        lines.append(f'object{depth}: "{{" [key ": " {inner} (", " key ": " {inner}){{0,{limits.max_members - 1}}}] "}}"')
+        if depth > 0:
+            lines.append(f'array{depth}: "[" [{inner} (", " {inner}){{0,{limits.max_items - 1}}}] "]"')
+    digits = limits.max_int_digits
+    lines += [
+        f'string: %json {{"type": "string", "maxLength": {limits.max_string_chars}}}',
+        f'key: %json {{"type": "string", "maxLength": {limits.max_key_chars}}}',
+        f"NUMBER: /-?(0|[1-9][0-9]{{0,{digits - 1}}})(\\.[0-9]{{1,{digits}}})?([eE][+-]?[0-9]{{1,3}})?/",
+    ]
+    return "\n".join(lines) + "\n"
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 _MAX_SPEC_CHARS = 1 << 20
 
@@ -151,7 +203,7 @@ def compile_grammar(kind: str, spec: str) -> str:
         if kind == "json":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_DEFAULTS)
         elif kind == "json_object":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_DEFAULTS)
+            grammar = llguidance.grammar_from("lark", json_object_grammar())
         elif kind == "regex":
             grammar = llguidance.grammar_from("regex", spec)
         elif kind == "choice":

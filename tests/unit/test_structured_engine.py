@@ -49,6 +49,16 @@ def test_fifty_json_schemas_offline_parse_and_validate(llm):
     assert llm.engine.grammars.num_active == 0
 
 
+def test_json_object_offline_loop_is_closed_by_the_grammar(llm):
+    # Greedy, this prompt loops on one array item ("Las Vegas", "Las Vegas", ...) until max_tokens
+    # under an unbounded "any object" grammar; JSON mode's bounded grammar closes the array.
+    params = SamplingParams(temperature=0.0, max_tokens=256, structured_outputs={"json_object": True})
+    out = llm.chat(_chat("Describe a city as a JSON object. Use at most three short keys."), params)[0].outputs[0]
+    assert out.finish_reason == "stop", out.text
+    assert isinstance(json.loads(out.text), dict) and len(out.token_ids) < 256
+    assert llm.engine.grammars.num_active == 0
+
+
 def test_grammar_in_a_batch_of_32_leaves_the_others_token_identical(llm):
     prompts = [f"Write a short sentence about the number {i}." for i in range(32)]
     plain = SamplingParams(temperature=0.0, max_tokens=12)
