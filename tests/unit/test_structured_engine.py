@@ -18,7 +18,7 @@ import torch
 from engine_service import LLM, SamplingParams
 from engine_service.core.scheduler import RequestRejected
 from engine_service.sampling.grammar import GrammarManager, apply_token_bitmask
-from sluice.structured import StructuredOutputsParams
+from sluice.structured import JSON_OBJECT_LIMITS, StructuredOutputsParams
 from tests.structured_cases import MAX_TOKENS, cases
 
 pytestmark = pytest.mark.model
@@ -49,14 +49,24 @@ def test_fifty_json_schemas_offline_parse_and_validate(llm):
     assert llm.engine.grammars.num_active == 0
 
 
-def test_json_object_offline_loop_is_closed_by_the_grammar(llm):
-    # Greedy, this prompt loops on one array item ("Las Vegas", "Las Vegas", ...) until max_tokens
-    # under an unbounded "any object" grammar; JSON mode's bounded grammar closes the array.
-    params = SamplingParams(temperature=0.0, max_tokens=256, structured_outputs={"json_object": True})
-    out = llm.chat(_chat("Describe a city as a JSON object. Use at most three short keys."), params)[0].outputs[0]
-    assert out.finish_reason == "stop", out.text
-    assert isinstance(json.loads(out.text), dict) and len(out.token_ids) < 256
-    assert llm.engine.grammars.num_active == 0
+def test_json_object_offline_is_the_bounded_grammar(llm):
+    # SamplingParams(structured_outputs={"json_object": True}) gets JSON mode's bounded grammar, as
+    # the HTTP API does: after max_items items of the loop the greedy default model falls into on
+    # "Describe a city as a JSON object." ("Las Vegas", "Las Vegas", ...), only "]" is left.
+    engine = llm.engine
+    manager = GrammarManager(engine.tokenizer.backend.to_str(), engine.vocab_size, engine.eos_token_ids)
+    seq = _Seq("j", SamplingParams(structured_outputs={"json_object": True}))
+    manager.add(seq)
+    text = '{"Cities": [' + ", ".join(['"Las Vegas"'] * JSON_OBJECT_LIMITS.max_items)
+    for token in engine.tokenizer.encode(text, add_special_tokens=False):
+        manager.accept(seq, token)
+        seq.output_token_ids.append(token)
+        assert seq.structured_error is None
+    logits = torch.zeros(1, engine.vocab_size)
+    manager.apply_bitmask(logits, [seq])
+    allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    assert allowed and all(engine.tokenizer.decode([t]).startswith("]") for t in allowed)
+    manager.free("j")
 
 
 def test_grammar_in_a_batch_of_32_leaves_the_others_token_identical(llm):
