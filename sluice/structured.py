@@ -46,7 +46,7 @@ class JsonObjectLimits:
     max_int_digits: int = 16  # digits before the point; as many after it; exponent: 3
 
 
-JSON_OBJECT_LIMITS = JsonObjectLimits()
+JSON_OBJECT_LIMITS = JsonObjectLimits()  # read when the grammar is first compiled (then cached)
 
 
 def json_object_grammar(limits: JsonObjectLimits | None = None) -> str:
@@ -75,6 +75,7 @@ def json_object_grammar(limits: JsonObjectLimits | None = None) -> str:
         f"NUMBER: /-?(0|[1-9][0-9]{{0,{digits - 1}}})(\\.[0-9]{{1,{digits}}})?([eE][+-]?[0-9]{{1,3}})?/",
     ]
     return "\n".join(lines) + "\n"
+
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 _MAX_SPEC_CHARS = 1 << 20
