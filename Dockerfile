@@ -103,6 +103,11 @@ RUN pip-install --no-deps . && pip check
 
 # ---------------------------------------------------------------------------------------------
 FROM base AS engine
+# gcc builds the native decode attention at first start (engine_service/model/native.py; cached in
+# /models/kernels) and lets inductor compile (--no-enforce-eager). Without it (an offline build)
+# the engine logs why and runs the plain-torch attention.
+RUN (apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+     && rm -rf /var/lib/apt/lists/*) || echo "gcc not installed: the engine will use the torch attention"
 COPY --from=build-engine /opt/venv /opt/venv
 COPY --from=build-engine /opt/sluice/model /opt/sluice/model
 COPY deploy/docker/engine-entrypoint.sh /usr/local/bin/engine-entrypoint.sh

@@ -25,6 +25,8 @@ $(PYTHON):
 
 # Installed again whenever pyproject.toml changes.
 $(STAMP): pyproject.toml | $(PYTHON)
+	@# gcc builds the engine's native decode attention at first use (and lets inductor compile).
+	@command -v gcc >/dev/null || (apt-get update -qq && apt-get install -y -qq gcc libc6-dev)
 	# The CPU build of torch first, explicitly: any looser spec pulls a multi-GB CUDA build.
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[$(EXTRAS)]'

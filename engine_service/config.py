@@ -71,6 +71,10 @@ class EngineConfig:
         if self.enforce_eager is not None:
             return self.enforce_eager
         return os.environ.get("SLUICE_ENFORCE_EAGER", "1").lower() in ("1", "true", "yes")
+    attention_backend: str = knob(
+        "auto", "decode attention: native (a C kernel built at first use that reads the paged KV cache in "
+        "place; CPU only, needs gcc), torch (plain torch: a padded gather + SDPA, the reference), auto "
+        "(native where it builds, else torch; docs/performance.md)", choices=["auto", "native", "torch"])
     generation_config: str = knob(
         "auto", "auto: the model's generation_config.json sets the temperature, top_p, top_k, min_p and "
         "repetition_penalty a request leaves unset (vLLM's behaviour); vllm: ignore it (neutral defaults)",

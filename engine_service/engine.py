@@ -26,6 +26,7 @@ from engine_service.model.config import ModelConfig
 from engine_service.model.dtype import resolve_auto_dtype
 from engine_service.model.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from engine_service.model.loader import load_model, parse_dtype
+from engine_service.model.native import load_paged_decode_attention, paged_decode_attention_kernel
 from engine_service.model.quantization import parse_quantization
 from engine_service.model.runner import ModelRunner
 from engine_service.sampling.grammar import GrammarManager
@@ -90,7 +91,8 @@ class LLMEngine:
         )
         # One block more than the scheduler hands out: the compiled step's warm-up writes there.
         kv = allocate_kv_cache(self.model_config, num_blocks + 1, config.block_size, self.dtype, self.device)
-        self.runner = ModelRunner(model, kv, config.block_size, self.device)
+        self.runner = ModelRunner(model, kv, config.block_size, self.device,
+                                  decode_kernel=self._decode_kernel(config.attention_backend))
         logger.info("loaded %s (%s%s, %s) with %d KV blocks of %d tokens in %.1fs", self.model_name,
                     self.dtype, f", {self.quantization}" if self.quantization else "", self.device, num_blocks,
                     config.block_size, time.perf_counter() - started)
@@ -219,6 +221,26 @@ class LLMEngine:
         return max(0, self.config.max_num_seqs - sched.num_running)
 
     # ------------------------------------------------------------------ the step
+    def _decode_kernel(self, backend: str):
+        """The native decode attention for ``backend`` (auto / native / torch), or None for torch's."""
+        if backend == "torch":
+            return None
+        if backend not in ("auto", "native"):
+            raise ValueError(f"attention_backend must be auto, native or torch, not {backend!r}")
+        if backend == "native":
+            if self.device.type != "cpu":
+                raise ValueError(f"attention_backend native runs on CPU only, not on {self.device}")
+            kernel = load_paged_decode_attention()  # raises NativeKernelError saying why it cannot
+        else:
+            kernel = paged_decode_attention_kernel(self.device)
+        if kernel is not None and not kernel.supports(self.dtype):
+            if backend == "native":
+                raise ValueError(f"attention_backend native has no kernel for a {self.dtype} KV cache")
+            kernel = None
+        self.attention_backend = "native" if kernel is not None else "torch"
+        logger.info("decode attention: %s", self.attention_backend)
+        return kernel
+
     def step(self) -> list[EngineOutput]:
         scheduled = self.scheduler.schedule()
         self.last_batch = (len(scheduled.chunks), scheduled.num_batched_tokens)

@@ -21,12 +21,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch"])
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    kwargs = {"dtype": args.dtype}
+    kwargs = {"dtype": args.dtype, "quantization": args.quantization, "attention_backend": args.attention_backend}
     try:
         llm = LLM(**kwargs, enforce_eager=args.enforce_eager)
     except TypeError:

@@ -15,12 +15,16 @@ Decode tokens (one query per sequence) have two implementations with the same in
   would materialise those gathers; under ``torch.compile`` inductor fuses each gather into the
   reduction that consumes it, so the cache is read where it lies, once, and no padded copy of any
   sequence's K/V exists. The compiled decode step (``engine_service.model.compiled``) uses it.
+* a native kernel (``engine_service.model.native``, C built at first use): the same attention read
+  through the block tables in place, one OpenMP task per (sequence, head). What the eager forward
+  runs on CPU when the kernel builds (``attention_backend``: auto / native).
 
 Prefill chunks run one SDPA call each, causal over the sequence's cached and new tokens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +49,8 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long (padded with 0)
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] long: tokens each decode attends to
     decode_inplace: bool = False  # decode_attention_inplace instead of the reference gather + SDPA
+    # a native kernel with decode_attention_inplace's signature (engine_service.model.native), or None
+    decode_kernel: Callable[..., torch.Tensor] | None = None
     _decode_mask: torch.Tensor | None = None
 
     @property
@@ -114,6 +120,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if meta.decode_inplace:
             return decode_attention_inplace(query, k_cache, v_cache, meta.decode_block_tables,
                                             meta.decode_context_lens, scale)
+        if meta.decode_kernel is not None:
+            return meta.decode_kernel(query, k_cache, v_cache, meta.decode_block_tables,
+                                      meta.decode_context_lens, scale)
         return decode_attention_reference(query, k_cache, v_cache, meta, scale)
 
     if not meta.prefills and meta.decode_token_index is None:

@@ -7,8 +7,10 @@ every scheduled token is a decode, the steady state of generation.
   so batch 1 gets its own graph. Block tables are padded to at least two columns so the width never
   specialises. Recompilation is therefore bounded: two graphs, both built by ``warm_up`` at engine
   start (its duration is logged and kept in ``warmup_seconds``).
-* Attention: the compiled graph runs ``decode_attention_inplace``; inductor fuses its block-table
-  gathers into the reductions, so no padded copy of any sequence's K/V is made.
+* Attention: the native kernel (``engine_service.model.native``, called as the operator
+  ``sluice::paged_decode_attention``) where the engine has it; otherwise ``decode_attention_inplace``,
+  whose block-table gathers inductor fuses into the reductions. Either way no padded copy of any
+  sequence's K/V is made.
 * Steps with a prefill chunk run eagerly (``ModelRunner`` decides per step): their cost is in large
   matmuls, where the per-op overhead compilation removes is small.
 * ``enforce_eager=True`` (``--enforce-eager``) skips all of this; the eager path is the reference.
@@ -52,6 +54,15 @@ def _decode_layer(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, si
     return layer(x, cos, sin, (k_cache, v_cache), meta)
 
 
+def _decode_layer_native(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    meta = AttentionMetadata(slot_mapping=slot_mapping, prefills=[], decode_token_index=None,
+                             decode_block_tables=block_tables, decode_context_lens=context_lens,
+                             decode_kernel=torch.ops.sluice.paged_decode_attention)
+    return layer(x, cos, sin, (k_cache, v_cache), meta)
+
+
 class CompiledDecode:
     """Callable as ``(input_ids, positions, meta) -> hidden`` for a decode-only step.
 
@@ -59,11 +70,15 @@ class CompiledDecode:
     (dynamo inlines the layer module and treats its parameters as graph inputs), so compile time
     does not grow with depth. The embedding lookup and the final norm run eagerly around it."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 native_attention: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.warmup_seconds: float | None = None
-        self._layer = torch.compile(_decode_layer, dynamic=True, fullgraph=True)
+        if native_attention:
+            import engine_service.model.native  # noqa: F401 - registers sluice::paged_decode_attention
+        layer = _decode_layer_native if native_attention else _decode_layer
+        self._layer = torch.compile(layer, dynamic=True, fullgraph=True)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         model = self.model

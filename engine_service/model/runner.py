@@ -8,7 +8,7 @@ the prompt positions of requests that asked for prompt logprobs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -48,7 +48,8 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int,
-                 device: torch.device, decode_inplace: bool = False) -> None:
+                 device: torch.device, decode_inplace: bool = False,
+                 decode_kernel: Callable[..., torch.Tensor] | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -56,6 +57,8 @@ class ModelRunner:
         # decode attention through decode_attention_inplace (what the compiled step runs) instead of
         # the reference gather + SDPA
         self.decode_inplace = decode_inplace
+        # the native decode attention (engine_service.model.native) the eager forward uses, if any
+        self.decode_kernel = decode_kernel
         self.min_decode_width = 1  # the compiled step pads block tables to >= 2 columns (no 1-specialisation)
         self.compiled_decode = None  # set by enable_compiled_decode
 
@@ -120,6 +123,7 @@ class ModelRunner:
             decode_block_tables=decode_tables,
             decode_context_lens=decode_lens,
             decode_inplace=self.decode_inplace,
+            decode_kernel=self.decode_kernel,
         )
         sample_rows = (ends - 1)[np.fromiter((c.samples for c in chunks), dtype=bool, count=n)].tolist()
         input_ids = self._tensor(np.asarray(token_ids, dtype=np.int64))
@@ -130,7 +134,7 @@ class ModelRunner:
         only ``scratch_slot``. Returns the warm-up seconds."""
         from engine_service.model.compiled import CompiledDecode
 
-        compiled = CompiledDecode(self.model, self.kv_caches)
+        compiled = CompiledDecode(self.model, self.kv_caches, native_attention=self.decode_kernel is not None)
         self.min_decode_width = 2
         seconds = compiled.warm_up(scratch_slot)
         self.compiled_decode = compiled

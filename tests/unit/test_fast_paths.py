@@ -1,8 +1,9 @@
 """The fast paths against the eager reference, without compiling anything (compiled: test_compiled.py).
 
-* ``decode_attention_inplace`` (what the compiled decode step runs) equals the reference gather +
-  SDPA on random paged caches, and, run eagerly inside the model, gives token-identical greedy
-  output in float32 on the parity prompts: alone, batched and through preemption.
+* ``decode_attention_inplace`` (what the compiled decode step runs without the native kernel) and
+  the native kernel (``engine_service.model.native``, the default on CPU) equal the reference gather
+  + SDPA on random paged caches, and, inside the model, give token-identical greedy output in
+  float32 on the parity prompts: alone, batched and through preemption.
 * The fused q/k/v and gate/up projections are the checkpoint's tensors, concatenated.
 * The vectorised step layout (positions, slots, block tables) equals a per-request computation.
 """
@@ -23,6 +24,7 @@ from engine_service.model.attention import (
     decode_attention_inplace,
     decode_attention_reference,
 )
+from engine_service.model.native import load_paged_decode_attention
 from engine_service.model.runner import ModelRunner
 from tests.model_helpers import Chunk, parity_prompts
 
@@ -30,12 +32,11 @@ NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-@pytest.mark.parametrize("heads,kv_heads,block_size", [(9, 3, 16), (4, 4, 4), (8, 2, 8)])
-def test_inplace_decode_attention_matches_reference(heads, kv_heads, block_size):
+def _random_paged_case(heads: int, kv_heads: int, block_size: int, dtype: torch.dtype = torch.float32):
     gen = torch.Generator().manual_seed(heads * 100 + block_size)
     num_blocks, head_dim, batch = 40, 32, 6
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     # lengths: one token, block-aligned, one either side, and a long one
     lens = [1, block_size, block_size + 1, 3 * block_size - 1, 3 * block_size, 7 * block_size + 3]
     width = max(-(-n // block_size) for n in lens) + 1  # one padding column more than needed
@@ -44,13 +45,46 @@ def test_inplace_decode_attention_matches_reference(heads, kv_heads, block_size)
     for row, n in enumerate(lens):
         for col in range(-(-n // block_size)):
             tables[row, col] = perm.pop()
-    q = torch.randn(batch, heads, head_dim, generator=gen)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
     meta = AttentionMetadata(slot_mapping=torch.zeros(batch, dtype=torch.long), prefills=[],
                              decode_token_index=None, decode_block_tables=tables,
                              decode_context_lens=torch.tensor(lens))
+    return q, k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("heads,kv_heads,block_size", [(9, 3, 16), (4, 4, 4), (8, 2, 8)])
+def test_inplace_decode_attention_matches_reference(heads, kv_heads, block_size):
+    q, k_cache, v_cache, meta = _random_paged_case(heads, kv_heads, block_size)
     ref = decode_attention_reference(q, k_cache, v_cache, meta, 0.3)
-    got = decode_attention_inplace(q, k_cache, v_cache, tables, torch.tensor(lens), 0.3)
+    got = decode_attention_inplace(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, 0.3)
     torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,block_size", [(9, 3, 16), (4, 4, 4), (8, 2, 8), (6, 1, 16)])
+def test_native_decode_attention_matches_reference(heads, kv_heads, block_size, dtype):
+    kernel = load_paged_decode_attention()  # gcc is part of the test set-up: a build failure fails here
+    q, k_cache, v_cache, meta = _random_paged_case(heads, kv_heads, block_size, dtype)
+    ref = decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, 0.3)
+    got = kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, 0.3)
+    assert got.dtype == dtype and got.shape == q.shape
+    # float32 accumulation in both: the only difference is the order of the sums
+    torch.testing.assert_close(got.float(), ref, atol=2e-6 if dtype == torch.float32 else 1e-2, rtol=1e-5)
+    # the operator the compiled step calls is the same kernel
+    op = torch.ops.sluice.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                                 meta.decode_context_lens, 0.3)
+    assert torch.equal(op, got)
+
+
+def test_native_decode_attention_refuses_what_it_cannot_run():
+    from engine_service.model.native import NativeKernelError
+
+    kernel = load_paged_decode_attention()
+    q, k_cache, v_cache, meta = _random_paged_case(9, 3, 16)
+    with pytest.raises(NativeKernelError, match="float16"):
+        kernel(q, k_cache.half(), v_cache.half(), meta.decode_block_tables, meta.decode_context_lens, 0.3)
+    with pytest.raises(NativeKernelError, match="head size"):
+        kernel(q[..., :16], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, 0.3)
 
 
 @pytest.mark.model
@@ -120,8 +154,8 @@ def test_prepare_layout_equals_per_request_computation():
 
 @pytest.fixture(scope="module")
 def reference_llm(model_dir):
-    return LLM(str(model_dir), dtype="float32", enforce_eager=True, max_num_batched_tokens=512,
-               kv_cache_memory=128 << 20)
+    return LLM(str(model_dir), dtype="float32", enforce_eager=True, attention_backend="torch",
+               max_num_batched_tokens=512, kv_cache_memory=128 << 20)
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +178,8 @@ def _inplace(llm: LLM) -> LLM:
 @pytest.mark.model
 @pytest.mark.timeout(1800)
 def test_inplace_decode_greedy_identical_alone_and_batched(model_dir, prompts, reference_tokens):
-    llm = _inplace(LLM(str(model_dir), dtype="float32", enforce_eager=True, max_num_batched_tokens=512,
-                       kv_cache_memory=128 << 20))
+    llm = _inplace(LLM(str(model_dir), dtype="float32", enforce_eager=True, attention_backend="torch",
+                       max_num_batched_tokens=512, kv_cache_memory=128 << 20))
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     assert batched == reference_tokens
     for i in (0, 4, 9):  # shortest, two tokens, ~1,000 tokens
@@ -157,8 +191,25 @@ def test_inplace_decode_greedy_identical_alone_and_batched(model_dir, prompts, r
 def test_inplace_decode_greedy_identical_through_preemption(model_dir, prompts, reference_tokens):
     short = [i for i, p in enumerate(prompts) if len(p) <= 40]
     assert len(short) >= 4
-    tight = _inplace(LLM(str(model_dir), dtype="float32", enforce_eager=True, block_size=4, num_blocks=40,
-                         max_num_batched_tokens=64, enable_prefix_caching=False))
+    tight = _inplace(LLM(str(model_dir), dtype="float32", enforce_eager=True, attention_backend="torch",
+                         block_size=4, num_blocks=40, max_num_batched_tokens=64, enable_prefix_caching=False))
+    outs = tight.generate([prompts[i] for i in short], GREEDY)
+    assert tight.engine.get_stats().preemptions > 0, "the pool was meant to force preemption"
+    assert [o.outputs[0].token_ids for o in outs] == [reference_tokens[i] for i in short]
+
+
+@pytest.mark.model
+def test_native_decode_greedy_identical_alone_batched_and_through_preemption(model_dir, prompts, reference_tokens):
+    llm = LLM(str(model_dir), dtype="float32", enforce_eager=True, attention_backend="native",
+              max_num_batched_tokens=512, kv_cache_memory=128 << 20)
+    assert llm.engine.attention_backend == "native" and llm.engine.runner.decode_kernel is not None
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert batched == reference_tokens
+    for i in (0, 4, 9):  # shortest, two tokens, ~1,000 tokens
+        assert llm.generate([prompts[i]], GREEDY)[0].outputs[0].token_ids == reference_tokens[i]
+    short = [i for i, p in enumerate(prompts) if len(p) <= 40]
+    tight = LLM(str(model_dir), dtype="float32", enforce_eager=True, attention_backend="native",
+                block_size=4, num_blocks=40, max_num_batched_tokens=64, enable_prefix_caching=False)
     outs = tight.generate([prompts[i] for i in short], GREEDY)
     assert tight.engine.get_stats().preemptions > 0, "the pool was meant to force preemption"
     assert [o.outputs[0].token_ids for o in outs] == [reference_tokens[i] for i in short]
