@@ -223,6 +223,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def _decode_kernel(self, backend: str):
         """The native decode attention for ``backend`` (auto / native / torch), or None for torch's."""
+        self.attention_backend = "torch"
         if backend == "torch":
             return None
         if backend not in ("auto", "native"):

@@ -124,6 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
                         help="weight-only quantization of the Sluice engine (transformers runs unquantized)")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch"],
+                        help="the engine's decode attention (auto: the native kernel where it builds)")
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                         help="--enforce-eager: no torch.compile; --no-enforce-eager: compile the decode step")
     parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
@@ -143,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     started = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-              quantization=args.quantization, enable_prefix_caching=False, max_num_seqs=max(args.batch_size, 1),
+              quantization=args.quantization, attention_backend=args.attention_backend, enable_prefix_caching=False, max_num_seqs=max(args.batch_size, 1),
               max_num_batched_tokens=max(2048, args.input_len))
     engine = llm.engine
     load_s = time.perf_counter() - started
@@ -156,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     mode = "eager" if engine.enforce_eager else "compiled"
     dtype_name = str(engine.dtype).removeprefix("torch.")
     quant = f"+{engine.quantization}" if engine.quantization else ""
-    sluice = LatencyRow(f"sluice ({dtype_name}{quant}, {mode})")
+    sluice = LatencyRow(f"sluice ({dtype_name}{quant}, {mode}, {engine.attention_backend} attention)")
     for batch in prompts:
         run_sluice_iteration(engine, batch, args.output_len, sluice)
     peak_mb = peak_rss_mb()

@@ -111,6 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
                         help="weight-only quantization of the Sluice engine (transformers runs unquantized)")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch"],
+                        help="the engine's decode attention (auto: the native kernel where it builds)")
     parser.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
                         help="no torch.compile (vLLM's name)")
     parser.add_argument("--compile", dest="enforce_eager", action="store_false",
@@ -146,11 +148,11 @@ def run(args: argparse.Namespace) -> int:
 
     chart = plots.plot_target(args, args.json, "bench-results/offline.png", "sluice bench offline")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization,
+              max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization, attention_backend=args.attention_backend,
               enforce_eager=args.enforce_eager)
     engine = llm.engine
     mode = (f"{str(engine.dtype).removeprefix('torch.')}{'+' + engine.quantization if engine.quantization else ''}, "
-            f"{'eager' if engine.enforce_eager else 'compiled'}")
+            f"{'eager' if engine.enforce_eager else 'compiled'}, {engine.attention_backend} attention")
     work = make_workload(engine.vocab_size, args.num_requests, _range(args.prompt_len),
                          _range(args.output_len), args.seed)
     llm.generate([work[0].prompt_token_ids[:16]], None)  # warm-up
@@ -209,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
     result = {
         "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
                      "output_len": args.output_len, "seed": args.seed, "dtype": args.dtype,
-                     "quantization": args.quantization, "cycled_concurrency": args.cycled_concurrency},
+                     "quantization": args.quantization, "cycled_concurrency": args.cycled_concurrency,
+                     "attention_backend": engine.attention_backend},
         "sluice_mode": mode,
         "peak_rss_mb": peak_rss_mb,
         "peak_cuda_allocated_mb": peak_cuda_mb,
