@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine_service.model.config import ModelConfig
+from engine_service.model.hugepages import hugepage_tensors
 
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB
 DEFAULT_CUDA_KV_SHARE = 0.9  # of the memory free once the weights are loaded
@@ -32,6 +33,9 @@ def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    if device.type == "cpu":  # zero-filled, in huge pages (engine_service.model.hugepages)
+        tensors = hugepage_tensors([(shape, dtype)] * (2 * cfg.num_hidden_layers))
+        return list(zip(tensors[0::2], tensors[1::2], strict=True))
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(cfg.num_hidden_layers)

@@ -21,7 +21,7 @@ def test_bench_latency_writes_table_and_json(model_dir, tmp_path, capsys):
                               "--batch-size", "2", "--dtype", "float32", "--enforce-eager", "--json", str(out)])
     assert latency.run(args) == 0
     result = json.loads(out.read_text())
-    assert [r["system"] for r in result["rows"]] == ["sluice (float32, eager)", "transformers generate"]
+    assert [r["system"] for r in result["rows"]] == ["sluice (float32, eager, native attention)", "transformers generate"]
     sluice = result["raw"][0]
     assert len(sluice["ttft_ms"]) == 4 and len(sluice["tpot_ms"]) == 4  # 2 iterations x batch 2
     assert all(v > 0 for v in sluice["ttft_ms"] + sluice["tpot_ms"])

@@ -36,7 +36,7 @@ def test_bench_offline_modes_cycled_concurrency_and_peak_memory(model_dir, tmp_p
     assert main(argv) == 0
     out = capsys.readouterr().out
     doc = json.loads(path.read_text())
-    assert doc["sluice_mode"] == "float32+int8, eager" and doc["workload"]["quantization"] == "int8"
+    assert doc["sluice_mode"] == "float32+int8, eager, native attention" and doc["workload"]["quantization"] == "int8"
     assert [r["system"] for r in doc["rows"]] == ["sluice (continuous batching)", "sluice, 7 at once"]
     base, cycled = doc["rows"]
     assert cycled["requests"] == 7 and cycled["output_tokens"] > base["output_tokens"]

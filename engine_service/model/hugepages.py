@@ -1,0 +1,87 @@
+"""Weights and KV cache in memory the kernel may back with transparent huge pages (2 MiB), on CPU.
+
+Decoding one token reads every weight once: a stream of 538 MB (SmolLM2-135M in float32) through
+4 KiB pages is a TLB miss every 4 KiB, and under a hypervisor each miss is a two-level page walk.
+On the development VM the 121 projections of one decode step took 50-62 ms from ordinary torch
+allocations and 25-27 ms from huge-page memory, the same bytes (docs/performance.md). torch only
+asks for huge pages when ``THP_MEM_ALLOC_ENABLE=1`` is set before its first allocation, which an
+engine embedded in someone's process cannot promise, so the engine places its large tensors
+itself: one anonymous mapping advised ``MADV_HUGEPAGE`` before it is touched, tensors carved out of
+it. Where the advice is unavailable (not Linux, THP ``never``) this is an ordinary allocation.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 2 << 20  # tensors start on 2 MiB boundaries: whole huge pages, no page shared by two tensors
+MIN_BYTES = 1 << 20  # smaller tensors stay where they are (norm weights, tables)
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def hugepage_buffer(nbytes: int) -> torch.Tensor:
+    """A zero-filled uint8 tensor of ``nbytes`` in one anonymous mapping advised for huge pages.
+    The mapping lives as long as the tensor (and every view of it)."""
+    size = max(_round_up(nbytes, ALIGN), ALIGN)
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            region.madvise(advice)
+        except OSError as exc:  # THP disabled or unsupported: ordinary pages
+            logger.debug("MADV_HUGEPAGE refused: %s", exc)
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes)
+
+
+def hugepage_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Zero-filled tensors of the given shapes and dtypes, sharing one huge-page mapping."""
+    offsets, total = [], 0
+    for shape, dtype in specs:
+        offsets.append(total)
+        total += _round_up(torch.Size(shape).numel() * dtype.itemsize, ALIGN)
+    buffer = hugepage_buffer(total)
+    return [buffer[off : off + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
+            for off, (shape, dtype) in zip(offsets, specs, strict=True)]
+
+
+def move_to_hugepages(module: nn.Module) -> int:
+    """Copy the module's large CPU parameters and buffers into one huge-page mapping (same values,
+    same dtypes; ties stay tied). Returns the bytes moved."""
+    seen: dict[int, torch.Tensor] = {}
+    slots: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
+    for owner in module.modules():
+        for name, tensor in [*((n, p) for n, p in owner._parameters.items()),
+                             *((n, b) for n, b in owner._buffers.items())]:
+            if tensor is None or tensor.device.type != "cpu" or tensor.nbytes < MIN_BYTES:
+                continue
+            slots.append((owner, name, name in owner._parameters, tensor))
+            seen.setdefault(id(tensor), tensor)
+    unique = list(seen.values())
+    if not unique:
+        return 0
+    placed = dict(zip((id(t) for t in unique),
+                      hugepage_tensors([(tuple(t.shape), t.dtype) for t in unique]), strict=True))
+    with torch.no_grad():
+        for t in unique:
+            placed[id(t)].copy_(t)
+    for owner, name, is_param, tensor in slots:
+        new = placed[id(tensor)]
+        if is_param:
+            owner._parameters[name] = nn.Parameter(new, requires_grad=tensor.requires_grad)
+        else:
+            owner._buffers[name] = new
+    # A tied parameter must stay one object: re-tie what the loop above split into two Parameters.
+    tied: dict[int, nn.Parameter] = {}
+    for owner, name, is_param, tensor in slots:
+        if is_param:
+            owner._parameters[name] = tied.setdefault(id(tensor), owner._parameters[name])
+    return sum(t.nbytes for t in unique)

@@ -1,0 +1,80 @@
+"""Weights and KV cache in huge-page-advised memory (engine_service.model.hugepages)."""
+
+from __future__ import annotations
+
+import mmap
+
+import pytest
+import torch
+from torch import nn
+
+from engine_service.model.hugepages import ALIGN, MIN_BYTES, hugepage_tensors, move_to_hugepages
+
+pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this OS")
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The VmFlags of the mapping of this process that holds ``address``."""
+    mapping = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                start, end = (int(x, 16) for x in head.split("-"))
+                mapping = start <= address < end
+            elif mapping and line.startswith("VmFlags:"):
+                return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_hugepage_tensors_are_zeroed_aligned_and_advised():
+    a, b = hugepage_tensors([((3, 1000, 7), torch.float32), ((5, 4), torch.bfloat16)])
+    assert a.shape == (3, 1000, 7) and a.dtype == torch.float32 and a.is_contiguous()
+    assert b.shape == (5, 4) and b.dtype == torch.bfloat16
+    assert not a.any() and not b.any()
+    assert a.data_ptr() % ALIGN == 0 and b.data_ptr() % ALIGN == 0
+    assert "hg" in _vm_flags(a.data_ptr()), "the mapping was not advised MADV_HUGEPAGE"
+    a.fill_(1.5)
+    b.fill_(2)
+    assert a.sum().item() == 1.5 * a.numel() and not b.sub(2).any()  # disjoint, writable
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(1024, 512)
+        self.head = nn.Linear(512, 1024, bias=False)
+        self.head.weight = self.embed.weight
+        self.small = nn.Linear(8, 8)
+        self.register_buffer("table", torch.arange(300_000, dtype=torch.float32))
+
+
+def test_move_to_hugepages_keeps_values_ties_and_small_tensors():
+    module = _Tied()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    small_ptr = module.small.weight.data_ptr()
+    moved = move_to_hugepages(module)
+    assert moved == 1024 * 512 * 4 + 300_000 * 4  # the tied weight once, plus the buffer
+    for k, v in module.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert module.head.weight is module.embed.weight, "a tie was split"
+    assert isinstance(module.embed.weight, nn.Parameter)
+    assert module.small.weight.data_ptr() == small_ptr and module.small.weight.nbytes < MIN_BYTES
+    for tensor in (module.embed.weight, module.table):
+        assert "hg" in _vm_flags(tensor.data_ptr())
+    x = torch.randint(0, 1024, (4,))
+    weight = before["embed.weight"]
+    assert torch.equal(module.head(module.embed(x)), nn.functional.linear(weight[x], weight))
+
+
+@pytest.mark.model
+def test_loaded_model_and_kv_cache_live_in_advised_memory(model_dir):
+    from engine_service import LLM
+
+    engine = LLM(str(model_dir), dtype="float32", enforce_eager=True, kv_cache_memory=32 << 20).engine
+    large = [p for p in engine.runner.model.parameters() if p.nbytes >= MIN_BYTES]
+    assert len(large) >= 4 * engine.model_config.num_hidden_layers
+    for p in large:
+        assert "hg" in _vm_flags(p.data_ptr())
+    k_cache, v_cache = engine.runner.kv_caches[0]
+    assert "hg" in _vm_flags(k_cache.data_ptr()) and "hg" in _vm_flags(v_cache.data_ptr())
