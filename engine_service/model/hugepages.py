@@ -6,8 +6,7 @@ On the development VM the 121 projections of one decode step took 50-62 ms from 
 allocations and 25-27 ms from huge-page memory, the same bytes (docs/performance.md). torch only
 asks for huge pages when ``THP_MEM_ALLOC_ENABLE=1`` is set before its first allocation, which an
 engine embedded in someone's process cannot promise, so the engine places its large tensors
-itself: one anonymous mapping advised ``MADV_HUGEPAGE`` before it is touched, tensors carved out of
-it. Where the advice is unavailable (not Linux, THP ``never``) this is an ordinary allocation.
+itself, each in an anonymous mapping advised ``MADV_HUGEPAGE`` before it is touched. Where the advice is unavailable (not Linux, THP ``never``) this is an ordinary allocation.
 """
 
 from __future__ import annotations
@@ -43,18 +42,17 @@ def hugepage_buffer(nbytes: int) -> torch.Tensor:
 
 
 def hugepage_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
-    """Zero-filled tensors of the given shapes and dtypes, sharing one huge-page mapping."""
-    offsets, total = [], 0
-    for shape, dtype in specs:
-        offsets.append(total)
-        total += _round_up(torch.Size(shape).numel() * dtype.itemsize, ALIGN)
-    buffer = hugepage_buffer(total)
-    return [buffer[off : off + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
-            for off, (shape, dtype) in zip(offsets, specs, strict=True)]
+    """Zero-filled tensors of the given shapes and dtypes, each in its own huge-page mapping.
+
+    One mapping per tensor, not one shared: tensors viewing one storage alias each other as far as
+    torch.compile is concerned, and aliased graph inputs that are mutated (the KV cache) send it
+    down a slow path that rebuilds them from a common base on every call."""
+    return [hugepage_buffer(torch.Size(shape).numel() * dtype.itemsize).view(dtype).view(shape)
+            for shape, dtype in specs]
 
 
 def move_to_hugepages(module: nn.Module) -> int:
-    """Copy the module's large CPU parameters and buffers into one huge-page mapping (same values,
+    """Copy the module's large CPU parameters and buffers into huge-page mappings (same values,
     same dtypes; ties stay tied). Returns the bytes moved."""
     seen: dict[int, torch.Tensor] = {}
     slots: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
