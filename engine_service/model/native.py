@@ -133,8 +133,8 @@ def load_paged_decode_attention() -> PagedDecodeAttention:
                 raise NativeKernelError(f"no native kernels for {platform.machine()}")
             try:
                 library = ctypes.CDLL(str(_build(SOURCE)))
-            except OSError as exc:
-                raise NativeKernelError(f"could not load the built kernel: {exc}") from exc
+            except OSError as exc:  # a missing source, an unwritable cache, a failed dlopen
+                raise NativeKernelError(f"could not build or load the kernel: {exc}") from exc
             kernel = PagedDecodeAttention(library)
         except NativeKernelError as exc:
             _loaded["paged_decode_attention"] = exc

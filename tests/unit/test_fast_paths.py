@@ -213,3 +213,16 @@ def test_native_decode_greedy_identical_alone_batched_and_through_preemption(mod
     outs = tight.generate([prompts[i] for i in short], GREEDY)
     assert tight.engine.get_stats().preemptions > 0, "the pool was meant to force preemption"
     assert [o.outputs[0].token_ids for o in outs] == [reference_tokens[i] for i in short]
+
+
+def test_native_kernel_unavailable_falls_back_or_refuses(monkeypatch, tmp_path):
+    """No compiler: ``auto`` runs the torch attention (logged), ``native`` refuses with the reason."""
+    import engine_service.model.native as native
+
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(native.NativeKernelError, match="no-such-compiler"):
+        native.load_paged_decode_attention()
+    assert native.paged_decode_attention_kernel(torch.device("cpu")) is None
+    assert native.paged_decode_attention_kernel(torch.device("meta")) is None
