@@ -234,9 +234,13 @@ class LLMEngine:
             kernel = load_paged_decode_attention()  # raises NativeKernelError saying why it cannot
         else:
             kernel = paged_decode_attention_kernel(self.device)
-        if kernel is not None and not kernel.supports(self.dtype):
+        cfg = self.model_config
+        if kernel is not None and not kernel.supports(self.dtype, cfg.num_attention_heads,
+                                                      cfg.num_key_value_heads, cfg.head_dim):
             if backend == "native":
-                raise ValueError(f"attention_backend native has no kernel for a {self.dtype} KV cache")
+                raise ValueError(f"attention_backend native has no kernel for a {self.dtype} KV cache of "
+                                 f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads of size {cfg.head_dim}")
+            logger.info("the native decode attention does not run this model's cache; using the torch path")
             kernel = None
         self.attention_backend = "native" if kernel is not None else "torch"
         logger.info("decode attention: %s", self.attention_backend)

@@ -96,8 +96,14 @@ class PagedDecodeAttention:
             fn.argtypes = self._ARGTYPES
             self._by_dtype[dtype] = fn
 
-    def supports(self, cache_dtype: torch.dtype) -> bool:
-        return cache_dtype in self._by_dtype
+    # the kernel's compile-time bounds (MAX_GROUP, HEAD_DIM_MAX in the C source)
+    MAX_GROUP = 16
+    MAX_HEAD_DIM = 256
+
+    def supports(self, cache_dtype: torch.dtype, heads: int = 1, kv_heads: int = 1, head_dim: int = 64) -> bool:
+        """Whether the kernel runs a cache of this dtype for this attention shape."""
+        return (cache_dtype in self._by_dtype and kv_heads > 0 and heads % kv_heads == 0
+                and heads // kv_heads <= self.MAX_GROUP and 0 < head_dim <= self.MAX_HEAD_DIM)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -106,8 +112,11 @@ class PagedDecodeAttention:
         fn = self._by_dtype.get(k_cache.dtype)
         if fn is None or v_cache.dtype != k_cache.dtype:
             raise NativeKernelError(f"no native decode attention for a {k_cache.dtype} cache")
-        if cache_dim != head_dim or heads % kv_heads or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        if cache_dim != head_dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise NativeKernelError("native decode attention needs contiguous caches of the query's head size")
+        if not self.supports(k_cache.dtype, heads, kv_heads, head_dim):
+            raise NativeKernelError(f"native decode attention does not run {heads} heads over {kv_heads} kv heads "
+                                    f"of size {head_dim}")
         query = q.to(torch.float32).contiguous()
         out = torch.empty_like(query)
         tables = block_tables.to(torch.int64).contiguous()
@@ -115,6 +124,8 @@ class PagedDecodeAttention:
         failed = fn(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                     tables.shape[1], lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, head_dim,
                     block_size, scale)
+        if failed == 2:
+            raise NativeKernelError("native decode attention refused the shape")
         if failed:
             raise MemoryError("native decode attention could not allocate its score buffer")
         return out.to(q.dtype)

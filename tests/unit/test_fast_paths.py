@@ -85,6 +85,11 @@ def test_native_decode_attention_refuses_what_it_cannot_run():
         kernel(q, k_cache.half(), v_cache.half(), meta.decode_block_tables, meta.decode_context_lens, 0.3)
     with pytest.raises(NativeKernelError, match="head size"):
         kernel(q[..., :16], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, 0.3)
+    wide = torch.randn(q.shape[0], 17 * 3, q.shape[2])  # 17 query heads per kv head: over MAX_GROUP
+    with pytest.raises(NativeKernelError, match="51 heads over 3 kv heads"):
+        kernel(wide, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, 0.3)
+    assert kernel.supports(torch.float32, 9, 3, 64) and kernel.supports(torch.bfloat16, 32, 8, 128)
+    assert not kernel.supports(torch.float16, 9, 3, 64) and not kernel.supports(torch.float32, 9, 3, 512)
 
 
 @pytest.mark.model
