@@ -104,10 +104,10 @@ RUN pip-install --no-deps . && pip check
 # ---------------------------------------------------------------------------------------------
 FROM base AS engine
 # gcc builds the native decode attention at first start (engine_service/model/native.py; cached in
-# /models/kernels) and lets inductor compile (--no-enforce-eager). Without it (an offline build)
-# the engine logs why and runs the plain-torch attention.
-RUN (apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
-     && rm -rf /var/lib/apt/lists/*) || echo "gcc not installed: the engine will use the torch attention"
+# /models/kernels); inductor (--no-enforce-eager) needs g++. Without them (an offline build) the
+# engine logs why and runs the plain-torch attention, eagerly.
+RUN (apt-get update && apt-get install -y --no-install-recommends g++ \
+     && rm -rf /var/lib/apt/lists/*) || echo "no C/C++ compiler installed: the engine will use the torch attention, eagerly"
 COPY --from=build-engine /opt/venv /opt/venv
 COPY --from=build-engine /opt/sluice/model /opt/sluice/model
 COPY deploy/docker/engine-entrypoint.sh /usr/local/bin/engine-entrypoint.sh

@@ -25,8 +25,8 @@ $(PYTHON):
 
 # Installed again whenever pyproject.toml changes.
 $(STAMP): pyproject.toml | $(PYTHON)
-	@# gcc builds the engine's native decode attention at first use (and lets inductor compile).
-	@command -v gcc >/dev/null || (apt-get update -qq && apt-get install -y -qq gcc libc6-dev)
+	@# gcc builds the engine's native decode attention at first use; inductor (--no-enforce-eager) needs g++.
+	@(command -v gcc && command -v g++) >/dev/null || (apt-get update -qq && apt-get install -y -qq g++)
 	# The CPU build of torch first, explicitly: any looser spec pulls a multi-GB CUDA build.
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[$(EXTRAS)]'

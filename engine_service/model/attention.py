@@ -48,8 +48,9 @@ class AttentionMetadata:
     decode_token_index: torch.Tensor | None
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long (padded with 0)
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] long: tokens each decode attends to
-    decode_inplace: bool = False  # decode_attention_inplace instead of the reference gather + SDPA
-    # a native kernel with decode_attention_inplace's signature (engine_service.model.native), or None
+    # the decode attention to use instead of the reference gather + SDPA, called as
+    # kernel(q, k_cache, v_cache, block_tables, context_lens, scale): decode_attention_inplace or the
+    # native kernel (engine_service.model.native); None = the reference
     decode_kernel: Callable[..., torch.Tensor] | None = None
     _decode_mask: torch.Tensor | None = None
 
@@ -117,9 +118,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
 
     def decode(query: torch.Tensor) -> torch.Tensor:
-        if meta.decode_inplace:
-            return decode_attention_inplace(query, k_cache, v_cache, meta.decode_block_tables,
-                                            meta.decode_context_lens, scale)
         if meta.decode_kernel is not None:
             return meta.decode_kernel(query, k_cache, v_cache, meta.decode_block_tables,
                                       meta.decode_context_lens, scale)

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
-from engine_service.model.attention import AttentionMetadata
+from engine_service.model.attention import AttentionMetadata, decode_attention_inplace
 
 logger = logging.getLogger(__name__)
 
@@ -45,22 +46,18 @@ def compile_supported(device: torch.device) -> str | None:
     return None
 
 
-def _decode_layer(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                  block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-    meta = AttentionMetadata(slot_mapping=slot_mapping, prefills=[], decode_token_index=None,
-                             decode_block_tables=block_tables, decode_context_lens=context_lens,
-                             decode_inplace=True)
-    return layer(x, cos, sin, (k_cache, v_cache), meta)
+def _decode_layer_using(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """One decoder layer's decode step, attending with ``kernel`` (AttentionMetadata.decode_kernel)."""
 
+    def decode_layer(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        meta = AttentionMetadata(slot_mapping=slot_mapping, prefills=[], decode_token_index=None,
+                                 decode_block_tables=block_tables, decode_context_lens=context_lens,
+                                 decode_kernel=kernel)
+        return layer(x, cos, sin, (k_cache, v_cache), meta)
 
-def _decode_layer_native(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                         block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-    meta = AttentionMetadata(slot_mapping=slot_mapping, prefills=[], decode_token_index=None,
-                             decode_block_tables=block_tables, decode_context_lens=context_lens,
-                             decode_kernel=torch.ops.sluice.paged_decode_attention)
-    return layer(x, cos, sin, (k_cache, v_cache), meta)
+    return decode_layer
 
 
 class CompiledDecode:
@@ -76,9 +73,10 @@ class CompiledDecode:
         self.kv_caches = kv_caches
         self.warmup_seconds: float | None = None
         if native_attention:
-            import engine_service.model.native  # noqa: F401 - registers sluice::paged_decode_attention
-        layer = _decode_layer_native if native_attention else _decode_layer
-        self._layer = torch.compile(layer, dynamic=True, fullgraph=True)
+            from engine_service.model.native import paged_decode_attention_op as kernel
+        else:
+            kernel = decode_attention_inplace
+        self._layer = torch.compile(_decode_layer_using(kernel), dynamic=True, fullgraph=True)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         model = self.model
@@ -104,7 +102,7 @@ class CompiledDecode:
             tables = torch.full((batch, 2), block, dtype=torch.long, device=device)
             lens = torch.ones(batch, dtype=torch.long, device=device)
             meta = AttentionMetadata(slot_mapping=slots, prefills=[], decode_token_index=None,
-                                     decode_block_tables=tables, decode_context_lens=lens, decode_inplace=True)
+                                     decode_block_tables=tables, decode_context_lens=lens)
             self(ids, positions, meta)
         self.warmup_seconds = time.perf_counter() - started
         logger.info("compiled the decode step (inductor, batch 1 and batch >= 2) in %.1fs", self.warmup_seconds)

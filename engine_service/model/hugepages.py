@@ -71,15 +71,13 @@ def move_to_hugepages(module: nn.Module) -> int:
     with torch.no_grad():
         for t in unique:
             placed[id(t)].copy_(t)
+    params: dict[int, nn.Parameter] = {}  # one Parameter per original, so tied weights stay tied
     for owner, name, is_param, tensor in slots:
         new = placed[id(tensor)]
         if is_param:
-            owner._parameters[name] = nn.Parameter(new, requires_grad=tensor.requires_grad)
+            if id(tensor) not in params:
+                params[id(tensor)] = nn.Parameter(new, requires_grad=tensor.requires_grad)
+            owner._parameters[name] = params[id(tensor)]
         else:
             owner._buffers[name] = new
-    # A tied parameter must stay one object: re-tie what the loop above split into two Parameters.
-    tied: dict[int, nn.Parameter] = {}
-    for owner, name, is_param, tensor in slots:
-        if is_param:
-            owner._parameters[name] = tied.setdefault(id(tensor), owner._parameters[name])
     return sum(t.nbytes for t in unique)

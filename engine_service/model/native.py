@@ -100,7 +100,7 @@ class PagedDecodeAttention:
     MAX_GROUP = 16
     MAX_HEAD_DIM = 256
 
-    def supports(self, cache_dtype: torch.dtype, heads: int = 1, kv_heads: int = 1, head_dim: int = 64) -> bool:
+    def supports(self, cache_dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
         """Whether the kernel runs a cache of this dtype for this attention shape."""
         return (cache_dtype in self._by_dtype and kv_heads > 0 and heads % kv_heads == 0
                 and heads // kv_heads <= self.MAX_GROUP and 0 < head_dim <= self.MAX_HEAD_DIM)

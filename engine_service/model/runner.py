@@ -48,16 +48,14 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int,
-                 device: torch.device, decode_inplace: bool = False,
-                 decode_kernel: Callable[..., torch.Tensor] | None = None) -> None:
+                 device: torch.device, decode_kernel: Callable[..., torch.Tensor] | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         # decode attention through decode_attention_inplace (what the compiled step runs) instead of
         # the reference gather + SDPA
-        self.decode_inplace = decode_inplace
-        # the native decode attention (engine_service.model.native) the eager forward uses, if any
+        # the decode attention the eager forward uses instead of the reference (AttentionMetadata)
         self.decode_kernel = decode_kernel
         self.min_decode_width = 1  # the compiled step pads block tables to >= 2 columns (no 1-specialisation)
         self.compiled_decode = None  # set by enable_compiled_decode
@@ -122,7 +120,6 @@ class ModelRunner:
             decode_token_index=decode_index,
             decode_block_tables=decode_tables,
             decode_context_lens=decode_lens,
-            decode_inplace=self.decode_inplace,
             decode_kernel=self.decode_kernel,
         )
         sample_rows = (ends - 1)[np.fromiter((c.samples for c in chunks), dtype=bool, count=n)].tolist()

@@ -176,7 +176,7 @@ def reference_tokens(reference_llm, prompts):
 
 
 def _inplace(llm: LLM) -> LLM:
-    llm.engine.runner.decode_inplace = True
+    llm.engine.runner.decode_kernel = decode_attention_inplace
     return llm
 
 
