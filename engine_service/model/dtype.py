@@ -4,7 +4,8 @@
 * CPU: bfloat16 only where the CPU has native bf16 arithmetic (AVX512-BF16 or AMX, as oneDNN
   reports it) *and* a probe at engine start measures it faster; float32 otherwise. The probe times
   a decode-shaped product (one token through the model's largest projection, the matmul that
-  dominates a decode step) in both types, interleaved, and takes bfloat16 only when its median is
+  dominates a decode step) in both types, interleaved, each as the engine runs it (bfloat16 weights
+  prepacked for oneDNN, ``engine_service.model.prepacked``), and takes bfloat16 only when its median is
   at least ``BF16_MARGIN`` times faster, so noise does not flip the choice.
 
 The decision and the probe's timings are logged. ``SLUICE_DTYPE`` in the environment sets the
@@ -42,19 +43,28 @@ def cpu_has_native_bf16() -> bool:
 
 def probe_cpu_bf16(in_features: int, out_features: int, rounds: int = 5, reps: int = 20) -> tuple[float, float]:
     """Median seconds of one decode-shaped linear, (float32, bfloat16), measured interleaved."""
+    from engine_service.model.prepacked import PrepackedLinear, prepack_unavailable
+
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=gen)
     x = torch.randn(1, in_features, generator=gen)
-    pairs = {torch.float32: (x, weight), torch.bfloat16: (x.bfloat16(), weight.bfloat16())}
+    # each type as the engine would run it: a bfloat16 model's weights are prepacked where they can be
+    bf16 = torch.nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16)
+    bf16.weight.data = weight.bfloat16()
+    if prepack_unavailable(torch.bfloat16, torch.device("cpu")) is None:
+        bf16 = PrepackedLinear(weight.bfloat16(), None)
+    fp32 = torch.nn.Linear(in_features, out_features, bias=False)
+    fp32.weight.data = weight
+    pairs = {torch.float32: (x, fp32), torch.bfloat16: (x.bfloat16(), bf16)}
     times: dict[torch.dtype, list[float]] = {torch.float32: [], torch.bfloat16: []}
     with torch.inference_mode():
-        for a, w in pairs.values():
-            torch.nn.functional.linear(a, w)  # first-call set-up out of the timing
+        for a, layer in pairs.values():
+            layer(a)  # first-call set-up out of the timing
         for _ in range(rounds):
-            for dtype, (a, w) in pairs.items():
+            for dtype, (a, layer) in pairs.items():
                 started = time.perf_counter()
                 for _ in range(reps):
-                    torch.nn.functional.linear(a, w)
+                    layer(a)
                 times[dtype].append((time.perf_counter() - started) / reps)
     return statistics.median(times[torch.float32]), statistics.median(times[torch.bfloat16])
 

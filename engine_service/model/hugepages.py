@@ -59,7 +59,8 @@ def move_to_hugepages(module: nn.Module) -> int:
     for owner in module.modules():
         for name, tensor in [*((n, p) for n, p in owner._parameters.items()),
                              *((n, b) for n, b in owner._buffers.items())]:
-            if tensor is None or tensor.device.type != "cpu" or tensor.nbytes < MIN_BYTES:
+            if (tensor is None or tensor.device.type != "cpu" or tensor.layout != torch.strided
+                    or tensor.nbytes < MIN_BYTES):
                 continue
             slots.append((owner, name, name in owner._parameters, tensor))
             seen.setdefault(id(tensor), tensor)

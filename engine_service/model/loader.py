@@ -12,6 +12,7 @@ from engine_service.model.config import ModelConfig
 from engine_service.model.hugepages import move_to_hugepages
 from engine_service.model.layers import RotaryEmbedding
 from engine_service.model.llama import FUSED_PROJECTIONS, LlamaForCausalLM
+from engine_service.model.prepacked import PREPACK_DTYPES, prepack_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,9 +38,12 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
-               device: torch.device | str = "cpu", quantization: str | None = None) -> LlamaForCausalLM:
+               device: torch.device | str = "cpu", quantization: str | None = None,
+               prepack: bool = True) -> LlamaForCausalLM:
     """Instantiate the architecture named by config.json and load its weights onto ``device``;
-    ``quantization`` ("int8" | "int4") then swaps its linear layers for quantized ones."""
+    ``quantization`` ("int8" | "int4") then swaps its linear layers for quantized ones. Otherwise a
+    bfloat16/float16 model on CPU gets its linear weights prepacked for oneDNN
+    (``engine_service.model.prepacked``; ``prepack=False`` keeps plain ``nn.Linear``, the reference)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     dtype = parse_dtype(dtype)
@@ -87,6 +91,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
 
         with torch.inference_mode():
             quantize_model(model, quantization)
+    elif prepack and device.type == "cpu" and dtype in PREPACK_DTYPES:
+        prepack_model(model)
     if device.type == "cpu":
         move_to_hugepages(model)  # a decode step streams every weight: huge pages halve it here
     return model

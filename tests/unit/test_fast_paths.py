@@ -76,6 +76,24 @@ def test_native_decode_attention_matches_reference(heads, kv_heads, block_size, 
     assert torch.equal(op, got)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_attention_per_sequence_tasks_equal_per_head_tasks(dtype):
+    """Six sequences on <= 3 threads run one task per sequence; one sequence alone runs one task per
+    (sequence, kv head). Each head's arithmetic is the same either way: bitwise equal rows."""
+    kernel = load_paged_decode_attention()
+    q, k_cache, v_cache, meta = _random_paged_case(9, 3, 16, dtype)
+    tables, lens = meta.decode_block_tables, meta.decode_context_lens
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(threads, 3))
+    try:
+        batched = kernel(q, k_cache, v_cache, tables, lens, 0.3)
+        for b in range(q.shape[0]):
+            alone = kernel(q[b : b + 1], k_cache, v_cache, tables[b : b + 1], lens[b : b + 1], 0.3)
+            assert torch.equal(alone[0], batched[b]), b
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_native_decode_attention_refuses_what_it_cannot_run():
     from engine_service.model.native import NativeKernelError
 

@@ -14,6 +14,7 @@
  * subtracted (as the reference SDPA does), out = Σ p·v / Σ p. float32 accumulation throughout.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -115,9 +116,16 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int64_t *bloc
     const int64_t token_stride = kv_heads * head_dim;                                             \
     if (group > MAX_GROUP || group * kv_heads != heads || head_dim > HEAD_DIM_MAX) return 2;      \
     int failed = 0;                                                                               \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1)")                                  \
-    for (int64_t b = 0; b < batch; b++) {                                                         \
-        for (int64_t kvh = 0; kvh < kv_heads; kvh++) {                                            \
+    /* Enough sequences to share out: one task per sequence, its kv heads in turn, so the task      \
+     * streams each block of the sequence (all heads of a token are adjacent) through one core and   \
+     * the second and later heads find it in that core's L2. Fewer: one task per (sequence, head). */\
+    const int64_t per_task = batch >= 2 * (int64_t)omp_get_max_threads() ? kv_heads : 1;          \
+    const int64_t tasks = batch * kv_heads / per_task;                                            \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                              \
+    for (int64_t task = 0; task < tasks; task++) {                                                \
+        for (int64_t j = 0; j < per_task; j++) {                                                  \
+            const int64_t b = task * per_task / kv_heads;                                         \
+            const int64_t kvh = (task * per_task + j) % kv_heads;                                 \
             const int64_t len = context_lens[b];                                                  \
             float *og = out + (b * heads + kvh * group) * head_dim;                               \
             if (len <= 0) {                                                                       \

@@ -1,0 +1,135 @@
+"""Linear layers whose weights oneDNN lays out once, at load, for its CPU kernels (bfloat16, float16).
+
+``F.linear`` on a bfloat16 CPU tensor hands oneDNN a plain row-major weight. oneDNN's AMX /
+AVX512-BF16 kernels want a blocked layout, so every call first reorders the whole weight, which is
+as large as the product itself at decode sizes. A one-row product through SmolLM2's [3072, 576]
+MLP projection took 187 µs through ``F.linear`` and 62 µs from a prepacked weight on the
+development VM; 512 rows took 882 against 674 µs (``docs/performance.md``). Inductor does the same
+when it freezes a CPU graph; the engine does it in its eager forward too.
+
+:func:`prepack_model` replaces every ``nn.Linear`` of a bfloat16 or float16 model on CPU by a
+:class:`PrepackedLinear` holding the weight in oneDNN's layout (``mkldnn._reorder_linear_weight``)
+and multiplying with ``mkldnn._linear_pointwise``, the operators inductor's freezing emits. A
+tied-embedding model gets a prepacked output projection of its own (the embedding keeps its table
+for the lookup). The products are oneDNN's, as before, but oneDNN may block the sum differently
+for a packed weight: on the development VM they are bitwise equal to ``F.linear``'s at most row
+counts and differ in the last bit of a few elements at others (bf16 at 300 rows, fp16 at 1). That
+is within the type's rounding, and float32, the type exactness is pinned to, is never prepacked
+(its oneDNN path measured no faster; ``F.linear`` runs MKL's sgemm there). A probe at load checks
+that the products agree with ``F.linear`` to the type's rounding and leaves the model alone,
+logged, when they do not or when this torch has no oneDNN.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+PREPACK_DTYPES = (torch.bfloat16, torch.float16)
+BATCH_HINT = 1  # the row count oneDNN picks the blocked layout for; products of any row count run on it
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), BATCH_HINT)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def prepack_unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
+    """None when prepacked products run here and agree with ``F.linear`` to the dtype's rounding,
+    else why not."""
+    if device.type != "cpu":
+        return f"prepacking is for CPU, not {device.type}"
+    if dtype not in PREPACK_DTYPES:
+        return f"{dtype} is not prepacked"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch has no oneDNN"
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 64, generator=gen).to(dtype)
+    bias = torch.randn(48, generator=gen).to(dtype)
+    try:
+        for rows in (1, 5, 67):
+            x = torch.randn(rows, 64, generator=gen).to(dtype)
+            for b in (None, bias):
+                got = _packed_linear(x, _pack(weight), b).float()
+                want = torch.nn.functional.linear(x, weight, b).float()
+                if not torch.allclose(got, want, rtol=2 * torch.finfo(dtype).eps, atol=2 * torch.finfo(dtype).eps):
+                    return f"oneDNN's prepacked product differs from F.linear in {dtype} here"
+    except (RuntimeError, NotImplementedError) as exc:
+        return f"oneDNN cannot prepack {dtype} here: {str(exc).splitlines()[0][:200]}"
+    return None
+
+
+# The packed weights by handle. A compiled graph cannot take an opaque oneDNN tensor as an input (it
+# has no strides to fake), so under torch.compile a PrepackedLinear passes its handle, a 0-d integer
+# tensor (a graph input like any buffer: one graph still serves every layer), to the operator
+# sluice::prepacked_linear, which looks the weight up here. Weak: the module owns its weight.
+_PACKED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_handles = itertools.count()
+
+
+@torch.library.custom_op("sluice::prepacked_linear", mutates_args=(), device_types="cpu")
+def prepacked_linear_op(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None,
+                        out_features: int) -> torch.Tensor:
+    return _packed_linear(x, _PACKED[int(handle)], bias)
+
+
+@prepacked_linear_op.register_fake
+def _(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+class PrepackedLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` held in oneDNN's blocked layout (an opaque ``torch._mkldnn``
+    tensor: it has no strides, so it is not a parameter and is never saved or copied)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.packed = _pack(weight)
+        handle = next(_handles)
+        _PACKED[handle] = self.packed
+        self.register_buffer("handle", torch.tensor(handle), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return prepacked_linear_op(x, self.handle, self.bias, self.out_features)
+        return _packed_linear(x, self.packed, self.bias)  # eager: no custom-op dispatch per call
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, oneDNN layout"
+
+
+def prepack_model(model: nn.Module) -> int:
+    """Swap the model's ``nn.Linear`` layers (and a tied output projection) for prepacked ones, in
+    place, where :func:`prepack_unavailable` allows. Returns how many layers were prepacked."""
+    try:
+        weight = next(model.parameters())
+    except StopIteration:
+        return 0
+    why_not = prepack_unavailable(weight.dtype, weight.device)
+    if why_not is not None:
+        logger.info("linear weights not prepacked: %s", why_not)
+        return 0
+    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    for name, linear in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, PrepackedLinear(linear.weight.data, None if linear.bias is None else linear.bias.data))
+    count = len(targets)
+    cfg = getattr(model, "config", None)
+    if cfg is not None and cfg.tie_word_embeddings and not hasattr(model, "lm_head"):
+        model.lm_head = PrepackedLinear(model.model.embed_tokens.weight.data, None)
+        count += 1
+    logger.info("prepacked %d linear layers for oneDNN (%s)", count, weight.dtype)
+    return count

@@ -1,0 +1,117 @@
+"""Linear weights prepacked for oneDNN (bfloat16 / float16 on CPU): the products of ``F.linear`` to the
+type's rounding (oneDNN may block a sum differently for a packed weight), through the eager forward
+and the compiled step's operator; greedy output unchanged on the model; which models get them; and
+a model that keeps plain layers where this machine cannot prepack."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from engine_service import LLM, SamplingParams
+from engine_service.model.loader import load_model
+from engine_service.model.prepacked import (
+    _PACKED,
+    PrepackedLinear,
+    prepack_model,
+    prepack_unavailable,
+    prepacked_linear_op,
+)
+
+PREPACKS = prepack_unavailable(torch.bfloat16, torch.device("cpu")) is None
+
+
+def _layers(model: nn.Module, kind: type) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, kind)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_products_equal_f_linear_to_rounding(dtype, bias):
+    why_not = prepack_unavailable(dtype, torch.device("cpu"))
+    if why_not is not None:
+        pytest.skip(why_not)  # a CPU without the oneDNN kernel: the model keeps nn.Linear (tested below)
+    gen = torch.Generator().manual_seed(1)
+    linear = nn.Linear(576, 960, bias=bias, dtype=dtype)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(960, 576, generator=gen) * 0.05)
+        if bias:
+            linear.bias.copy_(torch.randn(960, generator=gen))
+    packed = PrepackedLinear(linear.weight.data, None if linear.bias is None else linear.bias.data)
+    for shape in [(1, 576), (7, 576), (300, 576), (2, 5, 576)]:
+        x = torch.randn(*shape, generator=gen).to(dtype)
+        want = linear(x)
+        got = packed(x)
+        assert got.dtype == dtype and got.shape == want.shape
+        # one unit in the last place of the largest products at most: the same sum, blocked differently
+        ulp = torch.finfo(dtype).eps * want.float().abs().amax().item()
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=ulp)
+        # the operator the compiled step calls is the same product
+        assert torch.equal(prepacked_linear_op(x, packed.handle, packed.bias, packed.out_features), got)
+
+
+def test_float32_and_cuda_are_not_prepacked():
+    assert prepack_unavailable(torch.float32, torch.device("cpu")) is not None
+    assert prepack_unavailable(torch.bfloat16, torch.device("cuda")) is not None
+    model = nn.Sequential(nn.Linear(8, 8))
+    assert prepack_model(model) == 0 and isinstance(model[0], nn.Linear)
+
+
+def test_unavailable_prepacking_leaves_the_model_alone(monkeypatch):
+    import engine_service.model.prepacked as prepacked
+
+    monkeypatch.setattr(prepacked, "prepack_unavailable", lambda dtype, device: "no oneDNN here")
+    model = nn.Sequential(nn.Linear(8, 8, dtype=torch.bfloat16))
+    assert prepack_model(model) == 0 and isinstance(model[0], nn.Linear)
+
+
+def test_handles_do_not_keep_weights_alive():
+    before = len(_PACKED)
+    layer = PrepackedLinear(torch.randn(16, 8).bfloat16(), None)
+    assert len(_PACKED) == before + 1
+    del layer
+    gc.collect()
+    assert len(_PACKED) == before
+
+
+@pytest.mark.model
+def test_bfloat16_model_prepacked_and_greedy_identical_to_plain_layers(model_dir):
+    model = load_model(model_dir, torch.bfloat16)
+    plain = load_model(model_dir, torch.bfloat16, prepack=False)
+    assert _layers(plain, PrepackedLinear) == [] and hasattr(plain, "lm_head") is False
+    if not PREPACKS:
+        assert _layers(model, PrepackedLinear) == []
+        return
+    layers = plain.config.num_hidden_layers
+    # four projections a layer (q/k/v fused, o, gate/up fused, down) and a tied model's output head
+    assert len(_layers(model, PrepackedLinear)) == 4 * layers + 1 and isinstance(model.lm_head, PrepackedLinear)
+    assert _layers(model, nn.Linear) == []
+    hidden = torch.randn(3, plain.config.hidden_size).bfloat16()
+    want = plain.compute_logits(hidden)
+    ulp = torch.finfo(torch.bfloat16).eps * want.abs().amax().item()
+    torch.testing.assert_close(model.compute_logits(hidden), want, rtol=0, atol=ulp)
+    del model, plain
+
+    import engine_service.model.loader as loader
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    packed = [o.outputs[0].token_ids for o in LLM(str(model_dir), dtype="bfloat16").generate(prompts, greedy)]
+    original = loader.prepack_model
+    loader.prepack_model = lambda model: 0
+    try:
+        reference = [o.outputs[0].token_ids
+                     for o in LLM(str(model_dir), dtype="bfloat16").generate(prompts, greedy)]
+    finally:
+        loader.prepack_model = original
+    assert packed == reference
+
+
+@pytest.mark.model
+def test_quantized_and_float32_models_keep_their_layers(model_dir):
+    assert _layers(load_model(model_dir, torch.float32), PrepackedLinear) == []
+    quantized = load_model(model_dir, torch.bfloat16, quantization="int8")
+    assert _layers(quantized, PrepackedLinear) == []
