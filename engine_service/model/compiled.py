@@ -1,8 +1,9 @@
 """The compiled decode step: ``torch.compile`` (inductor) of the model's forward for steps in which
 every scheduled token is a decode, the steady state of generation.
 
-* Regional: one decoder layer is compiled and its graph serves all of them (``CompiledDecode``).
-* Shapes: the batch size and the block-table width are dynamic (``dynamic=True``), so one graph
+* Whole stack: the embedding lookup, every decoder layer and the final norm are one graph
+  (``CompiledDecode``).
+* Shapes: the batch size and the block-table width are dynamic (``mark_dynamic``), so one graph
   serves every batch of two or more decodes and every context length; inductor specialises size 1,
   so batch 1 gets its own graph. Block tables are padded to at least two columns so the width never
   specialises. Recompilation is therefore bounded: two graphs, both built by ``warm_up`` at engine
@@ -63,9 +64,15 @@ def _decode_layer_using(kernel: Callable[..., torch.Tensor]) -> Callable[..., to
 class CompiledDecode:
     """Callable as ``(input_ids, positions, meta) -> hidden`` for a decode-only step.
 
-    Regional compilation: one decoder layer is compiled and the graph is reused by every layer
-    (dynamo inlines the layer module and treats its parameters as graph inputs), so compile time
-    does not grow with depth. The embedding lookup and the final norm run eagerly around it."""
+    The whole stack of decoder layers (the embedding lookup, every layer, the final norm) is one
+    graph, so a step costs one guard check and one call of inductor's generated code. The first
+    version compiled one layer and called it per layer: 30 guard checks and graph calls a step,
+    about 150 µs each, which ate most of what compiling saves (int4, batch 1: 18.4 ms a step
+    against 11.1 for the whole graph, docs/performance.md). Shapes: only the batch (every
+    per-decode input's first dimension) and the block-table width are dynamic
+    (``mark_dynamic``), the weights' and caches' shapes are static; inductor specialises a batch
+    of 1, so ``warm_up`` builds two graphs. The rotary tables are looked up eagerly (they grow with
+    the longest context, which would otherwise change a graph input's shape)."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  native_attention: bool = False) -> None:
@@ -76,16 +83,32 @@ class CompiledDecode:
             from engine_service.model.native import paged_decode_attention_op as kernel
         else:
             kernel = decode_attention_inplace
-        self._layer = torch.compile(_decode_layer_using(kernel), dynamic=True, fullgraph=True)
+        decode_layer = _decode_layer_using(kernel)
+        layers = list(model.model.layers)
+
+        def decode_forward(input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor) -> torch.Tensor:
+            x = model.model.embed_tokens(input_ids)
+            for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+                x = decode_layer(layer, x, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens)
+            return model.model.norm(x)
+
+        # No guards on the modules' parameters: the engine never swaps a weight after load (a new
+        # model is a new engine and a new graph), and checking ~300 of them cost ~0.8 ms a step
+        # (a dynamo cache lookup of 0.9 ms against 0.12 ms without them, int4 at batch 1).
+        self._forward = torch.compile(
+            decode_forward, dynamic=False, fullgraph=True,
+            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+        )
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        model = self.model
-        x = model.model.embed_tokens(input_ids)
-        cos, sin = model.rotary.cos_sin(positions, x.dtype)
-        for layer, (k_cache, v_cache) in zip(model.model.layers, self.kv_caches, strict=True):
-            x = self._layer(layer, x, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables,
-                            meta.decode_context_lens)
-        return model.model.norm(x)
+        cos, sin = self.model.rotary.cos_sin(positions, self.model.model.embed_tokens.weight.dtype)
+        args = (input_ids, cos, sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
+        for tensor in args:
+            torch._dynamo.mark_dynamic(tensor, 0)
+        torch._dynamo.mark_dynamic(meta.decode_block_tables, 1)
+        return self._forward(*args)
 
     @torch.inference_mode()
     def warm_up(self, scratch_slot: int) -> float:

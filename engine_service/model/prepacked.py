@@ -69,22 +69,31 @@ def prepack_unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
 
 
 # The packed weights by handle. A compiled graph cannot take an opaque oneDNN tensor as an input (it
-# has no strides to fake), so under torch.compile a PrepackedLinear passes its handle, a 0-d integer
-# tensor (a graph input like any buffer: one graph still serves every layer), to the operator
-# sluice::prepacked_linear, which looks the weight up here. Weak: the module owns its weight.
+# has no strides to fake), so under torch.compile a PrepackedLinear passes its handle, an int the
+# graph holds as a constant (the decode graph is the whole model, one call site per layer), to the
+# operator sluice::prepacked_linear, which looks the weight up here. Weak: the module owns its
+# weight. The operator is registered with torch.library's low-level API: a Python implementation
+# behind ``torch.library.custom_op`` cost ~50 µs a call in the graph, more than the product itself.
 _PACKED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 _handles = itertools.count()
 
-
-@torch.library.custom_op("sluice::prepacked_linear", mutates_args=(), device_types="cpu")
-def prepacked_linear_op(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None,
-                        out_features: int) -> torch.Tensor:
-    return _packed_linear(x, _PACKED[int(handle)], bias)
+_library = torch.library.Library("sluice", "FRAGMENT")
+_library.define("prepacked_linear(Tensor x, int handle, Tensor? bias, int out_features) -> Tensor")
 
 
-@prepacked_linear_op.register_fake
-def _(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def _prepacked_linear_cpu(x: torch.Tensor, handle: int, bias: torch.Tensor | None,
+                          out_features: int) -> torch.Tensor:
+    return _packed_linear(x, _PACKED[handle], bias)
+
+
+def _prepacked_linear_fake(x: torch.Tensor, handle: int, bias: torch.Tensor | None,
+                           out_features: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+_library.impl("prepacked_linear", _prepacked_linear_cpu, "CPU")
+_library.impl("prepacked_linear", _prepacked_linear_fake, "Meta")
+prepacked_linear_op = torch.ops.sluice.prepacked_linear
 
 
 class PrepackedLinear(nn.Module):
@@ -98,7 +107,7 @@ class PrepackedLinear(nn.Module):
         self.packed = _pack(weight)
         handle = next(_handles)
         _PACKED[handle] = self.packed
-        self.register_buffer("handle", torch.tensor(handle), persistent=False)
+        self.handle = handle
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
