@@ -117,10 +117,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight-only quantization of the Sluice engine (transformers runs unquantized)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch"],
                         help="the engine's decode attention (auto: the native kernel where it builds)")
-    parser.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
-                        help="no torch.compile (vLLM's name)")
+    parser.add_argument("--enforce-eager", dest="enforce_eager", action=argparse.BooleanOptionalAction,
+                        default=None, help="--enforce-eager: no torch.compile (vLLM's name); --no-enforce-eager: "
+                        "compile the decode step (default: the engine's, eager unless $SLUICE_ENFORCE_EAGER=0)")
     parser.add_argument("--compile", dest="enforce_eager", action="store_false",
-                        help="compile the decode step (the engine's default unless $SLUICE_ENFORCE_EAGER=1)")
+                        help="the same as --no-enforce-eager")
     parser.add_argument("--cycled-concurrency", type=int, default=0, metavar="N",
                         help="also run the workload's requests cycled to N at once (e.g. 128): throughput "
                              "should not fall with concurrency")

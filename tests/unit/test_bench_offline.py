@@ -42,3 +42,16 @@ def test_bench_offline_modes_cycled_concurrency_and_peak_memory(model_dir, tmp_p
     assert cycled["requests"] == 7 and cycled["output_tokens"] > base["output_tokens"]
     assert doc["peak_rss_mb"] > 100 and doc["compile_warmup_s"] is None
     assert "peak memory of the engine process" in out and "cycled to 7 at once" in out
+
+
+def test_compile_flags_match_bench_latency() -> None:
+    import argparse
+
+    from engine_service.bench.offline import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).enforce_eager is None  # the engine's default
+    assert parser.parse_args(["--enforce-eager"]).enforce_eager is True
+    assert parser.parse_args(["--no-enforce-eager"]).enforce_eager is False
+    assert parser.parse_args(["--compile"]).enforce_eager is False
