@@ -69,8 +69,9 @@ def prepack_unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
 
 
 # The packed weights by handle. A compiled graph cannot take an opaque oneDNN tensor as an input (it
-# has no strides to fake), so under torch.compile a PrepackedLinear passes its handle, an int the
-# graph holds as a constant (the decode graph is the whole model, one call site per layer), to the
+# has no strides to fake), so under torch.compile a PrepackedLinear passes its handle, a 0-d integer
+# tensor (a buffer, so a graph input read from the module at every call: two engines in one process
+# may share a compiled graph, and an int baked into it would be the first engine's weight), to the
 # operator sluice::prepacked_linear, which looks the weight up here. Weak: the module owns its
 # weight. The operator is registered with torch.library's low-level API: a Python implementation
 # behind ``torch.library.custom_op`` cost ~50 µs a call in the graph, more than the product itself.
@@ -78,15 +79,15 @@ _PACKED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDicti
 _handles = itertools.count()
 
 _library = torch.library.Library("sluice", "FRAGMENT")
-_library.define("prepacked_linear(Tensor x, int handle, Tensor? bias, int out_features) -> Tensor")
+_library.define("prepacked_linear(Tensor x, Tensor handle, Tensor? bias, int out_features) -> Tensor")
 
 
-def _prepacked_linear_cpu(x: torch.Tensor, handle: int, bias: torch.Tensor | None,
+def _prepacked_linear_cpu(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None,
                           out_features: int) -> torch.Tensor:
-    return _packed_linear(x, _PACKED[handle], bias)
+    return _packed_linear(x, _PACKED[int(handle)], bias)
 
 
-def _prepacked_linear_fake(x: torch.Tensor, handle: int, bias: torch.Tensor | None,
+def _prepacked_linear_fake(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None,
                            out_features: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
 
@@ -107,7 +108,7 @@ class PrepackedLinear(nn.Module):
         self.packed = _pack(weight)
         handle = next(_handles)
         _PACKED[handle] = self.packed
-        self.handle = handle
+        self.register_buffer("handle", torch.tensor(handle), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

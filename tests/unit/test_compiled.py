@@ -63,3 +63,22 @@ def test_compiled_greedy_identical_through_preemption(model_dir, reference):
     outs = tight.generate([prompts[i] for i in short], GREEDY)
     assert tight.engine.get_stats().preemptions > 0, "the pool was meant to force preemption"
     assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in short]
+
+
+def test_engines_sharing_a_compiled_graph_each_run_their_own_weights(model_dir):
+    """Every engine's decode forward has the same code, so a second engine with the same shapes
+    reuses the first one's graph (dynamo caches by code): the weights, caches and prepacked-weight
+    handles must be graph inputs read from the engine's own modules, never constants of the first.
+    bfloat16, so the prepacked oneDNN weights are in the graph."""
+    import gc
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    config = dict(dtype="bfloat16", enforce_eager=False, kv_cache_memory=64 << 20)
+    first = LLM(str(model_dir), **config)
+    assert first.engine.runner.compiled_decode is not None
+    want = [o.outputs[0].token_ids for o in first.generate(prompts, GREEDY)]
+    del first
+    gc.collect()  # the first engine's weights are gone: a graph still pointing at them would fail
+    second = LLM(str(model_dir), **config)
+    assert second.engine.runner.compiled_decode is not None, "the second engine fell back to eager"
+    assert [o.outputs[0].token_ids for o in second.generate(prompts, GREEDY)] == want
