@@ -22,12 +22,15 @@ logged, when they do not or when this torch has no oneDNN.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import weakref
 
 import torch
 from torch import nn
+
+from engine_service.model.linear_swap import swap_linears
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +55,12 @@ def prepack_unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
         return f"{dtype} is not prepacked"
     if not torch.backends.mkldnn.is_available():
         return "this torch has no oneDNN"
+    return _probe(dtype)
+
+
+@functools.cache
+def _probe(dtype: torch.dtype) -> str | None:
+    # once per process and dtype: the dtype probe at engine start and the loader both ask
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(48, 64, generator=gen).to(dtype)
     bias = torch.randn(48, generator=gen).to(dtype)
@@ -131,15 +140,6 @@ def prepack_model(model: nn.Module) -> int:
     if why_not is not None:
         logger.info("linear weights not prepacked: %s", why_not)
         return 0
-    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
-    for name, linear in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, PrepackedLinear(linear.weight.data, None if linear.bias is None else linear.bias.data))
-    count = len(targets)
-    cfg = getattr(model, "config", None)
-    if cfg is not None and cfg.tie_word_embeddings and not hasattr(model, "lm_head"):
-        model.lm_head = PrepackedLinear(model.model.embed_tokens.weight.data, None)
-        count += 1
+    count = len(swap_linears(model, PrepackedLinear))
     logger.info("prepacked %d linear layers for oneDNN (%s)", count, weight.dtype)
     return count

@@ -34,6 +34,8 @@ import time
 import torch
 from torch import nn
 
+from engine_service.model.linear_swap import swap_linears
+
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("int8", "int4")
@@ -256,7 +258,7 @@ def choose_kernel_dtype(method: str, device: torch.device, candidates: list[torc
 
 # --------------------------------------------------------------------------- the model swap
 def quantize_model(model: nn.Module, method: str, *, group_size: int = DEFAULT_INT4_GROUP_SIZE,
-                   kernel_dtype: torch.dtype | None = None, quantize_lm_head: bool = True) -> nn.Module:
+                   kernel_dtype: torch.dtype | None = None) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (in place) by a :class:`QuantizedLinear`, and give a
     tied-embedding model its own quantized output projection. Returns the model."""
     method = parse_quantization(method)
@@ -275,25 +277,13 @@ def quantize_model(model: nn.Module, method: str, *, group_size: int = DEFAULT_I
     elif kernel_dtype not in candidates:
         raise QuantizationError(f"quantization={method!r} cannot use kernel dtype {kernel_dtype} on {device}")
 
-    float_bytes = quant_bytes = 0
-    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
-    for name, linear in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        if not quantize_lm_head and attr == "lm_head" and parent is model:
-            continue
-        q = QuantizedLinear.from_float(linear.weight.data, None if linear.bias is None else linear.bias.data,
-                                       method, kernel_dtype, group_size)
-        float_bytes += linear.weight.numel() * linear.weight.element_size()
-        quant_bytes += sum(b.numel() * b.element_size() for b in q.buffers())
-        setattr(parent, attr, q)
-    cfg = getattr(model, "config", None)
-    if quantize_lm_head and cfg is not None and cfg.tie_word_embeddings and not hasattr(model, "lm_head"):
-        emb = model.model.embed_tokens.weight
-        model.lm_head = QuantizedLinear.from_float(emb.data, None, method, kernel_dtype, group_size)
-        float_bytes += emb.numel() * emb.element_size()
-        quant_bytes += sum(b.numel() * b.element_size() for b in model.lm_head.buffers())
+    def build(weight: torch.Tensor, bias: torch.Tensor | None) -> QuantizedLinear:
+        return QuantizedLinear.from_float(weight, bias, method, kernel_dtype, group_size)
+
+    swapped = swap_linears(model, build)
+    float_bytes = sum(w.numel() * w.element_size() for w, _ in swapped)
+    quant_bytes = sum(b.numel() * b.element_size() for _, q in swapped for b in q.buffers())
     logger.info("quantized %d linear layers to %s (kernel dtype %s%s): %.0f MB of weights -> %.0f MB in %.1fs",
-                len(targets), method, kernel_dtype, f", group {group_size}" if method == "int4" else "",
+                len(swapped), method, kernel_dtype, f", group {group_size}" if method == "int4" else "",
                 float_bytes / 1e6, quant_bytes / 1e6, time.perf_counter() - started)
     return model

@@ -78,7 +78,7 @@ def test_handles_do_not_keep_weights_alive():
 
 
 @pytest.mark.model
-def test_bfloat16_model_prepacked_and_greedy_identical_to_plain_layers(model_dir):
+def test_bfloat16_model_prepacked_and_greedy_identical_to_plain_layers(model_dir, monkeypatch):
     model = load_model(model_dir, torch.bfloat16)
     plain = load_model(model_dir, torch.bfloat16, prepack=False)
     assert _layers(plain, PrepackedLinear) == [] and hasattr(plain, "lm_head") is False
@@ -100,13 +100,8 @@ def test_bfloat16_model_prepacked_and_greedy_identical_to_plain_layers(model_dir
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     packed = [o.outputs[0].token_ids for o in LLM(str(model_dir), dtype="bfloat16").generate(prompts, greedy)]
-    original = loader.prepack_model
-    loader.prepack_model = lambda model: 0
-    try:
-        reference = [o.outputs[0].token_ids
-                     for o in LLM(str(model_dir), dtype="bfloat16").generate(prompts, greedy)]
-    finally:
-        loader.prepack_model = original
+    monkeypatch.setattr(loader, "prepack_model", lambda model: 0)
+    reference = [o.outputs[0].token_ids for o in LLM(str(model_dir), dtype="bfloat16").generate(prompts, greedy)]
     assert packed == reference
 
 
@@ -115,3 +110,27 @@ def test_quantized_and_float32_models_keep_their_layers(model_dir):
     assert _layers(load_model(model_dir, torch.float32), PrepackedLinear) == []
     quantized = load_model(model_dir, torch.bfloat16, quantization="int8")
     assert _layers(quantized, PrepackedLinear) == []
+
+
+def test_probe_refuses_products_that_disagree_or_fail(monkeypatch):
+    import engine_service.model.prepacked as prepacked
+
+    cpu = torch.device("cpu")
+    if prepack_unavailable(torch.bfloat16, cpu) == "this torch has no oneDNN":
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setattr(prepacked, "_packed_linear", lambda x, packed, bias: torch.zeros(x.shape[0], 48, dtype=x.dtype))
+    prepacked._probe.cache_clear()
+    try:
+        assert "differs from F.linear" in prepack_unavailable(torch.bfloat16, cpu)
+
+        def refuse(weight):
+            raise RuntimeError("no kernel for this layout\nmore")
+
+        monkeypatch.setattr(prepacked, "_pack", refuse)
+        prepacked._probe.cache_clear()
+        assert prepack_unavailable(torch.bfloat16, cpu) == "oneDNN cannot prepack torch.bfloat16 here: no kernel for this layout"
+        model = nn.Sequential(nn.Linear(64, 48, dtype=torch.bfloat16))
+        assert prepack_model(model) == 0 and isinstance(model[0], nn.Linear)
+    finally:
+        monkeypatch.undo()
+        prepacked._probe.cache_clear()
