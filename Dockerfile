@@ -103,8 +103,8 @@ RUN pip-install --no-deps . && pip check
 
 # ---------------------------------------------------------------------------------------------
 FROM base AS engine
-# gcc builds the native decode attention at first start (engine_service/model/native.py; cached in
-# /models/kernels); inductor (--no-enforce-eager) needs g++. Without them (an offline build) the
+# gcc and g++ build the native decode attention at first start (engine_service/model/native.py,
+# about 1.5 s; cached in /models/kernels); inductor (--no-enforce-eager) needs g++ too. Without them (an offline build) the
 # engine logs why and runs the plain-torch attention, eagerly.
 RUN (apt-get update && apt-get install -y --no-install-recommends g++ \
      && rm -rf /var/lib/apt/lists/*) || echo "no C/C++ compiler installed: the engine will use the torch attention, eagerly"

@@ -25,7 +25,7 @@ $(PYTHON):
 
 # Installed again whenever pyproject.toml changes.
 $(STAMP): pyproject.toml | $(PYTHON)
-	@# gcc builds the engine's native decode attention at first use; inductor (--no-enforce-eager) needs g++.
+	@# gcc and g++ build the engine's native decode attention at first use; inductor (--no-enforce-eager) needs g++.
 	@(command -v gcc && command -v g++) >/dev/null || (apt-get update -qq && apt-get install -y -qq g++)
 	# The CPU build of torch first, explicitly: any looser spec pulls a multi-GB CUDA build.
 	$(PIP) install --quiet torch==2.13.0

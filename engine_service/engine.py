@@ -244,7 +244,8 @@ class LLMEngine:
             kernel = None
         self.attention_backend = "native" if kernel is not None else "torch"
         logger.info("decode attention: %s", self.attention_backend)
-        return kernel
+        # the operator itself: the model was checked above, and the forward calls it once per layer
+        return kernel.op if kernel is not None else None
 
     def step(self) -> list[EngineOutput]:
         scheduled = self.scheduler.schedule()

@@ -1,21 +1,26 @@
-"""Native CPU kernels: small C sources under ``kernels/``, built with the system C compiler at first
-use and called through ctypes.
+"""Native CPU kernels: the decode attention in C (``kernels/paged_decode_attention.c``), bound to torch
+as the operator ``sluice::paged_decode_attention`` by a thin C++ file
+(``kernels/paged_decode_attention_op.cpp``), built with the system compilers at first use.
 
-Why not ``torch.utils.cpp_extension``: a kernel that includes torch's headers takes about a minute
-to compile on two cores and needs ninja; these kernels take plain pointers, compile in a fraction of
-a second and need nothing but gcc (the same compiler inductor needs). The shared object links
-``libgomp.so.1``, the soname of the OpenMP runtime torch has already loaded, so the kernels run on
-torch's thread pool (a second pool would fight it for the cores).
+Why not ``torch.utils.cpp_extension``: code that includes ATen's headers takes about a minute to
+compile on two cores and needs ninja. The binding uses torch's stable C ABI instead
+(``torch/csrc/stable``: the shim's C declarations and a few header-only templates), so the whole
+build takes about a second and needs nothing but gcc and g++ (which inductor needs too). Why an
+operator in C++ rather than a Python function calling the kernel (ctypes, as at first): it runs once
+per layer per step, and the Python layer cost 5 µs a call with warm caches and ~30 µs in a real
+step, where a layer's weights have just streamed through the caches and the interpreter's objects
+with them (docs/performance.md).
 
-Built objects are cached under ``$SLUICE_CACHE_DIR/kernels``, keyed by the source, the compiler and
-the CPU's flags (the build targets ``-march=native``). No compiler, a failed build or a non-CPU
-device: ``paged_decode_attention_kernel()`` returns None with the reason logged once, and the
-engine runs the plain-torch attention.
+The shared object links ``libgomp.so.1``, the soname of the OpenMP runtime torch has already loaded,
+so the kernel runs on torch's thread pool (a second pool would fight it for the cores). Built
+objects are cached under ``$SLUICE_CACHE_DIR/kernels``, keyed by the sources, the compilers, torch's
+version and the CPU's flags (the C builds for ``-march=native``). No compiler, a failed build or a
+non-CPU device: ``paged_decode_attention_kernel()`` returns None with the reason logged once, and
+the engine runs the plain-torch attention.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
 import os
@@ -32,8 +37,11 @@ from sluice.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "paged_decode_attention.c"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+KERNELS = Path(__file__).with_name("kernels")
+C_SOURCE = KERNELS / "paged_decode_attention.c"
+CXX_SOURCE = KERNELS / "paged_decode_attention_op.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC"]
+CXXFLAGS = ["-O2", "-std=c++17", "-fPIC"]
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
@@ -53,82 +61,95 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(source: Path) -> Path:
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        raise NativeKernelError("no C compiler (gcc) on PATH")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(
-        "\0".join([source.read_text(), compiler, version, " ".join(CFLAGS), _cpu_flags()]).encode()
-    ).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"{source.stem}-{key}.so"
+def _compiler(env: str, *names: str) -> str:
+    found = os.environ.get(env) or next((p for p in map(shutil.which, names) if p), None)
+    if found is None:
+        raise NativeKernelError(f"no {names[0]} on PATH (the native kernel needs gcc and g++)")
+    return found
+
+
+def _run(cmd: list[str], what: str) -> None:
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise NativeKernelError(f"{cmd[0]} failed to build {what}: {result.stderr.strip()[-2000:]}")
+
+
+def _build() -> Path:
+    cc, cxx = _compiler("CC", "gcc", "cc"), _compiler("CXX", "g++", "c++")
+    torch_dir = Path(torch.__file__).parent
+    versions = [subprocess.run([c, "--version"], capture_output=True, text=True, check=False).stdout
+                for c in (cc, cxx)]
+    key = hashlib.sha256("\0".join([
+        C_SOURCE.read_text(), CXX_SOURCE.read_text(), cc, cxx, *versions, " ".join(CFLAGS + CXXFLAGS),
+        torch.__version__, str(torch_dir), _cpu_flags()]).encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"{C_SOURCE.stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: engines starting together never load a half-written file.
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-        partial = Path(tmp.name)
-    try:
-        result = subprocess.run([compiler, *CFLAGS, "-o", str(partial), str(source), "-lm"],
-                                capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            raise NativeKernelError(f"{compiler} failed to build {source.name}: {result.stderr.strip()[-2000:]}")
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
+    # Built in a scratch directory and renamed into place: engines starting together never load a
+    # half-written file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        work = Path(scratch)
+        _run([cc, *CFLAGS, "-c", str(C_SOURCE), "-o", str(work / "kernel.o")], C_SOURCE.name)
+        _run([cxx, *CXXFLAGS, f"-I{torch_dir / 'include'}", "-c", str(CXX_SOURCE), "-o", str(work / "op.o")],
+             CXX_SOURCE.name)
+        _run([cxx, "-shared", "-fopenmp", "-o", str(work / "op.so"), str(work / "op.o"), str(work / "kernel.o"),
+              f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}", "-lm"],
+             target.name)
+        os.replace(work / "op.so", target)
     return target
+
+
+# The operator's schema and its shape function are Python's; its CPU kernel comes from the built
+# library (torch.ops.load_library). Registered with torch.library's low-level API: behind
+# ``torch.library.custom_op`` each call paid tens of µs more inside a compiled graph
+# (engine_service.model.prepacked).
+_library = torch.library.Library("sluice", "FRAGMENT")
+_library.define("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+                "Tensor context_lens, float scale) -> Tensor")
+
+
+def _paged_decode_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+_library.impl("paged_decode_attention", _paged_decode_attention_fake, "Meta")
+paged_decode_attention_op = torch.ops.sluice.paged_decode_attention
 
 
 class PagedDecodeAttention:
     """``(q, k_cache, v_cache, block_tables, context_lens, scale) -> out`` on CPU tensors: the
     attention of ``engine_service.model.attention.decode_attention_reference``, reading the paged
-    cache in place (see ``kernels/paged_decode_attention.c``)."""
+    cache in place (see ``kernels/paged_decode_attention.c``).
 
-    _ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
-        [ctypes.c_int64] * 5 + [ctypes.c_float]
+    Calling the object checks the arguments in Python (``NativeKernelError`` saying what does not
+    fit) and runs the operator; the engine checks the model once at start (``supports``) and hands
+    the operator itself (``op``) to the forward, which calls it once per layer per step."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self._by_dtype = {}
-        for dtype, name in ((torch.float32, "paged_decode_attention_f32"),
-                            (torch.bfloat16, "paged_decode_attention_bf16")):
-            fn = getattr(library, name)
-            fn.restype = ctypes.c_int
-            fn.argtypes = self._ARGTYPES
-            self._by_dtype[dtype] = fn
-
-    # the kernel's compile-time bounds (MAX_GROUP, HEAD_DIM_MAX in the C source)
-    MAX_GROUP = 16
+    # the kernel's compile-time bounds (MAX_HEADS, HEAD_DIM_MAX in the C source)
+    MAX_HEADS = 128
     MAX_HEAD_DIM = 256
+    DTYPES = (torch.float32, torch.bfloat16)
+    op = paged_decode_attention_op
 
     def supports(self, cache_dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
         """Whether the kernel runs a cache of this dtype for this attention shape."""
-        return (cache_dtype in self._by_dtype and kv_heads > 0 and heads % kv_heads == 0
-                and heads // kv_heads <= self.MAX_GROUP and 0 < head_dim <= self.MAX_HEAD_DIM)
+        return (cache_dtype in self.DTYPES and kv_heads > 0 and heads % kv_heads == 0
+                and heads <= self.MAX_HEADS and 0 < head_dim <= self.MAX_HEAD_DIM)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
         batch, heads, head_dim = q.shape
         _, block_size, kv_heads, cache_dim = k_cache.shape
-        fn = self._by_dtype.get(k_cache.dtype)
-        if fn is None or v_cache.dtype != k_cache.dtype:
+        if k_cache.dtype not in self.DTYPES or v_cache.dtype != k_cache.dtype:
             raise NativeKernelError(f"no native decode attention for a {k_cache.dtype} cache")
         if cache_dim != head_dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise NativeKernelError("native decode attention needs contiguous caches of the query's head size")
         if not self.supports(k_cache.dtype, heads, kv_heads, head_dim):
             raise NativeKernelError(f"native decode attention does not run {heads} heads over {kv_heads} kv heads "
                                     f"of size {head_dim}")
-        query = q.to(torch.float32).contiguous()
-        out = torch.empty_like(query)
-        tables = block_tables.to(torch.int64).contiguous()
-        lens = context_lens.to(torch.int64).contiguous()
-        failed = fn(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                    tables.shape[1], lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, head_dim,
-                    block_size, scale)
-        if failed == 2:
-            raise NativeKernelError("native decode attention refused the shape")
-        if failed:
-            raise MemoryError("native decode attention could not allocate its score buffer")
-        return out.to(q.dtype)
+        return self.op(q, k_cache, v_cache, block_tables.to(torch.int64), context_lens.to(torch.int64), scale)
 
 
 def load_paged_decode_attention() -> PagedDecodeAttention:
@@ -143,10 +164,12 @@ def load_paged_decode_attention() -> PagedDecodeAttention:
             if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
                 raise NativeKernelError(f"no native kernels for {platform.machine()}")
             try:
-                library = ctypes.CDLL(str(_build(SOURCE)))
-            except OSError as exc:  # a missing source, an unwritable cache, a failed dlopen
+                torch.ops.load_library(str(_build()))
+            except (OSError, RuntimeError) as exc:  # a missing source, an unwritable cache, a failed dlopen
+                if isinstance(exc, NativeKernelError):
+                    raise
                 raise NativeKernelError(f"could not build or load the kernel: {exc}") from exc
-            kernel = PagedDecodeAttention(library)
+            kernel = PagedDecodeAttention()
         except NativeKernelError as exc:
             _loaded["paged_decode_attention"] = exc
             raise
@@ -163,27 +186,3 @@ def paged_decode_attention_kernel(device: torch.device) -> PagedDecodeAttention 
     except NativeKernelError as exc:
         logger.warning("native decode attention unavailable, using the torch path: %s", exc)
         return None
-
-
-# The kernel as a torch operator, so a compiled graph can call it (dynamo cannot trace ctypes): the
-# compiled decode step (engine_service.model.compiled) uses this when the kernel is available.
-# Registered with torch.library's low-level API: behind ``torch.library.custom_op`` the Python
-# implementation cost tens of µs more per call inside the graph (engine_service.model.prepacked).
-_library = torch.library.Library("sluice", "FRAGMENT")
-_library.define("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-                "Tensor context_lens, float scale) -> Tensor")
-
-
-def _paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    return load_paged_decode_attention()(q, k_cache, v_cache, block_tables, context_lens, scale)
-
-
-def _paged_decode_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    return torch.empty_like(q)
-
-
-_library.impl("paged_decode_attention", _paged_decode_attention_cpu, "CPU")
-_library.impl("paged_decode_attention", _paged_decode_attention_fake, "Meta")
-paged_decode_attention_op = torch.ops.sluice.paged_decode_attention

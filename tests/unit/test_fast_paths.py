@@ -34,11 +34,16 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 def _random_paged_case(heads: int, kv_heads: int, block_size: int, dtype: torch.dtype = torch.float32):
     gen = torch.Generator().manual_seed(heads * 100 + block_size)
-    num_blocks, head_dim, batch = 40, 32, 6
+    head_dim = 32
+    # lengths: one token, block-aligned, one either side, a longer one, and contexts the native
+    # kernel cuts into several partitions (64 tokens up to 256, 128 beyond), ending mid-partition
+    # and on a partition's edge
+    lens = [1, block_size, block_size + 1, 3 * block_size - 1, 3 * block_size, 7 * block_size + 3,
+            200, 256, 300, 640]
+    batch = len(lens)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 4
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    # lengths: one token, block-aligned, one either side, and a long one
-    lens = [1, block_size, block_size + 1, 3 * block_size - 1, 3 * block_size, 7 * block_size + 3]
     width = max(-(-n // block_size) for n in lens) + 1  # one padding column more than needed
     tables = torch.zeros(batch, width, dtype=torch.long)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -77,16 +82,20 @@ def test_native_decode_attention_matches_reference(heads, kv_heads, block_size, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_decode_attention_per_sequence_tasks_equal_per_head_tasks(dtype):
-    """Six sequences on <= 3 threads run one task per sequence; one sequence alone runs one task per
-    (sequence, kv head). Each head's arithmetic is the same either way: bitwise equal rows."""
+def test_native_decode_attention_is_batch_and_thread_invariant(dtype):
+    """A sequence's partitions depend on its context length only: its output is bitwise the same
+    alone or batched, on one thread or several (the engine's tokens must not depend on who else
+    is decoding in the step)."""
     kernel = load_paged_decode_attention()
     q, k_cache, v_cache, meta = _random_paged_case(9, 3, 16, dtype)
     tables, lens = meta.decode_block_tables, meta.decode_context_lens
     threads = torch.get_num_threads()
-    torch.set_num_threads(min(threads, 3))
     try:
+        torch.set_num_threads(1)
+        single_thread = kernel(q, k_cache, v_cache, tables, lens, 0.3)
+        torch.set_num_threads(max(threads, 2))
         batched = kernel(q, k_cache, v_cache, tables, lens, 0.3)
+        assert torch.equal(batched, single_thread)
         for b in range(q.shape[0]):
             alone = kernel(q[b : b + 1], k_cache, v_cache, tables[b : b + 1], lens[b : b + 1], 0.3)
             assert torch.equal(alone[0], batched[b]), b
@@ -103,11 +112,30 @@ def test_native_decode_attention_refuses_what_it_cannot_run():
         kernel(q, k_cache.half(), v_cache.half(), meta.decode_block_tables, meta.decode_context_lens, 0.3)
     with pytest.raises(NativeKernelError, match="head size"):
         kernel(q[..., :16], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, 0.3)
-    wide = torch.randn(q.shape[0], 17 * 3, q.shape[2])  # 17 query heads per kv head: over MAX_GROUP
-    with pytest.raises(NativeKernelError, match="51 heads over 3 kv heads"):
+    wide = torch.randn(q.shape[0], 43 * 3, q.shape[2])  # 129 query heads: over MAX_HEADS
+    with pytest.raises(NativeKernelError, match="129 heads over 3 kv heads"):
         kernel(wide, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, 0.3)
     assert kernel.supports(torch.float32, 9, 3, 64) and kernel.supports(torch.bfloat16, 32, 8, 128)
     assert not kernel.supports(torch.float16, 9, 3, 64) and not kernel.supports(torch.float32, 9, 3, 512)
+
+    # the operator (what the forward calls, without the Python checks) refuses what would read
+    # memory it was not given, with an error, not a crash
+    op = kernel.op
+    tables, lens = meta.decode_block_tables, meta.decode_context_lens
+    with pytest.raises(RuntimeError, match="longer than its block table"):
+        op(q, k_cache, v_cache, tables[:, :1], lens, 0.3)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        op(q, k_cache, v_cache, tables + k_cache.shape[0], lens, 0.3)
+    with pytest.raises(RuntimeError, match="int64"):
+        op(q, k_cache, v_cache, tables.int(), lens, 0.3)
+    with pytest.raises(RuntimeError, match="dtype"):
+        op(q, k_cache.half(), v_cache.half(), tables, lens, 0.3)
+    with pytest.raises(RuntimeError, match="head size"):
+        op(q[..., :16], k_cache, v_cache, tables, lens, 0.3)
+    with pytest.raises(RuntimeError, match="differ"):
+        op(q, k_cache, v_cache[:-1], tables, lens, 0.3)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), tables, lens, 0.3)
 
 
 @pytest.mark.model

@@ -10,14 +10,33 @@
  *   k/v cache     [num_blocks, block_size, kv_heads, head_dim]   float32 or bfloat16
  *   block_tables  [batch, table_width]                            int64
  *   context_lens  [batch]                                         int64
- * Per (sequence, query head): scores = q·k * scale over the visible positions, softmax with the max
- * subtracted (as the reference SDPA does), out = Σ p·v / Σ p. float32 accumulation throughout.
+ *
+ * Each sequence's context is cut into partitions of 64 or 128 tokens (split-K, "flash decoding").
+ * A task is one (sequence, partition) with all of its heads: it streams the partition's K and V rows
+ * (every head of a token is adjacent in the cache) once, and leaves per head the partition's score
+ * maximum m, its sum of exp(score - m) l and its unnormalised output o = Σ exp(score - m)·v. A
+ * sequence of one partition is finished by out = o / l; longer ones are combined with the
+ * log-sum-exp rescaling, out = Σ_p e^(m_p - M) o_p / Σ_p e^(m_p - M) l_p with M = max m_p.
+ *
+ * Why partitions: one stream (batch 1) has only kv_heads tasks otherwise (3 for SmolLM2, on 2
+ * cores: one core idles half the time), and a (sequence, head) task reads a third of each cached
+ * token with a stride. The partitions depend only on the context length, never on the batch or the
+ * thread count, so a sequence's output is bitwise the same alone or batched, on any number of
+ * threads. float32 accumulation throughout.
  */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#define PARTITION 128 /* the longest partition (the scratch row per head) */
+
+/* Tokens per partition, a function of the context length only (batch invariance): short contexts
+ * get shorter partitions, so one stream still has a task per core. */
+static inline int64_t partition_len(int64_t len) { return len <= 256 ? 64 : PARTITION; }
+#define MAX_HEADS 128
+#define HEAD_DIM_MAX 256
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -46,115 +65,163 @@ static inline float exp_nonpositive(float x) {
     return y * scale;
 }
 
-/* One (sequence, kv head): the `group` query heads that share the kv head are done together, so each
- * K and V row is read from memory once for all of them. HEAD_DIM is a compile-time constant in the
- * specialised copies (64, 128), which lets the compiler keep a head's output in registers. */
-#define MAX_GROUP 16
-#define DEFINE_ATTEND(NAME, T, LOAD)                                                              \
+/* One partition [start, end) of one sequence, all heads. scores: [heads][PARTITION] scratch; o:
+ * [heads][head_dim] out; m, l: [heads] out. HEAD_DIM is a compile-time constant in the specialised
+ * copies (64, 128), which lets the compiler unroll the row loops. */
+#define DEFINE_PARTITION(NAME, T, LOAD)                                                           \
 static inline __attribute__((always_inline)) void NAME(                                          \
-        const float *restrict qg, const T *restrict k_cache, const T *restrict v_cache,           \
-        const int64_t *restrict table, int64_t len, float *restrict og, float *restrict scores,   \
-        int64_t group, int64_t token_stride, int64_t offset, int64_t block_size,                  \
-        const int64_t head_dim, float scale) {                                                    \
-    const int64_t blocks = (len + block_size - 1) / block_size;                                   \
-    float max_score[MAX_GROUP];                                                                   \
-    for (int64_t g = 0; g < group; g++) max_score[g] = -INFINITY;                                 \
-    for (int64_t m = 0; m < blocks; m++) {                                                        \
-        const int64_t n = len - m * block_size < block_size ? len - m * block_size : block_size; \
-        const T *kp = k_cache + table[m] * block_size * token_stride + offset;                    \
-        for (int64_t i = 0; i < n; i++, kp += token_stride) {                                     \
-            const int64_t t = m * block_size + i;                                                 \
-            for (int64_t g = 0; g < group; g++) {                                                 \
-                const float *qv = qg + g * head_dim;                                              \
+        const float *restrict q, const T *restrict k_cache, const T *restrict v_cache,            \
+        const int64_t *restrict table, int64_t start, int64_t end, int64_t heads, int64_t group, \
+        int64_t kv_heads, int64_t block_size, const int64_t head_dim, float scale,               \
+        float *restrict scores, float *restrict o, float *restrict m, float *restrict l) {       \
+    const int64_t token_stride = kv_heads * head_dim;                                             \
+    int32_t kv_of[MAX_HEADS];  /* the kv head of each query head, without a division per token */ \
+    for (int64_t h = 0; h < heads; h++) kv_of[h] = (int32_t)(h / group);                          \
+    /* token by token, every head: a cached token's K row is read once for all of its query heads;  \
+     * the same token of the next block's K and this block's V are prefetched on the way (a block's \
+     * rows are contiguous, but blocks are not, and the hardware prefetcher stops at each one) */   \
+    for (int64_t t = start; t < end;) {                                                           \
+        const int64_t blk = t / block_size, first = t % block_size;                               \
+        const int64_t run = block_size - first < end - t ? block_size - first : end - t;          \
+        const T *kp = k_cache + (table[blk] * block_size + first) * token_stride;                 \
+        const T *ahead = t + run < end ? k_cache + table[blk + 1] * block_size * token_stride : kp; \
+        const T *vp = v_cache + (table[blk] * block_size + first) * token_stride;                 \
+        for (int64_t i = 0; i < run; i++, kp += token_stride, vp += token_stride) {               \
+            for (int64_t c = 0; c < token_stride * (int64_t)sizeof(T); c += 64) {                 \
+                __builtin_prefetch((const char *)(ahead + i * token_stride) + c);                 \
+                __builtin_prefetch((const char *)vp + c);                                         \
+            }                                                                                     \
+            float *sp = scores + t - start + i;                                                   \
+            for (int64_t h = 0; h < heads; h++) {                                                 \
+                const float *qv = q + h * head_dim;                                               \
+                const T *kv = kp + kv_of[h] * head_dim;                                           \
                 float acc = 0.f;                                                                  \
                 _Pragma("omp simd reduction(+:acc)")                                              \
-                for (int64_t d = 0; d < head_dim; d++) acc += qv[d] * LOAD(kp[d]);                \
-                acc *= scale;                                                                     \
-                scores[g * len + t] = acc;                                                        \
-                if (acc > max_score[g]) max_score[g] = acc;                                       \
+                for (int64_t d = 0; d < head_dim; d++) acc += qv[d] * LOAD(kv[d]);                \
+                sp[h * PARTITION] = acc * scale;                                                  \
             }                                                                                     \
         }                                                                                         \
+        t += run;                                                                                 \
     }                                                                                             \
-    for (int64_t g = 0; g < group; g++) {                                                         \
-        float *s = scores + g * len;                                                              \
-        const float mx = max_score[g];                                                            \
+    const int64_t n = end - start;                                                                \
+    for (int64_t h = 0; h < heads; h++) {                                                         \
+        float *s = scores + h * PARTITION;                                                        \
+        float mx = -INFINITY;                                                                     \
+        for (int64_t c = 0; c < n; c++) mx = s[c] > mx ? s[c] : mx;                               \
         float total = 0.f;                                                                        \
         _Pragma("omp simd reduction(+:total)")                                                    \
-        for (int64_t t = 0; t < len; t++) {                                                       \
-            s[t] = exp_nonpositive(s[t] - mx);                                                    \
-            total += s[t];                                                                        \
+        for (int64_t c = 0; c < n; c++) {                                                         \
+            s[c] = exp_nonpositive(s[c] - mx);                                                    \
+            total += s[c];                                                                        \
         }                                                                                         \
-        const float inv = 1.f / total;                                                            \
-        _Pragma("omp simd")                                                                       \
-        for (int64_t t = 0; t < len; t++) s[t] *= inv;                                            \
+        m[h] = mx;                                                                                \
+        l[h] = total;                                                                             \
     }                                                                                             \
-    for (int64_t g = 0; g < group; g++) {                                                         \
-        float o[HEAD_DIM_MAX];                                                                    \
-        for (int64_t d = 0; d < head_dim; d++) o[d] = 0.f;                                        \
-        const float *s = scores + g * len;                                                        \
-        for (int64_t m = 0; m < blocks; m++) {                                                    \
-            const int64_t n = len - m * block_size < block_size ? len - m * block_size : block_size; \
-            const T *vp = v_cache + table[m] * block_size * token_stride + offset;                \
-            const float *sp = s + m * block_size;                                                 \
-            for (int64_t i = 0; i < n; i++, vp += token_stride) {                                 \
-                const float p = sp[i];                                                            \
+    /* one head at a time, its output in registers; the partition's V rows (prefetched during the    \
+     * score pass) are re-read from L1/L2 for each head of their kv head */                        \
+    for (int64_t h = 0; h < heads; h++) {                                                         \
+        float acc[HEAD_DIM_MAX];                                                                  \
+        for (int64_t d = 0; d < head_dim; d++) acc[d] = 0.f;                                      \
+        const float *sp = scores + h * PARTITION;                                                 \
+        for (int64_t t = start; t < end;) {                                                       \
+            const int64_t blk = t / block_size, first = t % block_size;                           \
+            const int64_t run = block_size - first < end - t ? block_size - first : end - t;      \
+            const T *vp = v_cache + (table[blk] * block_size + first) * token_stride              \
+                          + kv_of[h] * head_dim;                                                  \
+            for (int64_t i = 0; i < run; i++, vp += token_stride) {                               \
+                const float p = sp[t - start + i];                                                \
                 _Pragma("omp simd")                                                               \
-                for (int64_t d = 0; d < head_dim; d++) o[d] += p * LOAD(vp[d]);                   \
+                for (int64_t d = 0; d < head_dim; d++) acc[d] += p * LOAD(vp[d]);                 \
             }                                                                                     \
+            t += run;                                                                             \
         }                                                                                         \
-        for (int64_t d = 0; d < head_dim; d++) og[g * head_dim + d] = o[d];                       \
+        for (int64_t d = 0; d < head_dim; d++) o[h * head_dim + d] = acc[d];                      \
     }                                                                                             \
 }
 
-#define HEAD_DIM_MAX 256
+#define RUN_PARTITION(FN, HD)                                                                     \
+    FN(qb, k_cache, v_cache, table, start, end, heads, group, kv_heads, block_size, HD, scale,    \
+       scores, o, m, l)
 
-#define DEFINE_KERNEL(NAME, T, ATTEND)                                                            \
+#define DEFINE_KERNEL(NAME, T, PART)                                                              \
 int NAME(const float *q, const T *k_cache, const T *v_cache, const int64_t *block_tables,         \
          int64_t table_width, const int64_t *context_lens, float *out, int64_t batch,             \
          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale) {    \
+    if (kv_heads <= 0 || heads % kv_heads != 0 || heads > MAX_HEADS || head_dim > HEAD_DIM_MAX)   \
+        return 2;                                                                                 \
     const int64_t group = heads / kv_heads;                                                       \
-    const int64_t token_stride = kv_heads * head_dim;                                             \
-    if (group > MAX_GROUP || group * kv_heads != heads || head_dim > HEAD_DIM_MAX) return 2;      \
-    int failed = 0;                                                                               \
-    /* Enough sequences to share out: one task per sequence, its kv heads in turn, so the task      \
-     * streams each block of the sequence (all heads of a token are adjacent) through one core and   \
-     * the second and later heads find it in that core's L2. Fewer: one task per (sequence, head). */\
-    const int64_t per_task = batch >= 2 * (int64_t)omp_get_max_threads() ? kv_heads : 1;          \
-    const int64_t tasks = batch * kv_heads / per_task;                                            \
-    _Pragma("omp parallel for schedule(dynamic, 1)")                                              \
-    for (int64_t task = 0; task < tasks; task++) {                                                \
-        for (int64_t j = 0; j < per_task; j++) {                                                  \
-            const int64_t b = task * per_task / kv_heads;                                         \
-            const int64_t kvh = (task * per_task + j) % kv_heads;                                 \
-            const int64_t len = context_lens[b];                                                  \
-            float *og = out + (b * heads + kvh * group) * head_dim;                               \
-            if (len <= 0) {                                                                       \
-                for (int64_t i = 0; i < group * head_dim; i++) og[i] = 0.f;                       \
-                continue;                                                                         \
-            }                                                                                     \
-            float *scores = (float *)malloc(sizeof(float) * group * len);                         \
-            if (scores == NULL) { failed = 1; continue; }                                         \
-            const float *qg = q + (b * heads + kvh * group) * head_dim;                           \
+    /* first_task[b]: index of sequence b's first partition; task_seq[task]: its sequence */      \
+    int64_t *first_task = (int64_t *)malloc(sizeof(int64_t) * (batch + 1));                       \
+    if (first_task == NULL) return 1;                                                             \
+    int64_t tasks = 0;                                                                            \
+    for (int64_t b = 0; b < batch; b++) {                                                         \
+        first_task[b] = tasks;                                                                    \
+        const int64_t len = context_lens[b];                                                      \
+        tasks += len > 0 ? (len + partition_len(len) - 1) / partition_len(len) : 0;               \
+    }                                                                                             \
+    first_task[batch] = tasks;                                                                    \
+    const int64_t threads = omp_get_max_threads();                                                \
+    const int64_t per_task = heads * (head_dim + 2);      /* o, m, l of one partition */           \
+    const int64_t per_thread = heads * PARTITION + per_task;                                      \
+    int64_t *task_seq = (int64_t *)malloc(sizeof(int64_t) * (tasks + 1));                         \
+    float *partials = (float *)malloc(sizeof(float) * (tasks * per_task + 1));                    \
+    float *scratch = (float *)malloc(sizeof(float) * threads * per_thread);                       \
+    if (task_seq == NULL || partials == NULL || scratch == NULL) {                                \
+        free(first_task); free(task_seq); free(partials); free(scratch);                          \
+        return 1;                                                                                 \
+    }                                                                                             \
+    for (int64_t b = 0; b < batch; b++)                                                           \
+        for (int64_t task = first_task[b]; task < first_task[b + 1]; task++) task_seq[task] = b;  \
+    _Pragma("omp parallel")                                                                       \
+    {                                                                                             \
+        const int64_t me = omp_get_thread_num();                                                  \
+        float *scores = scratch + me * per_thread;                                                \
+        _Pragma("omp for schedule(dynamic, 1)")                                                   \
+        for (int64_t task = 0; task < tasks; task++) {                                            \
+            const int64_t b = task_seq[task];                                                     \
+            const int64_t len = context_lens[b], span = partition_len(len);                       \
+            const int64_t start = (task - first_task[b]) * span;                                  \
+            const int64_t end = start + span < len ? start + span : len;                          \
+            const float *qb = q + b * heads * head_dim;                                           \
             const int64_t *table = block_tables + b * table_width;                                \
-            const int64_t offset = kvh * head_dim;                                                \
-            if (head_dim == 64)                                                                   \
-                ATTEND(qg, k_cache, v_cache, table, len, og, scores, group, token_stride, offset, \
-                       block_size, 64, scale);                                                    \
-            else if (head_dim == 128)                                                             \
-                ATTEND(qg, k_cache, v_cache, table, len, og, scores, group, token_stride, offset, \
-                       block_size, 128, scale);                                                   \
-            else                                                                                  \
-                ATTEND(qg, k_cache, v_cache, table, len, og, scores, group, token_stride, offset, \
-                       block_size, head_dim, scale);                                              \
-            free(scores);                                                                         \
+            float *o = partials + task * per_task, *m = o + heads * head_dim, *l = m + heads;     \
+            if (head_dim == 64) RUN_PARTITION(PART, 64);                                          \
+            else if (head_dim == 128) RUN_PARTITION(PART, 128);                                   \
+            else RUN_PARTITION(PART, head_dim);                                                   \
+        }                                                                                         \
+        /* combine each (sequence, head) over its partitions */                                   \
+        _Pragma("omp for schedule(static)")                                                       \
+        for (int64_t bh = 0; bh < batch * heads; bh++) {                                          \
+            const int64_t b = bh / heads, h = bh % heads;                                         \
+            const int64_t parts = first_task[b + 1] - first_task[b];                              \
+            float *ob = out + bh * head_dim;                                                      \
+            float acc[HEAD_DIM_MAX];                                                              \
+            for (int64_t d = 0; d < head_dim; d++) acc[d] = 0.f;                                  \
+            float mx = -INFINITY, total = 0.f;                                                    \
+            for (int64_t p = 0; p < parts; p++) {                                                 \
+                const float *part = partials + (first_task[b] + p) * per_task;                    \
+                const float mp = part[heads * head_dim + h];                                      \
+                mx = mp > mx ? mp : mx;                                                           \
+            }                                                                                     \
+            for (int64_t p = 0; p < parts; p++) {                                                 \
+                const float *part = partials + (first_task[b] + p) * per_task;                    \
+                const float w = exp_nonpositive(part[heads * head_dim + h] - mx);                 \
+                total += w * part[heads * head_dim + heads + h];                                  \
+                const float *op = part + h * head_dim;                                            \
+                _Pragma("omp simd")                                                               \
+                for (int64_t d = 0; d < head_dim; d++) acc[d] += w * op[d];                       \
+            }                                                                                     \
+            const float inv = parts > 0 ? 1.f / total : 0.f;                                      \
+            for (int64_t d = 0; d < head_dim; d++) ob[d] = acc[d] * inv;                          \
         }                                                                                         \
     }                                                                                             \
-    return failed;                                                                                \
+    free(first_task); free(task_seq); free(partials); free(scratch);                              \
+    return 0;                                                                                     \
 }
 
 #define LOAD_F32(x) (x)
 #define LOAD_BF16(x) bf16_to_f32(x)
-DEFINE_ATTEND(attend_f32, float, LOAD_F32)
-DEFINE_ATTEND(attend_bf16, uint16_t, LOAD_BF16)
-DEFINE_KERNEL(paged_decode_attention_f32, float, attend_f32)
-DEFINE_KERNEL(paged_decode_attention_bf16, uint16_t, attend_bf16)
+DEFINE_PARTITION(partition_f32, float, LOAD_F32)
+DEFINE_PARTITION(partition_bf16, uint16_t, LOAD_BF16)
+DEFINE_KERNEL(paged_decode_attention_f32, float, partition_f32)
+DEFINE_KERNEL(paged_decode_attention_bf16, uint16_t, partition_bf16)
