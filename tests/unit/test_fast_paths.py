@@ -75,10 +75,16 @@ def test_native_decode_attention_matches_reference(heads, kv_heads, block_size, 
     assert got.dtype == dtype and got.shape == q.shape
     # float32 accumulation in both: the only difference is the order of the sums
     torch.testing.assert_close(got.float(), ref, atol=2e-6 if dtype == torch.float32 else 1e-2, rtol=1e-5)
-    # the operator the compiled step calls is the same kernel
+    # the operator the compiled step calls is the same kernel, and takes strided inputs too
     op = torch.ops.sluice.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
                                                  meta.decode_context_lens, 0.3)
     assert torch.equal(op, got)
+    wide_q = torch.cat([q, q], dim=-1)[..., : q.shape[-1]]  # a view with a row stride of 2 heads
+    wide_tables = torch.cat([meta.decode_block_tables] * 2, dim=1)[:, : meta.decode_block_tables.shape[1]]
+    assert not wide_q.is_contiguous() and not wide_tables.is_contiguous()
+    strided = torch.ops.sluice.paged_decode_attention(wide_q, k_cache, v_cache, wide_tables,
+                                                      meta.decode_context_lens[::1], 0.3)
+    assert torch.equal(strided, got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
