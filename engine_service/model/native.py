@@ -1,13 +1,16 @@
-"""Native CPU kernels: the decode attention in C (``kernels/paged_decode_attention.c``), bound to torch
-as the operator ``sluice::paged_decode_attention`` by a thin C++ file
-(``kernels/paged_decode_attention_op.cpp``), built with the system compilers at first use.
+"""Native CPU operators, built with the system compilers at first use and loaded into torch:
+
+- ``sluice::paged_decode_attention``: the decode attention in C (``kernels/paged_decode_attention.c``),
+  bound to torch by a thin C++ file (``kernels/paged_decode_attention_op.cpp``);
+- ``sluice::prepacked_linear``: a product with a weight oneDNN laid out at load
+  (``kernels/prepacked_linear_op.cpp``; the module is ``engine_service.model.prepacked``).
 
 Why not ``torch.utils.cpp_extension``: code that includes ATen's headers takes about a minute to
-compile on two cores and needs ninja. The binding uses torch's stable C ABI instead
+compile on two cores and needs ninja. The bindings use torch's stable C ABI instead
 (``torch/csrc/stable``: the shim's C declarations and a few header-only templates), so the whole
-build takes about a second and needs nothing but gcc and g++ (which inductor needs too). Why an
-operator in C++ rather than a Python function calling the kernel (ctypes, as at first): it runs once
-per layer per step, and the Python layer cost 5 µs a call with warm caches and ~30 µs in a real
+build takes a few seconds and needs nothing but gcc and g++ (which inductor needs too). Why
+operators in C++ rather than Python functions (ctypes, as at first): they run once per layer (and
+per projection) per step, and the Python layer cost 5-8 µs a call with warm caches, ~30 µs in a real
 step, where a layer's weights have just streamed through the caches and the interpreter's objects
 with them (docs/performance.md).
 
@@ -16,7 +19,7 @@ so the kernel runs on torch's thread pool (a second pool would fight it for the 
 objects are cached under ``$SLUICE_CACHE_DIR/kernels``, keyed by the sources, the compilers, torch's
 version and the CPU's flags (the C builds for ``-march=native``). No compiler, a failed build or a
 non-CPU device: ``paged_decode_attention_kernel()`` returns None with the reason logged once, and
-the engine runs the plain-torch attention.
+the engine runs the plain-torch attention (and ``prepacked`` its Python operator).
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ from sluice.paths import cache_dir
 logger = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
-C_SOURCE = KERNELS / "paged_decode_attention.c"
-CXX_SOURCE = KERNELS / "paged_decode_attention_op.cpp"
+C_SOURCES = [KERNELS / "paged_decode_attention.c"]
+CXX_SOURCES = [KERNELS / "paged_decode_attention_op.cpp", KERNELS / "prepacked_linear_op.cpp"]
+LIBRARY_NAME = "sluice_ops"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC"]
 CXXFLAGS = ["-O2", "-std=c++17", "-fPIC"]
 
@@ -80,9 +84,9 @@ def _build() -> Path:
     versions = [subprocess.run([c, "--version"], capture_output=True, text=True, check=False).stdout
                 for c in (cc, cxx)]
     key = hashlib.sha256("\0".join([
-        C_SOURCE.read_text(), CXX_SOURCE.read_text(), cc, cxx, *versions, " ".join(CFLAGS + CXXFLAGS),
+        *(src.read_text() for src in C_SOURCES + CXX_SOURCES), cc, cxx, *versions, " ".join(CFLAGS + CXXFLAGS),
         torch.__version__, str(torch_dir), _cpu_flags()]).encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"{C_SOURCE.stem}-{key}.so"
+    target = cache_dir() / "kernels" / f"{LIBRARY_NAME}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -90,14 +94,53 @@ def _build() -> Path:
     # half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         work = Path(scratch)
-        _run([cc, *CFLAGS, "-c", str(C_SOURCE), "-o", str(work / "kernel.o")], C_SOURCE.name)
-        _run([cxx, *CXXFLAGS, f"-I{torch_dir / 'include'}", "-c", str(CXX_SOURCE), "-o", str(work / "op.o")],
-             CXX_SOURCE.name)
-        _run([cxx, "-shared", "-fopenmp", "-o", str(work / "op.so"), str(work / "op.o"), str(work / "kernel.o"),
+        objects = []
+        for src in C_SOURCES:
+            objects.append(work / f"{src.stem}.o")
+            _run([cc, *CFLAGS, "-c", str(src), "-o", str(objects[-1])], src.name)
+        for src in CXX_SOURCES:
+            objects.append(work / f"{src.stem}.o")
+            _run([cxx, *CXXFLAGS, f"-I{torch_dir / 'include'}", "-c", str(src), "-o", str(objects[-1])], src.name)
+        _run([cxx, "-shared", "-fopenmp", "-o", str(work / "ops.so"), *map(str, objects),
               f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}", "-lm"],
              target.name)
-        os.replace(work / "op.so", target)
+        os.replace(work / "ops.so", target)
     return target
+
+
+def load_native_ops() -> None:
+    """Build (once per machine) and load the native operators into torch (once per process);
+    raises NativeKernelError saying why not."""
+    with _lock:
+        cached = _loaded.get(LIBRARY_NAME)
+        if isinstance(cached, NativeKernelError):
+            raise cached
+        if cached is not None:
+            return
+        try:
+            if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
+                raise NativeKernelError(f"no native kernels for {platform.machine()}")
+            # the schemas the library implements are defined in Python (here and in prepacked)
+            from engine_service.model import prepacked  # noqa: F401
+            try:
+                torch.ops.load_library(str(_build()))
+            except NativeKernelError:
+                raise
+            except (OSError, RuntimeError) as exc:  # a missing source, an unwritable cache, a failed dlopen
+                raise NativeKernelError(f"could not build or load the kernel: {exc}") from exc
+        except NativeKernelError as exc:
+            _loaded[LIBRARY_NAME] = exc
+            raise
+        _loaded[LIBRARY_NAME] = True
+
+
+def native_ops_unavailable() -> str | None:
+    """None when the native operators are loaded (building them if need be), else why not."""
+    try:
+        load_native_ops()
+    except NativeKernelError as exc:
+        return str(exc)
+    return None
 
 
 # The operator's schema and its shape function are Python's; its CPU kernel comes from the built
@@ -152,29 +195,13 @@ class PagedDecodeAttention:
         return self.op(q, k_cache, v_cache, block_tables.to(torch.int64), context_lens.to(torch.int64), scale)
 
 
+_KERNEL = PagedDecodeAttention()
+
+
 def load_paged_decode_attention() -> PagedDecodeAttention:
     """Build (once per machine) and load the kernel; raises NativeKernelError saying why not."""
-    with _lock:
-        cached = _loaded.get("paged_decode_attention")
-        if isinstance(cached, PagedDecodeAttention):
-            return cached
-        if isinstance(cached, NativeKernelError):
-            raise cached
-        try:
-            if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
-                raise NativeKernelError(f"no native kernels for {platform.machine()}")
-            try:
-                torch.ops.load_library(str(_build()))
-            except (OSError, RuntimeError) as exc:  # a missing source, an unwritable cache, a failed dlopen
-                if isinstance(exc, NativeKernelError):
-                    raise
-                raise NativeKernelError(f"could not build or load the kernel: {exc}") from exc
-            kernel = PagedDecodeAttention()
-        except NativeKernelError as exc:
-            _loaded["paged_decode_attention"] = exc
-            raise
-        _loaded["paged_decode_attention"] = kernel
-        return kernel
+    load_native_ops()
+    return _KERNEL
 
 
 def paged_decode_attention_kernel(device: torch.device) -> PagedDecodeAttention | None:

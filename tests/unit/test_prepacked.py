@@ -68,10 +68,37 @@ def test_unavailable_prepacking_leaves_the_model_alone(monkeypatch):
     assert prepack_model(model) == 0 and isinstance(model[0], nn.Linear)
 
 
-def test_handles_do_not_keep_weights_alive():
+@pytest.mark.skipif(not PREPACKS, reason="this CPU cannot prepack bfloat16 weights")
+def test_the_operator_is_native_and_releases_weights_with_their_layer():
+    """gcc/g++ are part of the test set-up: the operator's kernel is the C++ one, whose registry
+    holds a layer's packed weight exactly as long as the layer lives."""
+    from engine_service.model.prepacked import operator_kernel
+
+    assert operator_kernel() == "native"
+    layer = PrepackedLinear(torch.randn(16, 8).bfloat16(), None)
+    x = torch.randn(3, 8).bfloat16()
+    assert torch.equal(prepacked_linear_op(x, layer.handle, None, 16), layer(x))
+    with pytest.raises(RuntimeError, match="out_features"):
+        prepacked_linear_op(x, layer.handle, None, 17)
+    handle = layer.handle
+    del layer
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no packed weight under this handle"):
+        prepacked_linear_op(x, handle, None, 16)
+    with pytest.raises(RuntimeError, match="0-d int64"):
+        prepacked_linear_op(x, handle.float(), None, 16)
+
+
+def test_python_operator_where_nothing_can_be_built(monkeypatch):
+    """Without the native library the operator's Python kernel finds weights in _PACKED, weakly."""
+    import engine_service.model.prepacked as prepacked
+
+    monkeypatch.setattr(prepacked, "_kernel", ["python"])
     before = len(_PACKED)
     layer = PrepackedLinear(torch.randn(16, 8).bfloat16(), None)
     assert len(_PACKED) == before + 1
+    x = torch.randn(3, 8).bfloat16()
+    assert torch.equal(prepacked._prepacked_linear_python(x, layer.handle, None, 16), layer(x))
     del layer
     gc.collect()
     assert len(_PACKED) == before
