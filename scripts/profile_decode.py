@@ -1,7 +1,8 @@
 """Profile one decode step of the engine with torch.profiler: `python scripts/profile_decode.py --batch 1`.
 
 Fills `--batch` sequences with a `--context`-token prompt each, then profiles `--steps` decode
-steps of the model runner (the forward only, no sampler) and prints the top ops by self CPU time.
+steps of the engine and prints the top ops by self CPU time (torch.profiler), or with ``--cprofile``
+the cumulative time of each Python call (cProfile: how a step divides into its parts).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ def main() -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch"])
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--cprofile", action="store_true",
+                   help="Python's cProfile instead of torch.profiler (cumulative times per Python call: "
+                        "the step's parts, without the profiler's cost on each operator)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -47,6 +51,17 @@ def main() -> None:
         engine.step()
     per_step = (time.perf_counter() - started) / args.steps
     print(f"batch {args.batch}: {per_step * 1e3:.1f} ms per engine step, {args.batch / per_step:.1f} tok/s")
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.steps):
+            engine.step()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.rows)
+        return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             engine.step()
