@@ -48,7 +48,7 @@ def main() -> None:
                                  decode_token_index=None, decode_block_tables=tables, decode_context_lens=lens)
 
         def run_native(caches=caches):
-            return [native(q, k, v, tables, lens, 0.125) for k, v in caches]
+            return [native.op(q, k, v, tables, lens, 0.125) for k, v in caches]
 
         def run_reference(caches=caches, dtype=dtype, meta=meta):
             return [decode_attention_reference(q.to(dtype), k, v, meta, 0.125) for k, v in caches]

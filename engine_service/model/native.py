@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
 C_SOURCES = [KERNELS / "paged_decode_attention.c"]
+HEADERS = [KERNELS / "paged_decode_attention.h"]
 CXX_SOURCES = [KERNELS / "paged_decode_attention_op.cpp", KERNELS / "prepacked_linear_op.cpp"]
 LIBRARY_NAME = "sluice_ops"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC"]
@@ -84,7 +85,7 @@ def _build() -> Path:
     versions = [subprocess.run([c, "--version"], capture_output=True, text=True, check=False).stdout
                 for c in (cc, cxx)]
     key = hashlib.sha256("\0".join([
-        *(src.read_text() for src in C_SOURCES + CXX_SOURCES), cc, cxx, *versions, " ".join(CFLAGS + CXXFLAGS),
+        *(src.read_text() for src in C_SOURCES + CXX_SOURCES + HEADERS), cc, cxx, *versions, " ".join(CFLAGS + CXXFLAGS),
         torch.__version__, str(torch_dir), _cpu_flags()]).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{LIBRARY_NAME}-{key}.so"
     if target.exists():
@@ -162,15 +163,13 @@ paged_decode_attention_op = torch.ops.sluice.paged_decode_attention
 
 
 class PagedDecodeAttention:
-    """``(q, k_cache, v_cache, block_tables, context_lens, scale) -> out`` on CPU tensors: the
-    attention of ``engine_service.model.attention.decode_attention_reference``, reading the paged
-    cache in place (see ``kernels/paged_decode_attention.c``).
+    """The native decode attention: ``op(q, k_cache, v_cache, block_tables, context_lens, scale) ->
+    out`` on CPU tensors is the attention of ``engine_service.model.attention.
+    decode_attention_reference``, reading the paged cache in place (``kernels/paged_decode_attention.c``).
+    The operator checks its arguments itself and refuses, with the reason, what it cannot run; the
+    engine asks ``supports`` once at start so that it can fall back to the torch path instead."""
 
-    Calling the object checks the arguments in Python (``NativeKernelError`` saying what does not
-    fit) and runs the operator; the engine checks the model once at start (``supports``) and hands
-    the operator itself (``op``) to the forward, which calls it once per layer per step."""
-
-    # the kernel's compile-time bounds (MAX_HEADS, HEAD_DIM_MAX in the C source)
+    # the kernel's limits (PDA_MAX_HEADS, PDA_MAX_HEAD_DIM in kernels/paged_decode_attention.h)
     MAX_HEADS = 128
     MAX_HEAD_DIM = 256
     DTYPES = (torch.float32, torch.bfloat16)
@@ -180,19 +179,6 @@ class PagedDecodeAttention:
         """Whether the kernel runs a cache of this dtype for this attention shape."""
         return (cache_dtype in self.DTYPES and kv_heads > 0 and heads % kv_heads == 0
                 and heads <= self.MAX_HEADS and 0 < head_dim <= self.MAX_HEAD_DIM)
-
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        batch, heads, head_dim = q.shape
-        _, block_size, kv_heads, cache_dim = k_cache.shape
-        if k_cache.dtype not in self.DTYPES or v_cache.dtype != k_cache.dtype:
-            raise NativeKernelError(f"no native decode attention for a {k_cache.dtype} cache")
-        if cache_dim != head_dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise NativeKernelError("native decode attention needs contiguous caches of the query's head size")
-        if not self.supports(k_cache.dtype, heads, kv_heads, head_dim):
-            raise NativeKernelError(f"native decode attention does not run {heads} heads over {kv_heads} kv heads "
-                                    f"of size {head_dim}")
-        return self.op(q, k_cache, v_cache, block_tables.to(torch.int64), context_lens.to(torch.int64), scale)
 
 
 _KERNEL = PagedDecodeAttention()

@@ -71,14 +71,12 @@ def test_native_decode_attention_matches_reference(heads, kv_heads, block_size, 
     kernel = load_paged_decode_attention()  # gcc is part of the test set-up: a build failure fails here
     q, k_cache, v_cache, meta = _random_paged_case(heads, kv_heads, block_size, dtype)
     ref = decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, 0.3)
-    got = kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, 0.3)
+    got = kernel.op(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, 0.3)
     assert got.dtype == dtype and got.shape == q.shape
     # float32 accumulation in both: the only difference is the order of the sums
     torch.testing.assert_close(got.float(), ref, atol=2e-6 if dtype == torch.float32 else 1e-2, rtol=1e-5)
-    # the operator the compiled step calls is the same kernel, and takes strided inputs too
-    op = torch.ops.sluice.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                                 meta.decode_context_lens, 0.3)
-    assert torch.equal(op, got)
+    # the kernel is the operator the compiled step calls, and takes strided inputs too
+    assert kernel.op is torch.ops.sluice.paged_decode_attention
     wide_q = torch.cat([q, q], dim=-1)[..., : q.shape[-1]]  # a view with a row stride of 2 heads
     wide_tables = torch.cat([meta.decode_block_tables] * 2, dim=1)[:, : meta.decode_block_tables.shape[1]]
     assert not wide_q.is_contiguous() and not wide_tables.is_contiguous()
@@ -98,35 +96,32 @@ def test_native_decode_attention_is_batch_and_thread_invariant(dtype):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single_thread = kernel(q, k_cache, v_cache, tables, lens, 0.3)
+        single_thread = kernel.op(q, k_cache, v_cache, tables, lens, 0.3)
         torch.set_num_threads(max(threads, 2))
-        batched = kernel(q, k_cache, v_cache, tables, lens, 0.3)
+        batched = kernel.op(q, k_cache, v_cache, tables, lens, 0.3)
         assert torch.equal(batched, single_thread)
         for b in range(q.shape[0]):
-            alone = kernel(q[b : b + 1], k_cache, v_cache, tables[b : b + 1], lens[b : b + 1], 0.3)
+            alone = kernel.op(q[b : b + 1], k_cache, v_cache, tables[b : b + 1], lens[b : b + 1], 0.3)
             assert torch.equal(alone[0], batched[b]), b
     finally:
         torch.set_num_threads(threads)
 
 
 def test_native_decode_attention_refuses_what_it_cannot_run():
-    from engine_service.model.native import NativeKernelError
-
     kernel = load_paged_decode_attention()
     q, k_cache, v_cache, meta = _random_paged_case(9, 3, 16)
-    with pytest.raises(NativeKernelError, match="float16"):
-        kernel(q, k_cache.half(), v_cache.half(), meta.decode_block_tables, meta.decode_context_lens, 0.3)
-    with pytest.raises(NativeKernelError, match="head size"):
-        kernel(q[..., :16], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, 0.3)
-    wide = torch.randn(q.shape[0], 43 * 3, q.shape[2])  # 129 query heads: over MAX_HEADS
-    with pytest.raises(NativeKernelError, match="129 heads over 3 kv heads"):
-        kernel(wide, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, 0.3)
     assert kernel.supports(torch.float32, 9, 3, 64) and kernel.supports(torch.bfloat16, 32, 8, 128)
     assert not kernel.supports(torch.float16, 9, 3, 64) and not kernel.supports(torch.float32, 9, 3, 512)
+    assert not kernel.supports(torch.float32, 129, 3, 64) and not kernel.supports(torch.float32, 9, 2, 64)
 
-    # the operator (what the forward calls, without the Python checks) refuses what would read
-    # memory it was not given, with an error, not a crash
+    # the operator (what the forward calls) refuses what it cannot run or what would make it read
+    # memory it was not given, with the reason, not a crash
     op = kernel.op
+    wide = torch.randn(q.shape[0], 43 * 3, q.shape[2])  # 129 query heads: over the kernel's limit
+    with pytest.raises(RuntimeError, match="no kernel for 129 heads over 3 kv heads of size 32"):
+        op(wide, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, 0.3)
+    with pytest.raises(RuntimeError, match="no kernel for 8 heads over 3 kv heads"):
+        op(q[:, :8], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, 0.3)
     tables, lens = meta.decode_block_tables, meta.decode_context_lens
     with pytest.raises(RuntimeError, match="longer than its block table"):
         op(q, k_cache, v_cache, tables[:, :1], lens, 0.3)
@@ -134,7 +129,7 @@ def test_native_decode_attention_refuses_what_it_cannot_run():
         op(q, k_cache, v_cache, tables + k_cache.shape[0], lens, 0.3)
     with pytest.raises(RuntimeError, match="int64"):
         op(q, k_cache, v_cache, tables.int(), lens, 0.3)
-    with pytest.raises(RuntimeError, match="dtype"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
         op(q, k_cache.half(), v_cache.half(), tables, lens, 0.3)
     with pytest.raises(RuntimeError, match="head size"):
         op(q[..., :16], k_cache, v_cache, tables, lens, 0.3)

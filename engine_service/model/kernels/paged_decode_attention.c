@@ -30,13 +30,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "paged_decode_attention.h"
+
 #define PARTITION 128 /* the longest partition (the scratch row per head) */
 
 /* Tokens per partition, a function of the context length only (batch invariance): short contexts
  * get shorter partitions, so one stream still has a task per core. */
 static inline int64_t partition_len(int64_t len) { return len <= 256 ? 64 : PARTITION; }
-#define MAX_HEADS 128
-#define HEAD_DIM_MAX 256
+#define MAX_HEADS PDA_MAX_HEADS
+#define HEAD_DIM_MAX PDA_MAX_HEAD_DIM
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -162,7 +164,7 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int64_t *bloc
     first_task[batch] = tasks;                                                                    \
     const int64_t threads = omp_get_max_threads();                                                \
     const int64_t per_task = heads * (head_dim + 2);      /* o, m, l of one partition */           \
-    const int64_t per_thread = heads * PARTITION + per_task;                                      \
+    const int64_t per_thread = heads * PARTITION;          /* one partition's scores */            \
     int64_t *task_seq = (int64_t *)malloc(sizeof(int64_t) * (tasks + 1));                         \
     float *partials = (float *)malloc(sizeof(float) * (tasks * per_task + 1));                    \
     float *scratch = (float *)malloc(sizeof(float) * threads * per_thread);                       \

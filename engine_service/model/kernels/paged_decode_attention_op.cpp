@@ -17,17 +17,7 @@
 
 #include <cstdint>
 
-extern "C" {
-int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
-                               const int64_t *block_tables, int64_t table_width,
-                               const int64_t *context_lens, float *out, int64_t batch, int64_t heads,
-                               int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale);
-int paged_decode_attention_bf16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                                const int64_t *block_tables, int64_t table_width,
-                                const int64_t *context_lens, float *out, int64_t batch,
-                                int64_t heads, int64_t kv_heads, int64_t head_dim,
-                                int64_t block_size, float scale);
-}
+#include "paged_decode_attention.h"
 
 namespace {
 
@@ -41,7 +31,7 @@ Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor b
                   "paged_decode_attention: caches must be [blocks, block_size, kv_heads, head_dim]");
   const ScalarType cache_type = k_cache.scalar_type();
   STD_TORCH_CHECK(cache_type == ScalarType::Float || cache_type == ScalarType::BFloat16,
-                  "paged_decode_attention: no kernel for this cache dtype (float32 and bfloat16 only)");
+                  "paged_decode_attention: no kernel for this cache dtype (float32 or bfloat16 only)");
   STD_TORCH_CHECK(v_cache.scalar_type() == cache_type, "paged_decode_attention: K and V caches differ in dtype");
   STD_TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
                   "paged_decode_attention: the caches must be contiguous");
@@ -50,6 +40,10 @@ Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor b
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   STD_TORCH_CHECK(k_cache.size(3) == head_dim, "paged_decode_attention: the cache's head size is not the query's");
+  STD_TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && heads <= PDA_MAX_HEADS && head_dim <= PDA_MAX_HEAD_DIM,
+                  "paged_decode_attention: no kernel for ", heads, " heads over ", kv_heads, " kv heads of size ",
+                  head_dim, " (at most ", PDA_MAX_HEADS, " heads, a multiple of the kv heads, of size at most ",
+                  PDA_MAX_HEAD_DIM, ")");
   STD_TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch &&
                       block_tables.scalar_type() == ScalarType::Long,
                   "paged_decode_attention: block_tables must be int64 [batch, width]");
@@ -89,8 +83,7 @@ Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor b
         width, len_data, static_cast<float *>(out.data_ptr()), batch, heads, kv_heads, head_dim,
         block_size, static_cast<float>(scale));
   }
-  STD_TORCH_CHECK(rc != 2, "paged_decode_attention: the kernel does not run this many heads or this head size");
-  STD_TORCH_CHECK(rc == 0, "paged_decode_attention: could not allocate its work buffers");
+  STD_TORCH_CHECK(rc == 0, "paged_decode_attention: could not allocate its work buffers");  // shapes: checked above
   return q.scalar_type() == ScalarType::Float ? out : torch::stable::to(out, q.scalar_type());
 }
 
