@@ -27,6 +27,7 @@ from engine_service.model.dtype import resolve_auto_dtype
 from engine_service.model.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from engine_service.model.loader import load_model, parse_dtype
 from engine_service.model.native import load_paged_decode_attention, paged_decode_attention_kernel
+from engine_service.model.prepacked import compile_unavailable
 from engine_service.model.quantization import parse_quantization
 from engine_service.model.runner import ModelRunner
 from engine_service.sampling.grammar import GrammarManager
@@ -98,7 +99,7 @@ class LLMEngine:
                     config.block_size, time.perf_counter() - started)
         self.compile_warmup_seconds: float | None = None
         if not self.enforce_eager:
-            why_not = compile_supported(self.device)
+            why_not = compile_supported(self.device) or compile_unavailable(self.runner.model)
             if why_not is None:
                 try:
                     self.compile_warmup_seconds = self.runner.enable_compiled_decode(num_blocks * config.block_size)

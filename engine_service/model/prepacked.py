@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import threading
 import weakref
 
 import torch
@@ -83,24 +82,18 @@ def _probe(dtype: torch.dtype) -> str | None:
 # input read from the module at every call: two engines in one process may share a compiled graph,
 # and an int baked into it would be the first engine's weight), to the operator
 # sluice::prepacked_linear, which finds the packed weight by it. The operator's CPU kernel is C++
-# (kernels/prepacked_linear_op.cpp, built with the other native operators: a Python kernel cost
-# 8-50 µs a call, 121 calls a step), holding the packed weights in its own registry
-# (sluice::prepacked_register / prepacked_unregister, the entry dropped when the module is
-# collected). Where the native operators cannot be built, a Python kernel looks the weight up in
-# _PACKED instead (weak: the module owns its weight). Registered with torch.library's low-level
-# API: ``torch.library.custom_op`` cost ~50 µs a call more in the graph.
-_PACKED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+# (kernels/prepacked_linear_op.cpp, built with the other native operators by
+# engine_service.model.native: a Python kernel cost 8-50 µs a call, 121 calls a step), holding the
+# packed weights in its own registry (sluice::prepacked_register / prepacked_unregister, the entry
+# dropped when the layer is collected). Where the native operators cannot be built, a bfloat16
+# model runs eagerly (compile_unavailable). Registered with torch.library's low-level API:
+# ``torch.library.custom_op`` cost ~50 µs a call more in the graph.
 _handles = itertools.count()
 
 _library = torch.library.Library("sluice", "FRAGMENT")
 _library.define("prepacked_linear(Tensor x, Tensor handle, Tensor? bias, int out_features) -> Tensor")
 _library.define("prepacked_register(Tensor handle, Tensor packed) -> ()")
 _library.define("prepacked_unregister(Tensor handle) -> ()")
-
-
-def _prepacked_linear_python(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None,
-                             out_features: int) -> torch.Tensor:
-    return _packed_linear(x, _PACKED[int(handle)], bias)
 
 
 def _prepacked_linear_fake(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None,
@@ -110,25 +103,20 @@ def _prepacked_linear_fake(x: torch.Tensor, handle: torch.Tensor, bias: torch.Te
 
 _library.impl("prepacked_linear", _prepacked_linear_fake, "Meta")
 prepacked_linear_op = torch.ops.sluice.prepacked_linear
-_kernel_lock = threading.Lock()
-_kernel: list[str] = []  # "native" or "python" once chosen, for the process
 
 
-def operator_kernel() -> str:
-    """Which CPU kernel sluice::prepacked_linear runs in this process: ``native`` (C++, built at first
-    use) or ``python`` (where it cannot be built; registered here, once)."""
-    with _kernel_lock:
-        if not _kernel:
-            from engine_service.model.native import native_ops_unavailable
+def _native_ops_unavailable() -> str | None:
+    from engine_service.model.native import native_ops_unavailable  # native imports this module
 
-            why_not = native_ops_unavailable()
-            if why_not is None:
-                _kernel.append("native")
-            else:
-                logger.warning("prepacked products run a Python operator in compiled graphs: %s", why_not)
-                _library.impl("prepacked_linear", _prepacked_linear_python, "CPU")
-                _kernel.append("python")
-        return _kernel[0]
+    return native_ops_unavailable()
+
+
+def compile_unavailable(model: nn.Module) -> str | None:
+    """None when ``model``'s prepacked layers (if any) can run in a compiled graph, else why not."""
+    if not any(isinstance(m, PrepackedLinear) for m in model.modules()):
+        return None
+    why_not = _native_ops_unavailable()
+    return None if why_not is None else f"prepacked layers need the native operators in a compiled graph: {why_not}"
 
 
 class PrepackedLinear(nn.Module):
@@ -142,11 +130,9 @@ class PrepackedLinear(nn.Module):
         self.packed = _pack(weight)
         handle = torch.tensor(next(_handles))
         self.register_buffer("handle", handle, persistent=False)
-        if operator_kernel() == "native":
+        if _native_ops_unavailable() is None:  # else the model never compiles: compile_unavailable
             torch.ops.sluice.prepacked_register(handle, self.packed)
             weakref.finalize(self, torch.ops.sluice.prepacked_unregister, handle)
-        else:
-            _PACKED[int(handle)] = self.packed
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

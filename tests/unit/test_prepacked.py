@@ -14,7 +14,6 @@ from torch import nn
 from engine_service import LLM, SamplingParams
 from engine_service.model.loader import load_model
 from engine_service.model.prepacked import (
-    _PACKED,
     PrepackedLinear,
     prepack_model,
     prepack_unavailable,
@@ -72,9 +71,6 @@ def test_unavailable_prepacking_leaves_the_model_alone(monkeypatch):
 def test_the_operator_is_native_and_releases_weights_with_their_layer():
     """gcc/g++ are part of the test set-up: the operator's kernel is the C++ one, whose registry
     holds a layer's packed weight exactly as long as the layer lives."""
-    from engine_service.model.prepacked import operator_kernel
-
-    assert operator_kernel() == "native"
     layer = PrepackedLinear(torch.randn(16, 8).bfloat16(), None)
     x = torch.randn(3, 8).bfloat16()
     assert torch.equal(prepacked_linear_op(x, layer.handle, None, 16), layer(x))
@@ -89,19 +85,29 @@ def test_the_operator_is_native_and_releases_weights_with_their_layer():
         prepacked_linear_op(x, handle.float(), None, 16)
 
 
-def test_python_operator_where_nothing_can_be_built(monkeypatch):
-    """Without the native library the operator's Python kernel finds weights in _PACKED, weakly."""
-    import engine_service.model.prepacked as prepacked
+@pytest.mark.model
+@pytest.mark.skipif(not PREPACKS, reason="this CPU cannot prepack bfloat16 weights")
+def test_without_native_operators_a_prepacked_model_runs_eagerly(model_dir, monkeypatch, caplog):
+    """No native library (no g++, a failed build): a bfloat16 engine asked to compile says why and
+    runs eagerly instead of failing in its warm-up, and its layers register nothing."""
+    import engine_service.model.native as native
 
-    monkeypatch.setattr(prepacked, "_kernel", ["python"])
-    before = len(_PACKED)
-    layer = PrepackedLinear(torch.randn(16, 8).bfloat16(), None)
-    assert len(_PACKED) == before + 1
-    x = torch.randn(3, 8).bfloat16()
-    assert torch.equal(prepacked._prepacked_linear_python(x, layer.handle, None, 16), layer(x))
-    del layer
-    gc.collect()
-    assert len(_PACKED) == before
+    monkeypatch.setattr(native, "_loaded", {native.LIBRARY_NAME: native.NativeKernelError("no g++ here")})
+    with caplog.at_level("WARNING"):
+        llm = LLM(str(model_dir), dtype="bfloat16", enforce_eager=False, kv_cache_memory=8 << 20)
+    engine = llm.engine
+    assert engine.enforce_eager and engine.runner.compiled_decode is None
+    assert engine.attention_backend == "torch"
+    assert any("prepacked layers need the native operators in a compiled graph: no g++ here" in r.getMessage()
+               for r in caplog.records)
+    layer = _layers(engine.runner.model, PrepackedLinear)[0]
+    x = torch.randn(2, layer.in_features).bfloat16()
+    # nothing under the layer's handle (or, when no earlier test loaded the library into this
+    # process, no kernel at all)
+    with pytest.raises(RuntimeError, match="no packed weight under this handle|Could not run 'sluice::prepacked_linear'"):
+        prepacked_linear_op(x, layer.handle, None, layer.out_features)
+    tokens = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0].token_ids
+    assert len(tokens) == 4
 
 
 @pytest.mark.model
