@@ -16,9 +16,10 @@ Decode tokens (one query per sequence) have two implementations with the same in
   reduction that consumes it, so the cache is read where it lies, once, and no padded copy of any
   sequence's K/V exists. The compiled decode step (``engine_service.model.compiled``) uses it.
 * a native kernel (``engine_service.model.native``, C built at first use): the same attention read
-  through the block tables in place, one OpenMP task per sequence (per (sequence, kv head) at small
-  batches). What the eager forward runs on CPU when the kernel builds (``attention_backend``: auto /
-  native).
+  through the block tables in place, each context split into partitions that run as separate
+  OpenMP tasks and are combined by log-sum-exp (so one stream uses every core, and a sequence's
+  output does not depend on its batch). What the eager forward and the compiled step run on CPU
+  when the kernel builds (``attention_backend``: auto / native).
 
 Prefill chunks run one SDPA call each, causal over the sequence's cached and new tokens.
 """

@@ -49,10 +49,11 @@ def probe_cpu_bf16(in_features: int, out_features: int, rounds: int = 5, reps: i
     weight = torch.randn(out_features, in_features, generator=gen)
     x = torch.randn(1, in_features, generator=gen)
     # each type as the engine would run it: a bfloat16 model's weights are prepacked where they can be
-    bf16 = torch.nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16)
-    bf16.weight.data = weight.bfloat16()
     if prepack_unavailable(torch.bfloat16, torch.device("cpu")) is None:
         bf16 = PrepackedLinear(weight.bfloat16(), None)
+    else:
+        bf16 = torch.nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16)
+        bf16.weight.data = weight.bfloat16()
     fp32 = torch.nn.Linear(in_features, out_features, bias=False)
     fp32.weight.data = weight
     pairs = {torch.float32: (x, fp32), torch.bfloat16: (x.bfloat16(), bf16)}

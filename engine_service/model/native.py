@@ -19,7 +19,8 @@ so the kernel runs on torch's thread pool (a second pool would fight it for the 
 objects are cached under ``$SLUICE_CACHE_DIR/kernels``, keyed by the sources, the compilers, torch's
 version and the CPU's flags (the C builds for ``-march=native``). No compiler, a failed build or a
 non-CPU device: ``paged_decode_attention_kernel()`` returns None with the reason logged once, and
-the engine runs the plain-torch attention (and ``prepacked`` its Python operator).
+the engine runs the plain-torch attention, and a bfloat16 model with prepacked weights runs
+eagerly (``prepacked.compile_unavailable``).
 """
 
 from __future__ import annotations
