@@ -17,6 +17,10 @@ ARG PYTHON_IMAGE=python:3.11-slim
 
 # ---------------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS base
+# Every stage inherits it, so the untagged images that rebuilds leave behind (old builds, the
+# classic builder's build stages) can be pruned without touching anyone else's:
+#   docker image prune -f --filter label=io.sluice.image
+LABEL io.sluice.image=1
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \

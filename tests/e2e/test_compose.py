@@ -110,6 +110,7 @@ def compose_stack():
     port = free_port()
     compose = Compose(f"sluice-e2e-{os.getpid()}", port)
     timings: dict[str, float] = {}
+    built_since = int(time.time())
     try:
         t0 = time.monotonic()
         compose("build", timeout=1800)
@@ -124,6 +125,11 @@ def compose_stack():
         t0 = time.monotonic()
         compose("down", "-v", "--remove-orphans", "--timeout", "20", timeout=300, check=False)
         compose.override.unlink(missing_ok=True)
+        # Each build retags sluice-*:latest and leaves the previous images untagged: drop the Sluice
+        # images older than this build that nothing uses (this build's stay, as the next one's
+        # cache). Unpruned, repeated runs filled a developer disk with tens of GB.
+        subprocess.run(["docker", "image", "prune", "-f", "--filter", "label=io.sluice.image",
+                        "--filter", f"until={built_since}"], capture_output=True, timeout=300, check=False)
         print(f"compose down: {time.monotonic() - t0:.1f} s")
 
 
