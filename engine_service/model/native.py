@@ -3,7 +3,10 @@
 - ``sluice::paged_decode_attention``: the decode attention in C (``kernels/paged_decode_attention.c``),
   bound to torch by a thin C++ file (``kernels/paged_decode_attention_op.cpp``);
 - ``sluice::prepacked_linear``: a product with a weight oneDNN laid out at load
-  (``kernels/prepacked_linear_op.cpp``; the module is ``engine_service.model.prepacked``).
+  (``kernels/prepacked_linear_op.cpp``; the module is ``engine_service.model.prepacked``);
+- ``sluice::dequantize_int4`` and ``sluice::dequantize_int8``: a quantized layer's weights as a
+  dense matrix, in one pass, for products of many rows (``kernels/dequantize.c``, bound by
+  ``kernels/dequantize_op.cpp``; used by ``engine_service.model.quantization``).
 
 Why not ``torch.utils.cpp_extension``: code that includes ATen's headers takes about a minute to
 compile on two cores and needs ninja. The bindings use torch's stable C ABI instead
@@ -42,9 +45,10 @@ from sluice.paths import cache_dir
 logger = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
-C_SOURCES = [KERNELS / "paged_decode_attention.c"]
-HEADERS = [KERNELS / "paged_decode_attention.h"]
-CXX_SOURCES = [KERNELS / "paged_decode_attention_op.cpp", KERNELS / "prepacked_linear_op.cpp"]
+C_SOURCES = [KERNELS / "paged_decode_attention.c", KERNELS / "dequantize.c"]
+HEADERS = [KERNELS / "paged_decode_attention.h", KERNELS / "dequantize.h"]
+CXX_SOURCES = [KERNELS / "paged_decode_attention_op.cpp", KERNELS / "prepacked_linear_op.cpp",
+               KERNELS / "dequantize_op.cpp"]
 LIBRARY_NAME = "sluice_ops"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC"]
 CXXFLAGS = ["-O2", "-std=c++17", "-fPIC"]
@@ -161,6 +165,21 @@ def _paged_decode_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 
 _library.impl("paged_decode_attention", _paged_decode_attention_fake, "Meta")
 paged_decode_attention_op = torch.ops.sluice.paged_decode_attention
+
+_library.define("dequantize_int4(Tensor packed, Tensor scales_zeros, int group_size) -> Tensor")
+_library.define("dequantize_int8(Tensor q, Tensor scales) -> Tensor")
+
+
+def _dequantize_int4_fake(packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    return scales_zeros.new_empty((packed.shape[0], packed.shape[1] * 2))
+
+
+def _dequantize_int8_fake(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return scales.new_empty(q.shape)
+
+
+_library.impl("dequantize_int4", _dequantize_int4_fake, "Meta")
+_library.impl("dequantize_int8", _dequantize_int8_fake, "Meta")
 
 
 class PagedDecodeAttention:

@@ -12,8 +12,20 @@ keeps integer weights and runs torch's own packed CPU/CUDA kernels:
   packed once at load by ``_convert_weight_to_int4pack[_for_cpu]``.
 
 Both kernels read the weights as integers and dequantize in registers, so a decode step reads a
-quarter (int8) or an eighth (int4, plus its scales) of the float32 bytes. The activations go
-through the kernel in the *kernel dtype*, chosen at load by timing the kernel with float32 and
+quarter (int8) or an eighth (int4, plus its scales) of the float32 bytes. They are built for a few
+rows: on CPU their time grows with every row (about 11 µs a row through a 1536 x 576 layer here,
+where a dense bfloat16 product of 512 rows takes 0.5 ms in all). So a product of at least
+``DENSE_MIN_ROWS`` rows (a prefill chunk, a big batch) dequantizes the layer's weights into a dense
+matrix for that call and multiplies it with torch's dense GEMM instead: the same integer weights,
+no extra memory kept, several times less time (docs/performance.md has the figures). The
+dequantization is a native one-pass kernel (``sluice::dequantize_int4``/``_int8``, built with the
+attention's; ``dequantize_int4_packed`` and ``dequantize_int8_rows`` are its torch reference, equal
+bit for bit). int4 reads its codes out of torch's packed layout itself; each layer checks at load
+that the unpacking returns exactly the codes it packed. Where the kernel cannot be built, or the
+layout is not the one the unpacking knows (CUDA, another torch), every product runs the packed
+kernel, as before.
+
+The activations go through the kernel in the *kernel dtype*, chosen at load by timing the kernel with float32 and
 bfloat16 inputs on this machine (bfloat16 when it is faster: on CPUs with AVX512-BF16 it is
 several times faster; the float path of these kernels is not vectorised); the result is cast back
 to the model's dtype, so the rest of the model (norms, attention, the KV cache) is unchanged.
@@ -42,6 +54,14 @@ QUANTIZATION_METHODS = ("int8", "int4")
 DEFAULT_INT4_GROUP_SIZE = 32
 INT4_INNER_K_TILES = 2
 INT4_N_MULTIPLE = 16  # the tiling the packed int4 layout is built for (CUDA: 2, 4 or 8)
+INT4_CPU_BLOCK_N = 64  # the CPU packed layout's block of output rows (see unpack_int4_cpu)
+# From this many rows a product dequantizes the weights and runs a dense GEMM: where the two cost
+# the same for a decoder layer's projections here (int4: 45-55 rows, int8: 25-35; the table is in
+# docs/performance.md). A layer whose dense copy outgrows the caches (the output projection's
+# 49,152 rows) pays again to read it back, and its crossing is about three times later.
+DENSE_MIN_ROWS = {"int4": 64, "int8": 32}
+DENSE_LARGE_BYTES = 16 << 20
+DENSE_LARGE_FACTOR = 3
 
 
 class QuantizationError(ValueError):
@@ -114,6 +134,36 @@ def int4_scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor, dtype: torc
     return torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
 
 
+def unpack_int4_cpu(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The int4 codes ([N, K] uint8 in [0, 15]) held in the CPU packed layout of ``pack_int4``.
+
+    That layout (torch's ``_convert_weight_to_int4pack_for_cpu``) cuts the N output rows into
+    blocks of 64 and stores each block K-major, 32 bytes per input column: the low nibble of byte
+    ``j`` holds row ``j`` of the block, the high nibble row ``32 + j``. It is torch's internal
+    layout, so callers check the result against the codes they packed (``QuantizedLinear``)."""
+    blocks = packed.view(n // INT4_CPU_BLOCK_N, k, INT4_CPU_BLOCK_N // 2)
+    low = (blocks & 15).transpose(1, 2)
+    high = (blocks >> 4).transpose(1, 2)
+    return torch.stack([low, high], dim=1).reshape(n, k)
+
+
+def dequantize_int4_packed(packed: torch.Tensor, scales_zeros: torch.Tensor, n: int, k: int,
+                           group_size: int) -> torch.Tensor:
+    """The dense [N, K] weights (in ``scales_zeros``' dtype) of a CPU-packed int4 layer, in torch
+    operations: the reference of the native ``sluice::dequantize_int4`` (bitwise, in float32 with
+    one rounding to the output dtype)."""
+    codes = unpack_int4_cpu(packed, n, k).view(n, k // group_size, group_size).float()
+    scales = scales_zeros[..., 0].t().float()[..., None]  # [N, K/g, 1]
+    zeros = scales_zeros[..., 1].t().float()[..., None]
+    return ((codes - 8.0) * scales + zeros).view(n, k).to(scales_zeros.dtype)
+
+
+def dequantize_int8_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``q * scales[:, None]`` in ``scales``' dtype (float32 math, one rounding): the reference of
+    the native ``sluice::dequantize_int8``."""
+    return (q.float() * scales.float()[:, None]).to(scales.dtype)
+
+
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_zeros: torch.Tensor) -> torch.Tensor:
     if _is_cuda(x.device):
         return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scales_zeros)
@@ -136,6 +186,8 @@ class QuantizedLinear(nn.Module):
         self.kernel_dtype = kernel_dtype
         self.group_size = group_size
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # From how many rows a product dequantizes the weights (from_float; None: never).
+        self.dense_min_rows: int | None = None
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, method: str,
@@ -148,6 +200,7 @@ class QuantizedLinear(nn.Module):
             q, scales = quantize_int8(weight)
             mod.register_buffer("qweight", q.to(device))
             mod.register_buffer("scales", scales.to(device=device, dtype=kernel_dtype))
+            dense_ok = device.type == "cpu"
         elif method == "int4":
             pad = -out_features % INT4_N_MULTIPLE  # the packed layout tiles N by 16: zero rows, sliced off
             if pad:
@@ -155,9 +208,24 @@ class QuantizedLinear(nn.Module):
             q, scales, zeros = quantize_int4(weight, group_size)
             mod.register_buffer("qweight", pack_int4(q, device))
             mod.register_buffer("scales_zeros", int4_scales_and_zeros(scales, zeros, kernel_dtype).to(device))
+            dense_ok = _unpacks_exactly(mod.qweight, q, device)
         else:
             raise QuantizationError(f"unknown quantization method {method!r}")
+        # Only the native one-pass kernel pays: the same dequantization in torch operations costs
+        # 1-6 ms a layer here, as much as the packed kernel's 100-500 rows.
+        if dense_ok and _native_dequantize():
+            rows = DENSE_MIN_ROWS[method]
+            dense_bytes = weight.shape[0] * in_features * kernel_dtype.itemsize
+            mod.dense_min_rows = rows * DENSE_LARGE_FACTOR if dense_bytes > DENSE_LARGE_BYTES else rows
         return mod
+
+    def dense_weight(self) -> torch.Tensor:
+        """The layer's weights dequantized into a dense [N, K] matrix of the kernel dtype (int4: N
+        padded to the packed tiling), by the native kernel (only a layer with ``dense_min_rows`` has it);
+        ``dequantize_int4_packed`` and ``dequantize_int8_rows`` are its torch reference."""
+        if self.method == "int8":
+            return torch.ops.sluice.dequantize_int8(self.qweight, self.scales)
+        return torch.ops.sluice.dequantize_int4(self.qweight, self.scales_zeros, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -165,12 +233,14 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != self.kernel_dtype:
             x2 = x2.to(self.kernel_dtype)
-        if self.method == "int8":
+        if self.dense_min_rows is not None and x2.shape[0] >= self.dense_min_rows:
+            y = torch.nn.functional.linear(x2, self.dense_weight())
+        elif self.method == "int8":
             y = int8_mm(x2, self.qweight, self.scales)
         else:
             y = int4_mm(x2.contiguous(), self.qweight, self.group_size, self.scales_zeros)
-            if y.shape[1] != self.out_features:
-                y = y[:, : self.out_features]
+        if y.shape[1] != self.out_features:  # int4's padded rows
+            y = y[:, : self.out_features]
         if y.dtype != out_dtype:
             y = y.to(out_dtype)
         if self.bias is not None:
@@ -179,8 +249,30 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         extra = f", group_size={self.group_size}" if self.group_size else ""
+        extra += f", dense from {self.dense_min_rows} rows" if self.dense_min_rows else ""
         return (f"{self.method}, in_features={self.in_features}, out_features={self.out_features}, "
                 f"kernel_dtype={self.kernel_dtype}{extra}")
+
+
+def _native_dequantize() -> bool:
+    """Whether the native dequantization operators are loaded (built at first use); the reason
+    they are not is logged once, and every product then runs the packed kernel."""
+    from engine_service.model.native import native_ops_unavailable
+
+    why = native_ops_unavailable()
+    if why is not None and not getattr(_native_dequantize, "warned", False):
+        _native_dequantize.warned = True
+        logger.warning("quantized layers run every product through the packed kernels (slower prefill: "
+                       "no native dequantization): %s", why)
+    return why is None
+
+
+def _unpacks_exactly(packed: torch.Tensor, codes: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``unpack_int4_cpu`` reads ``codes`` back out of their packed form (CPU only)."""
+    n, k = codes.shape
+    if device.type != "cpu" or n % INT4_CPU_BLOCK_N or packed.shape != (n, k // 2) or packed.dtype != torch.uint8:
+        return False
+    return bool(torch.equal(unpack_int4_cpu(packed, n, k), codes.to(torch.uint8)))
 
 
 # --------------------------------------------------------------------------- support and choice

@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from engine_service.model.quantization import (
+    DENSE_LARGE_FACTOR,
+    DENSE_MIN_ROWS,
     QuantizationError,
     QuantizedLinear,
     check_supported,
@@ -167,8 +169,149 @@ def test_engine_runs_quantized_and_agrees_with_float(model_dir, prompts, float_o
     assert alone == got[1]
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_long_prompt_prefills_through_dense_products(model_dir, method, monkeypatch):
+    """A 119-token prompt is one prefill chunk of 119 rows: every decoder projection dequantizes
+    its weights once for it, decode steps (one row) keep the packed kernels, and the answer is
+    right."""
+    from engine_service import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), quantization=method, kv_cache_memory=32 << 20)
+    layers = llm.engine.runner.model.model.layers
+    dense_calls: list[QuantizedLinear] = []
+    real = QuantizedLinear.dense_weight
+    monkeypatch.setattr(QuantizedLinear, "dense_weight", lambda self: dense_calls.append(self) or real(self))
+    preamble = ("Europe is a continent with many countries, each with its own capital city, language and "
+                "history. Travellers often visit the capitals first, because museums, palaces and old town "
+                "centres are there. ") * 3
+    out = llm.generate(preamble + "The capital of France is",
+                       SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.prompt_token_ids) >= DENSE_MIN_ROWS[method]
+    assert len(dense_calls) == 4 * len(layers)  # qkv, o, gate_up, down of each layer, once
+    assert llm.engine.runner.model.lm_head not in dense_calls  # one row to sample
+    assert out.outputs[0].text.startswith(" Paris")
+
+
 def test_engine_refuses_an_unknown_method(model_dir):
     from engine_service import LLM
 
     with pytest.raises(QuantizationError, match="quantization must be one of"):
         LLM(str(model_dir), quantization="int3", kv_cache_memory=16 << 20)
+
+
+# --------------------------------------------------------------------------- products of many rows
+def _native_or_fail():
+    from engine_service.model.native import native_ops_unavailable
+
+    why = native_ops_unavailable()
+    assert why is None, f"the native operators must build on this machine (gcc, g++): {why}"
+
+
+@pytest.mark.parametrize(("n", "k"), [(64, 32), (960, 576), (576, 1536), (3072, 96)])
+def test_unpack_int4_cpu_reads_back_the_packed_codes(n, k):
+    """The unpacking knows torch's CPU packed layout (blocks of 64 rows, K-major, two rows a byte):
+    every code comes back. (Row counts that leave a partial block keep the packed kernel: below.)"""
+    from engine_service.model.quantization import _unpacks_exactly, pack_int4, unpack_int4_cpu
+
+    q = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(n), dtype=torch.int32)
+    packed = pack_int4(q, torch.device("cpu"))
+    assert torch.equal(unpack_int4_cpu(packed, n, k), q.to(torch.uint8))
+    assert _unpacks_exactly(packed, q, torch.device("cpu"))
+    other = q.clone()
+    other[n - 1, k - 1] = (other[n - 1, k - 1] + 1) % 16
+    assert not _unpacks_exactly(packed, other, torch.device("cpu"))  # the check can fail
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("kernel_dtype", [torch.bfloat16, torch.float32])
+def test_native_dequantization_is_bitwise_the_torch_reference(method, kernel_dtype):
+    from engine_service.model.quantization import dequantize_int4_packed, dequantize_int8_rows
+
+    _native_or_fail()
+    w = _weight(n=320, k=576, seed=3)
+    w[5, :32] = 0.0  # a constant group: scale at its floor
+    mod = QuantizedLinear.from_float(w, None, method, kernel_dtype, 32)
+    dense = mod.dense_weight()
+    if method == "int8":
+        ref = dequantize_int8_rows(mod.qweight, mod.scales)
+    else:
+        ref = dequantize_int4_packed(mod.qweight, mod.scales_zeros, 320, 576, 32)
+        # and the reference is the quantization's own dequantization, rounded once
+        sz = mod.scales_zeros.float()
+        q, _, _ = quantize_int4(w, 32)
+        assert torch.equal(ref, dequantize_int4(q, sz[..., 0].t(), sz[..., 1].t(), 32).to(kernel_dtype))
+    assert dense.dtype == kernel_dtype and dense.shape == (320, 576)
+    assert torch.equal(dense, ref)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_many_rows_run_a_dense_product_of_the_same_weights(method):
+    """From ``dense_min_rows`` rows on, the product is the dense GEMM of the dequantized weights
+    (bitwise), and it agrees with the packed kernel's product up to rounding; fewer rows keep the
+    packed kernel."""
+    _native_or_fail()
+    gen = torch.Generator().manual_seed(7)
+    w = _weight(n=200, k=576, seed=4)  # 200 rows: int4 pads to 208, a partial block of 64
+    bias = torch.randn(200, generator=gen) * 0.1
+    mod = QuantizedLinear.from_float(w, bias, method, torch.bfloat16, 32)
+    if method == "int4":
+        assert mod.dense_min_rows is None  # a layout the unpacking does not cover keeps the kernel
+        w = _weight(n=192, k=576, seed=4)
+        bias = bias[:192]
+        mod = QuantizedLinear.from_float(w, bias, method, torch.bfloat16, 32)
+    rows = mod.dense_min_rows
+    assert rows == DENSE_MIN_ROWS[method]
+    x = torch.randn(rows, 576, generator=gen)
+    y = mod(x)
+    dense = torch.nn.functional.linear(x.bfloat16(), mod.dense_weight()).float() + bias
+    assert torch.equal(y, dense)
+    mod.dense_min_rows = None
+    kernel = mod(x)
+    assert not torch.equal(kernel, y)  # a different product indeed ran
+    assert (kernel - y).abs().max() <= 0.02 * kernel.abs().max()
+    mod.dense_min_rows = rows
+    few = x[: rows - 1]
+    assert torch.equal(mod(few), kernel[: rows - 1])  # fewer rows: the packed kernel, row for row
+
+
+def test_a_dense_copy_past_the_caches_waits_for_more_rows():
+    _native_or_fail()
+    big = QuantizedLinear.from_float(torch.zeros(8192, 1088), None, "int8", torch.bfloat16)  # 17.8 MB dense
+    assert big.dense_min_rows == DENSE_MIN_ROWS["int8"] * DENSE_LARGE_FACTOR
+
+
+def test_without_the_native_operators_every_product_runs_the_packed_kernel(monkeypatch, caplog):
+    from engine_service.model import native, quantization
+
+    monkeypatch.setattr(native, "native_ops_unavailable", lambda: "no g++ on PATH (test)")
+    monkeypatch.setattr(quantization._native_dequantize, "warned", False, raising=False)
+    with caplog.at_level("WARNING", logger="engine_service.model.quantization"):
+        mod = QuantizedLinear.from_float(_weight(n=192, k=256), None, "int4", torch.bfloat16, 32)
+    assert mod.dense_min_rows is None
+    assert "no g++ on PATH (test)" in caplog.text
+    x = torch.randn(256, 256)
+    assert torch.equal(mod(x)[:8], mod(x[:8]))  # 256 rows ran the packed kernel, row for row
+    assert "dense" not in repr(mod)
+
+
+def test_the_dequantization_operators_refuse_bad_arguments():
+    _native_or_fail()
+    packed = torch.zeros(64, 32, dtype=torch.uint8)
+    sz = torch.ones(2, 64, 2, dtype=torch.bfloat16)
+    assert torch.ops.sluice.dequantize_int4(packed, sz, 32).shape == (64, 64)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        torch.ops.sluice.dequantize_int4(torch.zeros(48, 32, dtype=torch.uint8), sz[:, :48], 32)
+    with pytest.raises(RuntimeError, match="group size"):
+        torch.ops.sluice.dequantize_int4(packed, sz, 48)
+    with pytest.raises(RuntimeError, match="uint8"):
+        torch.ops.sluice.dequantize_int4(packed.int(), sz, 32)
+    with pytest.raises(RuntimeError, match=r"\[k/group_size, n, 2\]"):
+        torch.ops.sluice.dequantize_int4(packed, sz[:1], 32)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.sluice.dequantize_int4(packed, sz.half(), 32)
+    q = torch.zeros(4, 8, dtype=torch.int8)
+    assert torch.ops.sluice.dequantize_int8(q, torch.ones(4)).shape == (4, 8)
+    with pytest.raises(RuntimeError, match=r"scales must be \[n\]"):
+        torch.ops.sluice.dequantize_int8(q, torch.ones(5))
+    with pytest.raises(RuntimeError, match="int8"):
+        torch.ops.sluice.dequantize_int8(q.float(), torch.ones(4))
