@@ -25,10 +25,11 @@ that the unpacking returns exactly the codes it packed. Where the kernel cannot 
 layout is not the one the unpacking knows (CUDA, another torch), every product runs the packed
 kernel, as before.
 
-The activations go through the kernel in the *kernel dtype*, chosen at load by timing the kernel with float32 and
-bfloat16 inputs on this machine (bfloat16 when it is faster: on CPUs with AVX512-BF16 it is
-several times faster; the float path of these kernels is not vectorised); the result is cast back
-to the model's dtype, so the rest of the model (norms, attention, the KV cache) is unchanged.
+The activations go through the kernel in the *kernel dtype*, chosen at load by timing the kernel
+with float32 and bfloat16 inputs on this machine (bfloat16 when it is faster: on CPUs with
+AVX512-BF16 it is several times faster; the float path of these kernels is not vectorised); the
+result is cast back to the model's dtype, so the rest of the model (norms, attention, the KV cache)
+is unchanged.
 
 The tied output projection (SmolLM2 shares it with the embedding) gets its own quantized copy
 (``model.lm_head``); the embedding lookup keeps the float table.
@@ -221,8 +222,8 @@ class QuantizedLinear(nn.Module):
 
     def dense_weight(self) -> torch.Tensor:
         """The layer's weights dequantized into a dense [N, K] matrix of the kernel dtype (int4: N
-        padded to the packed tiling), by the native kernel (only a layer with ``dense_min_rows`` has it);
-        ``dequantize_int4_packed`` and ``dequantize_int8_rows`` are its torch reference."""
+        padded to the packed tiling), by the native kernel (only a layer with ``dense_min_rows``
+        has it); ``dequantize_int4_packed`` and ``dequantize_int8_rows`` are its torch reference."""
         if self.method == "int8":
             return torch.ops.sluice.dequantize_int8(self.qweight, self.scales)
         return torch.ops.sluice.dequantize_int4(self.qweight, self.scales_zeros, self.group_size)
