@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from engine_service.model.linear_swap import swap_linears
+from engine_service.model.native import native_ops_unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -255,14 +256,15 @@ class QuantizedLinear(nn.Module):
                 f"kernel_dtype={self.kernel_dtype}{extra}")
 
 
-def _native_dequantize() -> bool:
-    """Whether the native dequantization operators are loaded (built at first use); the reason
-    they are not is logged once, and every product then runs the packed kernel."""
-    from engine_service.model.native import native_ops_unavailable
+_reasons_logged: set[str] = set()
 
+
+def _native_dequantize() -> bool:
+    """Whether the native dequantization operators are loaded (built at first use); why they are
+    not is logged once (per reason), and every product then runs the packed kernel."""
     why = native_ops_unavailable()
-    if why is not None and not getattr(_native_dequantize, "warned", False):
-        _native_dequantize.warned = True
+    if why is not None and why not in _reasons_logged:
+        _reasons_logged.add(why)
         logger.warning("quantized layers run every product through the packed kernels (slower prefill: "
                        "no native dequantization): %s", why)
     return why is None

@@ -14,27 +14,11 @@
  * one block: its packed bytes (k * 32, 18 KB for k = 576) stay in L1/L2 while its 64 output rows
  * are written in order. */
 #include <stdint.h>
-#include <string.h>
 
+#include "bf16.h"
 #include "dequantize.h"
 
 #define NOCONTRACT __attribute__((optimize("fp-contract=off")))
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* round to nearest even, as torch's float -> bfloat16 conversion (finite inputs) */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u; /* NaN, as torch writes it */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 #define HALF (DQ_INT4_BLOCK_N / 2)
 

@@ -2,8 +2,9 @@
  * lie in the cache (through the block table), once, with no padded copy.
  *
  * Built at first use by engine_service/model/native.py (gcc -O3 -march=native -fopenmp) and called
- * through ctypes. It links the OpenMP runtime torch already loaded (same soname, libgomp.so.1), so
- * it shares torch's thread pool instead of starting a second one.
+ * as the torch operator sluice::paged_decode_attention (paged_decode_attention_op.cpp). It links
+ * the OpenMP runtime torch already loaded (same soname, libgomp.so.1), so it shares torch's thread
+ * pool instead of starting a second one.
  *
  * Layouts (contiguous):
  *   q, out        [batch, heads, head_dim]                       float32
@@ -30,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "paged_decode_attention.h"
 
 #define PARTITION 128 /* the longest partition (the scratch row per head) */
@@ -39,13 +41,6 @@
 static inline int64_t partition_len(int64_t len) { return len <= 256 ? 64 : PARTITION; }
 #define MAX_HEADS PDA_MAX_HEADS
 #define HEAD_DIM_MAX PDA_MAX_HEAD_DIM
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* exp(x) for x <= 0 in plain arithmetic (Cephes' expf: range reduction by ln 2, a degree-6
  * polynomial; within 2 ulp of expf), so the softmax loop vectorises: a scalar libm call per score
