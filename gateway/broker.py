@@ -28,6 +28,11 @@ Surviving Redis restarts (issue 12):
 - While Redis stays unreachable for ``REDIS_DOWN_FAIL_S`` after the pub/sub connection failed, the
   requests in flight are ended with a retryable 503 rather than left waiting.
 - Cancels that fail while Redis is away are retried until they land (or the request's deadline).
+
+Gateway liveness: every request carries this process's ``gateway_id``, and the broker keeps
+``contract.gateway_key(gateway_id)`` alive (in each XADD's MULTI and every
+``contract.GATEWAY_HEARTBEAT_INTERVAL_S``). When the process dies, its clients' connections go with
+it and nobody will ever cancel their requests; the engines see the key stay gone and abort them.
 """
 
 from __future__ import annotations
@@ -165,7 +170,10 @@ class Broker:
         self._card_locks = _KeyedLocks()
         self._live: tuple[float, dict[str, int]] | None = None
         self._background: set[asyncio.Task] = set()
-        self._home = f"{contract.PREFIX}:gateway:{uuid.uuid4().hex}"  # keeps the pub/sub connection subscribed
+        # Names this process in every request it enqueues; its liveness key tells engines it lives.
+        self.gateway_id = uuid.uuid4().hex
+        self._gateway_key = contract.gateway_key(self.gateway_id)
+        self._home = f"{contract.PREFIX}:home:{self.gateway_id}"  # keeps the pub/sub connection subscribed
         self._sub_lock = asyncio.Lock()
         self.ready = asyncio.Event()
         self._tracked: dict[str, _Tracked] = {}
@@ -204,6 +212,11 @@ class Broker:
                 pass
         try:
             await asyncio.wait_for(self._flush_forget(), 1.0)
+        except (TimeoutError, RedisError, OSError):
+            pass
+        try:
+            # Nothing will read what is still running for us: let the engines stop it.
+            await asyncio.wait_for(self.redis.unlink(self._gateway_key), 1.0)
         except (TimeoutError, RedisError, OSError):
             pass
         if self._pubsub is not None:
@@ -303,10 +316,14 @@ class Broker:
     async def enqueue(self, req: GenerateRequest) -> bytes:
         """XADD the request with its in-flight marker (one MULTI); track it until ``release``.
 
+        The request is stamped with this gateway's id, and the MULTI refreshes the gateway's
+        liveness key: engines abort the request if this process dies.
+
         Call after ``subscribe`` of its output channel (whose queue receives a :class:`Lost` if
         the request cannot complete). Returns the stream entry id.
         """
         rid = req.request_id
+        req.gateway_id = self.gateway_id
         queue = self._queues.get(contract.output_channel(rid))
         tracked = None
         if queue is not None:
@@ -316,7 +333,8 @@ class Broker:
         pipe = self.redis.pipeline(transaction=True)
         pipe.xadd(contract.request_stream(req.model), {contract.REQUEST_FIELD: req.SerializeToString()})
         pipe.set(contract.inflight_key(rid), b"1", ex=max(1, int(ttl)))
-        entry_id, _ = await pipe.execute()
+        pipe.set(self._gateway_key, b"1", px=int(contract.GATEWAY_HEARTBEAT_TTL_S * 1000))
+        entry_id, _, _ = await pipe.execute()
         if tracked is not None and self._tracked.get(rid) is tracked:
             tracked.entry_id = entry_id
             if tracked.audit_pending:
@@ -367,11 +385,19 @@ class Broker:
 
     async def _housekeeping(self) -> None:
         next_check = time.monotonic() + ENTRY_CHECK_S
+        next_beat = 0.0
         while True:
             await asyncio.sleep(HOUSEKEEP_S)
-            check = time.monotonic() >= next_check
+            now = time.monotonic()
+            check = now >= next_check
             if check:
-                next_check = time.monotonic() + ENTRY_CHECK_S
+                next_check = now + ENTRY_CHECK_S
+            if now >= next_beat:
+                try:
+                    await self.heartbeat()
+                    next_beat = now + contract.GATEWAY_HEARTBEAT_INTERVAL_S
+                except (RedisError, OSError) as exc:  # again at the next tick
+                    log.debug("heartbeat: Redis unavailable (%s)", exc)
             try:
                 await self._housekeep_once(check)
             except asyncio.CancelledError:
@@ -380,6 +406,10 @@ class Broker:
                 log.debug("housekeeping: Redis unavailable (%s)", exc)
             except Exception:  # noqa: BLE001 - the housekeeper must not die
                 log.exception("housekeeping failed")
+
+    async def heartbeat(self) -> None:
+        """Refresh this gateway's liveness key (engines abort the requests of a gateway without one)."""
+        await self.redis.set(self._gateway_key, b"1", px=int(contract.GATEWAY_HEARTBEAT_TTL_S * 1000))
 
     async def _housekeep_once(self, check: bool) -> None:
         if self._down_since is not None and time.monotonic() - self._down_since >= REDIS_DOWN_FAIL_S:

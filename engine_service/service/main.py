@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue-wait", type=float, default=0.0, help="refuse requests that waited longer than this many seconds (0: no limit)")
     parser.add_argument("--drain-grace-s", type=float, default=30.0, help="on SIGTERM, how long running requests may take to finish")
     parser.add_argument("--heartbeat-ttl", type=float, default=contract.HEARTBEAT_TTL_S, help="liveness key TTL; other engines reclaim after it lapses")
+    parser.add_argument("--gateway-lost-after", type=float, default=contract.GATEWAY_LOST_AFTER_S,
+                        help="abort the requests of a gateway whose liveness key has been missing this many "
+                             "seconds (it crashed; 0: never)")
     parser.add_argument("--log-level", default="INFO")
     add_engine_arguments(parser)
 
@@ -50,6 +53,7 @@ def settings_from_args(args: argparse.Namespace) -> ServiceSettings:
         max_queue_wait=args.max_queue_wait,
         drain_grace_s=args.drain_grace_s,
         heartbeat_ttl_s=args.heartbeat_ttl,
+        gateway_lost_after_s=args.gateway_lost_after,
         heartbeat_interval_s=min(contract.HEARTBEAT_INTERVAL_S, args.heartbeat_ttl / 3),
     )
 

@@ -54,7 +54,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 10
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 FINISH_REASONS = ("stop", "length", "abort")
-ABORT_CAUSES = ("cancel", "deadline", "drain")
+ABORT_CAUSES = ("cancel", "deadline", "drain", "gateway_lost")
 IO_THREADS = ("reader", "canceller", "publisher", "housekeeper")
 ERROR_CODES = tuple(getattr(contract, name) for name in dir(contract) if name.startswith("ERR_"))
 
@@ -84,7 +84,8 @@ class NullMetrics:
         """Wire ``Event``s about to be published: finishes by reason, errors by code."""
 
     def aborted(self, cause: str, n: int = 1) -> None:
-        """Requests the engine stopped before their end: ``cancel``, ``deadline`` or ``drain``."""
+        """Requests the engine stopped before their end: ``cancel``, ``deadline``, ``drain`` or
+        ``gateway_lost``."""
 
     def reclaimed(self, n: int) -> None:
         """Pending entries claimed from dead engines."""

@@ -53,11 +53,13 @@ class Entry:
     emitted: bool = False  # a previous attempt already emitted tokens (reclaimed entries only)
     reclaimed: bool = False
     deliveries: int = 1
+    gateway_lost: bool = False  # the gateway that waits for it is gone (``RedisIO.check_gateways``)
 
 
 @dataclass
 class CancelNote:
     request_ids: list[str]
+    cause: str = "cancel"  # "cancel": a client's; "gateway_lost": the gateway that waited is gone
 
 
 @dataclass
@@ -199,16 +201,23 @@ class RedisIO:
         self._headroom = 0
         self._consumed = 0
         self._delivered = 0
-        # Entries handed to the worker and not acknowledged yet (their XACK not sent): our own
-        # pending entries that are NOT here are orphans (see ``reclaim_orphans``).
-        self._held: set[bytes] = set()
+        # Entries handed to the worker and not acknowledged yet (their XACK not sent), with their
+        # request and gateway ids: our own pending entries that are NOT here are orphans (see
+        # ``reclaim_orphans``), and the gateways named here are watched (``check_gateways``).
+        self._held: dict[bytes, tuple[str, str]] = {}
         self._held_lock = threading.Lock()
+        # Gateway liveness (housekeeper thread only): since when each watched gateway's key has been
+        # found missing, check after check; and the gateways found lost (monotonic time), whose
+        # entries are dropped on delivery.
+        self._gateway_missing: dict[str, float] = {}
+        self._gateways_lost: dict[str, float] = {}
+        self._gateways_lock = threading.Lock()  # _gateways_lost is read by the reader thread
         self.reading = True  # False while draining
         self.connected = threading.Event()
         self.own_reclaimed = threading.Event()  # the start's reclaim of our own entries is done
         self.stats = {
             "published_batches": 0, "publish_retries": 0, "dropped_batches": 0, "reclaimed": 0,
-            "trimmed": 0, "pruned_engines": 0, "orphans": 0,
+            "trimmed": 0, "pruned_engines": 0, "orphans": 0, "gateways_lost": 0,
         }
         self.metrics: NullMetrics = NULL_METRICS  # reconnects, reclaims, events answered here
 
@@ -339,8 +348,15 @@ class RedisIO:
                 # The entries are ours now (pending); the pub/sub cancel still reaches us.
                 log.warning("could not check markers: %s", exc)
         entries = self._answer_lost(entries)
+        with self._gateways_lock:
+            if self._gateways_lost:
+                for e in entries:
+                    if e.request is not None and e.request.gateway_id in self._gateways_lost:
+                        e.gateway_lost = True
         with self._held_lock:
-            self._held.update(e.entry_id for e in entries)
+            for e in entries:
+                rid, gid = (e.request.request_id, e.request.gateway_id) if e.request is not None else ("", "")
+                self._held[e.entry_id] = (rid, gid)
         with self._credit_lock:
             self._delivered += len(entries)
         for e in entries:
@@ -445,7 +461,8 @@ class RedisIO:
                 self.stats["published_batches"] += 1
                 if batch.acks:
                     with self._held_lock:
-                        self._held.difference_update(batch.acks)
+                        for entry_id in batch.acks:
+                            self._held.pop(entry_id, None)
                 backoff.ok()
                 return
             except _REDIS_ERRORS as exc:
@@ -490,6 +507,7 @@ class RedisIO:
         next_prune = time.monotonic() + 30.0
         next_tidy = time.monotonic() + self.settings.trim_interval_s
         next_orphans = time.monotonic() + self.settings.orphan_check_s
+        next_gateways = time.monotonic() + self.settings.gateway_check_s
         while not self._stop.is_set():
             now = time.monotonic()
             try:
@@ -511,6 +529,9 @@ class RedisIO:
                 if now >= next_orphans and self.reading:
                     self.reclaim_orphans()
                     next_orphans = now + self.settings.orphan_check_s
+                if now >= next_gateways:
+                    self.check_gateways()
+                    next_gateways = now + self.settings.gateway_check_s
                 if now >= next_tidy:
                     self.tidy()
                     next_tidy = now + self.settings.trim_interval_s
@@ -529,7 +550,60 @@ class RedisIO:
                 log.error("housekeeper: %s", exc)
                 backoff.fail(self._stop)
                 continue
-            self._stop.wait(min(next_beat, next_reclaim) - time.monotonic() if self.reading else 0.2)
+            self._stop.wait(min(next_beat, next_reclaim, next_gateways) - time.monotonic() if self.reading else 0.2)
+
+    def check_gateways(self, now: float | None = None) -> list[str]:
+        """Abort the requests of gateways that are gone; return the ids of those found lost now.
+
+        A gateway's key must be found missing at every check for ``gateway_lost_after_s``: Redis
+        restarted without its data loses every live gateway's key as well, and those gateways put it
+        back within a heartbeat of reconnecting. A check that fails (Redis away) resets the count.
+        Requests of a lost gateway still held at a later check (delivered while it was being
+        declared lost) are aborted then; a second abort of the same request does nothing.
+        """
+        if self.settings.gateway_lost_after_s <= 0:
+            return []
+        with self._held_lock:
+            by_gateway: dict[str, list[str]] = {}
+            for rid, gid in self._held.values():
+                if gid and rid:
+                    by_gateway.setdefault(gid, []).append(rid)
+        now = time.monotonic() if now is None else now
+        with self._gateways_lock:
+            for gid, since in list(self._gateways_lost.items()):
+                if now - since > contract.CANCEL_MARKER_TTL_S and gid not in by_gateway:
+                    del self._gateways_lost[gid]  # nothing of it can be queued any more
+            known_lost = set(self._gateways_lost)
+        for gid in list(self._gateway_missing):
+            if gid not in by_gateway:
+                del self._gateway_missing[gid]
+        watched = [gid for gid in by_gateway if gid not in known_lost]
+        lost: list[str] = []
+        if watched:
+            pipe = self.redis.pipeline(transaction=False)
+            for gid in watched:
+                pipe.exists(contract.gateway_key(gid))
+            try:
+                present = pipe.execute()
+            except _REDIS_ERRORS:
+                self._gateway_missing.clear()  # Redis may come back empty: every key counts afresh
+                raise
+            for gid, alive in zip(watched, present, strict=True):
+                if alive:
+                    self._gateway_missing.pop(gid, None)
+                elif now - self._gateway_missing.setdefault(gid, now) >= self.settings.gateway_lost_after_s:
+                    lost.append(gid)
+        for gid in lost:
+            del self._gateway_missing[gid]
+            with self._gateways_lock:
+                self._gateways_lost[gid] = now
+            self.stats["gateways_lost"] += 1
+            log.warning("gateway %s is gone (no liveness key for %.1fs): aborting its %d request(s)",
+                        gid, self.settings.gateway_lost_after_s, len(by_gateway[gid]))
+        orphaned = [rid for gid in [*lost, *known_lost] for rid in by_gateway.get(gid, ())]
+        if orphaned:
+            self.inbox.put(CancelNote(orphaned, cause="gateway_lost"))
+        return lost
 
     def reclaim_orphans(self) -> int:
         """Take back our own pending entries that the worker does not hold: their XACK was lost

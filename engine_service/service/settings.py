@@ -33,4 +33,7 @@ class ServiceSettings:
     trim_interval_s: float = 2.0  # how often acknowledged stream entries are trimmed, dead engines pruned
     orphan_check_s: float = 5.0  # how often our own pending entries are checked for lost acknowledgements
     orphan_idle_ms: int = 30_000  # an own pending entry idle this long and not held by the worker is an orphan
+    gateway_check_s: float = 1.0  # how often the liveness keys of the gateways we serve are checked
+    # a gateway whose key stays missing this long is gone and its requests are aborted; 0: never
+    gateway_lost_after_s: float = contract.GATEWAY_LOST_AFTER_S
     publish_retry_s: float = 60.0  # how long events are retried while Redis is away

@@ -73,7 +73,8 @@ class Worker:
         self._rates: deque[tuple[float, int, int]] = deque()
         self._snapshot = EngineStats()
         self._snapshot_lock = threading.Lock()
-        self.counters = {"invalid": 0, "cancelled": 0, "deadline": 0, "engine_lost": 0, "handed_back": 0}
+        self.counters = {"invalid": 0, "cancelled": 0, "deadline": 0, "engine_lost": 0, "handed_back": 0,
+                         "gateway_lost": 0}
         self.metrics: NullMetrics = NULL_METRICS
         self._update_snapshot()
 
@@ -152,7 +153,7 @@ class Worker:
                 self.consumed += 1
                 self._on_entry(item, batch)
             elif isinstance(item, CancelNote):
-                self._on_cancel(item.request_ids, batch)
+                self._on_cancel(item.request_ids, batch, item.cause)
             elif isinstance(item, DrainNote):
                 self._start_drain(item.grace_s, batch, item.requested_at)
             elif isinstance(item, StopNote):
@@ -188,9 +189,10 @@ class Worker:
                     batch.acks.append(entry.entry_id)
                 return  # the live request's channel must not hear about it
             batch.acks.append(entry.entry_id)
-            if code == "cancelled":
-                self.counters["cancelled"] += 1
-                self.metrics.aborted("cancel")
+            if code in ("cancelled", "gateway_lost"):
+                cause = "cancel" if code == "cancelled" else code
+                self.counters[code] += 1
+                self.metrics.aborted(cause)
                 n = req.params.n if req.params.HasField("n") and req.params.n > 0 else 1
                 for index in range(n):
                     batch.events.append(
@@ -249,6 +251,8 @@ class Worker:
             return "duplicate", f"request id {rid!r} is already running here"
         if entry.cancelled or self.recent_cancels.pop(rid, None) is not None:
             return "cancelled", "cancelled before it ran"
+        if entry.gateway_lost:
+            return "gateway_lost", f"the gateway that enqueued it ({req.gateway_id}) is gone"
         if req.version != contract.CONTRACT_VERSION:
             return contract.ERR_CONTRACT_MISMATCH, (
                 f"the request speaks Sluice contract version {req.version}, this engine version "
@@ -279,15 +283,20 @@ class Worker:
             log.exception("abort_request(%s) failed", rid)
 
     # ------------------------------------------------------------------ cancels and deadlines
-    def _on_cancel(self, request_ids: list[str], batch: Batch) -> None:
+    def _on_cancel(self, request_ids: list[str], batch: Batch, cause: str = "cancel") -> None:
+        """Abort these requests: a client cancelled them (``cause`` "cancel"), or the gateway that
+        waited for them is gone ("gateway_lost"; nobody reads their events, sent all the same)."""
         now = time.monotonic()
         for rid in request_ids:
             live = self.live.get(rid)
             if live is None:
-                self.recent_cancels[rid] = now
+                if cause == "cancel":  # may still come: remember it. A lost gateway's ids were all delivered
+                    self.recent_cancels[rid] = now
                 continue
-            self.counters["cancelled"] += 1
-            self.metrics.aborted("cancel")
+            if cause == "gateway_lost":
+                log.info("aborting %s: its gateway %s is gone", rid, live.request.gateway_id)
+            self.counters["cancelled" if cause == "cancel" else cause] += 1
+            self.metrics.aborted(cause)
             for out in self.engine.abort_request([rid]):
                 if out.index in live.open:
                     live.open.discard(out.index)

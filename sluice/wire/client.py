@@ -157,9 +157,13 @@ class WireClient:
         *,
         request_id: str | None = None,
         deadline: float = 0.0,
+        gateway_id: str = "",
     ) -> RequestHandle:
+        """Enqueue a request and subscribe to its events. With ``gateway_id`` the engines abort it
+        once that gateway's liveness key (``heartbeat_gateway``) stays gone."""
         request_id = request_id or f"req-{uuid.uuid4().hex}"
-        request = codec.make_request(request_id, model, prompt_token_ids, params, deadline=deadline)
+        request = codec.make_request(request_id, model, prompt_token_ids, params, deadline=deadline,
+                                     gateway_id=gateway_id)
         n = request.params.n if request.params.HasField("n") else 1
         handle = RequestHandle(self, request_id, max(1, n), self.subscribe(request_id))
         handle.entry_id = self.enqueue(request)
@@ -171,6 +175,10 @@ class WireClient:
     def enqueue_raw(self, model: str, fields: dict) -> bytes:
         """Add an arbitrary entry (tests of malformed input)."""
         return self.redis.xadd(contract.request_stream(model), fields)
+
+    def heartbeat_gateway(self, gateway_id: str, ttl_s: float = contract.GATEWAY_HEARTBEAT_TTL_S) -> None:
+        """Set (or refresh) a gateway's liveness key, as a gateway's broker does every second."""
+        self.redis.set(contract.gateway_key(gateway_id), b"1", px=int(ttl_s * 1000))
 
     def cancel(self, request_ids: Iterable[str]) -> None:
         codec.cancel(self.redis.pipeline(transaction=False), request_ids).execute()

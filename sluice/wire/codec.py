@@ -141,10 +141,12 @@ def make_request(
     deadline: float = 0.0,
     enqueue_time: float | None = None,
     attempt: int = 0,
+    gateway_id: str = "",
 ) -> GenerateRequest:
     """THE request builder: a ``GenerateRequest`` of this contract version. ``params`` is a wire
     ``SamplingParams``, or anything ``sampling_params_to_proto`` takes (the engine's
-    ``SamplingParams``, a mapping of its field names)."""
+    ``SamplingParams``, a mapping of its field names). ``gateway_id``: the process whose liveness
+    key (``contract.gateway_key``) engines watch for this request; empty: none."""
     return GenerateRequest(
         version=contract.CONTRACT_VERSION,
         request_id=request_id,
@@ -154,6 +156,7 @@ def make_request(
         deadline=deadline,
         enqueue_time=time.time() if enqueue_time is None else enqueue_time,
         attempt=attempt,
+        gateway_id=gateway_id,
     )
 
 

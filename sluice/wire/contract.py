@@ -15,6 +15,7 @@ of ``sluice.wire.messages_pb2`` (source: proto/sluice/wire/messages.proto).
 | sluice:models                    | set                   | engine  | names of models that have a card          |
 | sluice:emitted:{request_id}      | string with TTL       | engine  | set with a request's first token: a reclaimed request that has it is errored, not restarted |
 | sluice:inflight:{request_id}     | string with TTL       | gateway | set in one MULTI with the request's XADD, deleted when the gateway is done with it: gone while the gateway still waits = Redis lost its queue entry |
+| sluice:gateway:{gateway_id}      | string with TTL       | gateway | liveness of the gateway process named in GenerateRequest.gateway_id: gone for GATEWAY_LOST_AFTER_S = its requests are aborted |
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from sluice.wire.messages_pb2 import ErrorCode
 # Raised whenever the payloads or the rules change; a gateway and an engine of different versions
 # refuse each other (card.check_version, the engine's check of GenerateRequest.version).
 # 2: error codes and finish reasons as enums, terminal event as a oneof, the typed ModelCard.
+# (GenerateRequest.gateway_id was added within 2: an engine that does not know it ignores it, and an
+# engine that does treats an entry without it as one no gateway waits for.)
 CONTRACT_VERSION = 2
 PREFIX = "sluice"
 
@@ -38,6 +41,15 @@ MODELS_KEY = f"{PREFIX}:models"
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TTL_S = 5.0
 CANCEL_MARKER_TTL_S = 600
+
+# Gateway liveness: a gateway refreshes its key every GATEWAY_HEARTBEAT_INTERVAL_S (and in the MULTI of
+# every XADD); the key expires GATEWAY_HEARTBEAT_TTL_S after the last refresh. An engine aborts the
+# requests of a gateway whose key it has found missing, check after check, for GATEWAY_LOST_AFTER_S:
+# a single miss is not enough, because a Redis restart without its data removes every live
+# gateway's key too, and a live gateway puts it back within a heartbeat of reconnecting.
+GATEWAY_HEARTBEAT_INTERVAL_S = 1.0
+GATEWAY_HEARTBEAT_TTL_S = 5.0
+GATEWAY_LOST_AFTER_S = 5.0
 
 # The model card's hash fields are defined with the card: sluice.wire.card.
 
@@ -56,6 +68,10 @@ def cancelled_key(request_id: str) -> str:
 
 def engine_key(engine_id: str) -> str:
     return f"{PREFIX}:engine:{engine_id}"
+
+
+def gateway_key(gateway_id: str) -> str:
+    return f"{PREFIX}:gateway:{gateway_id}"
 
 
 def model_card_key(model: str) -> str:

@@ -105,7 +105,7 @@ class ChoiceList(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("version", "request_id", "model", "prompt_token_ids", "params", "deadline", "enqueue_time", "attempt")
+    __slots__ = ("version", "request_id", "model", "prompt_token_ids", "params", "deadline", "enqueue_time", "attempt", "gateway_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class GenerateRequest(_message.Message):
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     ENQUEUE_TIME_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
     request_id: str
     model: str
@@ -122,7 +123,8 @@ class GenerateRequest(_message.Message):
     deadline: float
     enqueue_time: float
     attempt: int
-    def __init__(self, version: _Optional[int] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline: _Optional[float] = ..., enqueue_time: _Optional[float] = ..., attempt: _Optional[int] = ...) -> None: ...
+    gateway_id: str
+    def __init__(self, version: _Optional[int] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline: _Optional[float] = ..., enqueue_time: _Optional[float] = ..., attempt: _Optional[int] = ..., gateway_id: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "rank")

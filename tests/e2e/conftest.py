@@ -59,28 +59,43 @@ def _wait_http(url: str, procs: list[subprocess.Popen], timeout: float) -> None:
     raise RuntimeError(f"{url} not healthy after {timeout}s")
 
 
+CLI = [sys.executable, "-m", "sluice_cli.cli"]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def start_gateway(redis: str, log: Path, extra_flags: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+    """A `sluice gateway` process on a free port: (the process, its base URL). Not waited for."""
+    port = free_port()
+    proc = subprocess.Popen([*CLI, "gateway", "--redis-url", redis, "--host", "127.0.0.1", "--port", str(port),
+                             *(extra_flags or [])], stdout=log.open("w"), stderr=subprocess.STDOUT, env=_env())
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
+    _wait_http(f"{url}/health", procs, timeout)
+
+
 def start_stack(redis: str, model_dir: Path, log_dir: Path, num_gateways: int = 2,
                 extra_gateway_flags: list[str] | None = None, extra_engine_flags: list[str] | None = None) -> Stack:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cli = [sys.executable, "-m", "sluice_cli.cli"]
     grpc_port = free_port()
     stack = Stack(redis, [], grpc_port, model_dir.name)
     engine_log = log_dir / "engine.log"
     stack.logs.append(engine_log)
     stack.procs.append(subprocess.Popen(
-        [*cli, "engine", "--model", str(model_dir), "--redis-url", redis, "--grpc-port", str(grpc_port),
-         *ENGINE_FLAGS, *(extra_engine_flags or [])], stdout=engine_log.open("w"), stderr=subprocess.STDOUT, env=env))
+        [*CLI, "engine", "--model", str(model_dir), "--redis-url", redis, "--grpc-port", str(grpc_port),
+         *ENGINE_FLAGS, *(extra_engine_flags or [])], stdout=engine_log.open("w"), stderr=subprocess.STDOUT, env=_env()))
     for i in range(num_gateways):
-        port = free_port()
         log = log_dir / f"gateway{i}.log"
         stack.logs.append(log)
-        stack.procs.append(subprocess.Popen(
-            [*cli, "gateway", "--redis-url", redis, "--host", "127.0.0.1", "--port", str(port),
-             *(extra_gateway_flags or [])], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env))
-        stack.gateway_urls.append(f"http://127.0.0.1:{port}")
+        proc, url = start_gateway(redis, log, extra_gateway_flags)
+        stack.procs.append(proc)
+        stack.gateway_urls.append(url)
     try:
         for url in stack.gateway_urls:
-            _wait_http(f"{url}/health", stack.procs, timeout=300)
+            wait_healthy(url, stack.procs)
     except RuntimeError as exc:
         logs = stack.dump_logs()
         stop_stack(stack)

@@ -112,3 +112,56 @@ def test_disconnect_mid_stream_frees_kv_blocks(stack):
                 break
             time.sleep(0.05)
     assert stats.running == 0 and stats.free_blocks == stats.total_blocks, stats
+
+
+def test_gateway_kill9_mid_stream_aborts_its_requests(stack, tmp_path):
+    """A gateway that dies takes its clients' connections with it, and nobody is left to cancel
+    their requests: the engine sees the gateway's liveness key stay gone and aborts them."""
+    import signal
+    import subprocess
+
+    import httpx
+
+    from sluice.wire import contract
+    from tests.e2e.conftest import start_gateway, wait_healthy
+
+    log = tmp_path / "doomed-gateway.log"
+    proc, url = start_gateway(stack.redis_url, log)
+    try:
+        wait_healthy(url, [proc])
+        body = {"model": stack.model_name, "prompt": "Tell me a very long story.", "max_tokens": 1800,
+                "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=60) as http:
+            r = http.send(http.build_request("POST", f"{url}/v1/completions", json=body), stream=True)
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            chunks = 0
+            while chunks < 3:
+                chunks += next(lines).startswith("data: {")
+            stats = stack.engine_stats()
+            assert stats.running == 1 and stats.free_blocks < stats.total_blocks, stats
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            killed = time.monotonic()
+            # 1800 tokens would take minutes; the key lapses after its TTL and the engine waits
+            # GATEWAY_LOST_AFTER_S more (checking every second) before it gives up on the gateway.
+            limit = contract.GATEWAY_HEARTBEAT_TTL_S + contract.GATEWAY_LOST_AFTER_S + 8.0
+            while time.monotonic() - killed < limit:
+                stats = stack.engine_stats()
+                if stats.running == 0 and stats.free_blocks == stats.total_blocks:
+                    break
+                time.sleep(0.2)
+            took = time.monotonic() - killed
+            r.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+    assert stats.running == 0 and stats.free_blocks == stats.total_blocks, (stats, stack.dump_logs())
+    # Not before the key (refreshed every 1-1.5 s) could have lapsed and the engine had waited for
+    # GATEWAY_LOST_AFTER_S: it was the liveness check, not a single missing look or anything else.
+    assert took >= contract.GATEWAY_HEARTBEAT_TTL_S + contract.GATEWAY_LOST_AFTER_S - 2.0, took
+    assert "is gone (no liveness key" in stack.logs[0].read_text(errors="replace")

@@ -19,7 +19,7 @@ from engine_service.service.settings import ServiceSettings
 from engine_service.service.worker import Worker
 from sluice.wire import card, codec, contract, limits
 from sluice.wire.client import RequestHandle, WireClient
-from tests.docker_support import wait_for_redis
+from tests.docker_support import free_port, wait_for_redis
 from tests.integration.test_engine_service_worker import FakeEngine
 
 pytestmark = pytest.mark.docker
@@ -362,3 +362,62 @@ def test_own_pending_entry_with_a_lost_ack_is_taken_back(services, redis_client)
     wait_until(lambda: not pending_ids(redis_client), 5, "nothing left pending")
     wait_until(lambda: redis_client.xlen(stream) == 0, 5, "the stream trimmed past them")
     assert svc.io.stats["orphans"] == 2
+
+
+def test_gateway_counts_as_lost_only_after_its_key_stays_missing(clean_redis, redis_client):
+    """``RedisIO.check_gateways`` on a controlled clock: a gateway is lost once its key has been
+    missing at every check for ``gateway_lost_after_s``; a key seen again, or a failed check,
+    starts the count afresh; a lost gateway's requests are aborted, also those delivered later."""
+    from engine_service.service.redis_io import CancelNote, parse_entry
+
+    settings = ServiceSettings(redis_url=clean_redis, engine_id="gw-check", gateway_lost_after_s=5.0)
+    inbox: queue.Queue = queue.Queue()
+    io = RedisIO(settings, MODEL, inbox, {card.F_NAME: MODEL}, dict)
+    io._held.update({b"1-0": ("r1", "gA"), b"2-0": ("r2", "gB"), b"3-0": ("r3", "gB"), b"4-0": ("r4", "")})
+    client = WireClient(redis_client)
+    client.heartbeat_gateway("gA", ttl_s=60)
+
+    def cancels() -> list[CancelNote]:
+        out = []
+        while not inbox.empty():
+            out.append(inbox.get_nowait())
+        return out
+
+    assert io.check_gateways(now=100.0) == [] and cancels() == []  # gB missing since 100
+    assert io.check_gateways(now=104.0) == []
+    client.heartbeat_gateway("gB", ttl_s=60)
+    assert io.check_gateways(now=106.0) == []  # seen again: the count is reset
+    redis_client.delete(contract.gateway_key("gB"))
+    assert io.check_gateways(now=107.0) == []  # missing since 107
+    assert io.check_gateways(now=111.5) == [] and cancels() == []
+    # a failed check (Redis away) resets the count too
+    good = io.redis
+    io.redis = redis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5)
+    with pytest.raises(redis.ConnectionError):
+        io.check_gateways(now=111.8)
+    io.redis = good
+    assert io.check_gateways(now=112.0) == []  # missing since 112
+    assert io.check_gateways(now=116.9) == [] and cancels() == []
+    assert io.check_gateways(now=117.0) == ["gB"]
+    [note] = cancels()
+    assert note.cause == "gateway_lost" and sorted(note.request_ids) == ["r2", "r3"]
+    assert io.stats["gateways_lost"] == 1
+    # still held at the next check (the abort not acknowledged yet): aborted again, not re-declared
+    assert io.check_gateways(now=118.0) == []
+    assert [sorted(n.request_ids) for n in cancels()] == [["r2", "r3"]]
+    # acknowledged: nothing more to abort
+    for entry_id in (b"2-0", b"3-0"):
+        io._held.pop(entry_id)
+    assert io.check_gateways(now=119.0) == [] and cancels() == []
+    # an entry of the lost gateway read later is dropped on delivery; one of a live gateway is not
+    late = [parse_entry(f"{5 + i}-0".encode(), codec.encode_request(
+        codec.make_request(f"late-{gid}", MODEL, [1, 2], {"max_tokens": 2}, gateway_id=gid)))
+        for i, gid in enumerate(("gB", "gA"))]
+    io._deliver(late)
+    delivered = {e.request.request_id: e for e in cancels()}
+    assert delivered["late-gB"].gateway_lost and not delivered["late-gA"].gateway_lost
+    assert io.stats["gateways_lost"] == 1
+    # a setting of 0 turns the watch off
+    io.settings.gateway_lost_after_s = 0
+    redis_client.delete(contract.gateway_key("gA"))
+    assert io.check_gateways(now=200.0) == [] and io.check_gateways(now=300.0) == [] and cancels() == []

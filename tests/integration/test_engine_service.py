@@ -7,6 +7,7 @@ test_engine_service_processes.py.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -362,6 +363,93 @@ def test_redis_restart_mid_run(llm, restartable_redis, prompts, reference):
         assert not result.timed_out and result.token_ids == reference[15]
         assert svc.worker.running
     finally:
+        cleanup(svc, llm)
+
+
+def keep_alive(url: str, gateway_id: str, ttl_s: float, every_s: float) -> threading.Event:
+    """Refresh a gateway's liveness key like a gateway's broker does, through Redis restarts; set
+    the returned event to stop."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        client = WireClient.from_url(url)
+        while not stop.is_set():
+            try:
+                client.heartbeat_gateway(gateway_id, ttl_s)
+            except Exception:  # noqa: BLE001 - Redis is restarting: again at the next beat
+                pass
+            stop.wait(every_s)
+
+    threading.Thread(target=beat, daemon=True).start()
+    return stop
+
+
+def test_requests_of_a_lost_gateway_are_aborted(llm, clean_redis, redis_client, prompts):
+    svc = make_service(llm, clean_redis, gateway_check_s=0.2, gateway_lost_after_s=1.0)
+    client = WireClient(redis_client)
+    alive, dead = f"gw-alive-{uuid.uuid4().hex[:6]}", f"gw-dead-{uuid.uuid4().hex[:6]}"
+    stop = keep_alive(clean_redis, alive, ttl_s=1.0, every_s=0.3)
+    try:
+        client.heartbeat_gateway(dead, ttl_s=1.0)  # and never again: the gateway "crashed"
+        long = greedy(max_tokens=200, ignore_eos=True)
+        orphan = client.submit(svc.model, prompts[20], long, gateway_id=dead)
+        kept = client.submit(svc.model, prompts[21], greedy(max_tokens=120, ignore_eos=True), gateway_id=alive)
+        plain = client.submit(svc.model, prompts[22], greedy(max_tokens=120, ignore_eos=True))  # no gateway named
+        started = time.monotonic()
+        aborted = orphan.collect(timeout=60)
+        took = time.monotonic() - started
+        assert not aborted.timed_out and aborted.finish_reason == "abort", aborted
+        assert 0 < len(aborted.token_ids) < 200
+        assert took >= 1.7, took  # its key lapsed after 1 s, and the engine then waited 1 s more
+        for handle in (kept, plain):
+            result = handle.collect(timeout=60)
+            assert result.finish_reason == "length" and len(result.token_ids) == 120, result
+        assert svc.worker.counters["gateway_lost"] == 1 and svc.io.stats["gateways_lost"] == 1
+        # what the lost gateway left in the queue is dropped when it is read, without running
+        late = client.submit(svc.model, prompts[23], long, gateway_id=dead).collect(timeout=30)
+        assert late.finish_reason == "abort" and late.token_ids == []
+        assert svc.worker.counters["gateway_lost"] == 2
+        s = wait_idle(svc)
+        assert s.free_blocks == s.total_blocks
+    finally:
+        stop.set()
+        cleanup(svc, llm)
+
+
+def test_redis_restart_does_not_abort_live_gateways_requests(llm, restartable_redis, prompts):
+    """Redis restarted without its data has lost every gateway's liveness key; a live gateway puts
+    its key back once it has reconnected, so the engine must not take the gap for a crash."""
+    url = restartable_redis.url
+    lost_after = 3.0
+    svc = make_service(llm, url, gateway_check_s=0.1, gateway_lost_after_s=lost_after)
+    gateway = f"gw-{uuid.uuid4().hex[:6]}"
+    stop = keep_alive(url, gateway, ttl_s=5.0, every_s=contract.GATEWAY_HEARTBEAT_INTERVAL_S)
+    try:
+        client = WireClient.from_url(url)
+        handles = [client.submit(svc.model, prompts[24 + i], greedy(max_tokens=160, ignore_eos=True), gateway_id=gateway)
+                   for i in range(8)]
+        for handle in handles:
+            next(iter(handle.events(timeout=60)))
+        stop.set()  # the gateway's beat stops during the outage ...
+        restartable_redis.restart(hard=True)
+        for handle in handles:
+            handle.close()
+        assert not client.redis.exists(contract.gateway_key(gateway))  # the restart lost the key
+        time.sleep(1.0)  # ... and resumes only a while after Redis is back (reconnecting, its next beat)
+        stop = keep_alive(url, gateway, ttl_s=5.0, every_s=contract.GATEWAY_HEARTBEAT_INTERVAL_S)
+        # A wrong abort would come within lost_after of the engine's first look at the empty Redis.
+        watched = time.monotonic()
+        while time.monotonic() - watched < lost_after + 0.5:
+            assert svc.worker.counters["gateway_lost"] == 0, "a live gateway's request was aborted"
+            assert all(h.request_id in svc.worker.live for h in handles), "requests ended too early for the test to mean anything"
+            time.sleep(0.05)
+        end = time.monotonic() + 90
+        while svc.worker.live and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not svc.worker.live
+        assert svc.worker.counters["gateway_lost"] == 0 and svc.worker.counters["cancelled"] == 0
+    finally:
+        stop.set()
         cleanup(svc, llm)
 
 
