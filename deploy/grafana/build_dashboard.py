@@ -18,6 +18,9 @@ DS = {"type": "prometheus", "uid": "${datasource}"}
 ENGINE = 'engine_id!="", model=~"$model", engine_id=~"$engine_id"'
 GATEWAY = 'engine_id=""'
 RATE = "[$__rate_interval]"
+# HAProxy's exporter (compose's `lb`): the backend of gateway replicas and the clients' frontend.
+LB = 'proxy="gateways"'
+LB_FRONTEND = 'proxy="api"'
 
 
 def q(expr: str, legend: str) -> dict:
@@ -156,6 +159,23 @@ def build() -> dict:
         q(f"count(sluice:kv_cache_blocks_total{{{ENGINE}}})", "engines reporting"),
         q(f"sum(sluice:engine_draining{{{ENGINE}}})", "draining"),
     ], unit="short")
+
+    L.row("Load balancer")
+    L.panel("Answers/s at the load balancer by HTTP class", [
+        q(f"sum by (code) (rate(haproxy_backend_http_responses_total{{{LB}}}{RATE}))", "{{code}}"),
+    ], unit="reqps", stack=True, description="What clients got through HAProxy, by status class: also the "
+                                            "answers HAProxy made itself (503 with no gateway in rotation).")
+    L.panel("Gateways in rotation", [
+        q(f"max(haproxy_backend_active_servers{{{LB}}})", "gateways UP"),
+        q(f"sum(increase(haproxy_server_check_failures_total{{{LB}}}{RATE}))", "failed health checks"),
+    ], unit="short", description="Replicas passing GET /health (they leave after 3 failed checks, return after 1).")
+    L.panel("Client connections, retries", [
+        q(f"sum(haproxy_frontend_current_sessions{{{LB_FRONTEND}}})", "open client connections"),
+        q(f"sum(haproxy_backend_current_queue{{{LB}}})", "queued in HAProxy"),
+        q(f"sum(increase(haproxy_backend_retry_warnings_total{{{LB}}}{RATE}))", "retried on another gateway"),
+        q(f"sum(increase(haproxy_backend_connection_errors_total{{{LB}}}{RATE}))", "connection errors"),
+    ], unit="short", description="Open connections include SSE streams; a connection a gateway refused is "
+                                 "retried on another replica.")
 
     def variable(name: str, query: str, label: str) -> dict:
         return {

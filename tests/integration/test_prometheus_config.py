@@ -1,11 +1,15 @@
 """The monitoring files against a real Prometheus (the `prom/prometheus:v2.42.0` image compose's
 `monitoring` profile uses; deploy/images/build-standins.sh builds it from Debian's package):
 `promtool check config` accepts deploy/prometheus/prometheus.yml, Prometheus starts with it, and
-every query of the Grafana dashboard parses and evaluates."""
+every query of the Grafana dashboard parses and evaluates. The load balancer's job is scraped for
+real: HAProxy (the `haproxy:2.6` image, deploy/lb/haproxy.cfg) runs beside Prometheus on a Docker
+network under compose's service name `lb`, and every HAProxy series the dashboard selects is there."""
 
 from __future__ import annotations
 
+import re
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +20,9 @@ from tests.docker_support import LOOPBACK, free_port, require_docker
 from tests.unit.test_monitoring_config import PROMETHEUS, dashboard_exprs
 
 IMAGE = "prom/prometheus:v2.42.0"
+LB_IMAGE = "haproxy:2.6"
 CONFIG_IN_CONTAINER = "/etc/prometheus/prometheus.yml"
+HAPROXY_CFG = Path(__file__).resolve().parents[2] / "deploy" / "lb" / "haproxy.cfg"
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +65,21 @@ def test_promtool_rejects_a_broken_config(docker_client, tmp_path):
 
 @pytest.fixture(scope="module")
 def prometheus_url(docker_client) -> Iterator[str]:
-    port = free_port()
-    container = docker_client.containers.run(
-        IMAGE, detach=True, volumes=_mount(PROMETHEUS), ports={"9090/tcp": (LOOPBACK, port)},
+    """Prometheus with the repository's config, on a network where `lb` is a real HAProxy."""
+    require_docker(LB_IMAGE)
+    network = docker_client.networks.create(f"sluice-prom-{uuid.uuid4().hex[:8]}")
+    lb = docker_client.containers.create(
+        LB_IMAGE, ["haproxy", "-f", "/usr/local/etc/haproxy/haproxy.cfg"],
+        volumes={str(HAPROXY_CFG): {"bind": "/usr/local/etc/haproxy/haproxy.cfg", "mode": "ro"}},
     )
+    network.connect(lb, aliases=["lb"])
+    lb.start()
+    port = free_port()
+    container = docker_client.containers.create(
+        IMAGE, volumes=_mount(PROMETHEUS), ports={"9090/tcp": (LOOPBACK, port)},
+    )
+    network.connect(container)
+    container.start()
     url = f"http://{LOOPBACK}:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -80,6 +97,8 @@ def prometheus_url(docker_client) -> Iterator[str]:
         yield url
     finally:
         container.remove(force=True)
+        lb.remove(force=True)
+        network.remove()
 
 
 def grafana_to_promql(expr: str) -> str:
@@ -93,6 +112,27 @@ def test_prometheus_loads_the_config_and_knows_the_jobs(prometheus_url):
     assert r.status_code == 200
     loaded = r.json()["data"]["yaml"]
     assert "job_name: sluice-gateway" in loaded and "job_name: sluice-engine" in loaded
+    assert "job_name: sluice-lb" in loaded
+
+
+def test_the_load_balancer_is_scraped_and_has_every_series_the_dashboard_selects(prometheus_url):
+    selectors = sorted({m for e in dashboard_exprs() for m in re.findall(r"haproxy_\w+\{[^}]*\}", e)})
+    assert len(selectors) >= 5, selectors
+    deadline = time.monotonic() + 60
+    while True:
+        targets = httpx.get(f"{prometheus_url}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
+        lb = [t for t in targets if t["labels"].get("job") == "sluice-lb"]
+        missing = [s for s in selectors
+                   if not httpx.get(f"{prometheus_url}/api/v1/query", params={"query": s}, timeout=10).json()["data"]["result"]]
+        if lb and all(t["health"] == "up" for t in lb) and not missing:
+            break
+        assert time.monotonic() < deadline, f"lb targets {lb}; no series for {missing}"
+        time.sleep(1)
+    assert [t["labels"]["instance"].endswith(":8404") for t in lb] == [True]
+    # and the check can fail: a series HAProxy does not export is not found
+    none = httpx.get(f"{prometheus_url}/api/v1/query", params={"query": 'haproxy_backend_active_servers{proxy="nope"}'},
+                     timeout=10).json()["data"]["result"]
+    assert none == []
 
 
 def test_every_dashboard_query_parses_and_evaluates(prometheus_url):
