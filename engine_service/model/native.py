@@ -45,8 +45,9 @@ from sluice.paths import cache_dir
 logger = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
-C_SOURCES = [KERNELS / "paged_decode_attention.c", KERNELS / "dequantize.c"]
-HEADERS = [KERNELS / "bf16.h", KERNELS / "paged_decode_attention.h", KERNELS / "dequantize.h"]
+C_SOURCES = [KERNELS / "paged_decode_attention.c", KERNELS / "dequantize.c", KERNELS / "packed_gemv.c"]
+HEADERS = [KERNELS / "bf16.h", KERNELS / "paged_decode_attention.h", KERNELS / "dequantize.h",
+           KERNELS / "packed_gemv.h"]
 CXX_SOURCES = [KERNELS / "paged_decode_attention_op.cpp", KERNELS / "prepacked_linear_op.cpp",
                KERNELS / "dequantize_op.cpp"]
 LIBRARY_NAME = "sluice_ops"

@@ -22,6 +22,7 @@ logged, when they do not or when this torch has no oneDNN.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
 import logging
@@ -92,7 +93,9 @@ _handles = itertools.count()
 
 _library = torch.library.Library("sluice", "FRAGMENT")
 _library.define("prepacked_linear(Tensor x, Tensor handle, Tensor? bias, int out_features) -> Tensor")
-_library.define("prepacked_register(Tensor handle, Tensor packed) -> ()")
+_library.define("prepacked_register(Tensor handle, Tensor packed, int gemv_data, int out_features, int in_features, "
+                "int out_padded, int in_padded) -> ()")
+_library.define("packed_gemv_supported() -> bool")
 _library.define("prepacked_unregister(Tensor handle) -> ()")
 
 
@@ -109,6 +112,42 @@ def _native_ops_unavailable() -> str | None:
     from engine_service.model.native import native_ops_unavailable  # native imports this module
 
     return native_ops_unavailable()
+
+
+# One row of bfloat16 (one stream's decode step) runs the native GEMV (kernels/packed_gemv.c) on
+# oneDNN's packed weight, which it reads in place: oneDNN's one-row product streams the weights at
+# ~18 GB/s on the development VM, the GEMV at ~25 (docs/performance.md). The layout is oneDNN's
+# choice, not a promise, so each layer checks at load that its packed buffer is the one the kernel
+# reads (blocks of 64 rows x 32 inputs, input pairs innermost, zero padding); any other layout keeps
+# oneDNN for every product.
+GEMV_BLOCK_N, GEMV_BLOCK_K = 64, 32
+
+
+def _gemv_supported() -> bool:
+    return _native_ops_unavailable() is None and bool(torch.ops.sluice.packed_gemv_supported())
+
+
+def gemv_layout(weight: torch.Tensor, packed: torch.Tensor) -> tuple[int, int] | None:
+    """(padded rows, padded inputs) when ``packed`` holds ``weight`` in the layout the native GEMV
+    reads, else None."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    n_pad, k_pad = -(-n // GEMV_BLOCK_N) * GEMV_BLOCK_N, -(-k // GEMV_BLOCK_K) * GEMV_BLOCK_K
+    try:
+        if torch.ops.mkldnn._nbytes(packed) != n_pad * k_pad * 2:
+            return None
+        address = torch.ops.mkldnn.data_ptr(packed)
+    except (RuntimeError, AttributeError):
+        return None
+    raw = torch.frombuffer((ctypes.c_int16 * (n_pad * k_pad)).from_address(address), dtype=torch.int16)
+    blocked = (raw.view(n_pad // GEMV_BLOCK_N, k_pad // GEMV_BLOCK_K, GEMV_BLOCK_K // 2, GEMV_BLOCK_N, 2)
+               .permute(0, 3, 1, 2, 4).reshape(n_pad, k_pad))
+    if not torch.equal(blocked[:n, :k], weight.view(torch.int16)):
+        return None
+    if blocked[n:].any() or blocked[:, k:].any():  # the kernel multiplies the padding too
+        return None
+    return n_pad, k_pad
 
 
 def compile_unavailable(model: nn.Module) -> str | None:
@@ -130,18 +169,25 @@ class PrepackedLinear(nn.Module):
         self.packed = _pack(weight)
         handle = torch.tensor(next(_handles))
         self.register_buffer("handle", handle, persistent=False)
+        self.gemv = False  # one row runs the native GEMV on the packed weight
         if _native_ops_unavailable() is None:  # else the model never compiles: compile_unavailable
-            torch.ops.sluice.prepacked_register(handle, self.packed)
+            padded = gemv_layout(weight, self.packed) if _gemv_supported() else None
+            self.gemv = padded is not None
+            address = torch.ops.mkldnn.data_ptr(self.packed) if padded else 0
+            n_pad, k_pad = padded or (0, 0)
+            torch.ops.sluice.prepacked_register(handle, self.packed, address, self.out_features, self.in_features,
+                                                n_pad, k_pad)
             weakref.finalize(self, torch.ops.sluice.prepacked_unregister, handle)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or (self.gemv and x.numel() == self.in_features):
             return prepacked_linear_op(x, self.handle, self.bias, self.out_features)
         return _packed_linear(x, self.packed, self.bias)  # eager: no custom-op dispatch per call
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, oneDNN layout"
+        gemv = ", one row by the native GEMV" if self.gemv else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, oneDNN layout{gemv}"
 
 
 def prepack_model(model: nn.Module) -> int:

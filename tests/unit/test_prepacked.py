@@ -1,7 +1,8 @@
 """Linear weights prepacked for oneDNN (bfloat16 / float16 on CPU): the products of ``F.linear`` to the
 type's rounding (oneDNN may block a sum differently for a packed weight), through the eager forward
 and the compiled step's operator; greedy output unchanged on the model; which models get them; and
-a model that keeps plain layers where this machine cannot prepack."""
+a model that keeps plain layers where this machine cannot prepack. One bfloat16 row runs the native
+GEMV on the packed weight (kernels/packed_gemv.c) where its layout checks out."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from engine_service import LLM, SamplingParams
 from engine_service.model.loader import load_model
 from engine_service.model.prepacked import (
     PrepackedLinear,
+    _gemv_supported,
+    _packed_linear,
+    gemv_layout,
     prepack_model,
     prepack_unavailable,
     prepacked_linear_op,
@@ -50,6 +54,74 @@ def test_prepacked_products_equal_f_linear_to_rounding(dtype, bias):
         torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=ulp)
         # the operator the compiled step calls is the same product
         assert torch.equal(prepacked_linear_op(x, packed.handle, packed.bias, packed.out_features), got)
+
+
+def _gemv_or_skip() -> None:
+    if not PREPACKS:
+        pytest.skip("bfloat16 is not prepacked on this machine")
+    if not _gemv_supported():
+        pytest.skip("no bfloat16 GEMV here (native operators unavailable or no AVX512-BF16)")
+
+
+@pytest.mark.parametrize(("out_features", "in_features", "bias"),
+                         [(960, 576, False), (3072, 576, True), (576, 1536, False), (100, 50, True)])
+def test_one_row_runs_the_native_gemv_to_the_types_rounding(out_features, in_features, bias):
+    _gemv_or_skip()
+    gen = torch.Generator().manual_seed(out_features)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    layer = PrepackedLinear(weight, b)
+    assert layer.gemv, "the packed layout was not the GEMV's"  # (100, 50): padded to 128 x 64
+    for shape in [(1, in_features), (in_features,), (1, 1, in_features)]:
+        x = torch.randn(*shape, generator=gen).bfloat16()
+        got = layer(x)
+        assert got.shape == (*shape[:-1], out_features) and got.dtype == torch.bfloat16
+        exact = x.double() @ weight.double().t() + (0 if b is None else b.double())
+        # a float32 sum rounded once: within one bfloat16 ulp of the exact product, like oneDNN's
+        ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+        assert ((got.double() - exact).abs() <= ulp).all()
+        onednn = _packed_linear(x.reshape(1, in_features), layer.packed, layer.bias).reshape(got.shape)
+        assert (got != onednn).float().mean() < 0.01  # the same sums, blocked differently: rarely a last bit
+        assert torch.equal(prepacked_linear_op(x, layer.handle, layer.bias, out_features), got)
+
+
+def test_the_gemv_takes_one_row_and_onednn_the_rest():
+    """Register a layer's handle with ANOTHER weight's packed buffer for the GEMV: one row then
+    gives that weight's product (the GEMV ran, through the eager forward and the operator), two
+    rows the layer's own (oneDNN)."""
+    _gemv_or_skip()
+    gen = torch.Generator().manual_seed(3)
+    mine, other = ((torch.randn(128, 64, generator=gen) * 0.1).bfloat16() for _ in range(2))
+    layer, decoy = PrepackedLinear(mine, None), PrepackedLinear(other, None)
+    torch.ops.sluice.prepacked_register(layer.handle, layer.packed, torch.ops.mkldnn.data_ptr(decoy.packed),
+                                        128, 64, 128, 64)
+    one, two = torch.randn(1, 64, generator=gen).bfloat16(), torch.randn(2, 64, generator=gen).bfloat16()
+    assert torch.equal(layer(one), decoy(one)) and not torch.equal(layer(one), _packed_linear(one, layer.packed, None))
+    assert torch.equal(prepacked_linear_op(one, layer.handle, None, 128), decoy(one))
+    assert torch.equal(layer(two), _packed_linear(two, layer.packed, None))
+    assert torch.equal(prepacked_linear_op(two, layer.handle, None, 128), layer(two))
+    # sizes that are not the layout's are refused at registration
+    with pytest.raises(RuntimeError, match="not the GEMV layout"):
+        torch.ops.sluice.prepacked_register(layer.handle, layer.packed, 1, 128, 64, 100, 64)
+
+
+def test_a_layout_that_does_not_check_out_keeps_onednn(monkeypatch):
+    _gemv_or_skip()
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(192, 96, generator=gen).bfloat16()
+    layer = PrepackedLinear(weight, None)
+    assert gemv_layout(weight, layer.packed) == (192, 96)
+    changed = weight.clone()
+    changed[5, 7] += 1
+    assert gemv_layout(changed, layer.packed) is None  # the buffer does not hold this weight
+    assert gemv_layout(weight.float(), layer.packed) is None
+    import engine_service.model.prepacked as prepacked
+
+    monkeypatch.setattr(prepacked, "gemv_layout", lambda weight, packed: None)
+    kept = PrepackedLinear(weight, None)
+    assert not kept.gemv and "native GEMV" not in repr(kept)
+    x = torch.randn(1, 96, generator=gen).bfloat16()
+    assert torch.equal(kept(x), _packed_linear(x, kept.packed, None))
 
 
 def test_float32_and_cuda_are_not_prepacked():

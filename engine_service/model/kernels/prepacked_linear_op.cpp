@@ -7,7 +7,12 @@
 // function at first: 8 µs a call in a steady loop, and three times that in some processes, 121
 // times a decode step (docs/performance.md). Here it is a map lookup and one dispatcher call to
 // mkldnn::_linear_pointwise, the operator inductor's own freezing emits.
+//
+// One row of bfloat16 (one stream's decode) runs packed_gemv.c on the same packed weight instead,
+// when the layer registered the weight's address: prepacked.py does that only after checking, at
+// load, that the packed buffer is the layout the kernel reads.
 #include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
 #include <array>
@@ -18,6 +23,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "packed_gemv.h"
+
 namespace {
 
 using torch::headeronly::ScalarType;
@@ -25,8 +32,14 @@ using torch::stable::Tensor;
 
 std::mutex registry_lock;
 
-std::unordered_map<int64_t, Tensor> &registry() {
-  static auto *weights = new std::unordered_map<int64_t, Tensor>();  // never destroyed: no exit-order race
+struct Packed {
+  Tensor weight;                    // oneDNN's packed tensor (keeps the buffer below alive)
+  const uint16_t *gemv = nullptr;   // its data, when packed_gemv may read it; else null
+  int64_t out_features = 0, in_features = 0, out_padded = 0, in_padded = 0;
+};
+
+std::unordered_map<int64_t, Packed> &registry() {
+  static auto *weights = new std::unordered_map<int64_t, Packed>();  // never destroyed: no exit-order race
   return *weights;
 }
 
@@ -36,11 +49,28 @@ int64_t handle_value(const Tensor &handle) {
   return *static_cast<const int64_t *>(handle.data_ptr());
 }
 
-void prepacked_register(Tensor handle, Tensor packed) {
+// gemv_data: the packed buffer's address (torch.ops.mkldnn.data_ptr) when its layout was checked
+// to be packed_gemv's, with the weight's sizes and their padded sizes; 0: oneDNN for every product.
+void prepacked_register(Tensor handle, Tensor packed, int64_t gemv_data, int64_t out_features, int64_t in_features,
+                        int64_t out_padded, int64_t in_padded) {
   const int64_t key = handle_value(handle);
+  Packed entry{packed};
+  if (gemv_data != 0) {
+    STD_TORCH_CHECK(packed_gemv_bf16_supported(), "prepacked_register: this build has no bfloat16 GEMV kernel");
+    STD_TORCH_CHECK(out_features > 0 && in_features > 0 && out_padded % PG_BLOCK_N == 0 &&
+                        in_padded % PG_BLOCK_K == 0 && out_padded >= out_features && in_padded >= in_features,
+                    "prepacked_register: sizes that are not the GEMV layout's");
+    entry.gemv = reinterpret_cast<const uint16_t *>(gemv_data);
+    entry.out_features = out_features;
+    entry.in_features = in_features;
+    entry.out_padded = out_padded;
+    entry.in_padded = in_padded;
+  }
   std::lock_guard<std::mutex> guard(registry_lock);
-  registry().insert_or_assign(key, packed);
+  registry().insert_or_assign(key, entry);
 }
+
+bool packed_gemv_supported() { return packed_gemv_bf16_supported() != 0; }
 
 void prepacked_unregister(Tensor handle) {
   const int64_t key = handle_value(handle);
@@ -50,16 +80,33 @@ void prepacked_unregister(Tensor handle) {
 
 Tensor prepacked_linear(Tensor x, Tensor handle, std::optional<Tensor> bias, int64_t out_features) {
   const int64_t key = handle_value(handle);
-  std::optional<Tensor> packed;
+  std::optional<Packed> packed;
   {
     std::lock_guard<std::mutex> guard(registry_lock);
     auto found = registry().find(key);
     STD_TORCH_CHECK(found != registry().end(), "prepacked_linear: no packed weight under this handle");
     packed = found->second;
   }
+  if (packed->gemv != nullptr && x.scalar_type() == ScalarType::BFloat16 && x.is_contiguous() && x.dim() >= 1 &&
+      x.size(x.dim() - 1) == packed->in_features && x.numel() == packed->in_features &&
+      out_features == packed->out_features &&
+      (!bias.has_value() || (bias->scalar_type() == ScalarType::BFloat16 && bias->is_contiguous() &&
+                             bias->numel() == out_features))) {
+    std::vector<int64_t> sizes;
+    for (int64_t d = 0; d < x.dim(); d++) sizes.push_back(x.size(d));
+    sizes.back() = out_features;
+    Tensor out = torch::stable::new_empty(x, sizes);
+    const int rc = packed_gemv_bf16(
+        packed->gemv, static_cast<const uint16_t *>(x.data_ptr()),
+        bias.has_value() ? static_cast<const uint16_t *>(bias->data_ptr()) : nullptr,
+        static_cast<uint16_t *>(out.data_ptr()), packed->out_features, packed->in_features, packed->out_padded,
+        packed->in_padded);
+    STD_TORCH_CHECK(rc == 0, "prepacked_linear: the bfloat16 GEMV failed (", rc, ")");
+    return out;
+  }
   std::array<StableIValue, 6> stack{
       torch::stable::detail::from(x),
-      torch::stable::detail::from(*packed),
+      torch::stable::detail::from(packed->weight),
       torch::stable::detail::from(bias),
       torch::stable::detail::from(std::string("none")),
       torch::stable::detail::from(std::vector<std::optional<double>>{}),
@@ -80,5 +127,6 @@ STABLE_TORCH_LIBRARY_IMPL(sluice, CPU, m) {
 
 STABLE_TORCH_LIBRARY_IMPL(sluice, CompositeExplicitAutograd, m) {
   m.impl("prepacked_register", TORCH_BOX(&prepacked_register));
+  m.impl("packed_gemv_supported", TORCH_BOX(&packed_gemv_supported));
   m.impl("prepacked_unregister", TORCH_BOX(&prepacked_unregister));
 }

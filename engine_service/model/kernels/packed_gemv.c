@@ -1,0 +1,92 @@
+/* One activation row times a bfloat16 weight in oneDNN's packed layout, for one-stream decode.
+ *
+ * Why: oneDNN's own product for one row (brgemm on AMX tiles of 16 rows) streams the weights at
+ * ~18 GB/s on the development VM, where a plain read reaches ~26 GB/s; a decode step of one stream
+ * is nothing but those reads (docs/performance.md, "bfloat16 one-row products"). This kernel reads
+ * the packed weight where it lies: the engine keeps one copy, oneDNN's, and batches of two or more
+ * rows still go to oneDNN.
+ *
+ * The layout (oneDNN's tag AB16b64a2b for a [N, K] weight, checked against the weight at load by
+ * engine_service/model/prepacked.py): blocks of 64 output rows, each a run of K/32 chunks of 4 KB;
+ * inside a chunk, 16 input pairs, each pair holding the 64 rows' two bfloat16 inputs side by side.
+ * So one chunk is read front to back, and each 64-byte load is 16 rows x 2 inputs: exactly the
+ * operand of one VDPBF16PS, which multiplies bfloat16 pairs and accumulates in float32.
+ *
+ * Sums are float32, in input order per output (pairs), then the bias, then one rounding to
+ * bfloat16. oneDNN blocks the sum differently, so a few outputs in ten thousand differ from its by
+ * one bfloat16 ulp (tests/unit/test_prepacked.py bounds them against a float64 reference). */
+#include "packed_gemv.h"
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define CHUNK (PG_BLOCK_N * PG_BLOCK_K) /* elements of one 64 x 32 chunk */
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+
+int packed_gemv_bf16_supported(void) { return 1; }
+
+/* the 64 sums of one block of rows, into out[64] */
+static void block_sums(const uint16_t *block, const uint16_t *x, int64_t chunks, float *out) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    __m512 acc2 = _mm512_setzero_ps(), acc3 = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; c++) {
+        const uint16_t *chunk = block + c * CHUNK;
+        /* two chunks ahead: the hardware prefetcher restarts at each 4 KB page */
+        _mm_prefetch((const char *)(chunk + 2 * CHUNK), _MM_HINT_T0);
+        _mm_prefetch((const char *)(chunk + 2 * CHUNK + CHUNK / 2), _MM_HINT_T0);
+        const uint16_t *xc = x + c * PG_BLOCK_K;
+        for (int pair = 0; pair < PG_BLOCK_K / 2; pair++) {
+            const uint16_t *wp = chunk + pair * 2 * PG_BLOCK_N;
+            uint32_t xp;
+            memcpy(&xp, xc + 2 * pair, sizeof xp);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp);
+            acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(wp), xv);
+            acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)_mm512_loadu_si512(wp + 32), xv);
+            acc2 = _mm512_dpbf16_ps(acc2, (__m512bh)_mm512_loadu_si512(wp + 64), xv);
+            acc3 = _mm512_dpbf16_ps(acc3, (__m512bh)_mm512_loadu_si512(wp + 96), xv);
+        }
+    }
+    _mm512_storeu_ps(out, acc0);
+    _mm512_storeu_ps(out + 16, acc1);
+    _mm512_storeu_ps(out + 32, acc2);
+    _mm512_storeu_ps(out + 48, acc3);
+}
+
+int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t n_out,
+                     int64_t k_in, int64_t n_pad, int64_t k_pad) {
+    if (n_out <= 0 || k_in <= 0 || n_pad % PG_BLOCK_N || k_pad % PG_BLOCK_K || n_pad < n_out || k_pad < k_in ||
+        n_pad - n_out >= PG_BLOCK_N || k_pad - k_in >= PG_BLOCK_K)
+        return 2;
+    /* the input padded with zeros to whole chunks (the weight's padding is zeros too) */
+    uint16_t *xp = (uint16_t *)calloc((size_t)k_pad, sizeof *xp);
+    if (xp == NULL) return 1;
+    memcpy(xp, x, (size_t)k_in * sizeof *xp);
+    const int64_t blocks = n_pad / PG_BLOCK_N, chunks = k_pad / PG_BLOCK_K;
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t b = 0; b < blocks; b++) {
+        float sums[PG_BLOCK_N];
+        block_sums(w + b * chunks * CHUNK, xp, chunks, sums);
+        const int64_t first = b * PG_BLOCK_N, rows = n_out - first < PG_BLOCK_N ? n_out - first : PG_BLOCK_N;
+        for (int64_t r = 0; r < rows; r++)
+            y[first + r] = f32_to_bf16(bias != NULL ? sums[r] + bf16_to_f32(bias[first + r]) : sums[r]);
+    }
+    free(xp);
+    return 0;
+}
+
+#else
+
+int packed_gemv_bf16_supported(void) { return 0; }
+
+int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t n_out,
+                     int64_t k_in, int64_t n_pad, int64_t k_pad) {
+    (void)w, (void)x, (void)bias, (void)y, (void)n_out, (void)k_in, (void)n_pad, (void)k_pad;
+    return 2;
+}
+
+#endif

@@ -1,0 +1,28 @@
+/* One activation row times a bfloat16 weight that oneDNN packed at load (packed_gemv.c). */
+#ifndef SLUICE_PACKED_GEMV_H
+#define SLUICE_PACKED_GEMV_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* oneDNN's "AB16b64a2b" weight layout: blocks of PG_BLOCK_N output rows by PG_BLOCK_K inputs */
+#define PG_BLOCK_N 64
+#define PG_BLOCK_K 32
+
+/* 1 when this build can run the kernel (the CPU has AVX512-BF16), else 0 */
+int packed_gemv_bf16_supported(void);
+
+/* y[n] = bf16(sum_k x[k] * w[n][k] + bias[n]) for n < n_out; w in the layout above, padded to
+ * n_pad x k_pad (multiples of the block) with zeros; bias may be NULL. Returns 0, 1 when a work
+ * buffer could not be allocated, 2 when unsupported or the sizes are not the layout's. */
+int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t n_out,
+                     int64_t k_in, int64_t n_pad, int64_t k_pad);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

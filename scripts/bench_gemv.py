@@ -1,0 +1,78 @@
+"""One bfloat16 row through every projection of SmolLM2-135M: the native GEMV on oneDNN's packed
+weight (kernels/packed_gemv.c) against oneDNN's own product on the same weight.
+`python scripts/bench_gemv.py [--repeats 15] [--json PATH]`.
+
+The 30 layers' four projections and the output projection (270 MB of bfloat16 weights, so they
+stream from memory as in a decode step, not from a cache) run back to back, the two paths
+alternating; the table gives the median milliseconds for all of them and the bandwidth that means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from engine_service.model.prepacked import (
+    PrepackedLinear,
+    _gemv_supported,
+    _packed_linear,
+    prepacked_linear_op,
+)
+
+SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)]
+LAYERS = 30
+LM_HEAD = ("lm_head", 49152, 576)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--json", type=Path, default=Path("bench-results/gemv.json"))
+    args = p.parse_args()
+    if not _gemv_supported():
+        raise SystemExit("no bfloat16 GEMV here (native operators unavailable, or no AVX512-BF16)")
+    gen = torch.Generator().manual_seed(0)
+    shapes = [s for _ in range(LAYERS) for s in SHAPES] + [LM_HEAD]
+    layers = [PrepackedLinear((torch.randn(n, k, generator=gen) * 0.05).bfloat16(), None) for _, n, k in shapes]
+    if not all(layer.gemv for layer in layers):
+        raise SystemExit("oneDNN chose a layout the GEMV does not read for some shape here")
+    xs = {k: torch.randn(1, k, generator=gen).bfloat16() for _, _, k in shapes}
+    nbytes = sum(n * k * 2 for _, n, k in shapes)
+
+    def gemv() -> None:
+        for (_, n, k), layer in zip(shapes, layers, strict=True):
+            prepacked_linear_op(xs[k], layer.handle, None, n)
+
+    def onednn() -> None:
+        for (_, _, k), layer in zip(shapes, layers, strict=True):
+            _packed_linear(xs[k], layer.packed, None)
+
+    times: dict[str, list[float]] = {"native GEMV": [], "oneDNN": []}
+    for _ in range(args.repeats):
+        for name, fn in (("native GEMV", gemv), ("oneDNN", onednn)):
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    rows = []
+    print(f"one bfloat16 row through {len(shapes)} projections ({nbytes / 1e6:.0f} MB), torch threads "
+          f"{torch.get_num_threads()}, median of {args.repeats}")
+    print(f"{'path':<12} {'ms':>8} {'GB/s':>7}")
+    for name, samples in times.items():
+        ms = statistics.median(samples) * 1e3
+        rows.append({"path": name, "ms": round(ms, 3), "gb_per_s": round(nbytes / ms / 1e6, 2)})
+        print(f"{name:<12} {ms:>8.2f} {nbytes / ms / 1e6:>7.1f}")
+    ratio = rows[1]["ms"] / rows[0]["ms"]
+    print(f"oneDNN / GEMV: {ratio:.2f}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"bytes": nbytes, "repeats": args.repeats, "threads": torch.get_num_threads(),
+                                     "rows": rows, "onednn_over_gemv": round(ratio, 3)}, indent=2) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
