@@ -30,8 +30,9 @@ Surviving Redis restarts (issue 12):
 - Cancels that fail while Redis is away are retried until they land (or the request's deadline).
 
 Gateway liveness: every request carries this process's ``gateway_id``, and the broker keeps
-``contract.gateway_key(gateway_id)`` alive (in each XADD's MULTI and every
-``contract.GATEWAY_HEARTBEAT_INTERVAL_S``). When the process dies, its clients' connections go with
+``contract.gateway_key(gateway_id)`` alive (every ``contract.GATEWAY_HEARTBEAT_INTERVAL_S``,
+from the housekeeper; an engine waits ``GATEWAY_LOST_AFTER_S`` of missing key before it gives up,
+so a request enqueued before the first beat is safe). When the process dies, its clients' connections go with
 it and nobody will ever cancel their requests; the engines see the key stay gone and abort them.
 """
 
@@ -316,8 +317,8 @@ class Broker:
     async def enqueue(self, req: GenerateRequest) -> bytes:
         """XADD the request with its in-flight marker (one MULTI); track it until ``release``.
 
-        The request is stamped with this gateway's id, and the MULTI refreshes the gateway's
-        liveness key: engines abort the request if this process dies.
+        The request is stamped with this gateway's id: engines abort it if this process dies (its
+        liveness key, kept by the housekeeper, stays gone).
 
         Call after ``subscribe`` of its output channel (whose queue receives a :class:`Lost` if
         the request cannot complete). Returns the stream entry id.
@@ -333,8 +334,7 @@ class Broker:
         pipe = self.redis.pipeline(transaction=True)
         pipe.xadd(contract.request_stream(req.model), {contract.REQUEST_FIELD: req.SerializeToString()})
         pipe.set(contract.inflight_key(rid), b"1", ex=max(1, int(ttl)))
-        pipe.set(self._gateway_key, b"1", px=int(contract.GATEWAY_HEARTBEAT_TTL_S * 1000))
-        entry_id, _, _ = await pipe.execute()
+        entry_id, _ = await pipe.execute()
         if tracked is not None and self._tracked.get(rid) is tracked:
             tracked.entry_id = entry_id
             if tracked.audit_pending:

@@ -42,8 +42,8 @@ HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TTL_S = 5.0
 CANCEL_MARKER_TTL_S = 600
 
-# Gateway liveness: a gateway refreshes its key every GATEWAY_HEARTBEAT_INTERVAL_S (and in the MULTI of
-# every XADD); the key expires GATEWAY_HEARTBEAT_TTL_S after the last refresh. An engine aborts the
+# Gateway liveness: a gateway refreshes its key every GATEWAY_HEARTBEAT_INTERVAL_S from its start; the
+# key expires GATEWAY_HEARTBEAT_TTL_S after the last refresh. An engine aborts the
 # requests of a gateway whose key it has found missing, check after check, for GATEWAY_LOST_AFTER_S:
 # a single miss is not enough, because a Redis restart without its data removes every live
 # gateway's key too, and a live gateway puts it back within a heartbeat of reconnecting.

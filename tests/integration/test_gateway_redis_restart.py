@@ -257,6 +257,14 @@ def test_finished_requests_leave_no_marker(gateway, fake_engine, redis_client):
     assert redis_client.keys(contract.inflight_key("*")) == []
 
 
+def _key_appears(redis_client, key: str) -> bool:
+    """Whether ``key`` exists within a few of the gateway's heartbeats."""
+    end = time.time() + 3 * contract.GATEWAY_HEARTBEAT_INTERVAL_S
+    while not redis_client.exists(key) and time.time() < end:
+        time.sleep(0.05)
+    return bool(redis_client.exists(key))
+
+
 def test_gateway_names_itself_and_keeps_its_liveness_key(make_gateway, fake_engine, redis_client):
     """Every request carries its gateway's id, and the gateway keeps ``contract.gateway_key`` alive
     (engines abort the requests of a gateway whose key stays gone); a clean shutdown removes it."""
@@ -266,12 +274,10 @@ def test_gateway_names_itself_and_keeps_its_liveness_key(make_gateway, fake_engi
     gateway_id = fake_engine.requests[-1].gateway_id
     assert gateway_id
     key = contract.gateway_key(gateway_id)
+    assert _key_appears(redis_client, key), "the gateway does not keep a liveness key"
     assert 0 < redis_client.pttl(key) <= contract.GATEWAY_HEARTBEAT_TTL_S * 1000
     redis_client.delete(key)  # as a Redis restart without its data would
-    end = time.time() + 3 * contract.GATEWAY_HEARTBEAT_INTERVAL_S
-    while not redis_client.exists(key) and time.time() < end:
-        time.sleep(0.05)
-    assert redis_client.exists(key), "the gateway did not put its liveness key back"
+    assert _key_appears(redis_client, key), "the gateway did not put its liveness key back"
     r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 2})
     assert r.status_code == 200 and fake_engine.requests[-1].gateway_id == gateway_id
     gw.stop()
