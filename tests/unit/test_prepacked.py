@@ -105,8 +105,9 @@ def test_the_gemv_takes_one_row_and_onednn_the_rest():
     assert torch.equal(layer(two), _packed_linear(two, layer.packed, None))
     assert torch.equal(prepacked_linear_op(two, layer.handle, None, 128), layer(two))
     # sizes that are not the layout's are refused at registration
-    with pytest.raises(RuntimeError, match="not the GEMV layout"):
-        torch.ops.sluice.prepacked_register(layer.handle, layer.packed, 1, 128, 64, 100, 64)
+    for sizes in [(128, 64, 100, 64), (128, 64, 192, 64), (128, 64, 128, 96), (0, 64, 64, 64)]:
+        with pytest.raises(RuntimeError, match="not the GEMV layout"):  # not whole blocks; a block too many
+            torch.ops.sluice.prepacked_register(layer.handle, layer.packed, 1, *sizes)
 
 
 def test_a_layout_that_does_not_check_out_keeps_onednn(monkeypatch):

@@ -26,6 +26,11 @@
 
 #define CHUNK (PG_BLOCK_N * PG_BLOCK_K) /* elements of one 64 x 32 chunk */
 
+int packed_gemv_sizes_ok(int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_pad) {
+    return n_out > 0 && k_in > 0 && n_pad % PG_BLOCK_N == 0 && k_pad % PG_BLOCK_K == 0 && n_pad >= n_out &&
+           k_pad >= k_in && n_pad - n_out < PG_BLOCK_N && k_pad - k_in < PG_BLOCK_K;
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 
 int packed_gemv_bf16_supported(void) { return 1; }
@@ -59,13 +64,15 @@ static void block_sums(const uint16_t *block, const uint16_t *x, int64_t chunks,
 
 int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t n_out,
                      int64_t k_in, int64_t n_pad, int64_t k_pad) {
-    if (n_out <= 0 || k_in <= 0 || n_pad % PG_BLOCK_N || k_pad % PG_BLOCK_K || n_pad < n_out || k_pad < k_in ||
-        n_pad - n_out >= PG_BLOCK_N || k_pad - k_in >= PG_BLOCK_K)
-        return 2;
-    /* the input padded with zeros to whole chunks (the weight's padding is zeros too) */
-    uint16_t *xp = (uint16_t *)calloc((size_t)k_pad, sizeof *xp);
-    if (xp == NULL) return 1;
-    memcpy(xp, x, (size_t)k_in * sizeof *xp);
+    if (!packed_gemv_sizes_ok(n_out, k_in, n_pad, k_pad)) return 2;
+    /* an input that is not whole chunks is padded with zeros (the weight's padding is zeros too) */
+    uint16_t *padded = NULL;
+    if (k_pad != k_in) {
+        padded = (uint16_t *)calloc((size_t)k_pad, sizeof *padded);
+        if (padded == NULL) return 1;
+        memcpy(padded, x, (size_t)k_in * sizeof *padded);
+    }
+    const uint16_t *xp = padded != NULL ? padded : x;
     const int64_t blocks = n_pad / PG_BLOCK_N, chunks = k_pad / PG_BLOCK_K;
     _Pragma("omp parallel for schedule(static)")
     for (int64_t b = 0; b < blocks; b++) {
@@ -75,7 +82,7 @@ int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
         for (int64_t r = 0; r < rows; r++)
             y[first + r] = f32_to_bf16(bias != NULL ? sums[r] + bf16_to_f32(bias[first + r]) : sums[r]);
     }
-    free(xp);
+    free(padded);
     return 0;
 }
 

@@ -15,9 +15,14 @@ extern "C" {
 /* 1 when this build can run the kernel (the CPU has AVX512-BF16), else 0 */
 int packed_gemv_bf16_supported(void);
 
+/* 1 when an n_out x k_in weight padded to n_pad x k_pad is the layout's: whole blocks, less than one
+ * block of padding each way */
+int packed_gemv_sizes_ok(int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_pad);
+
 /* y[n] = bf16(sum_k x[k] * w[n][k] + bias[n]) for n < n_out; w in the layout above, padded to
- * n_pad x k_pad (multiples of the block) with zeros; bias may be NULL. Returns 0, 1 when a work
- * buffer could not be allocated, 2 when unsupported or the sizes are not the layout's. */
+ * n_pad x k_pad with zeros; bias may be NULL. Returns 0, 1 when a work buffer could not be
+ * allocated (only when k_in is not whole chunks), 2 when unsupported or the sizes are not the
+ * layout's (packed_gemv_sizes_ok). */
 int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t n_out,
                      int64_t k_in, int64_t n_pad, int64_t k_pad);
 

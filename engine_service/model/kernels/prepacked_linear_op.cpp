@@ -57,8 +57,7 @@ void prepacked_register(Tensor handle, Tensor packed, int64_t gemv_data, int64_t
   Packed entry{packed};
   if (gemv_data != 0) {
     STD_TORCH_CHECK(packed_gemv_bf16_supported(), "prepacked_register: this build has no bfloat16 GEMV kernel");
-    STD_TORCH_CHECK(out_features > 0 && in_features > 0 && out_padded % PG_BLOCK_N == 0 &&
-                        in_padded % PG_BLOCK_K == 0 && out_padded >= out_features && in_padded >= in_features,
+    STD_TORCH_CHECK(packed_gemv_sizes_ok(out_features, in_features, out_padded, in_padded),
                     "prepacked_register: sizes that are not the GEMV layout's");
     entry.gemv = reinterpret_cast<const uint16_t *>(gemv_data);
     entry.out_features = out_features;
