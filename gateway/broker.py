@@ -2,22 +2,28 @@
 
 One :class:`Broker` per worker process holds
 
-- a command connection pool (model cards, registry, XADD, PUBLISH);
-- ONE pub/sub connection for every request this process serves: a reader task demultiplexes the
-  messages of ``sluice:out:{request_id}`` channels into per-request asyncio queues. A connection per
-  request would cost a TCP connection and a Redis client per in-flight request;
+- a command client (model cards, registry, XADD, cancels) from ``sluice.wire.connection``: one
+  Redis server or a Redis Cluster, the same code;
+- ONE sharded subscription for every request this process serves: its requests carry
+  ``reply_to = gateway_id``, engines SPUBLISH each step's events for them as one ``EventBatch`` on
+  ``contract.events_channel(gateway_id)``, and a reader task demultiplexes the events into
+  per-request asyncio queues by request id. Nothing is subscribed or unsubscribed per request
+  (no round trip before the XADD), and on a cluster each gateway's events stay on the node that
+  owns its channel's slot;
 - caches of model cards (refreshed when their fingerprint changes) and of engine liveness;
 - the requests it has enqueued and still waits for (``_tracked``).
 
-``subscribe()`` returns only once Redis has confirmed the SUBSCRIBE, so the XADD that follows can
-never race the engine's first PUBLISH (pub/sub keeps nothing for late subscribers).
+``start()`` returns once Redis has confirmed the SSUBSCRIBE, so no request can be enqueued before
+its answers can be heard (pub/sub keeps nothing for late subscribers).
 
 Surviving Redis restarts (issue 12):
 
 - Every connection heals (``sluice.wire.connection``: retry with backoff, health checks), so no
-  command fails once Redis is back; the pub/sub connection reconnects and resubscribes.
-- What was published while the pub/sub connection was away is gone. After a reconnect the broker
-  AUDITS its in-flight requests: one whose queue entry an engine had already taken may have lost
+  command fails once Redis is back. A pub/sub read that fails makes the broker drop its pub/sub
+  connection, refresh a cluster's slot map (the channel's slot may now belong to a promoted
+  replica) and subscribe again.
+- What was published while the subscription was away is gone. Every SSUBSCRIBE confirmation after
+  the first one is a resubscription, and the broker then AUDITS its in-flight requests: one whose queue entry an engine had already taken may have lost
   events, and one whose entry is gone (Redis restarted without persistence) will never be
   answered; both are ended with a retryable 503 (``Retry-After``) at once. A request still waiting,
   untouched, in the queue keeps waiting.
@@ -39,7 +45,6 @@ it and nobody will ever cancel their requests; the engines see the key stay gone
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -52,9 +57,16 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from sluice.wire import card as wire_card
-from sluice.wire import codec, contract
+from sluice.wire import codec, contract, registry
 from sluice.wire.card import ModelCard
-from sluice.wire.connection import async_redis
+from sluice.wire.connection import (
+    TRANSIENT_ERRORS,
+    check_topology_async,
+    connect,
+    read_shard_message_async,
+    redact,
+    refresh_topology,
+)
 from sluice.wire.messages_pb2 import GenerateRequest
 
 log = logging.getLogger("sluice.gateway.broker")
@@ -161,12 +173,11 @@ class Broker:
         self.redis_url = redis_url
         self.card_ttl_s = card_ttl_s
         self.retry_after_s = retry_after_s
-        self.redis: aioredis.Redis = async_redis(redis_url)
+        self.redis: aioredis.Redis = connect(redis_url, asyncio=True)
         self._pubsub = None
         self._reader: asyncio.Task | None = None
         self._housekeeper: asyncio.Task | None = None
         self._queues: dict[str, asyncio.Queue] = {}
-        self._confirm: dict[str, asyncio.Future] = {}
         self._cards: dict[str, tuple[float, LoadedCard]] = {}
         self._card_locks = _KeyedLocks()
         self._live: tuple[float, dict[str, int]] | None = None
@@ -174,21 +185,24 @@ class Broker:
         # Names this process in every request it enqueues; its liveness key tells engines it lives.
         self.gateway_id = uuid.uuid4().hex
         self._gateway_key = contract.gateway_key(self.gateway_id)
-        self._home = f"{contract.PREFIX}:home:{self.gateway_id}"  # keeps the pub/sub connection subscribed
-        self._sub_lock = asyncio.Lock()
+        self._channel = contract.events_channel(self.gateway_id)  # every event of our requests
+        self._confirmations = 0  # SSUBSCRIBE confirmations of our channel: each after the first is a resubscribe
         self.ready = asyncio.Event()
         self._tracked: dict[str, _Tracked] = {}
-        self._forget: list[str] = []  # in-flight markers to delete (requests this gateway is done with)
+        self._forget: list[tuple[str, str]] = []  # (model, request id): in-flight markers to delete
         self._pending_cancels: dict[str, float] = {}  # request id -> give up at (unix seconds)
-        self._hooked: Any = None  # the pub/sub connection our connect callback is registered on
-        self._resubscribing = False  # reconnected; the audit runs once Redis confirms the resubscribe
         self._down_since: float | None = None  # monotonic time the pub/sub connection was found failing
         self.stats = {"reconnects": 0, "audits": 0, "lost": 0}
 
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self, wait_s: float = 5.0) -> None:
-        """Open the shared pub/sub connection; Redis may still be down (requests then get 503)."""
+        """Check the URL's topology and subscribe to this gateway's channel; Redis may still be
+        down (requests then get 503). A URL of the wrong topology raises ``RedisURLError``."""
+        try:
+            await asyncio.wait_for(check_topology_async(self.redis, self.redis_url), wait_s)
+        except (TimeoutError, *TRANSIENT_ERRORS):
+            log.warning("Redis at %s does not answer yet; will keep trying", redact(self.redis_url))
         self.ready = asyncio.Event()
         self._pubsub = self.redis.pubsub()
         self._reader = asyncio.create_task(self._read_loop(), name="sluice-pubsub-reader")
@@ -196,7 +210,7 @@ class Broker:
         try:
             await asyncio.wait_for(self.ready.wait(), wait_s)
         except TimeoutError:
-            log.warning("Redis at %s is not answering yet; will keep trying", self.redis_url)
+            log.warning("Redis at %s is not answering yet; will keep trying", redact(self.redis_url))
 
     async def close(self) -> None:
         for task in (self._reader, self._housekeeper):
@@ -228,84 +242,74 @@ class Broker:
         await self.redis.aclose()
 
     async def _read_loop(self) -> None:
-        assert self._pubsub is not None
+        subscribed = False
         while True:
             try:
-                if not self._pubsub.subscribed:
-                    await self._pubsub.subscribe(self._home)
-                self._hook_connection()
-                msg = await self._pubsub.get_message(ignore_subscribe_messages=False, timeout=1.0)
+                if not subscribed:
+                    await self._pubsub.ssubscribe(self._channel)
+                    subscribed = True
+                msg = await read_shard_message_async(self._pubsub, 1.0)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - Redis away beyond the retries: keep trying
                 if self._down_since is None:
                     self._down_since = time.monotonic()
                     log.warning("pub/sub connection lost (%s); reconnecting", exc)
+                subscribed = False
+                await self._reopen_pubsub()
                 await asyncio.sleep(0.2)
                 continue
             if msg is None:
                 continue
             kind = _s(msg.get("type"))
-            channel = _s(msg.get("channel"))
-            if kind == "message":
-                q = self._queues.get(channel)
-                if q is not None:
-                    q.put_nowait(msg["data"])
-            elif kind == "subscribe":
-                if self._resubscribing:
-                    # The resubscribe (one SUBSCRIBE of every channel, sent on connect) is done:
-                    # from here on nothing published is missed, so the audit can tell what was.
-                    self._resubscribing = False
-                    self._down_since = None
+            if kind == "smessage":
+                self._dispatch(msg["data"])
+            elif kind == "ssubscribe" and _s(msg.get("channel")) == self._channel:
+                self._confirmations += 1
+                self._down_since = None
+                if self._confirmations > 1:
+                    # A resubscription (after a reconnect or a failover): from here on nothing
+                    # published is missed, so the audit can tell what was.
+                    self.stats["reconnects"] += 1
+                    log.warning("subscription re-established; auditing %d in-flight requests", len(self._tracked))
                     self._spawn(self._audit())
-                if channel == self._home:
-                    self.ready.set()
-                fut = self._confirm.pop(channel, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(True)
+                self.ready.set()
 
-    def _hook_connection(self) -> None:
-        conn = getattr(self._pubsub, "connection", None)
-        if conn is not None and conn is not self._hooked:
-            conn.register_connect_callback(self._on_pubsub_connect)
-            self._hooked = conn
-
-    def _on_pubsub_connect(self, _conn) -> None:
-        """Called by redis-py after it reconnected the pub/sub connection (and re-sent SUBSCRIBE)."""
-        self.stats["reconnects"] += 1
-        self._resubscribing = True
-        log.warning("pub/sub connection re-established; auditing %d in-flight requests", len(self._tracked))
-
-    # --- per-request channels ----------------------------------------------------------------
-
-    async def subscribe(self, channels: list[str], queue: asyncio.Queue, timeout: float = 10.0) -> None:
-        """Route every message of ``channels`` to ``queue``; return once Redis confirmed them."""
-        assert self._pubsub is not None, "Broker.start() was not awaited"
-        if not self.ready.is_set():
-            await asyncio.wait_for(self.ready.wait(), timeout)
-        loop = asyncio.get_running_loop()
-        futs = []
-        for ch in channels:
-            self._queues[ch] = queue
-            fut = loop.create_future()
-            self._confirm[ch] = fut
-            futs.append(fut)
-        async with self._sub_lock:
-            await self._pubsub.subscribe(*channels)
-        await asyncio.wait_for(asyncio.gather(*futs), timeout)
-
-    def unsubscribe(self, channels: list[str]) -> None:
-        for ch in channels:
-            self._queues.pop(ch, None)
-            self._confirm.pop(ch, None)
-        self._spawn(self._unsubscribe(channels))
-
-    async def _unsubscribe(self, channels: list[str]) -> None:
+    def _dispatch(self, data: bytes) -> None:
         try:
-            async with self._sub_lock:
-                await self._pubsub.unsubscribe(*channels)
-        except Exception as exc:  # noqa: BLE001
-            log.debug("unsubscribe failed: %s", exc)
+            events = codec.decode_events(data)
+        except Exception as exc:  # noqa: BLE001 - a foreign or corrupt message must not kill the reader
+            log.warning("ignoring an undecodable event batch (%d bytes): %s", len(data), exc)
+            return
+        for event in events:
+            q = self._queues.get(event.request_id)
+            if q is not None:
+                q.put_nowait(event)
+
+    async def _reopen_pubsub(self) -> None:
+        """A fresh pub/sub connection, after the slot map of a cluster is refreshed (a failed
+        master's slots now belong to a promoted replica); its SSUBSCRIBE goes to the current owner."""
+        old, self._pubsub = self._pubsub, self.redis.pubsub()
+        try:
+            await asyncio.wait_for(old.aclose(), 1.0)
+        except Exception:  # noqa: BLE001 - the old connection is broken anyway
+            pass
+        try:
+            await asyncio.wait_for(refresh_topology(self.redis), 2.0)
+        except Exception as exc:  # noqa: BLE001 - no node answers yet; the next round tries again
+            log.debug("topology refresh failed: %s", exc)
+
+    # --- per-request queues --------------------------------------------------------------------
+
+    def register(self, request_ids: list[str], queue: asyncio.Queue) -> None:
+        """Route the events of ``request_ids`` to ``queue`` (no Redis round trip: the channel is
+        this gateway's, subscribed once at start)."""
+        for rid in request_ids:
+            self._queues[rid] = queue
+
+    def unregister(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._queues.pop(rid, None)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -320,20 +324,22 @@ class Broker:
         The request is stamped with this gateway's id: engines abort it if this process dies (its
         liveness key, kept by the housekeeper, stays gone).
 
-        Call after ``subscribe`` of its output channel (whose queue receives a :class:`Lost` if
-        the request cannot complete). Returns the stream entry id.
+        Call after ``register`` of its id (whose queue receives a :class:`Lost` if the request
+        cannot complete). Returns the stream entry id.
         """
+        if not self.ready.is_set():  # the answer could not be heard yet
+            await asyncio.wait_for(self.ready.wait(), REDIS_DOWN_FAIL_S)
         rid = req.request_id
-        req.gateway_id = self.gateway_id
-        queue = self._queues.get(contract.output_channel(rid))
+        req.gateway_id = req.reply_to = self.gateway_id
+        queue = self._queues.get(rid)
         tracked = None
         if queue is not None:
             tracked = _Tracked(rid, req.model, queue, req.deadline)
             self._tracked[rid] = tracked
         ttl = (max(req.deadline - time.time(), 0.0) if req.deadline else 3600.0) + contract.INFLIGHT_MARGIN_S
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.xadd(contract.request_stream(req.model), {contract.REQUEST_FIELD: req.SerializeToString()})
-        pipe.set(contract.inflight_key(rid), b"1", ex=max(1, int(ttl)))
+        pipe = self.redis.pipeline(transaction=True)  # both in the queue's slot
+        pipe.xadd(contract.request_stream(req.model), codec.encode_request(req))
+        pipe.set(contract.inflight_key(req.model, rid), b"1", ex=max(1, int(ttl)))
         entry_id, _ = await pipe.execute()
         if tracked is not None and self._tracked.get(rid) is tracked:
             tracked.entry_id = entry_id
@@ -345,8 +351,9 @@ class Broker:
     def release(self, request_ids: list[str]) -> None:
         """This gateway is done waiting for these requests: stop tracking, drop their markers."""
         for rid in request_ids:
-            if self._tracked.pop(rid, None) is not None:
-                self._forget.append(rid)
+            tracked = self._tracked.pop(rid, None)
+            if tracked is not None:
+                self._forget.append((tracked.model, rid))
 
     def settled(self, request_id: str) -> None:
         """The engine ended this request (terminal events received): nothing more can be lost."""
@@ -364,7 +371,7 @@ class Broker:
         """Publish a Cancel and leave a marker for requests still in the queue (idempotent)."""
         if not request_ids:
             return
-        await codec.cancel(self.redis.pipeline(transaction=False), request_ids).execute()
+        await codec.cancel(self.redis.pipeline(transaction=False), self.gateway_id, request_ids).execute()
 
     def cancel_nowait(self, request_ids: list[str], give_up_at: float | None = None) -> None:
         """Cancel from a context that must not await (a cancelled task's cleanup). A cancel that
@@ -432,7 +439,11 @@ class Broker:
             return
         batch, self._forget = self._forget, []
         try:
-            await self.redis.unlink(*(contract.inflight_key(rid) for rid in batch))
+            # single-key commands, pipelined: a cluster pipeline routes each to its slot's node
+            pipe = self.redis.pipeline(transaction=False)
+            for model, rid in batch:
+                pipe.delete(contract.inflight_key(model, rid))
+            await pipe.execute()
         except BaseException:
             self._forget.extend(batch)
             raise
@@ -441,7 +452,10 @@ class Broker:
         """End the requests whose in-flight marker is gone; return those that still have one."""
         if not tracked:
             return []
-        values = await self.redis.mget([contract.inflight_key(t.request_id) for t in tracked])
+        pipe = self.redis.pipeline(transaction=False)
+        for t in tracked:  # single-key GETs: a cluster pipeline routes each to its slot's node
+            pipe.get(contract.inflight_key(t.model, t.request_id))
+        values = await pipe.execute()
         alive = []
         for t, v in zip(tracked, values, strict=True):
             if v is None:
@@ -509,8 +523,8 @@ class Broker:
         now = time.monotonic()
         if not fresh and self._live is not None and now - self._live[0] < min(self.card_ttl_s, 1.0):
             return self._live[1]
-        registry = await self.redis.hgetall(contract.ENGINES_KEY)
-        ids = [_s(k) for k in registry]
+        raw = await self.redis.hgetall(contract.ENGINES_KEY)
+        ids = [_s(k) for k in raw]
         alive: list[int] = []
         if ids:
             pipe = self.redis.pipeline(transaction=False)
@@ -518,12 +532,10 @@ class Broker:
                 pipe.exists(contract.engine_key(eid))
             alive = await pipe.execute()
         counts: dict[str, int] = {}
-        for (raw_id, raw), ok in zip(registry.items(), alive, strict=True):
-            if not ok:
-                continue
-            for model in _engine_models(raw):
-                counts[model] = counts.get(model, 0) + 1
-            del raw_id
+        for value, ok in zip(raw.values(), alive, strict=True):
+            entry = registry.decode(value)
+            if ok and entry is not None:
+                counts[entry.model] = counts.get(entry.model, 0) + 1
         self._live = (now, counts)
         return counts
 
@@ -568,18 +580,3 @@ class Broker:
             card = LoadedCard(card=decoded, tokenizer=tokenizer, fingerprint=_s(fingerprint))
             self._cards[model] = (time.monotonic(), card)
             return card
-
-
-def _engine_models(raw: Any) -> list[str]:
-    """The models an engine's registry entry says it serves (JSON with "model" or "models")."""
-    try:
-        info = json.loads(_s(raw))
-    except (ValueError, TypeError):
-        return []
-    if not isinstance(info, dict):
-        return []
-    models = info.get("models")
-    if isinstance(models, list):
-        return [str(m) for m in models]
-    model = info.get("model")
-    return [str(model)] if model else []

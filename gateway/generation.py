@@ -25,7 +25,7 @@ from gateway.broker import Broker, LoadedCard, Lost
 from gateway.metrics import METRICS
 from sluice.text.detokenizer import token_text
 from sluice.text.stream import TextStream
-from sluice.wire import codec, contract, limits, policy
+from sluice.wire import codec, limits, policy
 from sluice.wire.messages_pb2 import Event, SamplingParams
 
 # With no event for this long, check that an engine for the model is still alive; with none alive,
@@ -140,10 +140,6 @@ class SubRequest:
     prompt_logprobs: list = field(default_factory=list)
 
     @property
-    def channel(self) -> str:
-        return contract.output_channel(self.request_id)
-
-    @property
     def engine_active(self) -> bool:
         return any(not c.engine_done for c in self.choices)
 
@@ -200,16 +196,18 @@ class Generation:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     async def start(self) -> None:
-        """Subscribe to every output channel, then enqueue (in that order: pub/sub keeps nothing)."""
+        """Register every request's queue with the broker, then enqueue (in that order: events of
+        an unregistered request are dropped)."""
         now = time.time()
         reqs = [codec.make_request(sub.request_id, self.card.name, sub.prompt_ids, sub.params,
-                                   deadline=self.deadline, enqueue_time=now) for sub in self.subs]
+                                   deadline=self.deadline, enqueue_time=now, reply_to=self.broker.gateway_id,
+                                   gateway_id=self.broker.gateway_id) for sub in self.subs]
         for req in reqs:  # the limits the engine enforces too (sluice.wire.limits): a 400 here, not there
             problem = limits.check_request(req, vocab_size=self.card.vocab_size, max_model_len=self.card.max_model_len)
             if problem is not None:
                 raise errors.invalid(problem[1][:1].upper() + problem[1][1:] + ".",
                                      code=codec.error_code_name(problem[0]))
-        await self.broker.subscribe([s.channel for s in self.subs], self._queue)
+        self.broker.register([s.request_id for s in self.subs], self._queue)
         self._started = True
         METRICS.running.inc()
         self.enqueue_time = time.monotonic()
@@ -234,7 +232,7 @@ class Generation:
                     continue
                 if isinstance(data, Lost):
                     raise errors.request_lost(data.code, data.message, self.broker.retry_after_s)
-                out = self._handle(Event.FromString(data))
+                out = self._handle(data)
                 if out:
                     yield out
             ok = True
@@ -298,14 +296,14 @@ class Generation:
             return
         self._closed = True
         if not self._started:
-            self.broker.unsubscribe([s.channel for s in self.subs])
+            self.broker.unregister([s.request_id for s in self.subs])
             return
         METRICS.running.dec()
         active = [s.request_id for s in self.subs if s.engine_active]
         if active:
             self.broker.cancel_nowait(active, give_up_at=self.deadline)
         self.broker.release([s.request_id for s in self.subs])
-        self.broker.unsubscribe([s.channel for s in self.subs])
+        self.broker.unregister([s.request_id for s in self.subs])
         if ok:
             METRICS.e2e.observe(time.monotonic() - self.arrival)
             for c in self.choices:

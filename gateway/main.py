@@ -18,7 +18,8 @@ from gateway.config import ENV_VAR, GatewayConfig
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = GatewayConfig()
     parser.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL", d.redis_url),
-                        help="Redis holding the queues and model cards (default: %(default)s)")
+                        help="Redis holding the queues and model cards: redis://, rediss:// or "
+                             "redis+cluster://host:port[,host:port...] for a Redis Cluster (default: %(default)s)")
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes (default: 1)")
@@ -54,6 +55,13 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)
+    from sluice.wire.connection import RedisURLError, check_url
+
+    try:  # a URL of the wrong topology stops the gateway now, with the flag named
+        check_url(config.redis_url)
+    except RedisURLError as exc:
+        logging.getLogger("sluice.gateway").error("%s", exc)
+        return 2
     os.environ[ENV_VAR] = config.to_json()  # the workers build their app from it (app_factory)
     metrics_dir = None
     if args.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):

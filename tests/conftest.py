@@ -56,3 +56,17 @@ def ours(model_dir: Path):
     from sluice.text.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(model_dir)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test marked ``both_topologies`` runs once per Redis topology: ``redis_topology`` (which
+    ``clean_redis``, ``redis_client`` and the e2e ``stack`` follow) is "standalone", then "cluster".
+    Only tests whose checks the topology changes are marked: the suite's time stays bounded."""
+    if "redis_topology" in metafunc.fixturenames and metafunc.definition.get_closest_marker("both_topologies"):
+        metafunc.parametrize("redis_topology", ["standalone", "cluster"], indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module")
+def redis_topology(request: pytest.FixtureRequest) -> str:
+    """ "standalone" unless ``pytest_generate_tests`` parametrized it."""
+    return getattr(request, "param", "standalone")

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from sluice.wire.connection import connect
+
 for _key, _value in (
     ("TESTCONTAINERS_RYUK_DISABLED", "true"),
     ("TC_HOST", "localhost"),
@@ -92,7 +94,7 @@ def wait_for_redis(url: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     last: BaseException | None = None
     while time.monotonic() < deadline:
-        client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
+        client = connect(url, socket_connect_timeout=1, socket_timeout=1, retry=None)
         try:
             if client.ping():
                 return
@@ -213,9 +215,8 @@ class RedisServer:
         return str(self._docker_container().id)
 
     def client(self, **kwargs: Any):
-        import redis
 
-        return redis.Redis.from_url(self.url, **kwargs)
+        return connect(self.url, **kwargs)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         wait_for_redis(self.url, timeout)

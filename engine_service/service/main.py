@@ -25,7 +25,7 @@ log = logging.getLogger("sluice.engine")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--redis-url", default="redis://localhost:6379/0", help="redis:// or rediss:// URL, password included if any")
+    parser.add_argument("--redis-url", default="redis://localhost:6379/0", help="redis://, rediss:// (one server) or redis+cluster://host:port[,host:port...] (a Redis Cluster) URL, user and password included if any")
     parser.add_argument("--grpc-port", type=int, default=50051, help="port of gRPC health and EngineAdmin (0: none)")
     parser.add_argument("--grpc-host", default="0.0.0.0")
     parser.add_argument("--metrics-port", type=int, default=0,
@@ -153,7 +153,14 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     from engine_service.engine import LLMEngine
     from engine_service.service.metrics import MetricsPortInUse, check_port_free
+    from sluice.wire.connection import RedisURLError, check_url
 
+    try:  # a URL of the wrong topology stops the engine now, not after loading the model
+        if not check_url(settings.redis_url):
+            log.warning("Redis at %s does not answer yet; will keep trying", _redact(settings.redis_url))
+    except RedisURLError as exc:
+        log.error("%s", exc)
+        return 2
     try:
         if settings.metrics_port:  # fail now, not after loading the model
             check_port_free(settings.metrics_port, settings.metrics_host)
@@ -184,7 +191,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _redact(url: str) -> str:
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url
+    from sluice.wire.connection import redact
+
+    return redact(url)

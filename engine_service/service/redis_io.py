@@ -3,9 +3,16 @@
 - reader: XREADGROUP on the model's stream, only as many entries as the worker granted (credit);
   checks the cancel marker (and, for reclaimed entries, the emitted marker) in the same round trip;
   delivers to the worker's inbox.
-- canceller: SUBSCRIBE sluice:cancel; delivers Cancel ids to the inbox.
+- canceller: SSUBSCRIBE to the cancel channel; delivers Cancel ids to the inbox.
 - publisher: takes the worker's per-step ``Batch`` from the outbox and sends it in ONE pipelined
-  MULTI/EXEC (events, emitted markers, hand-backs, XACKs), retrying while Redis is away.
+  round trip (emitted markers, then one SPUBLISH per reply_to carrying all its events of the step,
+  then the XACKs), retrying while Redis is away. Hand-backs go with their XACKs in one MULTI (both
+  in the queue's slot), so a hand-back can never leave the entry twice in the queue.
+
+Redis may be one server or a Redis Cluster (``sluice.wire.connection``): every multi-key step above
+stays inside one hash slot family of ``sluice.wire.contract``; the publisher's pipeline spans
+families but is not a transaction (redis-py sends each node its part, in order, so an emitted
+marker still lands before the event it guards: both are in the reply_to's slot).
 - housekeeper: heartbeat (liveness key + registry hash), model card (again after each reconnect),
   reclaim of pending entries whose consumer's liveness key is gone, removal of dead engines'
   registry entries, and the stream's trim (acknowledged entries only, see ``trim_stream``).
@@ -31,15 +38,15 @@ from typing import Any
 
 import redis
 from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
 
 from engine_service.service.metrics import NULL_METRICS, NullMetrics
-from sluice.wire import codec, contract, policy
+from sluice.wire import codec, contract, policy, registry
+from sluice.wire.connection import TRANSIENT_ERRORS, connect, read_shard_message, refresh_topology
 from sluice.wire.messages_pb2 import Cancel, Event, GenerateRequest
 
 log = logging.getLogger("sluice.engine.io")
 
-_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+_REDIS_ERRORS = TRANSIENT_ERRORS
 
 
 @dataclass
@@ -70,6 +77,8 @@ class Batch:
     emitted: list[str] = field(default_factory=list)  # request ids whose first token is in this batch
     requeue: list[GenerateRequest] = field(default_factory=list)  # handed back (attempt already raised)
     acks: list[bytes] = field(default_factory=list)
+    # request id -> reply_to for events of entries the worker never held (answered by the I/O thread)
+    reply_to: dict[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.events or self.emitted or self.requeue or self.acks)
@@ -79,21 +88,7 @@ class Batch:
         self.emitted += other.emitted
         self.requeue += other.requeue
         self.acks += other.acks
-
-
-def connect(url: str, *, socket_timeout: float = 5.0) -> redis.Redis:
-    """A client that heals: pooled connections are health-checked (PING when idle for a second),
-    and a command that meets a broken connection is retried on a fresh one with a short backoff,
-    so a Redis restart costs the commands issued while it is down, never one after it is back."""
-    return redis.Redis.from_url(
-        url,
-        socket_connect_timeout=2.0,
-        socket_timeout=socket_timeout,
-        socket_keepalive=True,
-        health_check_interval=1,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=3),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError, ConnectionResetError, BrokenPipeError],
-    )
+        self.reply_to.update(other.reply_to)
 
 
 def next_id(entry_id: str) -> str:
@@ -142,19 +137,23 @@ def trim_stream(client: redis.Redis, stream: str) -> tuple[str | None, int]:
     return floor, int(removed or 0)
 
 
-class _Backoff:
-    def __init__(self, first: float = 0.05, cap: float = 0.5, on_recover: Callable[[], None] | None = None) -> None:
-        self.first, self.cap, self.delay = first, cap, 0.0
+class _LoopBackoff:
+    """A thread loop's pause between failed rounds (redis-py's ExponentialBackoff computes it; the
+    client's own Retry already retried each command), and the reconnect hook for the metrics."""
+
+    def __init__(self, on_recover: Callable[[], None] | None = None) -> None:
+        self._backoff = ExponentialBackoff(cap=0.5, base=0.05)
+        self.failures = 0
         self.on_recover = on_recover  # called by the first ok() after a failure (a reconnect)
 
     def fail(self, stop: threading.Event) -> None:
-        self.delay = min(self.cap, self.delay * 2 if self.delay else self.first)
-        stop.wait(self.delay)
+        self.failures += 1
+        stop.wait(self._backoff.compute(self.failures))
 
     def ok(self) -> None:
-        if self.delay and self.on_recover is not None:
+        if self.failures and self.on_recover is not None:
             self.on_recover()
-        self.delay = 0.0
+        self.failures = 0
 
 
 def parse_entry(entry_id: bytes, fields: dict | None) -> Entry:
@@ -170,6 +169,8 @@ def parse_entry(entry_id: bytes, fields: dict | None) -> Entry:
         return Entry(entry_id, None, problem=f"undecodable GenerateRequest: {exc}")
     if not request.request_id:
         return Entry(entry_id, None, problem="GenerateRequest without request_id")
+    if not request.reply_to:  # nowhere to answer (a contract-2 entry, or a hand-made one)
+        return Entry(entry_id, None, problem=f"GenerateRequest {request.request_id} without reply_to")
     return Entry(entry_id, request)
 
 
@@ -190,6 +191,9 @@ class RedisIO:
         self.card = card
         self.load = load  # the worker's latest load snapshot, for the heartbeat
         self.redis = connect(settings.redis_url, socket_timeout=max(5.0, settings.read_block_ms / 1000 + 2.0))
+        # request id -> reply_to of the requests delivered to the worker and not acknowledged yet:
+        # where their events go (the worker's events name the request only).
+        self._reply_to: dict[str, str] = {}
         self.outbox: queue.Queue[Batch | None] = queue.Queue()
         self._stop = threading.Event()
         self._carry_acks: list[bytes] = []  # XACKs of batches dropped after a long outage
@@ -221,8 +225,8 @@ class RedisIO:
         }
         self.metrics: NullMetrics = NULL_METRICS  # reconnects, reclaims, events answered here
 
-    def _backoff(self, connection: str) -> _Backoff:
-        return _Backoff(on_recover=lambda: self.metrics.redis_reconnected(connection))
+    def _backoff(self, connection: str) -> _LoopBackoff:
+        return _LoopBackoff(on_recover=lambda: self.metrics.redis_reconnected(connection))
 
     # --- lifecycle ---
     def start(self) -> None:
@@ -315,16 +319,16 @@ class RedisIO:
                 )
                 backoff.ok()
                 self.connected.set()
+            except _REDIS_ERRORS as exc:
+                log.warning("reader: Redis unavailable (%s); retrying", exc)
+                need_group = True
+                backoff.fail(self._stop)
+                continue
             except redis.ResponseError as exc:
                 if "NOGROUP" in str(exc):  # Redis lost the stream (restart without persistence)
                     need_group = True
                     continue
                 log.error("XREADGROUP failed: %s", exc)
-                backoff.fail(self._stop)
-                continue
-            except _REDIS_ERRORS as exc:
-                log.warning("reader: Redis unavailable (%s); retrying", exc)
-                need_group = True
                 backoff.fail(self._stop)
                 continue
             entries = [parse_entry(eid, fields) for _, messages in (reply or []) for eid, fields in messages]
@@ -338,8 +342,8 @@ class RedisIO:
             try:
                 pipe = self.redis.pipeline(transaction=False)
                 for e in known:
-                    pipe.exists(contract.cancelled_key(e.request.request_id))
-                    pipe.exists(contract.emitted_key(e.request.request_id))
+                    pipe.exists(contract.cancelled_key(e.request.reply_to, e.request.request_id))
+                    pipe.exists(contract.emitted_key(e.request.reply_to, e.request.request_id))
                 flags = pipe.execute()
                 for i, e in enumerate(known):
                     e.cancelled = bool(flags[2 * i])
@@ -357,6 +361,8 @@ class RedisIO:
             for e in entries:
                 rid, gid = (e.request.request_id, e.request.gateway_id) if e.request is not None else ("", "")
                 self._held[e.entry_id] = (rid, gid)
+                if e.request is not None:
+                    self._reply_to[rid] = e.request.reply_to
         with self._credit_lock:
             self._delivered += len(entries)
         for e in entries:
@@ -380,6 +386,7 @@ class RedisIO:
         for e in lost:
             reason = reasons[id(e)]
             batch.events.append(codec.error_event(e.request.request_id, contract.ERR_ENGINE_LOST, reason, self.consumer))
+            batch.reply_to[e.request.request_id] = e.request.reply_to
             batch.acks.append(e.entry_id)
             log.warning("reclaimed %s: %s", e.request.request_id, reason)
         self.metrics.events(batch.events)
@@ -391,13 +398,13 @@ class RedisIO:
     def _cancel_loop(self) -> None:
         backoff = self._backoff("canceller")
         while not self._stop.is_set():
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = self.redis.pubsub()
             try:
-                pubsub.subscribe(contract.CANCEL_CHANNEL)
+                pubsub.ssubscribe(contract.CANCEL_CHANNEL)
                 backoff.ok()
                 while not self._stop.is_set():
-                    message = pubsub.get_message(timeout=0.2)
-                    if not message or message.get("type") != "message":
+                    message = read_shard_message(pubsub, 0.2)
+                    if not message or message.get("type") not in (b"smessage", "smessage"):
                         continue
                     cancel = Cancel()
                     try:
@@ -407,9 +414,13 @@ class RedisIO:
                         continue
                     if cancel.request_ids:
                         self.inbox.put(CancelNote(list(cancel.request_ids)))
-            except _REDIS_ERRORS as exc:
+            except _REDIS_ERRORS + (redis.RedisError,) as exc:
                 log.warning("canceller: Redis unavailable (%s); resubscribing", exc)
                 backoff.fail(self._stop)
+                try:  # a cluster's channel may now be served by a promoted replica
+                    refresh_topology(self.redis)
+                except _REDIS_ERRORS + (redis.RedisError,):
+                    pass
             finally:
                 try:
                     pubsub.close()
@@ -445,16 +456,7 @@ class RedisIO:
         give_up = time.monotonic() + self.settings.publish_retry_s
         while True:
             try:
-                pipe = self.redis.pipeline(transaction=True)
-                for rid in batch.emitted:
-                    pipe.set(contract.emitted_key(rid), self.consumer, ex=contract.EMITTED_TTL_S)
-                for event in batch.events:
-                    pipe.publish(contract.output_channel(event.request_id), event.SerializeToString())
-                for request in batch.requeue:
-                    pipe.xadd(contract.request_stream(request.model), {contract.REQUEST_FIELD: request.SerializeToString()})
-                if batch.acks:
-                    pipe.xack(self.stream, contract.CONSUMER_GROUP, *batch.acks)
-                results = pipe.execute(raise_on_error=False)
+                results = self._send(batch)
                 for result in results:
                     if isinstance(result, Exception):
                         log.warning("publish: a command failed: %s", result)
@@ -462,7 +464,8 @@ class RedisIO:
                 if batch.acks:
                     with self._held_lock:
                         for entry_id in batch.acks:
-                            self._held.pop(entry_id, None)
+                            rid, _ = self._held.pop(entry_id, ("", ""))
+                            self._reply_to.pop(rid, None)
                 backoff.ok()
                 return
             except _REDIS_ERRORS as exc:
@@ -481,6 +484,37 @@ class RedisIO:
                 self.stats["dropped_batches"] += 1
                 return
 
+    def _send(self, batch: Batch) -> list[Any]:
+        """One step's writes: emitted markers, then each reply_to's events as ONE message on its
+        channel, then the XACKs (one pipeline, not a transaction: it spans slot families). With
+        hand-backs, their XADDs and the XACKs go in one MULTI of the queue's slot instead."""
+        by_reply: dict[str, list[Event]] = {}
+        with self._held_lock:
+            for event in batch.events:
+                reply_to = batch.reply_to.get(event.request_id) or self._reply_to.get(event.request_id)
+                if reply_to is None:  # cannot happen for a delivered entry; never guess a channel
+                    log.error("publish: no reply_to known for request %s; event dropped", event.request_id)
+                    continue
+                by_reply.setdefault(reply_to, []).append(event)
+            replies = {rid: self._reply_to.get(rid) for rid in batch.emitted}
+        pipe = self.redis.pipeline(transaction=False)
+        for rid, reply_to in replies.items():
+            if reply_to:
+                pipe.set(contract.emitted_key(reply_to, rid), self.consumer, ex=contract.EMITTED_TTL_S)
+        for reply_to, events in by_reply.items():
+            pipe.spublish(contract.events_channel(reply_to), codec.encode_events(events))
+        if batch.acks and not batch.requeue:
+            pipe.xack(self.stream, contract.CONSUMER_GROUP, *batch.acks)
+        results = pipe.execute(raise_on_error=False) if len(pipe) else []
+        if batch.requeue:
+            multi = self.redis.pipeline(transaction=True)
+            for request in batch.requeue:
+                multi.xadd(self.stream, codec.encode_request(request))
+            if batch.acks:
+                multi.xack(self.stream, contract.CONSUMER_GROUP, *batch.acks)
+            results += multi.execute(raise_on_error=False)
+        return results
+
     # --- housekeeper: heartbeat, model card, reclaim ---
     def publish_card(self) -> None:
         pipe = self.redis.pipeline(transaction=True)
@@ -494,10 +528,10 @@ class RedisIO:
         # "this engine serves", so a gateway that sees the engine also finds its card.
         if not self.redis.exists(contract.model_card_key(self.model)):
             self.publish_card()
-        info = {"model": self.model, "engine_id": self.consumer, "heartbeat": time.time(), **self.load()}
-        pipe = self.redis.pipeline(transaction=False)
+        entry = registry.EngineEntry.from_load(self.consumer, self.model, time.time(), self.load())
+        pipe = self.redis.pipeline(transaction=True)  # both in the registry's slot
         pipe.set(contract.engine_key(self.consumer), json.dumps({"model": self.model}), px=int(self.settings.heartbeat_ttl_s * 1000))
-        pipe.hset(contract.ENGINES_KEY, self.consumer, json.dumps(info))
+        pipe.hset(contract.ENGINES_KEY, self.consumer, entry.encode())
         pipe.execute()
 
     def _housekeeper_loop(self) -> None:
@@ -548,6 +582,10 @@ class RedisIO:
                 continue
             except redis.RedisError as exc:
                 log.error("housekeeper: %s", exc)
+                backoff.fail(self._stop)
+                continue
+            except Exception:  # a bug in one chore must not stop the heartbeat (and so the engine)
+                log.exception("housekeeper: unexpected error")
                 backoff.fail(self._stop)
                 continue
             self._stop.wait(min(next_beat, next_reclaim, next_gateways) - time.monotonic() if self.reading else 0.2)
@@ -656,8 +694,8 @@ class RedisIO:
         """Remove registry entries (``sluice:engines``) of engines whose liveness key is gone and
         whose last heartbeat is older than the TTL: a kill -9'd engine never deregisters itself.
         A live engine removed by a race puts itself back with its next heartbeat."""
-        registry = self.redis.hgetall(contract.ENGINES_KEY)
-        others = [(_str(k), v) for k, v in registry.items() if _str(k) != self.consumer]
+        entries = self.redis.hgetall(contract.ENGINES_KEY)
+        others = [(_str(k), v) for k, v in entries.items() if _str(k) != self.consumer]
         if not others:
             return 0
         pipe = self.redis.pipeline(transaction=False)
@@ -669,10 +707,8 @@ class RedisIO:
         for (engine_id, raw), ok in zip(others, alive, strict=True):
             if ok:
                 continue
-            try:
-                beat = float(json.loads(raw).get("heartbeat", 0))
-            except (ValueError, TypeError, AttributeError):
-                beat = 0.0
+            entry = registry.decode(raw)
+            beat = entry.heartbeat if entry is not None else 0.0
             if now - beat > self.settings.heartbeat_ttl_s:
                 dead.append(engine_id)
         if dead:

@@ -1,13 +1,13 @@
 """A small synchronous client of the Redis contract: enqueue, listen, cancel, read a model card.
 
-No torch, no engine import: tests and tools (and the gateway, if it likes) can use it. It follows
-the contract's rules: subscribe to the request's channel *before* enqueueing (pub/sub keeps
+No torch, no engine import: tests and tools can use it, on one Redis or a Redis Cluster (the URL
+says which, ``sluice.wire.connection``). It follows the contract's rules: each request handle has
+a reply id of its own, whose sharded channel it subscribes to *before* enqueueing (pub/sub keeps
 nothing), and a cancel both sets the queued-request marker and publishes on the cancel channel.
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -16,9 +16,11 @@ from typing import Any
 
 import redis
 
-from sluice.wire import codec, contract
+from sluice.wire import codec, contract, registry
 from sluice.wire.card import ModelCard
+from sluice.wire.connection import TRANSIENT_ERRORS, connect, read_shard_message
 from sluice.wire.messages_pb2 import Event
+from sluice.wire.registry import EngineEntry
 
 
 @dataclass
@@ -54,12 +56,14 @@ class Result:
 class RequestHandle:
     """One enqueued request: iterate its events until every completion ended (or an error)."""
 
-    def __init__(self, client: WireClient, request_id: str, n: int, pubsub: Any) -> None:
+    def __init__(self, client: WireClient, request_id: str, n: int, pubsub: Any, reply_to: str) -> None:
         self.client = client
         self.request_id = request_id
         self.n = n
+        self.reply_to = reply_to
         self.entry_id: bytes | None = None
         self._pubsub = pubsub
+        self._buffered: list[Event] = []  # the rest of a batch already read
         self._open = set(range(n))
         self.done = False
         self.lost = False
@@ -72,16 +76,16 @@ class RequestHandle:
             now = time.monotonic()
             if now >= end or (idle_timeout is not None and now - last >= idle_timeout):
                 return
-            try:
-                message = self._pubsub.get_message(ignore_subscribe_messages=True, timeout=min(0.5, end - now))
-            except (redis.ConnectionError, redis.TimeoutError, OSError):
-                self.lost = True  # Redis went away: pub/sub dropped the subscription (and its events)
-                return
-            if message is None or message.get("type") != "message":
-                continue
+            if not self._buffered:
+                try:
+                    self._buffered = self._read(min(0.5, end - now))
+                except TRANSIENT_ERRORS:
+                    self.lost = True  # Redis went away: pub/sub dropped the subscription (and its events)
+                    return
+                if not self._buffered:
+                    continue
             last = time.monotonic()
-            event = Event()
-            event.ParseFromString(message["data"])
+            event = self._buffered.pop(0)
             if event.HasField("error"):
                 self._open.clear()
             elif event.HasField("finished"):
@@ -108,20 +112,23 @@ class RequestHandle:
         result.timed_out = not self.done
         return result
 
+    def _read(self, timeout: float) -> list[Event]:
+        """This request's events of the next message on the reply channel (none: timeout)."""
+        message = read_shard_message(self._pubsub, timeout)
+        if message is None or message.get("type") not in (b"smessage", "smessage"):
+            return []
+        return [e for e in codec.decode_events(message["data"]) if e.request_id == self.request_id]
+
     def extra_events(self, wait: float = 0.5) -> list[Event]:
         """Events that arrive within ``wait`` seconds after the request ended (should be none)."""
-        out = []
+        out, self._buffered = list(self._buffered), []
         end = time.monotonic() + wait
         while (left := end - time.monotonic()) > 0:
-            message = self._pubsub.get_message(ignore_subscribe_messages=True, timeout=left)
-            if message and message.get("type") == "message":
-                event = Event()
-                event.ParseFromString(message["data"])
-                out.append(event)
+            out += self._read(left)
         return out
 
     def cancel(self) -> None:
-        self.client.cancel([self.request_id])
+        self.client.cancel([self.request_id], reply_to=self.reply_to)
 
     def close(self) -> None:
         try:
@@ -131,23 +138,26 @@ class RequestHandle:
 
 
 class WireClient:
-    def __init__(self, r: redis.Redis) -> None:
+    def __init__(self, r: Any) -> None:
         self.redis = r
+        self._reply_of: dict[str, str] = {}  # request id -> reply id, for cancel()
 
     @classmethod
     def from_url(cls, url: str) -> WireClient:
-        return cls(redis.Redis.from_url(url))
+        return cls(connect(url))
 
-    def subscribe(self, request_id: str) -> Any:
+    def subscribe(self, reply_to: str) -> Any:
+        """A pub/sub subscribed to ``reply_to``'s channel, once Redis confirmed it."""
         pubsub = self.redis.pubsub()
-        pubsub.subscribe(contract.output_channel(request_id))
+        pubsub.ssubscribe(contract.events_channel(reply_to))
         # Wait for the confirmation, so the subscription is in place before anything is enqueued.
         end = time.monotonic() + 5
         while time.monotonic() < end:
-            message = pubsub.get_message(timeout=0.5)
-            if message and message.get("type") == "subscribe":
-                break
-        return pubsub
+            message = read_shard_message(pubsub, 0.5)
+            if message and message.get("type") in (b"ssubscribe", "ssubscribe"):
+                return pubsub
+        pubsub.close()
+        raise TimeoutError("Redis did not confirm the subscription within 5 s")
 
     def submit(
         self,
@@ -158,18 +168,31 @@ class WireClient:
         request_id: str | None = None,
         deadline: float = 0.0,
         gateway_id: str = "",
+        reply_to: str | None = None,
     ) -> RequestHandle:
         """Enqueue a request and subscribe to its events. With ``gateway_id`` the engines abort it
-        once that gateway's liveness key (``heartbeat_gateway``) stays gone."""
+        once that gateway's liveness key (``heartbeat_gateway``) stays gone. ``reply_to``: the
+        reply id (default: a new one)."""
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         request = codec.make_request(request_id, model, prompt_token_ids, params, deadline=deadline,
-                                     gateway_id=gateway_id)
-        n = request.params.n if request.params.HasField("n") else 1
-        handle = RequestHandle(self, request_id, max(1, n), self.subscribe(request_id))
+                                     reply_to=reply_to or self.new_reply_id(), gateway_id=gateway_id)
+        handle = self.listen(request)
         handle.entry_id = self.enqueue(request)
         return handle
 
+    @staticmethod
+    def new_reply_id() -> str:
+        return f"wc-{uuid.uuid4().hex}"
+
+    def listen(self, request: Any) -> RequestHandle:
+        """A handle on ``request``'s events, subscribed now, for a request enqueued by other means
+        (a raw entry, a hand-back, a test's own XADD). Subscribe before it can be answered."""
+        n = request.params.n if request.params.HasField("n") else 1
+        self._reply_of[request.request_id] = request.reply_to
+        return RequestHandle(self, request.request_id, max(1, n), self.subscribe(request.reply_to), request.reply_to)
+
     def enqueue(self, request: Any) -> bytes:
+        self._reply_of[request.request_id] = request.reply_to
         return self.redis.xadd(contract.request_stream(request.model), codec.encode_request(request))
 
     def enqueue_raw(self, model: str, fields: dict) -> bytes:
@@ -180,28 +203,41 @@ class WireClient:
         """Set (or refresh) a gateway's liveness key, as a gateway's broker does every second."""
         self.redis.set(contract.gateway_key(gateway_id), b"1", px=int(ttl_s * 1000))
 
-    def cancel(self, request_ids: Iterable[str]) -> None:
-        codec.cancel(self.redis.pipeline(transaction=False), request_ids).execute()
+    def cancel(self, request_ids: Iterable[str], reply_to: str | None = None) -> None:
+        """Cancel requests this client enqueued (or, with ``reply_to``, anyone's of that reply id)."""
+        by_reply: dict[str, list[str]] = {}
+        for rid in request_ids:
+            owner = reply_to or self._reply_of.get(rid)
+            if owner is None:
+                raise KeyError(f"request {rid!r} was not enqueued by this client: pass its reply_to")
+            by_reply.setdefault(owner, []).append(rid)
+        pipe = self.redis.pipeline(transaction=False)
+        for owner, ids in by_reply.items():
+            codec.cancel(pipe, owner, ids)
+        pipe.execute()
 
     def model_card(self, model: str) -> ModelCard | None:
         raw = self.redis.hgetall(contract.model_card_key(model))
         return ModelCard.decode(raw) if raw else None
 
-    def engines(self) -> dict[str, dict[str, Any]]:
+    def engines(self) -> dict[str, EngineEntry]:
         """The registry, limited to engines whose liveness key is present."""
         raw = self.redis.hgetall(contract.ENGINES_KEY)
         out = {}
         for engine_id, blob in raw.items():
-            eid = engine_id.decode()
-            if self.redis.exists(contract.engine_key(eid)):
-                out[eid] = json.loads(blob)
+            entry = registry.decode(blob)
+            if entry is not None and self.redis.exists(contract.engine_key(engine_id.decode())):
+                out[entry.engine_id] = entry
         return out
 
-    def wait_for_engine(self, model: str, timeout: float = 120.0) -> dict[str, Any]:
+    def wait_for_engine(self, model: str, timeout: float = 120.0) -> EngineEntry:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            for info in self.engines().values():
-                if info.get("model") == model and not info.get("draining"):
-                    return info
+            for entry in self.engines().values():
+                if entry.model == model and not entry.draining:
+                    return entry
             time.sleep(0.2)
         raise TimeoutError(f"no live engine for {model!r} within {timeout}s")
+
+    def close(self) -> None:
+        self.redis.close()

@@ -20,6 +20,7 @@ from sluice.wire.messages_pb2 import (
     Error,
     ErrorCode,
     Event,
+    EventBatch,
     Finished,
     FinishReason,
     GenerateRequest,
@@ -141,12 +142,16 @@ def make_request(
     deadline: float = 0.0,
     enqueue_time: float | None = None,
     attempt: int = 0,
+    reply_to: str,
     gateway_id: str = "",
 ) -> GenerateRequest:
     """THE request builder: a ``GenerateRequest`` of this contract version. ``params`` is a wire
     ``SamplingParams``, or anything ``sampling_params_to_proto`` takes (the engine's
-    ``SamplingParams``, a mapping of its field names). ``gateway_id``: the process whose liveness
+    ``SamplingParams``, a mapping of its field names). ``reply_to``: whose channel
+    (``contract.events_channel``) the events go to. ``gateway_id``: the process whose liveness
     key (``contract.gateway_key``) engines watch for this request; empty: none."""
+    if not reply_to:
+        raise ValueError("a request needs reply_to: the id whose events channel its answer goes to")
     return GenerateRequest(
         version=contract.CONTRACT_VERSION,
         request_id=request_id,
@@ -157,6 +162,7 @@ def make_request(
         enqueue_time=time.time() if enqueue_time is None else enqueue_time,
         attempt=attempt,
         gateway_id=gateway_id,
+        reply_to=reply_to,
     )
 
 
@@ -272,12 +278,23 @@ def encode_cancel(request_ids: Iterable[str]) -> bytes:
     return Cancel(request_ids=list(request_ids)).SerializeToString()
 
 
-def cancel(pipe: Any, request_ids: Iterable[str]) -> Any:
-    """Queue THE cancel on a Redis pipeline (sync or asyncio; the caller executes it): a marker
-    per request, for a request still in the queue (the engine drops it on read), then one
+def cancel(pipe: Any, reply_to: str, request_ids: Iterable[str]) -> Any:
+    """Queue THE cancel on a Redis pipeline (sync or asyncio, standalone or cluster; the caller
+    executes it, non-transactionally: the markers and the channel are in different slots): a
+    marker per request, for a request still in the queue (the engine drops it on read), then one
     ``Cancel`` on the cancel channel for engines running it. Idempotent. Returns ``pipe``."""
     ids = list(request_ids)
     for request_id in ids:
-        pipe.set(contract.cancelled_key(request_id), b"1", ex=contract.CANCEL_MARKER_TTL_S)
-    pipe.publish(contract.CANCEL_CHANNEL, encode_cancel(ids))
+        pipe.set(contract.cancelled_key(reply_to, request_id), b"1", ex=contract.CANCEL_MARKER_TTL_S)
+    pipe.spublish(contract.CANCEL_CHANNEL, encode_cancel(ids))
     return pipe
+
+
+def encode_events(events: Iterable[Event]) -> bytes:
+    """One reply channel message: the events of one step for one reply_to, in order."""
+    return EventBatch(events=list(events)).SerializeToString()
+
+
+def decode_events(data: bytes) -> list[Event]:
+    """The events of one reply channel message (raises ``google.protobuf.message.DecodeError``)."""
+    return list(EventBatch.FromString(data).events)

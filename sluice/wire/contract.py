@@ -3,19 +3,42 @@
 Every key and channel name either side uses comes from here. Payloads are the protobuf messages
 of ``sluice.wire.messages_pb2`` (source: proto/sluice/wire/messages.proto).
 
-| key / channel                    | type                  | writer  | purpose                                   |
-|----------------------------------|-----------------------|---------|-------------------------------------------|
-| sluice:{model}:requests          | stream, group engines | gateway | the request queue (field "r": GenerateRequest) |
-| sluice:out:{request_id}          | pub/sub channel       | engine  | Event messages for one request            |
-| sluice:cancel                    | pub/sub channel       | gateway | Cancel messages; every engine listens     |
-| sluice:cancelled:{request_id}    | string with TTL       | gateway | a cancel remembered for a still-queued request |
-| sluice:engines                   | hash id -> JSON       | engine  | the registry: model, load, last heartbeat |
-| sluice:engine:{engine_id}        | string with TTL       | engine  | liveness: gone when the heartbeat lapses  |
-| sluice:model:{model}             | hash                  | engine  | model card: tokenizer, chat template, limits |
-| sluice:models                    | set                   | engine  | names of models that have a card          |
-| sluice:emitted:{request_id}      | string with TTL       | engine  | set with a request's first token: a reclaimed request that has it is errored, not restarted |
-| sluice:inflight:{request_id}     | string with TTL       | gateway | set in one MULTI with the request's XADD, deleted when the gateway is done with it: gone while the gateway still waits = Redis lost its queue entry |
-| sluice:gateway:{gateway_id}      | string with TTL       | gateway | liveness of the gateway process named in GenerateRequest.gateway_id: gone for GATEWAY_LOST_AFTER_S = its requests are aborted |
+Cluster safety is a property of these names. Every name carries a hash tag (the part in ``{}``),
+and Redis Cluster places a key by its tag alone, so keys of one family share a hash slot and any
+MULTI, multi-key command or ordered pipeline that stays inside one family works on a cluster as on
+a single Redis. Nothing in Sluice touches keys of two families in one atomic operation. There are
+three families:
+
+- ``{registry}``: the control plane (a few writes a second per process, never per token): the
+  engine registry, liveness keys, model cards, the cancel channel. One slot, so a card and the
+  model set change in one MULTI.
+- ``{q:<model>}``: a model's queue. The stream and the gateway's in-flight markers of its entries
+  are in one slot, so XADD + marker is one MULTI and a failover loses both or neither (Redis
+  replicates a node's writes in order): a marker that is gone still means "the entry is gone".
+  The engine's hand-back (XADD) and XACK go together in one MULTI for the same reason.
+- ``{g:<reply_to>}``: one gateway process's replies (``GenerateRequest.reply_to``). All events of
+  its requests go through ONE sharded channel (SPUBLISH/SSUBSCRIBE: a cluster delivers it on the
+  slot's node only, instead of broadcasting every token to every node), batched per engine step;
+  the emitted and cancelled markers of its requests live in the same slot, so the engine's
+  "emitted" marker and the event it guards travel over one connection, in order.
+
+| key / channel                        | type                   | writer  | purpose                                   |
+|--------------------------------------|------------------------|---------|-------------------------------------------|
+| sluice:{q:<model>}:requests          | stream, group engines  | gateway | the request queue (field "r": GenerateRequest) |
+| sluice:{q:<model>}:inflight:<rid>    | string with TTL        | gateway | set in one MULTI with the request's XADD, deleted when the gateway is done with it: gone while the gateway still waits = Redis lost the entry |
+| sluice:{g:<reply_to>}:events         | sharded channel        | engine  | EventBatch messages for the requests of one reply_to |
+| sluice:{g:<reply_to>}:emitted:<rid>  | string with TTL        | engine  | set with a request's first token: a reclaimed request that has it is errored, not restarted |
+| sluice:{g:<reply_to>}:cancelled:<rid>| string with TTL        | gateway | a cancel remembered for a still-queued request |
+| sluice:{registry}:cancel             | sharded channel        | gateway | Cancel messages; every engine listens     |
+| sluice:{registry}:engines            | hash id -> EngineEntry | engine  | the registry (``sluice.wire.registry``): model, load, last heartbeat |
+| sluice:{registry}:engine:<engine_id> | string with TTL        | engine  | liveness: gone when the heartbeat lapses  |
+| sluice:{registry}:gateway:<gateway_id>| string with TTL       | gateway | liveness of the gateway process named in GenerateRequest.gateway_id: gone for GATEWAY_LOST_AFTER_S = its requests are aborted |
+| sluice:{registry}:model:<model>      | hash                   | engine  | model card (``sluice.wire.card``): tokenizer, chat template, limits |
+| sluice:{registry}:models             | set                    | engine  | names of models that have a card          |
+
+A model name or reply id is used as it is inside the tag; Redis takes the tag up to the first
+``}``, so a name containing ``}`` still maps all its keys to one slot (a shorter tag, the same for
+each key of that name).
 """
 
 from __future__ import annotations
@@ -25,16 +48,18 @@ from sluice.wire.messages_pb2 import ErrorCode
 # Raised whenever the payloads or the rules change; a gateway and an engine of different versions
 # refuse each other (card.check_version, the engine's check of GenerateRequest.version).
 # 2: error codes and finish reasons as enums, terminal event as a oneof, the typed ModelCard.
-# (GenerateRequest.gateway_id was added within 2: an engine that does not know it ignores it, and an
-# engine that does treats an entry without it as one no gateway waits for.)
-CONTRACT_VERSION = 2
+# 3: hash-tagged names (Redis Cluster), GenerateRequest.reply_to, events batched per reply_to on a
+#    sharded channel (EventBatch), the registry entry as a typed codec.
+CONTRACT_VERSION = 3
 PREFIX = "sluice"
 
 CONSUMER_GROUP = "engines"
 REQUEST_FIELD = b"r"  # the stream entry's field holding the GenerateRequest bytes
-CANCEL_CHANNEL = f"{PREFIX}:cancel"
-ENGINES_KEY = f"{PREFIX}:engines"
-MODELS_KEY = f"{PREFIX}:models"
+
+REGISTRY_TAG = "{registry}"
+CANCEL_CHANNEL = f"{PREFIX}:{REGISTRY_TAG}:cancel"
+ENGINES_KEY = f"{PREFIX}:{REGISTRY_TAG}:engines"
+MODELS_KEY = f"{PREFIX}:{REGISTRY_TAG}:models"
 
 # Liveness: an engine refreshes its key every HEARTBEAT_INTERVAL_S; the key expires after
 # HEARTBEAT_TTL_S, after which other engines may reclaim its pending entries.
@@ -54,36 +79,46 @@ GATEWAY_LOST_AFTER_S = 5.0
 # The model card's hash fields are defined with the card: sluice.wire.card.
 
 
+def queue_tag(model: str) -> str:
+    """The hash tag of a model's queue family."""
+    return "{q:" + model + "}"
+
+
+def reply_tag(reply_to: str) -> str:
+    """The hash tag of one reply_to's family (a gateway process, or a WireClient handle)."""
+    return "{g:" + reply_to + "}"
+
+
 def request_stream(model: str) -> str:
-    return f"{PREFIX}:{model}:requests"
+    return f"{PREFIX}:{queue_tag(model)}:requests"
 
 
-def output_channel(request_id: str) -> str:
-    return f"{PREFIX}:out:{request_id}"
+def inflight_key(model: str, request_id: str) -> str:
+    return f"{PREFIX}:{queue_tag(model)}:inflight:{request_id}"
 
 
-def cancelled_key(request_id: str) -> str:
-    return f"{PREFIX}:cancelled:{request_id}"
+def events_channel(reply_to: str) -> str:
+    return f"{PREFIX}:{reply_tag(reply_to)}:events"
+
+
+def emitted_key(reply_to: str, request_id: str) -> str:
+    return f"{PREFIX}:{reply_tag(reply_to)}:emitted:{request_id}"
+
+
+def cancelled_key(reply_to: str, request_id: str) -> str:
+    return f"{PREFIX}:{reply_tag(reply_to)}:cancelled:{request_id}"
 
 
 def engine_key(engine_id: str) -> str:
-    return f"{PREFIX}:engine:{engine_id}"
+    return f"{PREFIX}:{REGISTRY_TAG}:engine:{engine_id}"
 
 
 def gateway_key(gateway_id: str) -> str:
-    return f"{PREFIX}:gateway:{gateway_id}"
+    return f"{PREFIX}:{REGISTRY_TAG}:gateway:{gateway_id}"
 
 
 def model_card_key(model: str) -> str:
-    return f"{PREFIX}:model:{model}"
-
-
-def emitted_key(request_id: str) -> str:
-    return f"{PREFIX}:emitted:{request_id}"
-
-
-def inflight_key(request_id: str) -> str:
-    return f"{PREFIX}:inflight:{request_id}"
+    return f"{PREFIX}:{REGISTRY_TAG}:model:{model}"
 
 
 # The in-flight marker outlives the request's deadline by this much (a crashed gateway's markers

@@ -105,7 +105,7 @@ class ChoiceList(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("version", "request_id", "model", "prompt_token_ids", "params", "deadline", "enqueue_time", "attempt", "gateway_id")
+    __slots__ = ("version", "request_id", "model", "prompt_token_ids", "params", "deadline", "enqueue_time", "attempt", "gateway_id", "reply_to")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class GenerateRequest(_message.Message):
     ENQUEUE_TIME_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLY_TO_FIELD_NUMBER: _ClassVar[int]
     version: int
     request_id: str
     model: str
@@ -124,7 +125,8 @@ class GenerateRequest(_message.Message):
     enqueue_time: float
     attempt: int
     gateway_id: str
-    def __init__(self, version: _Optional[int] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline: _Optional[float] = ..., enqueue_time: _Optional[float] = ..., attempt: _Optional[int] = ..., gateway_id: _Optional[str] = ...) -> None: ...
+    reply_to: str
+    def __init__(self, version: _Optional[int] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline: _Optional[float] = ..., enqueue_time: _Optional[float] = ..., attempt: _Optional[int] = ..., gateway_id: _Optional[str] = ..., reply_to: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "rank")
@@ -189,6 +191,12 @@ class Event(_message.Message):
     error: Error
     engine_id: str
     def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., engine_id: _Optional[str] = ...) -> None: ...
+
+class EventBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("request_ids",)

@@ -31,6 +31,7 @@ import pytest
 import redis
 
 from sluice.wire import contract
+from sluice.wire.connection import connect
 
 pytestmark = [pytest.mark.model, pytest.mark.chaos]
 
@@ -73,7 +74,7 @@ class Redis:
         end = time.monotonic() + 20
         while time.monotonic() < end:
             try:
-                if redis.Redis.from_url(self.url, socket_timeout=1).ping():
+                if connect(self.url, socket_timeout=1, retry=None).ping():
                     return
             except redis.RedisError:
                 time.sleep(0.05)
@@ -231,7 +232,7 @@ def wait_engine(r_url: str, engine_id: str, timeout: float = 120.0) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         try:
-            r = redis.Redis.from_url(r_url, socket_timeout=2)
+            r = connect(r_url, socket_timeout=2)
             if r.exists(contract.engine_key(engine_id)) and r.hexists(contract.ENGINES_KEY, engine_id):
                 return
         except redis.RedisError:
@@ -251,7 +252,7 @@ def faults(chaos: Chaos, rds: Redis, engines: list[Engine], stop: threading.Even
 def serving(url: str, engine: Engine) -> bool:
     """This life of ``engine`` heartbeats (not a lingering key of the one before it)."""
     try:
-        r = redis.Redis.from_url(url, socket_timeout=2)
+        r = connect(url, socket_timeout=2)
         raw = r.hget(contract.ENGINES_KEY, engine.engine_id)
         alive = r.exists(contract.engine_key(engine.engine_id))
     except redis.RedisError:
@@ -344,7 +345,7 @@ def test_chaos(model_dir, tmp_path):
         # Quiet: both engines back, idle, every block free; nothing pending in the stream.
         for e in engines:
             wait_engine(rds.url, e.engine_id, timeout=120)
-        r = redis.Redis.from_url(rds.url)
+        r = connect(rds.url)
         stream = contract.request_stream(MODEL)
         # (an entry whose acknowledgement a Redis crash lost is taken back after 30 s idle)
         end = time.monotonic() + 50

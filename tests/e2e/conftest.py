@@ -13,6 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from sluice.wire.connection import connect
+from tests.cluster_fixtures import clean_redis_cluster, redis_cluster, redis_cluster_factory  # noqa: F401
 from tests.docker_support import free_port
 from tests.integration.conftest import clean_redis, redis_client, redis_server, redis_url  # noqa: F401
 
@@ -116,11 +118,21 @@ def stop_stack(stack: Stack) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(redis_url, model_dir, tmp_path_factory) -> Iterator[Stack]:  # noqa: F811
-    import redis
+def stack_redis_url(redis_topology: str, request: pytest.FixtureRequest) -> str:
+    """An emptied Redis of the module's topology for its stack (see ``redis_topology``)."""
+    if redis_topology == "cluster":
+        cluster = request.getfixturevalue("redis_cluster")
+        cluster.heal()
+        cluster.flushall()
+        return cluster.url
+    url = request.getfixturevalue("redis_url")
+    connect(url).flushall()
+    return url
 
-    redis.Redis.from_url(redis_url).flushall()
-    s = start_stack(redis_url, Path(model_dir), tmp_path_factory.mktemp("stack"))
+
+@pytest.fixture(scope="module")
+def stack(stack_redis_url, model_dir, tmp_path_factory) -> Iterator[Stack]:
+    s = start_stack(stack_redis_url, Path(model_dir), tmp_path_factory.mktemp("stack"))
     try:
         yield s
     finally:

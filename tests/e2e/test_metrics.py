@@ -17,6 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from sluice.wire.connection import connect
 from tests.docker_support import free_port
 from tests.e2e.conftest import Stack, start_stack, stop_stack
 from tests.unit.test_engine_metrics import ENGINE_SAMPLES
@@ -62,9 +63,8 @@ def value(samples: dict[str, list], name: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def mstack(redis_url, model_dir, tmp_path_factory) -> Iterator[MetricsStack]:  # noqa: F811
-    import redis
 
-    redis.Redis.from_url(redis_url).flushall()
+    connect(redis_url).flushall()
     port = free_port()
     stack = start_stack(
         redis_url, Path(model_dir), tmp_path_factory.mktemp("metrics"), num_gateways=1,

@@ -10,7 +10,9 @@ from openai import AsyncOpenAI, OpenAI
 
 from engine_service import LLM, SamplingParams
 
-pytestmark = [pytest.mark.model, pytest.mark.docker]
+# Redis Cluster changes what these check (sharded channels, hash-tagged queue, cross-node cancels):
+# the module runs on both topologies.
+pytestmark = [pytest.mark.model, pytest.mark.docker, pytest.mark.both_topologies]
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "List three fruits:", "Once upon a time"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

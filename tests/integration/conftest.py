@@ -4,6 +4,10 @@
   ``redis_url`` is ``redis://localhost:<port>/0``.
 - ``redis_client`` / ``clean_redis`` (function): the shared server flushed before the test, and a
   client to it.
+- ``redis_topology`` (module): "standalone", or, for a test marked ``both_topologies``, each of
+  "standalone" and "cluster" in turn (``pytest_generate_tests`` in tests/conftest.py); ``clean_redis``
+  and ``redis_client`` then name / reach an emptied Redis of that topology: the shared container, or
+  the session's 3-master Redis Cluster of local processes (``tests/cluster_fixtures.py``).
 - ``restartable_redis`` (function): a Redis of the test's own on a fixed host port, with
   ``.restart()``, ``.stop()``/``.start()`` and ``.url`` that survives them — for tests of
   "Redis restarted mid-run".
@@ -21,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from sluice.wire.connection import connect
+from tests.cluster_fixtures import clean_redis_cluster, redis_cluster, redis_cluster_factory  # noqa: F401
 from tests.docker_support import DockerUnavailable, RedisServer, wait_for_redis
 
 if TYPE_CHECKING:
@@ -57,11 +63,12 @@ def redis_url(redis_server: RedisServer | None) -> str:
 
 
 @pytest.fixture
-def clean_redis(redis_url: str) -> str:
-    """The shared Redis, emptied (FLUSHALL) before the test; returns its URL."""
-    import redis
-
-    client = redis.Redis.from_url(redis_url)
+def clean_redis(redis_topology: str, request: pytest.FixtureRequest) -> str:
+    """An emptied Redis of the test's topology (FLUSHALL before the test); returns its URL."""
+    if redis_topology == "cluster":
+        return request.getfixturevalue("clean_redis_cluster").url
+    redis_url = request.getfixturevalue("redis_url")
+    client = connect(redis_url)
     try:
         client.flushall()
     finally:
@@ -72,9 +79,8 @@ def clean_redis(redis_url: str) -> str:
 @pytest.fixture
 def redis_client(clean_redis: str) -> Iterator[redis.Redis]:
     """A client (decode_responses=False) to the freshly flushed shared Redis."""
-    import redis
 
-    client = redis.Redis.from_url(clean_redis)
+    client = connect(clean_redis)
     try:
         yield client
     finally:

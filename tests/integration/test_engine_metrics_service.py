@@ -97,8 +97,9 @@ def test_cancels_deadlines_and_bad_entries_are_counted(service, redis_client, pr
                          deadline=time.time() + 1.0).collect(timeout=60)
     assert late.error_code == contract.ERR_DEADLINE
     # an entry for another model: invalid_request
-    bad = codec.make_request(f"bad-{uuid.uuid4().hex}", "no-such-model", prompt, {"max_tokens": 2})
-    sub = client.subscribe(bad.request_id)
+    bad = codec.make_request(f"bad-{uuid.uuid4().hex}", "no-such-model", prompt, {"max_tokens": 2},
+                             reply_to=client.new_reply_id())
+    sub = client.listen(bad)
     client.redis.xadd(contract.request_stream(model), codec.encode_request(bad))
     sub.close()
     # one that finishes normally
@@ -125,8 +126,9 @@ def test_an_entry_reclaimed_from_a_dead_engine_is_counted(llm, clean_redis, redi
     stream = contract.request_stream(model)
     # before any engine runs: a consumer with no liveness key takes an entry and "dies" holding it
     redis_client.xgroup_create(stream, contract.CONSUMER_GROUP, id="0", mkstream=True)
-    request = codec.make_request(f"orphan-{uuid.uuid4().hex}", model, prompt, {"temperature": 0.0, "max_tokens": 3})
-    sub = client.subscribe(request.request_id)
+    request = codec.make_request(f"orphan-{uuid.uuid4().hex}", model, prompt, {"temperature": 0.0, "max_tokens": 3},
+                                 reply_to=client.new_reply_id())
+    sub = client.listen(request)
     client.enqueue(request)
     taken = redis_client.xreadgroup(contract.CONSUMER_GROUP, "dead-engine", {stream: ">"}, count=1)
     assert taken and taken[0][1], "the dead consumer did not get the entry"

@@ -18,7 +18,8 @@ from engine_service.service.redis_io import RedisIO, trim_stream
 from engine_service.service.settings import ServiceSettings
 from engine_service.service.worker import Worker
 from sluice.wire import card, codec, contract, limits
-from sluice.wire.client import RequestHandle, WireClient
+from sluice.wire.client import WireClient
+from sluice.wire.connection import connect
 from tests.docker_support import free_port, wait_for_redis
 from tests.integration.test_engine_service_worker import FakeEngine
 
@@ -118,7 +119,7 @@ def test_engine_refuses_entries_over_the_gateway_limits(services, redis_client):
 
 
 def test_limits_check_request_unit():
-    req = codec.make_request("r", MODEL, [1, 2, 3], {"max_tokens": 4, "n": 2})
+    req = codec.make_request("r", MODEL, [1, 2, 3], {"max_tokens": 4, "n": 2}, reply_to="g")
     assert limits.check_request(req, vocab_size=10, max_model_len=64) is None
     req.params.n = limits.MAX_N + 1
     assert limits.check_request(req, vocab_size=10, max_model_len=64)[0] == contract.ERR_INVALID_REQUEST
@@ -228,6 +229,7 @@ def test_stream_length_bounded_over_10000_requests(redis_client):
     assert redis_client.xlen(stream) == 0
 
 
+@pytest.mark.both_topologies
 def test_engine_trims_acknowledged_entries(services, redis_client):
     svc = services(trim_interval_s=0.2)
     client = WireClient(redis_client)
@@ -241,6 +243,7 @@ def test_engine_trims_acknowledged_entries(services, redis_client):
 # --------------------------------------------------------------------------- registry
 
 
+@pytest.mark.both_topologies
 def test_dead_engines_leave_the_registry(services, redis_client):
     dead_info = {"model": MODEL, "engine_id": "dead", "heartbeat": time.time() - 60}
     redis_client.hset(contract.ENGINES_KEY, "dead", json.dumps(dead_info))
@@ -273,7 +276,7 @@ def test_engine_serves_within_a_second_of_redis_coming_back(restartable_redis):
     url = restartable_redis.url
     svc = FakeService(url).start()
     try:
-        r = redis.Redis.from_url(url)
+        r = connect(url)
         client = WireClient(r)
         client.wait_for_engine(MODEL, timeout=10)
         params = {"temperature": 0.0, "max_tokens": 3}
@@ -284,7 +287,7 @@ def test_engine_serves_within_a_second_of_redis_coming_back(restartable_redis):
         restartable_redis.start()
         wait_for_redis(url, timeout=30)
         time.sleep(1.0)
-        r = redis.Redis.from_url(url)
+        r = connect(url)
         client = WireClient(r)
         started = time.monotonic()
         handles = [client.submit(MODEL, [1, 2, i], params) for i in range(20)]
@@ -334,6 +337,7 @@ def test_drain_exits_within_its_grace_period(clean_redis, redis_client, tmp_path
 # --------------------------------------------------------------------------- lost acknowledgements
 
 
+@pytest.mark.both_topologies
 def test_own_pending_entry_with_a_lost_ack_is_taken_back(services, redis_client):
     """Redis crashed within its fsync second after this engine's XACK: the entry is pending again
     under a live consumer, which no peer reclaims. The engine finds it (pending, idle, not held)
@@ -343,13 +347,15 @@ def test_own_pending_entry_with_a_lost_ack_is_taken_back(services, redis_client)
     client.wait_for_engine(MODEL, timeout=10)
     stream = contract.request_stream(MODEL)
     # One that had emitted tokens (its client got them and its end): errored, acknowledged.
-    done = codec.make_request("done-before-crash", MODEL, [1, 2, 3], {"temperature": 0.0, "max_tokens": 2})
-    redis_client.set(contract.emitted_key(done.request_id), svc.settings.engine_id)
+    done = codec.make_request("done-before-crash", MODEL, [1, 2, 3], {"temperature": 0.0, "max_tokens": 2},
+                              reply_to=client.new_reply_id())
+    redis_client.set(contract.emitted_key(done.reply_to, done.request_id), svc.settings.engine_id)
     # One that had not started (its read survived, its run did not): run again.
-    fresh = codec.make_request("fresh-after-crash", MODEL, [1, 2, 3], {"temperature": 0.0, "max_tokens": 2})
+    fresh = codec.make_request("fresh-after-crash", MODEL, [1, 2, 3], {"temperature": 0.0, "max_tokens": 2},
+                               reply_to=client.new_reply_id())
     handles = {}
     for req in (done, fresh):
-        handles[req.request_id] = RequestHandle(client, req.request_id, 1, client.subscribe(req.request_id))
+        handles[req.request_id] = client.listen(req)
         pipe = redis_client.pipeline(transaction=True)  # pending under the engine's own name, unseen by it
         pipe.xadd(stream, codec.encode_request(req))
         pipe.xreadgroup(contract.CONSUMER_GROUP, svc.settings.engine_id, {stream: ">"}, count=1)
@@ -411,7 +417,7 @@ def test_gateway_counts_as_lost_only_after_its_key_stays_missing(clean_redis, re
     assert io.check_gateways(now=119.0) == [] and cancels() == []
     # an entry of the lost gateway read later is dropped on delivery; one of a live gateway is not
     late = [parse_entry(f"{5 + i}-0".encode(), codec.encode_request(
-        codec.make_request(f"late-{gid}", MODEL, [1, 2], {"max_tokens": 2}, gateway_id=gid)))
+        codec.make_request(f"late-{gid}", MODEL, [1, 2], {"max_tokens": 2}, gateway_id=gid, reply_to=gid)))
         for i, gid in enumerate(("gB", "gA"))]
     io._deliver(late)
     delivered = {e.request.request_id: e for e in cancels()}

@@ -115,6 +115,7 @@ def pending(redis_client, model: str) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+@pytest.mark.both_topologies
 def test_model_card_and_registry(service, client, llm):
     card = client.model_card(service.model)
     assert card.max_model_len == MAX_MODEL_LEN
@@ -150,6 +151,7 @@ def test_fifty_concurrent_requests_match_offline(service, client, prompts, refer
     assert s.finished_requests >= 50
 
 
+@pytest.mark.both_topologies
 def test_n_completions_each_end_once(service, client, prompts):
     handle = client.submit(service.model, prompts[1], {"temperature": 1.0, "seed": 7, "n": 3, "max_tokens": 4})
     result = handle.collect(timeout=60)
@@ -160,11 +162,12 @@ def test_n_completions_each_end_once(service, client, prompts):
     assert all(len(c.token_ids) == 4 for c in result.completions.values())
 
 
+@pytest.mark.both_topologies
 def test_cancel_before_during_and_after(service, client, prompts, reference):
     # before: the gateway remembers the cancel, then the entry is read
-    rid = f"before-{uuid.uuid4().hex}"
-    client.cancel([rid])
-    before = client.submit(service.model, prompts[2], greedy(), request_id=rid).collect(timeout=30)
+    rid, reply_to = f"before-{uuid.uuid4().hex}", client.new_reply_id()
+    client.cancel([rid], reply_to=reply_to)
+    before = client.submit(service.model, prompts[2], greedy(), request_id=rid, reply_to=reply_to).collect(timeout=30)
     assert before.finish_reason == "abort" and before.token_ids == []
 
     # during: wait for the first tokens, then cancel
@@ -216,7 +219,7 @@ def test_malformed_entry_matrix(service, client, prompts, reference, redis_clien
     vocab = llm.engine.vocab_size
 
     def raw_request(rid: str, **changes) -> GenerateRequest:
-        req = codec.make_request(rid, model, prompts[8], greedy())
+        req = codec.make_request(rid, model, prompts[8], greedy(), reply_to=client.new_reply_id())
         for key, value in changes.items():
             if key == "params":
                 req.params.CopyFrom(codec.sampling_params_to_proto(value))
@@ -227,7 +230,9 @@ def test_malformed_entry_matrix(service, client, prompts, reference, redis_clien
                 setattr(req, key, value)
         return req
 
-    # Without a request id there is no channel to answer on: logged and acknowledged.
+    # Without a request id or a reply_to there is no channel to answer on: logged and acknowledged.
+    client.enqueue_raw(model, {contract.REQUEST_FIELD: GenerateRequest(
+        version=contract.CONTRACT_VERSION, request_id="no-reply", model=model, prompt_token_ids=[1]).SerializeToString()})
     client.enqueue_raw(model, {contract.REQUEST_FIELD: b"\xff\xfe garbage \x00\x01"})
     client.enqueue_raw(model, {b"something": b"else"})
     client.enqueue_raw(model, {contract.REQUEST_FIELD: GenerateRequest(version=1, model=model).SerializeToString()})
@@ -261,10 +266,7 @@ def test_malformed_entry_matrix(service, client, prompts, reference, redis_clien
     for name, (changes, _) in cases.items():
         rid = f"bad-{name}-{uuid.uuid4().hex[:6]}"
         request = raw_request(rid, **changes)
-        pubsub = client.subscribe(rid)
-        from sluice.wire.client import RequestHandle
-
-        handles[name] = RequestHandle(client, rid, 1, pubsub)
+        handles[name] = client.listen(request)
         redis_client.xadd(contract.request_stream(model), codec.encode_request(request))
     for name, handle in handles.items():
         result = handle.collect(timeout=30)
@@ -280,6 +282,7 @@ def test_malformed_entry_matrix(service, client, prompts, reference, redis_clien
     assert service.worker.running
 
 
+@pytest.mark.both_topologies
 def test_health_stats_and_drain_hands_back(llm, clean_redis, redis_client, client, prompts, reference):
     svc = make_service(llm, clean_redis)
     try:
@@ -301,7 +304,7 @@ def test_health_stats_and_drain_hands_back(llm, clean_redis, redis_client, clien
         first = next(iter(long.events(timeout=60)))
         assert first.token_ids
         late_id = f"late-{uuid.uuid4().hex[:6]}"
-        late_req = codec.make_request(late_id, svc.model, prompts[12], greedy())
+        late_req = codec.make_request(late_id, svc.model, prompts[12], greedy(), reply_to=client.new_reply_id())
         stream = contract.request_stream(svc.model)
         svc.io.stop_reading()  # so that this test, not the reader, takes the next entry
         time.sleep(svc.settings.read_block_ms / 1000 + 0.3)
@@ -335,12 +338,10 @@ def test_health_stats_and_drain_hands_back(llm, clean_redis, redis_client, clien
     finally:
         cleanup(svc, llm)
     # A fresh engine picks it up.
-    pubsub = client.subscribe(late_id)
-    from sluice.wire.client import RequestHandle
-
+    late = client.listen(late_req)
     svc2 = make_service(llm, clean_redis)
     try:
-        result = RequestHandle(client, late_id, 1, pubsub).collect(timeout=60)
+        result = late.collect(timeout=60)
         assert result.token_ids == reference[12]
     finally:
         cleanup(svc2, llm)
@@ -384,6 +385,7 @@ def keep_alive(url: str, gateway_id: str, ttl_s: float, every_s: float) -> threa
     return stop
 
 
+@pytest.mark.both_topologies
 def test_requests_of_a_lost_gateway_are_aborted(llm, clean_redis, redis_client, prompts):
     svc = make_service(llm, clean_redis, gateway_check_s=0.2, gateway_lost_after_s=1.0)
     client = WireClient(redis_client)
@@ -465,8 +467,11 @@ def test_structured_request_through_the_queue(service, client, prompts, llm):
 def test_parse_entry():
     assert parse_entry(b"1-0", {}).problem
     assert parse_entry(b"1-0", {b"x": b"y"}).problem
-    ok = parse_entry(b"1-0", codec.encode_request(codec.make_request("r", "m", [1], None)))
+    ok = parse_entry(b"1-0", codec.encode_request(codec.make_request("r", "m", [1], None, reply_to="g")))
     assert isinstance(ok, Entry) and ok.request.request_id == "r"
+    no_reply = codec.make_request("r", "m", [1], None, reply_to="g")
+    no_reply.reply_to = ""  # a contract-2 entry: nobody could hear an answer
+    assert "reply_to" in parse_entry(b"1-0", codec.encode_request(no_reply)).problem
 
 
 def test_logprobs_cross_the_wire(service, client, prompts, reference):

@@ -84,6 +84,7 @@ def prompt(i: int) -> list[int]:
     return [1, 504 + i, 3458, 314, 260 + 3 * i, 2767]
 
 
+@pytest.mark.both_topologies
 def test_two_engines_share_work_and_survive_kill9(engines, redis_client):
     client = WireClient(redis_client)
     a, b = engines(), engines()
@@ -108,7 +109,7 @@ def test_two_engines_share_work_and_survive_kill9(engines, redis_client):
     end = time.monotonic() + 90
     while time.monotonic() < end:
         load = client.engines()
-        if all(load.get(e.engine_id, {}).get("running", 0) > 0 for e in (a, b)):
+        if all(e.engine_id in load and load[e.engine_id].running > 0 for e in (a, b)):
             break
         time.sleep(0.1)
     else:

@@ -99,7 +99,8 @@ class FakeIO:
 
 
 def entry(rid: str, max_tokens: int = 4, **kw) -> Entry:
-    req = codec.make_request(rid, "m", [1, 2, 3], {"temperature": 0.0, "max_tokens": max_tokens}, **kw)
+    req = codec.make_request(rid, "m", [1, 2, 3], {"temperature": 0.0, "max_tokens": max_tokens},
+                             **{"reply_to": "g", **kw})
     return Entry(f"{rid}-entry".encode(), req)
 
 

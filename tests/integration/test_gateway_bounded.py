@@ -28,7 +28,7 @@ pytestmark = pytest.mark.model
 
 def _broker_state(broker: Broker) -> dict[str, int]:
     return {"card_locks": len(broker._card_locks), "cards": len(broker._cards), "tracked": len(broker._tracked),
-            "queues": len(broker._queues), "confirm": len(broker._confirm), "forget": len(broker._forget),
+            "queues": len(broker._queues), "forget": len(broker._forget),
             "pending_cancels": len(broker._pending_cancels)}
 
 

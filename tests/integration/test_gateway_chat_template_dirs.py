@@ -14,10 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
 from sluice.wire import card as wire_card
 from sluice.wire import contract
+from sluice.wire.connection import connect
 from tests.integration import test_gateway_support as support
 from tests.integration.test_gateway_support import MODEL, FakeEngine
 
@@ -99,7 +99,7 @@ def test_gateway_refuses_an_engine_of_another_contract_version(model_dir, engine
     engine_for(Path(model_dir))
     gateway = make_gateway(card_ttl_s=0.0)
     assert _chat(gateway).status_code == 200
-    r = redis.Redis.from_url(redis_url)
+    r = connect(redis_url)
     r.hset(contract.model_card_key(MODEL), wire_card.F_CONTRACT_VERSION, str(contract.CONTRACT_VERSION - 1))
     r.close()
     resp = _chat(gateway)

@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from sluice.wire import contract
+from sluice.wire.connection import connect
 from tests.docker_support import RedisServer
 from tests.integration import test_gateway_support as support
 from tests.integration.conftest import _running
@@ -209,7 +210,7 @@ def test_queued_requests_lost_with_redis_get_503_within_seconds(volatile_redis, 
 def _lag(url: str) -> int:
     import redis
 
-    r = redis.Redis.from_url(url)
+    r = connect(url)
     try:
         for g in r.xinfo_groups(contract.request_stream(MODEL)):
             if g["name"] == contract.CONSUMER_GROUP.encode():
@@ -235,7 +236,7 @@ def test_entry_flushed_while_queued_is_told_within_seconds(make_gateway, fake_en
     t = threading.Thread(target=client)
     t.start()
     end = time.time() + 5
-    while not redis_client.keys(contract.inflight_key("*")) and time.time() < end:
+    while not redis_client.keys(contract.inflight_key(MODEL, "*")) and time.time() < end:
         time.sleep(0.02)
     assert redis_client.xlen(contract.request_stream(MODEL)) == 1
     t_fault = time.time()
@@ -252,9 +253,9 @@ def test_finished_requests_leave_no_marker(gateway, fake_engine, redis_client):
         r = httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert r.status_code == 200
     end = time.time() + 3
-    while redis_client.keys(contract.inflight_key("*")) and time.time() < end:
+    while redis_client.keys(contract.inflight_key(MODEL, "*")) and time.time() < end:
         time.sleep(0.05)
-    assert redis_client.keys(contract.inflight_key("*")) == []
+    assert redis_client.keys(contract.inflight_key(MODEL, "*")) == []
 
 
 def _key_appears(redis_client, key: str) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import socket
 import threading
 import time
@@ -25,7 +24,9 @@ import uvicorn
 
 from sluice.wire import codec, contract
 from sluice.wire.card import ModelCard
+from sluice.wire.connection import connect, read_shard_message_async
 from sluice.wire.messages_pb2 import Cancel, Event, GenerateRequest, PositionLogprobs, TokenLogprob
+from sluice.wire.registry import EngineEntry
 
 MODEL = "smollm2-test"
 REPLY = "Hello world! 你好, 🙂 emoji and ünïcödé. The end"
@@ -86,7 +87,7 @@ class FakeEngine:
     def kill(self) -> None:
         """Stop heartbeating and drop the liveness key (the engine is dead)."""
         self.heartbeat = False
-        r = redis.Redis.from_url(self.redis_url)
+        r = connect(self.redis_url)
         r.delete(contract.engine_key(self.engine_id))
         r.close()
 
@@ -100,15 +101,15 @@ class FakeEngine:
 
     # -- engine side --
     async def _setup(self) -> None:
-        from sluice.wire.connection import async_redis
-
-        self.r = async_redis(self.redis_url)
+        self.r = connect(self.redis_url, asyncio=True)
         await self._publish_card()
         await self._beat()
 
     async def _publish_card(self) -> None:
-        await self.r.hset(contract.model_card_key(MODEL), mapping=card_fields(self.model_dir))
-        await self.r.sadd(contract.MODELS_KEY, MODEL)
+        pipe = self.r.pipeline(transaction=True)  # the registry's slot, as the real engine does
+        pipe.hset(contract.model_card_key(MODEL), mapping=card_fields(self.model_dir))
+        pipe.sadd(contract.MODELS_KEY, MODEL)
+        await pipe.execute()
         try:
             await self.r.xgroup_create(contract.request_stream(MODEL), contract.CONSUMER_GROUP, id="0",
                                        mkstream=True)
@@ -131,7 +132,7 @@ class FakeEngine:
 
     async def _beat(self) -> None:
         await self.r.hset(contract.ENGINES_KEY, self.engine_id,
-                          json.dumps({"model": MODEL, "running": 0, "waiting": 0, "ts": time.time()}))
+                          EngineEntry(engine_id=self.engine_id, model=MODEL, heartbeat=time.time()).encode())
         await self.r.set(contract.engine_key(self.engine_id), b"1", ex=int(contract.HEARTBEAT_TTL_S))
 
     async def _heartbeat(self) -> None:
@@ -147,14 +148,14 @@ class FakeEngine:
 
     async def _listen_cancels(self) -> None:
         ps = self.r.pubsub()
-        await ps.subscribe(contract.CANCEL_CHANNEL)
+        await ps.ssubscribe(contract.CANCEL_CHANNEL)
         while True:
             try:
-                msg = await ps.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                msg = await read_shard_message_async(ps, 1.0)
             except (redis.RedisError, OSError):
                 await asyncio.sleep(0.1)
                 continue
-            if msg and msg["type"] == "message":
+            if msg and msg["type"] == "smessage":
                 self.cancels.extend(Cancel.FromString(msg["data"]).request_ids)
 
     async def _read(self) -> None:
@@ -184,13 +185,13 @@ class FakeEngine:
         return rid in self.cancels
 
     async def _serve(self, entry_id, req: GenerateRequest) -> None:
-        channel = contract.output_channel(req.request_id)
+        channel = contract.events_channel(req.reply_to)
         try:
-            if await self.r.exists(contract.cancelled_key(req.request_id)) or self.hang:
+            if await self.r.exists(contract.cancelled_key(req.reply_to, req.request_id)) or self.hang:
                 return
             if self.error is not None:
                 ev = codec.error_event(req.request_id, self.error[0], self.error[1], self.engine_id)
-                await self.r.publish(channel, ev.SerializeToString())
+                await self.r.spublish(channel, codec.encode_events([ev]))
                 return
             n = req.params.n or 1
             max_tokens = req.params.max_tokens if req.params.HasField("max_tokens") else 64
@@ -219,7 +220,7 @@ class FakeEngine:
                             ev.finished.stop_token_id = 2
                         ev.finished.usage.prompt_tokens = len(req.prompt_token_ids)
                         ev.finished.usage.completion_tokens = min(step + 1, len(ids))
-                    await self.r.publish(channel, ev.SerializeToString())
+                    await self.r.spublish(channel, codec.encode_events([ev]))
                 if step >= max(len(s) for s in streams):
                     break
                 await asyncio.sleep(self.token_delay)
@@ -270,8 +271,8 @@ class GatewayServer:
 
 
 @pytest.fixture
-def fake_engine(redis_client, redis_url, model_dir):
-    engine = FakeEngine(redis_url, Path(model_dir)).start()
+def fake_engine(redis_client, clean_redis, model_dir):
+    engine = FakeEngine(clean_redis, Path(model_dir)).start()
     yield engine
     engine.stop()
 
@@ -294,11 +295,11 @@ def make_fake_engine(model_dir):
 
 
 @pytest.fixture
-def make_gateway(redis_url):
+def make_gateway(clean_redis):
     servers: list[GatewayServer] = []
 
     def make(**config) -> GatewayServer:
-        config.setdefault("redis_url", redis_url)
+        config.setdefault("redis_url", clean_redis)
         server = GatewayServer(**config).start()
         servers.append(server)
         return server

@@ -3,17 +3,17 @@ the /v1/models entries, against a real Redis and the contract-following fake eng
 
 from __future__ import annotations
 
-import json
 import time
 
 import httpx
 import pytest
-import redis
 
 import sluice
 from sluice.text.tokenizer import Tokenizer
 from sluice.wire import card as wire_card
 from sluice.wire import contract
+from sluice.wire.connection import connect
+from sluice.wire.registry import EngineEntry
 from tests.integration import test_gateway_support as support
 from tests.integration.test_gateway_api import assert_error
 from tests.integration.test_gateway_support import MAX_MODEL_LEN, MODEL
@@ -134,7 +134,7 @@ def test_unknown_model_and_malformed_json(gateway) -> None:
 
 
 def test_model_is_required_when_several_are_served(gateway, fake_engine, redis_url) -> None:
-    r = redis.Redis.from_url(redis_url)
+    r = connect(redis_url)
     other = "other-model"
     try:
         # a second model with a live engine, registered as an engine does: card, models set,
@@ -144,7 +144,7 @@ def test_model_is_required_when_several_are_served(gateway, fake_engine, redis_u
         r.hset(contract.model_card_key(other), mapping=card)
         r.sadd(contract.MODELS_KEY, other)
         r.hset(contract.ENGINES_KEY, "fake-other",
-               json.dumps({"model": other, "running": 0, "waiting": 0, "ts": time.time()}))
+               EngineEntry(engine_id="fake-other", model=other, heartbeat=time.time()).encode())
         r.set(contract.engine_key("fake-other"), b"1", ex=60)
         deadline = time.monotonic() + 10
         while {m["id"] for m in httpx.get(f"{gateway.url}/v1/models").json()["data"]} != {MODEL, other}:

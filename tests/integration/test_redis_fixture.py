@@ -7,12 +7,14 @@ import time
 import pytest
 import redis
 
+from sluice.wire.connection import connect
+
 pytestmark = pytest.mark.docker
 
 
 def test_redis_url_is_local_and_answers(redis_url: str) -> None:
     assert redis_url.startswith("redis://localhost:") and redis_url.endswith("/0")
-    client = redis.Redis.from_url(redis_url)
+    client = connect(redis_url)
     try:
         assert client.ping()
         version = client.info("server")["redis_version"]
@@ -38,12 +40,12 @@ def test_flushed_between_tests(redis_client: redis.Redis) -> None:
 
 def test_restart_keeps_port_and_comes_back(restartable_redis) -> None:
     url_before = restartable_redis.url
-    client = redis.Redis.from_url(url_before, socket_timeout=2, socket_connect_timeout=1)
+    client = connect(url_before, socket_timeout=2, socket_connect_timeout=1)
     client.set("k", "v")
 
     restartable_redis.stop()
     with pytest.raises(redis.exceptions.ConnectionError):
-        redis.Redis.from_url(url_before, socket_connect_timeout=0.5).ping()
+        connect(url_before, socket_connect_timeout=0.5, retry=None).ping()
 
     t0 = time.monotonic()
     restartable_redis.start()

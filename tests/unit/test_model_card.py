@@ -122,17 +122,17 @@ class _Pipe:
     def set(self, *args, **kw):
         self.calls.append(("set", args, kw))
 
-    def publish(self, *args):
-        self.calls.append(("publish", args))
+    def spublish(self, *args):
+        self.calls.append(("spublish", args))
 
 
 def test_one_cancel_marks_then_publishes() -> None:
     pipe = _Pipe()
-    assert codec.cancel(pipe, ["a", "b"]) is pipe
-    assert pipe.calls[:2] == [("set", (contract.cancelled_key(r), b"1"), {"ex": contract.CANCEL_MARKER_TTL_S})
+    assert codec.cancel(pipe, "gw", ["a", "b"]) is pipe
+    assert pipe.calls[:2] == [("set", (contract.cancelled_key("gw", r), b"1"), {"ex": contract.CANCEL_MARKER_TTL_S})
                               for r in ("a", "b")]
     kind, (channel, payload) = pipe.calls[2]
-    assert (kind, channel) == ("publish", contract.CANCEL_CHANNEL)
+    assert (kind, channel) == ("spublish", contract.CANCEL_CHANNEL)
     assert list(Cancel.FromString(payload).request_ids) == ["a", "b"]
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from sluice.wire import codec, contract
 from sluice.wire.generate import generate
 from sluice.wire.messages_pb2 import GenerateRequest
@@ -59,12 +61,20 @@ def test_greedy_survives_the_wire() -> None:
 
 
 def test_make_request_and_entry() -> None:
-    req = codec.make_request("r1", "m", [1, 2, 3], {"max_tokens": 5}, deadline=10.0)
+    req = codec.make_request("r1", "m", [1, 2, 3], {"max_tokens": 5}, deadline=10.0, reply_to="g1")
     fields = codec.encode_request(req)
     back = GenerateRequest()
     back.ParseFromString(fields[contract.REQUEST_FIELD])
     assert back.version == contract.CONTRACT_VERSION
     assert list(back.prompt_token_ids) == [1, 2, 3] and back.params.max_tokens == 5 and back.deadline == 10.0
+    assert back.reply_to == "g1"
+    with pytest.raises(ValueError, match="reply_to"):
+        codec.make_request("r1", "m", [1], None, reply_to="")
+
+
+def test_event_batches_round_trip() -> None:
+    events = [codec.error_event("a", contract.ERR_DEADLINE, "late"), codec.finished_event("b", 1, "stop")]
+    assert codec.decode_events(codec.encode_events(events)) == events
 
 
 def test_position_logprobs_puts_the_chosen_token_first() -> None:
@@ -83,8 +93,22 @@ def test_terminal_events() -> None:
     assert codec.is_terminal(ev) and ev.finished.stop_token_id == 2 and ev.finished.usage.completion_tokens == 4
 
 
-def test_contract_names() -> None:
-    assert contract.request_stream("m") == "sluice:m:requests"
-    assert contract.output_channel("x") == "sluice:out:x"
-    assert contract.cancelled_key("x") == "sluice:cancelled:x"
-    assert contract.emitted_key("x") == "sluice:emitted:x"
+def test_each_key_family_is_one_hash_slot() -> None:
+    """What makes the contract cluster-safe: the keys that one MULTI or ordered pipeline touches
+    share a hash tag, so Redis Cluster puts them in one slot (redis-py computes slots as Redis does)."""
+    from redis.crc import key_slot
+
+    def slots(*keys: str) -> set[int]:
+        return {key_slot(k.encode()) for k in keys}
+
+    for model in ("m", "SmolLM2-135M-Instruct", "org/model:v2", "we}ird{name"):
+        assert len(slots(contract.request_stream(model), contract.inflight_key(model, "r1"),
+                         contract.inflight_key(model, "r2"))) == 1, model
+    for reply_to in ("g1", "0123456789abcdef", "wc-x"):
+        assert len(slots(contract.events_channel(reply_to), contract.emitted_key(reply_to, "r1"),
+                         contract.cancelled_key(reply_to, "r2"))) == 1, reply_to
+    assert len(slots(contract.ENGINES_KEY, contract.MODELS_KEY, contract.CANCEL_CHANNEL, contract.engine_key("e"),
+                     contract.gateway_key("g"), contract.model_card_key("m"))) == 1
+    # and the families spread: different models' queues (and gateways' channels) land on many slots
+    assert len(slots(*(contract.request_stream(f"model-{i}") for i in range(50)))) > 40
+    assert len(slots(*(contract.events_channel(f"gw-{i}") for i in range(50)))) > 40

@@ -1,0 +1,63 @@
+"""The engine registry entry (``contract.ENGINES_KEY``, one hash field per engine), written once.
+
+The engine's heartbeat writes it (:meth:`EngineEntry.encode`); gateways, ``WireClient``, the
+registry prune and tests read it (:func:`decode`). JSON, so an operator can read it with
+``redis-cli HGETALL``; unknown keys are ignored and missing ones take their defaults, so a newer
+engine's entry still decodes. An entry that is not a JSON object decodes to None (a reader skips
+it; the prune removes it once its liveness key is gone).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    engine_id: str
+    model: str
+    heartbeat: float = 0.0  # unix seconds of the last beat
+    draining: bool = False
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    live_requests: int = 0
+    generation_tokens_per_s: float = 0.0
+    grpc_port: int = 0  # the admin service's port; 0: none
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_load(cls, engine_id: str, model: str, heartbeat: float, load: dict[str, Any]) -> EngineEntry:
+        """From the worker's load snapshot (``EngineStats.load()`` plus the service's additions)."""
+        known = {f.name for f in fields(cls)}
+        return cls(engine_id=engine_id, model=model, heartbeat=heartbeat,
+                   **{k: v for k, v in load.items() if k in known and k not in ("engine_id", "model", "heartbeat")})
+
+
+_TYPES = {f.name: f.type for f in fields(EngineEntry)}
+_CASTS = {"str": str, "float": float, "int": int, "bool": bool}
+
+
+def decode(raw: bytes | str | None) -> EngineEntry | None:
+    """An entry from its hash field value; None when it is not a readable entry."""
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(data, dict) or not data.get("engine_id") or not data.get("model"):
+        return None
+    values: dict[str, Any] = {}
+    for name, kind in _TYPES.items():
+        if name in data:
+            try:
+                values[name] = _CASTS[str(kind)](data[name])
+            except (TypeError, ValueError):
+                return None
+    return EngineEntry(**values)
