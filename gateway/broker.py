@@ -27,7 +27,7 @@ Surviving Redis restarts (issue 12):
   events, and one whose entry is gone (Redis restarted without persistence) will never be
   answered; both are ended with a retryable 503 (``Retry-After``) at once. A request still waiting,
   untouched, in the queue keeps waiting.
-- The XADD goes with an in-flight marker (``contract.inflight_key``) in one MULTI. Every
+- The XADD goes with an in-flight marker (``contract.inflight_key``) in one script. Every
   ``ENTRY_CHECK_S`` the broker checks the markers of the requests it waits for: a marker gone while
   the gateway still waits means Redis lost the entry (restart without persistence, FLUSHALL, an
   eviction), and the client learns it within seconds instead of at its deadline.
@@ -174,6 +174,7 @@ class Broker:
         self.card_ttl_s = card_ttl_s
         self.retry_after_s = retry_after_s
         self.redis: aioredis.Redis = connect(redis_url, asyncio=True)
+        self._enqueue_script = self.redis.register_script(contract.ENQUEUE_SCRIPT)
         self._pubsub = None
         self._reader: asyncio.Task | None = None
         self._housekeeper: asyncio.Task | None = None
@@ -337,10 +338,9 @@ class Broker:
             tracked = _Tracked(rid, req.model, queue, req.deadline)
             self._tracked[rid] = tracked
         ttl = (max(req.deadline - time.time(), 0.0) if req.deadline else 3600.0) + contract.INFLIGHT_MARGIN_S
-        pipe = self.redis.pipeline(transaction=True)  # both in the queue's slot
-        pipe.xadd(contract.request_stream(req.model), codec.encode_request(req))
-        pipe.set(contract.inflight_key(req.model, rid), b"1", ex=max(1, int(ttl)))
-        entry_id, _ = await pipe.execute()
+        entry_id = await self._enqueue_script(  # marker + XADD, atomic: both in the queue's slot
+            keys=[contract.request_stream(req.model), contract.inflight_key(req.model, rid)],
+            args=[req.SerializeToString(), max(1, int(ttl)), contract.REQUEST_FIELD])
         if tracked is not None and self._tracked.get(rid) is tracked:
             tracked.entry_id = entry_id
             if tracked.audit_pending:

@@ -13,7 +13,7 @@ three families:
   engine registry, liveness keys, model cards, the cancel channel. One slot, so a card and the
   model set change in one MULTI.
 - ``{q:<model>}``: a model's queue. The stream and the gateway's in-flight markers of its entries
-  are in one slot, so XADD + marker is one MULTI and a failover loses both or neither (Redis
+  are in one slot, so XADD + marker is one atomic script and a failover loses both or neither (Redis
   replicates a node's writes in order): a marker that is gone still means "the entry is gone".
   The engine's hand-back (XADD) and XACK go together in one MULTI for the same reason.
 - ``{g:<reply_to>}``: one gateway process's replies (``GenerateRequest.reply_to``). All events of
@@ -25,7 +25,7 @@ three families:
 | key / channel                        | type                   | writer  | purpose                                   |
 |--------------------------------------|------------------------|---------|-------------------------------------------|
 | sluice:{q:<model>}:requests          | stream, group engines  | gateway | the request queue (field "r": GenerateRequest) |
-| sluice:{q:<model>}:inflight:<rid>    | string with TTL        | gateway | set in one MULTI with the request's XADD, deleted when the gateway is done with it: gone while the gateway still waits = Redis lost the entry |
+| sluice:{q:<model>}:inflight:<rid>    | string with TTL        | gateway | set atomically with the request's XADD (ENQUEUE_SCRIPT), deleted when the gateway is done with it: gone while the gateway still waits = Redis lost the entry |
 | sluice:{g:<reply_to>}:events         | sharded channel        | engine  | EventBatch messages for the requests of one reply_to |
 | sluice:{g:<reply_to>}:emitted:<rid>  | string with TTL        | engine  | set with a request's first token: a reclaimed request that has it is errored, not restarted |
 | sluice:{g:<reply_to>}:cancelled:<rid>| string with TTL        | gateway | a cancel remembered for a still-queued request |
@@ -120,6 +120,16 @@ def gateway_key(gateway_id: str) -> str:
 def model_card_key(model: str) -> str:
     return f"{PREFIX}:{REGISTRY_TAG}:model:{model}"
 
+
+# The gateway's enqueue, atomic on one server and on a cluster (both keys in the queue's slot): the
+# in-flight marker, then the entry; returns the entry id. A script rather than MULTI/EXEC because
+# redis-py's asyncio cluster client cannot run a transaction (8.1 executes it on a thread of its
+# own event loop); a script is one round trip on both topologies and replicated as one unit.
+# KEYS: request_stream, inflight_key; ARGV: GenerateRequest bytes, marker TTL (s), REQUEST_FIELD.
+ENQUEUE_SCRIPT = """
+redis.call('SET', KEYS[2], '1', 'EX', ARGV[2])
+return redis.call('XADD', KEYS[1], '*', ARGV[3], ARGV[1])
+"""
 
 # The in-flight marker outlives the request's deadline by this much (a crashed gateway's markers
 # expire on their own). Engines never touch it.

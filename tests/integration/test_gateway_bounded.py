@@ -46,7 +46,7 @@ def test_unknown_model_names_leave_nothing_behind(gateway, fake_engine):
     ok = httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
     assert ok.status_code == 200
     state = _broker_state(broker)
-    assert state == {"card_locks": 0, "cards": 1, "tracked": 0, "queues": 0, "confirm": 0, "forget": state["forget"],
+    assert state == {"card_locks": 0, "cards": 1, "tracked": 0, "queues": 0, "forget": state["forget"],
                      "pending_cancels": 0}
     assert state["forget"] <= 1  # the finished request's marker, deleted at the next housekeeping tick
 

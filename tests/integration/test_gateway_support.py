@@ -106,7 +106,7 @@ class FakeEngine:
         await self._beat()
 
     async def _publish_card(self) -> None:
-        pipe = self.r.pipeline(transaction=True)  # the registry's slot, as the real engine does
+        pipe = self.r.pipeline(transaction=False)
         pipe.hset(contract.model_card_key(MODEL), mapping=card_fields(self.model_dir))
         pipe.sadd(contract.MODELS_KEY, MODEL)
         await pipe.execute()
