@@ -55,6 +55,7 @@ from sluice.wire import card as wire_card
 from sluice.wire import codec, contract
 from sluice.wire.card import ModelCard
 from sluice.wire.connection import async_redis
+from sluice.wire.error_codes import Code
 from sluice.wire.messages_pb2 import GenerateRequest
 
 log = logging.getLogger("sluice.gateway.broker")
@@ -103,7 +104,7 @@ class LoadedCard:
 class Lost:
     """Put on a request's queue instead of an event: the request cannot complete (retryable 503)."""
 
-    code: str  # "request_lost" | "redis_unavailable"
+    code: Code  # REQUEST_LOST | REDIS_UNAVAILABLE
     message: str
 
 
@@ -352,7 +353,7 @@ class Broker:
         """The engine ended this request (terminal events received): nothing more can be lost."""
         self.release([request_id])
 
-    def _lose(self, t: _Tracked, code: str, message: str) -> None:
+    def _lose(self, t: _Tracked, code: Code, message: str) -> None:
         if t.lost or self._tracked.get(t.request_id) is not t:
             return
         t.lost = True
@@ -414,7 +415,7 @@ class Broker:
     async def _housekeep_once(self, check: bool) -> None:
         if self._down_since is not None and time.monotonic() - self._down_since >= REDIS_DOWN_FAIL_S:
             for t in list(self._tracked.values()):
-                self._lose(t, "redis_unavailable",
+                self._lose(t, Code.REDIS_UNAVAILABLE,
                            "The connection to the queue (Redis) was lost while the request was in flight; "
                            "retry it.")
         await self._flush_forget()
@@ -445,7 +446,7 @@ class Broker:
         alive = []
         for t, v in zip(tracked, values, strict=True):
             if v is None:
-                self._lose(t, "request_lost",
+                self._lose(t, Code.REQUEST_LOST,
                            "The request's queue entry was lost (Redis restarted without its data); retry it.")
             else:
                 alive.append(t)
@@ -470,12 +471,12 @@ class Broker:
                     await asyncio.sleep(HOUSEKEEP_S)
                     continue
                 for t in targets:
-                    self._lose(t, "redis_unavailable", f"The queue (Redis) is unavailable: {type(exc).__name__}")
+                    self._lose(t, Code.REDIS_UNAVAILABLE, f"The queue (Redis) is unavailable: {type(exc).__name__}")
                 return
             for t in alive:
                 last = delivered.get(t.model)
                 if last is not None and _entry_id(t.entry_id) <= last:
-                    self._lose(t, "request_lost",
+                    self._lose(t, Code.REQUEST_LOST,
                                "The connection to the queue (Redis) was lost while an engine ran the request, "
                                "so part of its output may be missing; retry it.")
             return

@@ -465,11 +465,11 @@ def test_limits_shared_with_the_engine_refused_before_queueing(gateway, fake_eng
     """sluice.wire.limits: what the engine would refuse, the gateway refuses first (400, nothing queued)."""
     from sluice.wire import limits
 
-    too_many = list(range(limits.MAX_STOP_TOKEN_IDS + 1))
+    too_many = list(range(limits.STOP_TOKEN_IDS.max_items + 1))
     r = httpx.post(f"{gateway.url}/v1/completions",
                    json={"model": MODEL, "prompt": "x", "max_tokens": 2, "stop_token_ids": too_many})
     assert_error(r, 400)
-    bias = {str(i): 1 for i in range(limits.MAX_LOGIT_BIAS + 1)}
+    bias = {str(i): 1 for i in range(limits.LOGIT_BIAS.max_items + 1)}
     r = httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
                                                           "logit_bias": bias})
     assert_error(r, 400)
