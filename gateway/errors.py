@@ -194,13 +194,14 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: Code.NOT_FOUND, 405: Code.METHOD_NOT_ALLOWED}.get(exc.status_code)
+        if code is not None:
+            err = error(code, str(exc.detail))
+            err.headers = getattr(exc, "headers", None)
+            return err.response()
         type_ = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-        code = {404: Code.NOT_FOUND.value, 405: Code.METHOD_NOT_ALLOWED.value}.get(exc.status_code)
-        return JSONResponse(
-            error_body(str(exc.detail), type_, None, code),
-            status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
-        )
+        return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
