@@ -51,6 +51,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
+from gateway.metrics import METRICS
 from sluice.wire import card as wire_card
 from sluice.wire import codec, contract
 from sluice.wire.card import ModelCard
@@ -274,6 +275,7 @@ class Broker:
     def _on_pubsub_connect(self, _conn) -> None:
         """Called by redis-py after it reconnected the pub/sub connection (and re-sent SUBSCRIBE)."""
         self.stats["reconnects"] += 1
+        METRICS.redis_reconnects.inc()
         self._resubscribing = True
         log.warning("pub/sub connection re-established; auditing %d in-flight requests", len(self._tracked))
 
@@ -358,6 +360,7 @@ class Broker:
             return
         t.lost = True
         self.stats["lost"] += 1
+        METRICS.requests_lost.labels(code=code.value).inc()
         log.warning("request %s: %s", t.request_id, message)
         t.queue.put_nowait(Lost(code, message))
 
@@ -456,6 +459,7 @@ class Broker:
         """After a pub/sub reconnect: end the requests that may have lost events or whose entry is
         gone; keep those still waiting, untouched, in the queue (nothing was published for them)."""
         self.stats["audits"] += 1
+        METRICS.inflight_audits.inc()
         give_up = time.monotonic() + REDIS_DOWN_FAIL_S
         while True:
             targets = list(only) if only is not None else list(self._tracked.values())

@@ -249,11 +249,11 @@ def test_models_health_metrics(gateway, fake_engine):
     assert httpx.get(f"{gateway.url}/health").status_code == 200
     httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
     text = httpx.get(f"{gateway.url}/metrics").text
-    for name in ("sluice:time_to_first_token_seconds_bucket", "sluice:inter_token_latency_seconds_bucket",
-                 "sluice:e2e_request_latency_seconds_bucket", "sluice:request_queue_time_seconds_bucket",
-                 "sluice:num_requests_waiting", "sluice:prompt_tokens_total", "sluice:generation_tokens_total",
-                 'sluice:http_requests_total{endpoint="/v1/completions",status="200"}',
-                 "sluice:request_success_total"):
+    for name in ("sluice_gateway:time_to_first_token_seconds_bucket", "sluice_gateway:inter_token_latency_seconds_bucket",
+                 "sluice_gateway:e2e_request_latency_seconds_bucket", "sluice_gateway:request_queue_time_seconds_bucket",
+                 "sluice_gateway:num_requests_waiting", "sluice_gateway:prompt_tokens_total", "sluice_gateway:generation_tokens_total",
+                 'sluice_gateway:http_requests_total{endpoint="/v1/completions",status="200"}',
+                 "sluice_gateway:request_success_total"):
         assert name in text, name
     fake_engine.kill()
     time.sleep(1.1)
