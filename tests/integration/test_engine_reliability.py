@@ -22,6 +22,7 @@ from sluice.wire.client import RequestHandle, WireClient
 from sluice.wire.error_codes import Code
 from tests.docker_support import free_port, wait_for_redis
 from tests.integration.test_engine_service_worker import FakeEngine
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.docker
 
@@ -75,14 +76,6 @@ def pending_ids(r: redis.Redis, consumer: str | None = None) -> set[bytes]:
     except redis.ResponseError:
         return set()
     return {row["message_id"] for row in rows}
-
-
-def wait_until(cond, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.02)
 
 
 # --------------------------------------------------------------------------- item 8: limits

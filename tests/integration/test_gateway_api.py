@@ -14,6 +14,7 @@ from sluice.wire import contract
 from sluice.wire.messages_pb2 import GenerateRequest
 from tests.integration import test_gateway_support as support
 from tests.integration.test_gateway_support import MAX_MODEL_LEN, MODEL, REPLY
+from tests.waiting import wait_until
 
 # the shared fixtures
 fake_engine = support.fake_engine
@@ -220,9 +221,7 @@ def test_non_streaming_disconnect_cancels(gateway, fake_engine):
     t = threading.Thread(target=client)
     t.start()
     t.join()
-    deadline = time.time() + 5
-    while not fake_engine.requests and time.time() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: fake_engine.requests, 5, "the request read by the engine")
     rid = fake_engine.requests[0].request_id
     assert fake_engine.wait_cancel(rid)
     assert redis_marker(gateway, rid)
@@ -255,10 +254,10 @@ def test_models_health_metrics(gateway, fake_engine):
                  'sluice_gateway:http_requests_total{endpoint="/v1/completions",status="200"}',
                  "sluice_gateway:request_success_total"):
         assert name in text, name
-    fake_engine.kill()
-    time.sleep(1.1)
+    fake_engine.kill()  # the key is gone on return: /health checks afresh
     assert_error(httpx.get(f"{gateway.url}/health"), 503)
-    assert httpx.get(f"{gateway.url}/v1/models").json()["data"] == []
+    # /v1/models reads the liveness the gateway caches for up to a second
+    wait_until(lambda: httpx.get(f"{gateway.url}/v1/models").json()["data"] == [], 5, "no model listed")
 
 
 # --- the error matrix --------------------------------------------------------------------------
@@ -351,8 +350,7 @@ def test_body_too_large_413(make_gateway, fake_engine):
 
 def test_queue_full_429(make_gateway, fake_engine, redis_client):
     gw = make_gateway(max_queue_len=2, retry_after_s=3)
-    fake_engine.paused = True
-    time.sleep(0.2)
+    fake_engine.pause()  # no read in flight: the fillers stay queued
     for _ in range(2):
         redis_client.xadd(contract.request_stream(MODEL),
                           {contract.REQUEST_FIELD: GenerateRequest(request_id="filler").SerializeToString()})
@@ -363,7 +361,7 @@ def test_queue_full_429(make_gateway, fake_engine, redis_client):
 
 def test_no_engine_503(gateway, fake_engine):
     fake_engine.kill()
-    time.sleep(1.1)
+    assert_error(httpx.get(f"{gateway.url}/health"), 503)  # a fresh look, which the gateway keeps
     r = httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert_error(r, 503, code="no_engine")
 
@@ -399,9 +397,7 @@ def test_engine_lost_503(gateway, fake_engine, monkeypatch):
 
     t = threading.Thread(target=client)
     t.start()
-    end = time.time() + 5
-    while not fake_engine.requests and time.time() < end:
-        time.sleep(0.02)
+    wait_until(lambda: fake_engine.requests, 5, "the request read by the engine")
     fake_engine.kill()
     t.join(10)
     assert_error(result["r"], 503, code="engine_lost")
@@ -425,9 +421,7 @@ def test_queued_request_waits_for_a_restarted_engine(gateway, fake_engine, monke
     t = threading.Thread(target=client)
     t.start()
     r = redis.Redis.from_url(gateway.config.redis_url)
-    end = time.time() + 10
-    while not r.keys(contract.inflight_key("*")) and time.time() < end:  # enqueued (a fixed sleep races)
-        time.sleep(0.02)
+    wait_until(lambda: r.keys(contract.inflight_key("*")), 10, "the request enqueued")
     r.close()
     fake_engine.kill()  # gone: no liveness key, no heartbeat
     time.sleep(3.0)  # many liveness checks see no engine
