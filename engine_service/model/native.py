@@ -51,8 +51,16 @@ HEADERS = [KERNELS / "bf16.h", KERNELS / "paged_decode_attention.h", KERNELS / "
 CXX_SOURCES = [KERNELS / "paged_decode_attention_op.cpp", KERNELS / "prepacked_linear_op.cpp",
                KERNELS / "dequantize_op.cpp"]
 LIBRARY_NAME = "sluice_ops"
+# The oldest torch whose stable C ABI has what the bindings call (torch::stable::contiguous and
+# torch_call_dispatcher are 2.10's). pyproject.toml states the same lower bound; the build targets
+# it (TORCH_TARGET_VERSION), so a newer call fails the build here, not on a user's older torch.
+MIN_TORCH = (2, 10)
+TORCH_TARGET_VERSION = f"0x{MIN_TORCH[0]:02x}{MIN_TORCH[1]:02x}000000000000"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC"]
-CXXFLAGS = ["-O2", "-std=c++17", "-fPIC"]
+CXXFLAGS = ["-O2", "-std=c++17", "-fPIC", f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}"]
+# The C kernels are x86-64 code (kernels/packed_gemv.c includes immintrin.h): elsewhere the build
+# is refused before anything is compiled, and the engine runs torch's own paths.
+ARCHITECTURES = ("x86_64", "AMD64")
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
@@ -77,6 +85,14 @@ def _compiler(env: str, *names: str) -> str:
     if found is None:
         raise NativeKernelError(f"no {names[0]} on PATH (the native kernel needs gcc and g++)")
     return found
+
+
+def check_architecture(machine: str | None = None) -> None:
+    """Raise NativeKernelError unless this is an architecture the kernels are written for."""
+    machine = machine or platform.machine()
+    if machine not in ARCHITECTURES:
+        raise NativeKernelError(f"the native kernels are x86-64 code (AVX2/AVX-512 intrinsics); on {machine} "
+                                "the engine runs torch's own attention and products")
 
 
 def _run(cmd: list[str], what: str) -> None:
@@ -125,8 +141,7 @@ def load_native_ops() -> None:
         if cached is not None:
             return
         try:
-            if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
-                raise NativeKernelError(f"no native kernels for {platform.machine()}")
+            check_architecture()
             # the schemas the library implements are defined in Python (here and in prepacked)
             from engine_service.model import prepacked  # noqa: F401
             try:
