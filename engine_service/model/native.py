@@ -8,14 +8,12 @@
   dense matrix, in one pass, for products of many rows (``kernels/dequantize.c``, bound by
   ``kernels/dequantize_op.cpp``; used by ``engine_service.model.quantization``).
 
-Why not ``torch.utils.cpp_extension``: code that includes ATen's headers takes about a minute to
-compile on two cores and needs ninja. The bindings use torch's stable C ABI instead
-(``torch/csrc/stable``: the shim's C declarations and a few header-only templates), so the whole
-build takes a few seconds and needs nothing but gcc and g++ (which inductor needs too). Why
-operators in C++ rather than Python functions (ctypes, as at first): they run once per layer (and
-per projection) per step, and the Python layer cost 5-8 µs a call with warm caches, ~30 µs in a real
-step, where a layer's weights have just streamed through the caches and the interpreter's objects
-with them (docs/performance.md).
+Why not ``torch.utils.cpp_extension``: code that includes ATen's headers takes long to compile
+and needs ninja. The bindings use torch's stable C ABI instead (``torch/csrc/stable``: the shim's C
+declarations and a few header-only templates), so the build is quick and needs nothing but gcc and
+g++ (which inductor needs too). Why operators in C++ rather than Python functions (ctypes, as at
+first): they run once per layer (and per projection) per step, where the Python layer's cost per call
+was a large share of the kernel's own (the figures: docs/performance.md).
 
 The shared object links ``libgomp.so.1``, the soname of the OpenMP runtime torch has already loaded,
 so the kernel runs on torch's thread pool (a second pool would fight it for the cores). Built
