@@ -280,7 +280,7 @@ class EngineMetrics(NullMetrics):
         self._success = {reason: success.labels(**lv, finished_reason=reason) for reason in FINISH_REASONS}
         self._success_family = success
         self._errors_family = Counter("sluice:request_errors",
-                                      "Error events sent to clients, by error code (sluice.wire.contract)",
+                                      "Error events sent to clients, by error code (sluice.wire.error_codes)",
                                       [*LABELS, "code"], registry=r)
         self._errors = {code: self._errors_family.labels(**lv, code=code) for code in ERROR_CODES}
         aborts = Counter("sluice:request_aborts", "Requests the engine stopped before their end, by cause",
