@@ -107,11 +107,14 @@ RUN pip-install --no-deps . && pip check
 
 # ---------------------------------------------------------------------------------------------
 FROM base AS engine
-# gcc and g++ build the native decode attention at first start (engine_service/model/native.py,
-# about 1.5 s; cached in /models/kernels); inductor (--no-enforce-eager) needs g++ too. Without them (an offline build) the
-# engine logs why and runs the plain-torch attention, eagerly.
-RUN (apt-get update && apt-get install -y --no-install-recommends g++ \
-     && rm -rf /var/lib/apt/lists/*) || echo "no C/C++ compiler installed: the engine will use the torch attention, eagerly"
+# gcc and g++ build the native operators at first start (engine_service/model/native.py, about
+# 1.5 s; cached in /models/kernels); inductor (--no-enforce-eager) needs g++ too. An image without
+# them would run without its kernels, eagerly: the build fails instead when they cannot be installed
+# (a base image that already has g++, such as a stand-in, needs no package index).
+RUN if ! command -v g++ >/dev/null; then \
+        apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*; \
+    fi \
+    && g++ --version >/dev/null && gcc --version >/dev/null
 COPY --from=build-engine /opt/venv /opt/venv
 COPY --from=build-engine /opt/sluice/model /opt/sluice/model
 COPY deploy/docker/engine-entrypoint.sh /usr/local/bin/engine-entrypoint.sh

@@ -61,8 +61,8 @@ class EngineConfig:
     seed: int = knob(0, "seeds the sampler's generator for unseeded requests")
     enforce_eager: bool | None = knob(
         None, "no torch.compile: run the eager forward only (vLLM's name). Default: $SLUICE_ENFORCE_EAGER, "
-        "else eager (the compiled decode step, --no-enforce-eager, takes 19% less time per token in float32 "
-        "and 32% with int4 here, but its first warm-up takes about a minute on CPU; docs/performance.md)")
+        "else eager (the compiled decode step, --no-enforce-eager, takes less time per token, but its first "
+        "warm-up is long on CPU; the figures, with the command that measures them: docs/performance.md)")
 
     def resolved_dtype(self) -> str:
         return self.dtype or os.environ.get("SLUICE_DTYPE") or "auto"

@@ -33,7 +33,9 @@ from engine_service.model.runner import ModelRunner
 from engine_service.sampling.grammar import GrammarManager
 from engine_service.sampling.sampler import Sampler, compute_logprobs
 from sluice.text.tokenizer import Tokenizer
+from sluice.wire import limits
 from sluice.wire.card import sampling_defaults
+from sluice.wire.error_codes import Code
 from sluice.wire.stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -147,20 +149,16 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         """Admit a request past the door, or raise ``RequestRejected`` / ``ValueError`` saying why."""
         if request_id in self._groups:
-            raise RequestRejected("invalid_request", f"request id {request_id!r} is already running")
-        if not prompt_token_ids:
-            raise RequestRejected("invalid_request", "the prompt is empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestRejected(
-                "invalid_request", f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
-            )
+            raise RequestRejected(Code.INVALID_REQUEST, f"request id {request_id!r} is already running")
+        problem = limits.check_prompt(prompt_token_ids, self.vocab_size)
+        if problem is not None:
+            raise RequestRejected(problem.code, problem.message)
         params.verify(self.vocab_size)
         if params.structured_outputs is not None:
             try:  # compiled against the vocabulary (cached): a constraint from the queue is re-checked
                 self.grammars.check(params.structured_outputs)
             except ValueError as exc:
-                raise RequestRejected("invalid_request", str(exc)) from None
+                raise RequestRejected(Code.INVALID_REQUEST, str(exc)) from None
         params = params.with_model_defaults(self.sampling_defaults)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []

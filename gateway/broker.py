@@ -56,6 +56,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
+from gateway.metrics import METRICS
 from sluice.wire import card as wire_card
 from sluice.wire import codec, contract, registry
 from sluice.wire.card import ModelCard
@@ -67,6 +68,7 @@ from sluice.wire.connection import (
     redact,
     refresh_topology,
 )
+from sluice.wire.error_codes import Code
 from sluice.wire.messages_pb2 import GenerateRequest
 
 log = logging.getLogger("sluice.gateway.broker")
@@ -115,7 +117,7 @@ class LoadedCard:
 class Lost:
     """Put on a request's queue instead of an event: the request cannot complete (retryable 503)."""
 
-    code: str  # "request_lost" | "redis_unavailable"
+    code: Code  # REQUEST_LOST | REDIS_UNAVAILABLE
     message: str
 
 
@@ -272,6 +274,7 @@ class Broker:
                     # A resubscription (after a reconnect or a failover): from here on nothing
                     # published is missed, so the audit can tell what was.
                     self.stats["reconnects"] += 1
+                    METRICS.redis_reconnects.inc()
                     log.warning("subscription re-established; auditing %d in-flight requests", len(self._tracked))
                     self._spawn(self._audit())
                 self.ready.set()
@@ -359,11 +362,12 @@ class Broker:
         """The engine ended this request (terminal events received): nothing more can be lost."""
         self.release([request_id])
 
-    def _lose(self, t: _Tracked, code: str, message: str) -> None:
+    def _lose(self, t: _Tracked, code: Code, message: str) -> None:
         if t.lost or self._tracked.get(t.request_id) is not t:
             return
         t.lost = True
         self.stats["lost"] += 1
+        METRICS.requests_lost.labels(code=code.value).inc()
         log.warning("request %s: %s", t.request_id, message)
         t.queue.put_nowait(Lost(code, message))
 
@@ -421,7 +425,7 @@ class Broker:
     async def _housekeep_once(self, check: bool) -> None:
         if self._down_since is not None and time.monotonic() - self._down_since >= REDIS_DOWN_FAIL_S:
             for t in list(self._tracked.values()):
-                self._lose(t, "redis_unavailable",
+                self._lose(t, Code.REDIS_UNAVAILABLE,
                            "The connection to the queue (Redis) was lost while the request was in flight; "
                            "retry it.")
         await self._flush_forget()
@@ -459,7 +463,7 @@ class Broker:
         alive = []
         for t, v in zip(tracked, values, strict=True):
             if v is None:
-                self._lose(t, "request_lost",
+                self._lose(t, Code.REQUEST_LOST,
                            "The request's queue entry was lost (Redis restarted without its data); retry it.")
             else:
                 alive.append(t)
@@ -469,6 +473,7 @@ class Broker:
         """After a pub/sub reconnect: end the requests that may have lost events or whose entry is
         gone; keep those still waiting, untouched, in the queue (nothing was published for them)."""
         self.stats["audits"] += 1
+        METRICS.inflight_audits.inc()
         give_up = time.monotonic() + REDIS_DOWN_FAIL_S
         while True:
             targets = list(only) if only is not None else list(self._tracked.values())
@@ -484,12 +489,12 @@ class Broker:
                     await asyncio.sleep(HOUSEKEEP_S)
                     continue
                 for t in targets:
-                    self._lose(t, "redis_unavailable", f"The queue (Redis) is unavailable: {type(exc).__name__}")
+                    self._lose(t, Code.REDIS_UNAVAILABLE, f"The queue (Redis) is unavailable: {type(exc).__name__}")
                 return
             for t in alive:
                 last = delivered.get(t.model)
                 if last is not None and _entry_id(t.entry_id) <= last:
-                    self._lose(t, "request_lost",
+                    self._lose(t, Code.REQUEST_LOST,
                                "The connection to the queue (Redis) was lost while an engine ran the request, "
                                "so part of its output may be missing; retry it.")
             return

@@ -10,8 +10,6 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-from sluice.wire import limits
-
 ENV_VAR = "SLUICE_GATEWAY_CONFIG"
 
 
@@ -24,9 +22,7 @@ class GatewayConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     retry_after_s: int = 1  # the Retry-After of a 429
     card_ttl_s: float = 2.0  # how long a model card (and engine liveness) is trusted before a check
-    max_n: int = limits.MAX_N  # the engine refuses more than limits.MAX_N whatever this says
-    max_logprobs: int = limits.MAX_LOGPROBS
-    max_prompts: int = 64  # prompts in one /v1/completions request
+    # The request limits (n, logprobs, prompts per request, ...) are not settings: sluice.wire.limits.
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -1,4 +1,9 @@
-"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every error answer is built by :func:`error` from ``sluice.wire.error_codes``: the code decides the
+HTTP status, the OpenAI ``type``, whether ``Retry-After`` is sent and the default message; the
+helpers below only fill in the message and the parameter.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sluice.wire import codec, contract
+from sluice.wire import limits
+from sluice.wire.card import CardError, ContractMismatch
+from sluice.wire.error_codes import TABLE, Code
 
 
 class OpenAIError(Exception):
@@ -42,92 +49,79 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def invalid(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
-    return OpenAIError(400, message, param=param, code=code)
+def error(code: Code | str, message: str | None = None, *, param: str | None = None,
+          retry_after_s: int = 1) -> OpenAIError:
+    """The answer for ``code`` (``sluice.wire.error_codes.TABLE``), with ``message`` or the code's
+    default; a retryable code carries ``Retry-After: retry_after_s``."""
+    code = Code(code)
+    spec = TABLE[code]
+    headers = {"Retry-After": str(retry_after_s)} if spec.retryable else None
+    return OpenAIError(spec.status, message or spec.message, type=spec.type, param=param, code=code.value,
+                       headers=headers)
+
+
+def invalid(message: str, param: str | None = None, code: Code | str = Code.INVALID_VALUE) -> OpenAIError:
+    """A 400: ``param`` names the offending parameter."""
+    return error(code, message, param=param)
+
+
+def from_problem(problem: limits.Problem) -> OpenAIError:
+    """A request the limits refuse (``sluice.wire.limits``): the table's message, naming the field."""
+    if problem.code is Code.INVALID_REQUEST:
+        message = f"Invalid value for '{problem.param}': {problem.message}." if problem.param else problem.message
+        return invalid(message, param=problem.param)
+    return error(problem.code, problem.message, param=problem.param)
 
 
 def model_not_found(model: str) -> OpenAIError:
-    return OpenAIError(
-        404,
-        f"The model `{model}` does not exist or you do not have access to it.",
-        param="model",
-        code="model_not_found",
-    )
+    return error(Code.MODEL_NOT_FOUND, f"The model `{model}` does not exist or you do not have access to it.",
+                 param="model")
 
 
-def no_engine(model: str, retry_after_s: int = 1) -> OpenAIError:
-    return OpenAIError(
-        503,
-        f"No engine serving model `{model}` is alive; try again later.",
-        type="service_unavailable_error",
-        code="no_engine",
-        headers={"Retry-After": str(retry_after_s)},
-    )
+def no_engine(model: str | None = None, retry_after_s: int = 1) -> OpenAIError:
+    message = f"No engine serving model `{model}` is alive; try again later." if model else "No engine is alive."
+    return error(Code.NO_ENGINE, message, retry_after_s=retry_after_s)
 
 
 def queue_full(model: str, retry_after_s: int) -> OpenAIError:
-    return OpenAIError(
-        429,
-        f"The queue for model `{model}` is full; retry after {retry_after_s} s.",
-        type="rate_limit_error",
-        code="queue_full",
-        headers={"Retry-After": str(retry_after_s)},
-    )
+    return error(Code.QUEUE_FULL, f"The queue for model `{model}` is full; retry after {retry_after_s} s.",
+                 retry_after_s=retry_after_s)
 
 
-def service_unavailable(message: str, code: str, retry_after_s: int = 1) -> OpenAIError:
-    """A 503 the client should retry (``Retry-After``)."""
-    return OpenAIError(503, message, type="service_unavailable_error", code=code,
-                       headers={"Retry-After": str(retry_after_s)})
+def redis_down(exc: Exception | None = None, retry_after_s: int = 1) -> OpenAIError:
+    message = (f"The queue (Redis) is unavailable: {type(exc).__name__}" if exc is not None
+               else "Redis is not answering.")
+    return error(Code.REDIS_UNAVAILABLE, message, retry_after_s=retry_after_s)
 
 
-def request_lost(code: str, message: str, retry_after_s: int = 1) -> OpenAIError:
-    """The request cannot complete (its queue entry or part of its output was lost with Redis)."""
-    return service_unavailable(message, code, retry_after_s)
+def engine_lost(model: str, retry_after_s: int = 1) -> OpenAIError:
+    return error(Code.ENGINE_LOST, f"The engine serving model `{model}` was lost.", retry_after_s=retry_after_s)
 
 
 def deadline_exceeded() -> OpenAIError:
-    return OpenAIError(
-        504, "The request did not complete before its deadline.", type="timeout_error", code="deadline_exceeded"
-    )
+    return error(Code.DEADLINE_EXCEEDED)
 
 
 def unauthorized() -> OpenAIError:
-    return OpenAIError(
-        401,
-        "Incorrect API key provided. Pass it as `Authorization: Bearer <key>`.",
-        code="invalid_api_key",
-    )
+    return error(Code.INVALID_API_KEY)
 
 
 def body_too_large(limit: int) -> OpenAIError:
-    return OpenAIError(413, f"The request body exceeds the limit of {limit} bytes.", code="request_too_large")
-
-
-# Engine Error.code (the contract's ErrorCode) -> (HTTP status, OpenAI type). The OpenAI `code`
-# is the enum's short name (codec.error_code_name), e.g. "deadline_exceeded".
-ENGINE_ERRORS: dict[int, tuple[int, str]] = {
-    contract.ERR_INVALID_REQUEST: (400, "invalid_request_error"),
-    contract.ERR_CONTEXT_LENGTH: (400, "invalid_request_error"),
-    contract.ERR_KV_CACHE_TOO_SMALL: (400, "invalid_request_error"),
-    contract.ERR_DEADLINE: (504, "timeout_error"),
-    contract.ERR_ENGINE_LOST: (503, "service_unavailable_error"),
-    contract.ERR_DRAINING: (503, "service_unavailable_error"),
-    contract.ERR_INTERNAL: (500, "internal_error"),
-    contract.ERR_CONTRACT_MISMATCH: (503, "service_unavailable_error"),
-}
+    return error(Code.REQUEST_TOO_LARGE, f"The request body exceeds the limit of {limit} bytes.")
 
 
 def from_engine(code: int, message: str, retry_after_s: int = 1) -> OpenAIError:
-    status, type_ = ENGINE_ERRORS.get(code, (500, "internal_error"))
-    name = codec.error_code_name(code)
-    headers = {"Retry-After": str(retry_after_s)} if status == 503 else None
-    return OpenAIError(status, message or name, type=type_, code=name, headers=headers)
+    """An engine's ``Error`` event (the proto ``ErrorCode``)."""
+    c = Code.from_wire(code)
+    return error(c, message or c.value, retry_after_s=retry_after_s)
 
 
-def contract_mismatch(message: str) -> OpenAIError:
-    """A gateway and an engine of different contract versions (``sluice.wire.card.ContractMismatch``)."""
-    return OpenAIError(503, message, type="service_unavailable_error", code="contract_mismatch")
+def from_card_error(model: str, exc: CardError) -> OpenAIError:
+    """A model card this gateway cannot use: written by an engine of another contract version
+    (``contract_mismatch``), or malformed (``bad_model_card``)."""
+    if isinstance(exc, ContractMismatch):
+        return error(Code.CONTRACT_MISMATCH, str(exc))
+    return error(Code.BAD_MODEL_CARD, f"The model card of `{model}` cannot be read: {exc}")
 
 
 def _param_of(loc: tuple | list) -> str | None:
@@ -179,35 +173,36 @@ def install_handlers(app: FastAPI) -> None:
             return invalid(
                 "We could not parse the JSON body of your request. (HINT: This likely means you aren't "
                 "using your HTTP library correctly. The OpenAI API expects a JSON payload.)",
-                code="invalid_json",
+                code=Code.INVALID_JSON,
             ).response()
         param = _param_of(err.get("loc", ()))
         if err.get("type") == "missing" and param:
             msg = f"Missing required parameter: '{param}'."
-            code = "missing_required_parameter"
+            code = Code.MISSING_REQUIRED_PARAMETER
         elif param is None and err.get("type") in ("model_attributes_type", "dict_type"):
             msg = "The request body must be a JSON object."
-            code = "invalid_json"
+            code = Code.INVALID_JSON
         elif param and err.get("type") in _EXPECTED:
             msg = (f"Invalid type for '{param}': expected {_EXPECTED[err['type']]}, but got "
                    f"{json_type(err.get('input'))} instead.")
-            code = "invalid_type"
+            code = Code.INVALID_TYPE
         else:
             detail = str(err.get("msg", "invalid value"))
             msg = f"Invalid value for '{param}': {detail}." if param else f"Invalid request: {detail}."
-            code = "invalid_value"
+            code = Code.INVALID_VALUE
         return invalid(msg, param=param, code=code).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: Code.NOT_FOUND, 405: Code.METHOD_NOT_ALLOWED}.get(exc.status_code)
+        if code is not None:
+            err = error(code, str(exc.detail))
+            err.headers = getattr(exc, "headers", None)
+            return err.response()
         type_ = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return JSONResponse(
-            error_body(str(exc.detail), type_, None, code),
-            status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
-        )
+        return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"Internal error: {type(exc).__name__}", "internal_error"), status_code=500)
+        return error(Code.INTERNAL, f"Internal error: {type(exc).__name__}").response()

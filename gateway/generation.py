@@ -205,8 +205,7 @@ class Generation:
         for req in reqs:  # the limits the engine enforces too (sluice.wire.limits): a 400 here, not there
             problem = limits.check_request(req, vocab_size=self.card.vocab_size, max_model_len=self.card.max_model_len)
             if problem is not None:
-                raise errors.invalid(problem[1][:1].upper() + problem[1][1:] + ".",
-                                     code=codec.error_code_name(problem[0]))
+                raise errors.from_problem(problem)
         self.broker.register([s.request_id for s in self.subs], self._queue)
         self._started = True
         METRICS.running.inc()
@@ -231,7 +230,7 @@ class Generation:
                     await self._check_engines()
                     continue
                 if isinstance(data, Lost):
-                    raise errors.request_lost(data.code, data.message, self.broker.retry_after_s)
+                    raise errors.error(data.code, data.message, retry_after_s=self.broker.retry_after_s)
                 out = self._handle(data)
                 if out:
                     yield out
@@ -257,11 +256,7 @@ class Generation:
         emitted = any(c.token_ids for c in self.choices)
         if policy.engine_lost(live_engines=alive, emitted=emitted, no_engine_for_s=now - self._no_engine_since,
                               wait_s=NO_ENGINE_WAIT_S):
-            raise errors.OpenAIError(
-                503, f"The engine serving model `{self.card.name}` was lost.",
-                type="service_unavailable_error", code="engine_lost",
-                headers={"Retry-After": str(self.broker.retry_after_s)},
-            )
+            raise errors.engine_lost(self.card.name, self.broker.retry_after_s)
 
     def _handle(self, ev: Event) -> list[Delta]:
         sub = self._by_id.get(ev.request_id)

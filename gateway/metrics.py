@@ -1,4 +1,7 @@
-"""Prometheus metrics, named after vLLM's with a ``sluice:`` prefix.
+"""Prometheus metrics, named after vLLM's with a ``sluice_gateway:`` prefix of their own: the
+engines export ``sluice:`` metrics of the same stem (``time_to_first_token_seconds``,
+``num_requests_running``, ...) that measure something else (from the engine's arrival, in its
+batch), so a name never means two things. docs/metrics.md lists them all.
 
 With several uvicorn workers, ``sluice gateway`` points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh
 directory before the workers start; each worker then writes its samples there and ``/metrics``
@@ -18,6 +21,11 @@ from prometheus_client import (
     generate_latest,
 )
 
+from sluice.wire.error_codes import Code
+
+PREFIX = "sluice_gateway:"
+LOST_CODES = (Code.REQUEST_LOST.value, Code.REDIS_UNAVAILABLE.value)  # the broker's Lost codes
+
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
@@ -29,40 +37,55 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         kw = {"registry": registry} if registry is not None else {}
+        p = PREFIX
         self.requests = Counter(
-            "sluice:http_requests", "HTTP requests answered, by endpoint and status code",
+            f"{p}http_requests", "HTTP requests answered, by endpoint and status code",
             ["endpoint", "status"], **kw,
         )
         self.finished = Counter(
-            "sluice:request_success", "Completions finished, by finish reason", ["finished_reason"], **kw
+            f"{p}request_success", "Completions finished, by finish reason", ["finished_reason"], **kw
         )
         self.ttft = Histogram(
-            "sluice:time_to_first_token_seconds", "Arrival at the gateway to the first generated token",
+            f"{p}time_to_first_token_seconds", "Arrival at the gateway to the first generated token",
             buckets=_LATENCY_BUCKETS, **kw,
         )
         self.itl = Histogram(
-            "sluice:inter_token_latency_seconds", "Time between successive token events of a request",
+            f"{p}inter_token_latency_seconds", "Time between successive token events of a request",
             buckets=_ITL_BUCKETS, **kw,
         )
         self.e2e = Histogram(
-            "sluice:e2e_request_latency_seconds", "Arrival at the gateway to the last token",
+            f"{p}e2e_request_latency_seconds", "Arrival at the gateway to the last token",
             buckets=_E2E_BUCKETS, **kw,
         )
         self.queue_time = Histogram(
-            "sluice:request_queue_time_seconds",
+            f"{p}request_queue_time_seconds",
             "Enqueue (XADD) to the first event from an engine: queueing plus the prefill",
             buckets=_E2E_BUCKETS, **kw,
         )
         self.queue_depth = Gauge(
-            "sluice:num_requests_waiting", "Requests in the model's Redis queue not yet taken by an engine",
+            f"{p}num_requests_waiting", "Requests in the model's Redis queue not yet taken by an engine",
             ["model"], multiprocess_mode="max", **kw,
         )
         self.running = Gauge(
-            "sluice:num_requests_running", "Requests this gateway is serving now",
+            f"{p}num_requests_running", "Requests this gateway is serving now",
             multiprocess_mode="livesum", **kw,
         )
-        self.prompt_tokens = Counter("sluice:prompt_tokens", "Prompt tokens of enqueued requests", **kw)
-        self.generation_tokens = Counter("sluice:generation_tokens", "Generated tokens sent to clients", **kw)
+        self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens of enqueued requests", **kw)
+        self.generation_tokens = Counter(f"{p}generation_tokens", "Generated tokens sent to clients", **kw)
+        # the broker's (gateway/broker.py)
+        self.redis_reconnects = Counter(
+            f"{p}redis_reconnects", "Pub/sub connections to Redis re-established after a failure", **kw)
+        self.inflight_audits = Counter(
+            f"{p}inflight_audits", "Checks that the in-flight requests' queue entries still exist", **kw)
+        self.requests_lost = Counter(
+            f"{p}requests_lost", "Requests that cannot complete: their queue entry or output was lost with "
+            "Redis (request_lost) or Redis stayed unavailable (redis_unavailable); answered 503",
+            ["code"], **kw)
+        # the labelled series an alert reads exist from the start, at zero
+        for code in LOST_CODES:
+            self.requests_lost.labels(code=code)
+        for reason in ("stop", "length", "abort"):
+            self.finished.labels(finished_reason=reason)
 
 
 METRICS = Metrics()

@@ -15,17 +15,64 @@ or an ``image_url`` content part), a wrap validator says what is wrong.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from gateway.errors import json_type
-
-INT32_MAX = 2**31 - 1
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+from sluice.wire import limits
+from sluice.wire.limits import INT32_MAX
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+def limited(tp: Any, bound: limits.Bound | limits.Size, param: str | None = None) -> Any:
+    """``tp`` kept within a bound of ``sluice.wire.limits``' table: refused with the table's message
+    (a 400 naming the field, see ``errors.py``), and documented in ``/openapi.json``."""
+
+    def check(value: Any) -> Any:
+        if value is not None:
+            items = [value] if isinstance(bound, limits.Size) and isinstance(value, str) else value
+            problem = bound.problem(items, param)
+            if problem is not None:
+                raise PydanticCustomError("limit", problem)
+        return value
+
+    if isinstance(bound, limits.Bound):
+        schema = {"exclusiveMinimum" if bound.low_open else "minimum": bound.low, "maximum": bound.high}
+    else:
+        key = {list: "maxItems", dict: "maxProperties"}.get(get_origin(tp))
+        schema = {key: bound.max_items} if key else {}
+    return Annotated[tp, AfterValidator(check), Field(json_schema_extra=schema)]
+
+
+# The sampling fields' types, bounded by the table (chat's names for two of them).
+N = limited(int, limits.N)
+Temperature = limited(float, limits.TEMPERATURE)
+TopP = limited(float, limits.TOP_P)
+TopK = limited(int, limits.TOP_K)
+MinP = limited(float, limits.MIN_P)
+PresencePenalty = limited(float, limits.PRESENCE_PENALTY)
+FrequencyPenalty = limited(float, limits.FREQUENCY_PENALTY)
+RepetitionPenalty = limited(float, limits.REPETITION_PENALTY)
+Seed = limited(int, limits.SEED)
+MaxTokens = limited(int, limits.MAX_TOKENS)
+MaxCompletionTokens = limited(int, limits.MAX_TOKENS, "max_completion_tokens")
+MinTokens = limited(int, limits.MIN_TOKENS)
+Logprobs = limited(int, limits.LOGPROBS)
+TopLogprobs = limited(int, limits.LOGPROBS, "top_logprobs")
+LogitBias = limited(dict[str, limited(float, limits.LOGIT_BIAS_VALUE)], limits.LOGIT_BIAS)
+StopTokenIds = limited(list[TokenId], limits.STOP_TOKEN_IDS)
+Stop = limited(str | list[str], limits.STOP)
 
 # Every request model: unknown fields ignored (as vLLM), no type coercion (see the module doc).
 REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
@@ -65,25 +112,25 @@ class SamplingFields(BaseModel):
     model_config = REQUEST_CONFIG
 
     model: str
-    n: int = Field(1, ge=1, le=128)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: N = 1
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    stop: Stop | None = None
+    seed: Seed | None = None
+    presence_penalty: PresencePenalty | None = None
+    frequency_penalty: FrequencyPenalty | None = None
+    logit_bias: LogitBias | None = None
     user: str | None = None
-    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_tokens: MaxTokens | None = None
     # vLLM extensions
-    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
-    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_tokens: MinTokens = 0
     ignore_eos: bool = False
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: StopTokenIds | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Structured outputs: OpenAI's response_format and vLLM's structured_outputs (checked in
@@ -94,8 +141,8 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: MaxTokens | None = 16
+    logprobs: Logprobs | None = None
     echo: bool | None = False
 
     @field_validator("prompt", mode="wrap")
@@ -154,9 +201,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: MaxCompletionTokens | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -74,15 +74,13 @@ def _generation_responses(model: type, chunk: type) -> dict[int | str, dict[str,
 async def health(request: Request) -> Response:
     broker = serving.broker_of(request)
     if not await broker.ping():
-        return errors.OpenAIError(503, "Redis is not answering.", type="service_unavailable_error",
-                                  code="redis_unavailable").response()
+        return errors.redis_down().response()
     try:
         live = await broker.live_engines(fresh=True)
     except (RedisError, OSError) as exc:
         return redis_down(exc).response()
     if not any(live.values()):
-        return errors.OpenAIError(503, "No engine is alive.", type="service_unavailable_error",
-                                  code="no_engine").response()
+        return errors.no_engine().response()
     return JSONResponse({"status": "ok", "engines": live})
 
 
@@ -134,7 +132,7 @@ async def get_model(model_id: str, request: Request) -> Response:
     except (RedisError, OSError) as exc:
         raise redis_down(exc) from exc
     except CardError as exc:
-        raise errors.contract_mismatch(str(exc)) from exc
+        raise errors.from_card_error(model_id, exc) from exc
     if card is None:
         raise errors.model_not_found(model_id)
     return JSONResponse(to_json(_model_info(card, model_id)))

@@ -29,8 +29,8 @@ from gateway.errors import OpenAIError
 from gateway.generation import Delta, Generation
 from gateway.metrics import METRICS
 from gateway.protocol import ResponseEnvelope, SamplingFields, UsageInfo
-from sluice.wire import codec
-from sluice.wire.card import CardError, ContractMismatch
+from sluice.wire import codec, limits
+from sluice.wire.card import CardError
 from sluice.wire.messages_pb2 import SamplingParams
 
 DISCONNECT_POLL_S = 0.2
@@ -50,9 +50,7 @@ def config_of(request: Request) -> GatewayConfig:
     return request.app.state.config
 
 
-def redis_down(exc: Exception, retry_after_s: int = 1) -> OpenAIError:
-    return errors.service_unavailable(f"The queue (Redis) is unavailable: {type(exc).__name__}",
-                                      "redis_unavailable", retry_after_s)
+redis_down = errors.redis_down
 
 
 # --- the response envelope ---------------------------------------------------------------------
@@ -96,47 +94,37 @@ async def card_for(broker: Broker, model: str) -> LoadedCard:
                 raise errors.no_engine(model)
     except (RedisError, OSError) as exc:
         raise redis_down(exc) from exc
-    except ContractMismatch as exc:
-        raise errors.contract_mismatch(str(exc)) from exc
     except CardError as exc:
-        raise errors.OpenAIError(503, f"The model card of `{model}` cannot be read: {exc}",
-                                 type="service_unavailable_error", code="bad_model_card") from exc
+        raise errors.from_card_error(model, exc) from exc
     return card
 
 
-def check_ids(ids: list[int], card: LoadedCard, param: str) -> None:
-    if card.vocab_size is None:
-        return
-    for t in ids:
-        if not 0 <= t < card.vocab_size:
-            raise errors.invalid(f"Token id {t} in '{param}' is out of the vocabulary (size {card.vocab_size}).",
-                                 param=param, code="invalid_value")
+def check(problem: limits.Problem | None) -> None:
+    """Raise the 400 for a rule of ``sluice.wire.limits`` the request breaks."""
+    if problem is not None:
+        raise errors.from_problem(problem)
 
 
-def sampling_params(req: SamplingFields, card: LoadedCard, cfg: GatewayConfig, max_tokens: int,
-                    logprobs: int | None) -> SamplingParams:
-    if req.n > cfg.max_n:
-        raise errors.invalid(f"'n' must be at most {cfg.max_n}.", param="n", code="invalid_value")
-    if req.min_tokens > max_tokens:
-        raise errors.invalid("'min_tokens' must not exceed 'max_tokens'.", param="min_tokens", code="invalid_value")
+def check_prompt(ids: list[int], card: LoadedCard, param: str = "prompt") -> None:
+    """A prompt has a token, only ids of the vocabulary (``sluice.wire.limits``)."""
+    check(limits.check_prompt(ids, card.vocab_size, param))
+
+
+def sampling_params(req: SamplingFields, card: LoadedCard, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The wire's sampling parameters. The limits (``sluice.wire.limits``) are checked on the whole
+    wire request by ``Generation.start``; the pydantic models already kept each field's bounds."""
     if req.stream_options is not None and not req.stream:
-        raise errors.invalid("'stream_options' is only allowed when 'stream' is true.", param="stream_options",
-                             code="invalid_value")
-    if req.stop_token_ids:
-        check_ids(req.stop_token_ids, card, "stop_token_ids")
+        raise errors.invalid("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
     bias: dict[int, float] = {}
     for key, value in (req.logit_bias or {}).items():
         try:
             tid = int(key)
         except ValueError:
             raise errors.invalid(f"Invalid key {key!r} in 'logit_bias': keys are token ids.",
-                                 param="logit_bias", code="invalid_value") from None
-        if tid < 0 or (card.vocab_size is not None and tid >= card.vocab_size) or tid > 2**31 - 1:
-            raise errors.invalid(f"Token id {tid} in 'logit_bias' is out of the vocabulary.",
-                                 param="logit_bias", code="invalid_value")
+                                 param="logit_bias") from None
+        # the wire's keys are int32: an id past the vocabulary must not get as far as the wire
+        check(limits.check_token_ids("logit_bias", [tid], card.vocab_size or limits.INT32_MAX + 1))
         bias[tid] = value
-    if logprobs is not None and logprobs > cfg.max_logprobs:
-        raise errors.invalid(f"At most {cfg.max_logprobs} logprobs may be requested.", param="logprobs")
     # What the client left unset stays unset on the wire: the engine applies the model's
     # generation_config.json defaults to it (``--generation-config auto``), else vLLM's.
     return codec.sampling_params_to_proto({
@@ -171,17 +159,12 @@ def stop_strings(req: SamplingFields) -> list[str]:
     return [s for s in stops if s]
 
 
-def context_error(card: LoadedCard, prompt_len: int, max_tokens: int, chat: bool) -> OpenAIError:
-    total = prompt_len + max_tokens
-    if chat:
-        msg = (f"This model's maximum context length is {card.max_model_len} tokens. However, you requested "
-               f"{total} tokens ({prompt_len} in the messages, {max_tokens} in the completion). "
-               "Please reduce the length of the messages or completion.")
-    else:
-        msg = (f"This model's maximum context length is {card.max_model_len} tokens, however you requested "
-               f"{total} tokens ({prompt_len} in your prompt; {max_tokens} for the completion). "
-               "Please reduce your prompt; or completion length.")
-    return errors.invalid(msg, param="messages" if chat else "prompt", code="context_length_exceeded")
+def max_tokens_for(card: LoadedCard, prompt_lens: list[int], requested: int | None, param: str) -> int:
+    """``requested``, or up to the context for the longest prompt; a 400 ``context_length_exceeded``
+    when a prompt does not fit (the one rule, ``limits.check_context``)."""
+    for n in prompt_lens:
+        check(limits.check_context(n, requested, card.max_model_len, param))
+    return requested if requested is not None else card.max_model_len - max(prompt_lens)
 
 
 async def encode(tok, text: str, *, add_special_tokens: bool) -> list[int]:

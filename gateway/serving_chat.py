@@ -81,15 +81,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     except ValueError as exc:
         raise errors.invalid(f"Invalid messages for the chat template: {exc}", param="messages") from exc
     ids = list(await serving.encode(card.tokenizer, text, add_special_tokens=False))
-    if not ids:
-        raise errors.invalid("'messages' produce an empty prompt.", param="messages")
+    serving.check_prompt(ids, card, "messages")
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = requested if requested is not None else card.max_model_len - len(ids)
-    if max_tokens < 1 or len(ids) + max_tokens > card.max_model_len:
-        raise serving.context_error(card, len(ids), max(max_tokens, 0) if requested is None else max_tokens,
-                                    chat=True)
+    max_tokens = serving.max_tokens_for(card, [len(ids)], requested, "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = serving.sampling_params(body, card, cfg, max_tokens, logprobs)
+    params = serving.sampling_params(body, card, max_tokens, logprobs)
     serving.constrain(params, constraint)
     opts = {"stop": serving.stop_strings(body), "include_stop_str": body.include_stop_str_in_output,
             "skip_special_tokens": body.skip_special_tokens, "logprobs": logprobs}

@@ -8,7 +8,7 @@ import time
 from fastapi import Request
 from fastapi.responses import Response
 
-from gateway import errors, serving, tools
+from gateway import serving, tools
 from gateway.broker import LoadedCard
 from gateway.generation import Delta, Generation, SubRequest, TokenInfo, position_info
 from gateway.protocol import (
@@ -19,6 +19,7 @@ from gateway.protocol import (
     CompletionStreamResponse,
 )
 from gateway.serving import envelope, finite, usage
+from sluice.wire import limits
 
 
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -34,22 +35,16 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     else:
         prompts_in = list(prompt)
     if not prompts_in:
-        raise errors.invalid("'prompt' must not be empty.", param="prompt")
-    if len(prompts_in) > cfg.max_prompts:
-        raise errors.invalid(f"At most {cfg.max_prompts} prompts per request.", param="prompt")
+        serving.check(limits.invalid("prompt", limits.EMPTY_PROMPT))
+    serving.check(limits.PROMPTS.check(prompts_in))
     prompts: list[list[int]] = []
     for p in prompts_in:
         ids = await serving.encode(tok, p, add_special_tokens=True) if isinstance(p, str) else list(p)
-        if not ids:
-            raise errors.invalid("'prompt' must not be empty.", param="prompt")
-        serving.check_ids(ids, card, "prompt")
+        serving.check_prompt(ids, card)
         prompts.append(list(ids))
-    max_tokens = body.max_tokens if body.max_tokens is not None else card.max_model_len - max(map(len, prompts))
-    for ids in prompts:
-        if len(ids) + max(max_tokens, 0) > card.max_model_len or max_tokens < 1:
-            raise serving.context_error(card, len(ids), max_tokens, chat=False)
+    max_tokens = serving.max_tokens_for(card, [len(ids) for ids in prompts], body.max_tokens, "prompt")
     echo = bool(body.echo)
-    params = serving.sampling_params(body, card, cfg, max_tokens, body.logprobs)
+    params = serving.sampling_params(body, card, max_tokens, body.logprobs)
     serving.constrain(params, tools.constraint_for(body.response_format, body.structured_outputs))
     if echo and body.logprobs is not None:
         params.prompt_logprobs = body.logprobs

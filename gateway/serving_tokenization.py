@@ -14,6 +14,8 @@ from gateway import errors, serving
 from gateway.broker import Broker, LoadedCard
 from gateway.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from gateway.serving_chat import template_messages
+from sluice.wire import limits
+from sluice.wire.error_codes import Code
 
 
 async def _card(broker: Broker, model: str | None) -> LoadedCard:
@@ -28,7 +30,7 @@ async def _card(broker: Broker, model: str | None) -> LoadedCard:
         if len(served) != 1:
             choices = f": one of {', '.join(repr(s) for s in served)}" if served else ""
             raise errors.invalid(f"'model' is required when {len(served)} models are served{choices}.",
-                                 param="model", code="missing_required_parameter")
+                                 param="model", code=Code.MISSING_REQUIRED_PARAMETER)
         model = served[0]
     return await serving.card_for(broker, model)
 
@@ -60,9 +62,5 @@ async def create_tokenize(body: TokenizeRequest, request: Request) -> TokenizeRe
 
 async def create_detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     card = await _card(serving.broker_of(request), body.model)
-    if card.vocab_size is not None:
-        for t in body.tokens:
-            if t >= card.vocab_size:
-                raise errors.invalid(f"Token id {t} in 'tokens' is out of the vocabulary (size {card.vocab_size}).",
-                                     param="tokens", code="invalid_value")
+    serving.check(limits.check_token_ids("tokens", body.tokens, card.vocab_size))
     return DetokenizeResponse(prompt=card.tokenizer.decode(body.tokens))

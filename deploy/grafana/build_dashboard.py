@@ -4,8 +4,9 @@ fails when the JSON is not what this script writes.
 
     python deploy/grafana/build_dashboard.py
 
-Engine series are selected with ``engine_id!=""`` and gateway series with ``engine_id=""`` (the
-gateway's have no such label), so the dashboard does not depend on scrape job names.
+Engine metrics are ``sluice:*`` (selected by the ``model`` and ``engine_id`` variables), gateway
+metrics ``sluice_gateway:*``: the names tell the two apart, so the dashboard does not depend on
+scrape job names.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 OUT = Path(__file__).with_name("sluice-dashboard.json")
 DS = {"type": "prometheus", "uid": "${datasource}"}
 ENGINE = 'engine_id!="", model=~"$model", engine_id=~"$engine_id"'
-GATEWAY = 'engine_id=""'
+GATEWAY = ""  # the sluice_gateway: names are the gateways' alone
 RATE = "[$__rate_interval]"
 # HAProxy's exporter (compose's `lb`): the backend of gateway replicas and the clients' frontend.
 LB = 'proxy="gateways"'
@@ -89,13 +90,13 @@ def build() -> dict:
         q(f"sum(rate(sluice:prompt_tokens_total{{{ENGINE}}}{RATE}))", "prefilled tokens/s"),
     ], unit="short", description="Tokens generated and prompt tokens prefilled per second, all selected engines.")
     L.panel("Finished requests/s by reason (gateways)", [
-        q(f"sum by (finished_reason) (rate(sluice:request_success_total{{{GATEWAY}}}{RATE}))", "{{finished_reason}}"),
+        q(f"sum by (finished_reason) (rate(sluice_gateway:request_success_total{{{GATEWAY}}}{RATE}))", "{{finished_reason}}"),
     ], unit="reqps", stack=True, description="Completions sent to clients, by finish reason.")
     L.panel("HTTP requests/s by status (gateways)", [
-        q(f"sum by (status) (rate(sluice:http_requests_total{{{GATEWAY}}}{RATE}))", "{{status}}"),
+        q(f"sum by (status) (rate(sluice_gateway:http_requests_total{{{GATEWAY}}}{RATE}))", "{{status}}"),
     ], unit="reqps", stack=True, description="Every answered HTTP request, by status code.")
     L.panel("Errors/s by HTTP code (gateways)", [
-        q(f'sum by (status) (rate(sluice:http_requests_total{{{GATEWAY}, status=~"4..|5.."}}{RATE}))', "{{status}}"),
+        q(f'sum by (status) (rate(sluice_gateway:http_requests_total{{status=~"4..|5.."}}{RATE}))', "{{status}}"),
     ], unit="reqps", stack=True, description="4xx and 5xx answers: 400 invalid, 429 queue full, 503 no engine, 504 deadline.")
     L.panel("Engine errors/s by code", [
         q(f"sum by (code) (rate(sluice:request_errors_total{{{ENGINE}}}{RATE}))", "{{code}}"),
@@ -106,16 +107,16 @@ def build() -> dict:
 
     L.row("Latency")
     L.panel("Time to first token (gateway: what clients see)",
-            quantiles("sluice:time_to_first_token_seconds", GATEWAY), unit="s")
+            quantiles("sluice_gateway:time_to_first_token_seconds", GATEWAY), unit="s")
     L.panel("Time to first token (engine)", quantiles("sluice:time_to_first_token_seconds", ENGINE), unit="s",
             description="From the engine taking the request to its first token.")
     L.panel("Time per output token (engine)", quantiles("sluice:time_per_output_token_seconds", ENGINE), unit="s")
     L.panel("Inter-token latency", [
-        *quantiles("sluice:inter_token_latency_seconds", GATEWAY, (0.5, 0.99), "gateway "),
+        *quantiles("sluice_gateway:inter_token_latency_seconds", GATEWAY, (0.5, 0.99), "gateway "),
         *quantiles("sluice:inter_token_latency_seconds", ENGINE, (0.5, 0.99), "engine "),
     ], unit="s")
     L.panel("End-to-end latency", [
-        *quantiles("sluice:e2e_request_latency_seconds", GATEWAY, (0.5, 0.99), "gateway "),
+        *quantiles("sluice_gateway:e2e_request_latency_seconds", GATEWAY, (0.5, 0.99), "gateway "),
         *quantiles("sluice:e2e_request_latency_seconds", ENGINE, (0.5, 0.99), "engine "),
     ], unit="s")
     L.panel("Queue time", [
@@ -128,7 +129,7 @@ def build() -> dict:
         q(f"sluice:kv_cache_usage_perc{{{ENGINE}}}", "{{engine_id}}"),
     ], unit="percentunit", max_value=1, description="Used KV blocks over the pool, per engine.")
     L.panel("Queue depth", [
-        q(f"max by (model) (sluice:num_requests_waiting{{{GATEWAY}}})", "Redis queue {{model}}"),
+        q(f"max by (model) (sluice_gateway:num_requests_waiting{{{GATEWAY}}})", "Redis queue {{model}}"),
         q(f"sum(sluice:num_requests_running{{{ENGINE}}})", "running"),
         q(f"sum(sluice:num_requests_waiting{{{ENGINE}}})", "waiting in engines"),
         q(f"sum(sluice:num_requests_preempted{{{ENGINE}}})", "preempted (waiting)"),
@@ -155,6 +156,15 @@ def build() -> dict:
         q(f"sum(increase(sluice:reclaimed_requests_total{{{ENGINE}}}{RATE}))", "reclaimed entries"),
         q(f"sum by (connection) (increase(sluice:redis_reconnects_total{{{ENGINE}}}{RATE}))", "reconnect {{connection}}"),
     ], unit="short")
+    L.panel("Lost events and requests", [
+        q(f"sum(increase(sluice:redis_dropped_batches_total{{{ENGINE}}}{RATE}))", "event batches dropped (engines)"),
+        q(f"sum by (code) (increase(sluice_gateway:requests_lost_total{{{GATEWAY}}}{RATE}))", "lost at gateways: {{code}}"),
+        q(f"sum(increase(sluice:gateways_lost_total{{{ENGINE}}}{RATE}))", "gateways found gone"),
+    ], unit="short", description="Anything above zero lost work: events an engine could not publish, "
+                                 "requests a gateway answered 503 because Redis lost them.")
+    L.panel("Engine request outcomes", [
+        q(f"sum by (outcome) (increase(sluice:worker_requests_total{{{ENGINE}}}{RATE}))", "{{outcome}}"),
+    ], unit="short", description="Requests the step loop refused, ended early or handed back (on drain).")
     L.panel("Engines", [
         q(f"count(sluice:kv_cache_blocks_total{{{ENGINE}}})", "engines reporting"),
         q(f"sum(sluice:engine_draining{{{ENGINE}}})", "draining"),

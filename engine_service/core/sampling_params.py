@@ -4,29 +4,21 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from sluice.structured import StructuredOutputsParams
+from sluice.wire import limits
 
 # Below this temperature a request is sampled greedily (vLLM uses the same threshold).
 SAMPLING_EPS = 1e-5
-MAX_LOGPROBS = 20
-MAX_LOGIT_BIAS = 100.0
 # The fields a model's generation_config.json may default (vLLM's list), with the neutral default
-# used when neither the request nor the model sets them.
-MODEL_DEFAULTABLE: tuple[tuple[str, float | int], ...] = (
-    ("temperature", 1.0), ("top_p", 1.0), ("top_k", -1), ("min_p", 0.0), ("repetition_penalty", 1.0),
-)
+# used when neither the request nor the model sets them: ``sluice.wire.limits.MODEL_DEFAULTS``.
+MODEL_DEFAULTABLE: tuple[tuple[str, float | int], ...] = tuple(limits.MODEL_DEFAULTS.items())
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass
@@ -47,7 +39,7 @@ class SamplingParams:
     # generation_config="auto" (the default), else the neutral default in MODEL_DEFAULTABLE.
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # -1 disables
+    top_k: int | None = None  # -1 (or 0) disables
     min_p: float | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
@@ -92,57 +84,21 @@ class SamplingParams:
             self.logit_bias = bias
         if self.stop_token_ids is not None:
             self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == 0 and _is_int(self.top_k):  # vLLM: 0 disables, as -1
+            self.top_k = -1
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
-        def real(name: str) -> float:
-            value = getattr(self, name)
-            if not _is_real(value) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-            return float(value)
-
-        def integer(name: str) -> int:
-            value = getattr(self, name)
-            if not _is_int(value):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
-            return value
-
-        if integer("n") < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        if real("temperature") < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0.0 < real("top_p") <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if integer("top_k") < -1 or self.top_k == 0:
-            raise ValueError(f"top_k must be -1 (disabled) or at least 1, got {self.top_k}")
-        if not 0.0 <= real("min_p") <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        """The bounds of ``sluice.wire.limits`` (the same the gateway and the engine's re-check
+        apply), after the checks of shape only this side needs."""
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= real(name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if real("repetition_penalty") <= 0.0:
-            raise ValueError(f"repetition_penalty must be greater than 0, got {self.repetition_penalty}")
         if self.logit_bias is not None:
-            for token_id, value in self.logit_bias.items():
+            for token_id in self.logit_bias:
                 if token_id < 0:
                     raise ValueError(f"logit_bias token id must be non-negative, got {token_id}")
-                if not _is_real(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-                    raise ValueError(
-                        f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
-                        f"got {value!r} for token {token_id}"
-                    )
-        if self.max_tokens is not None and integer("max_tokens") < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if integer("min_tokens") < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}"
-            )
         if self.stop is not None:
             if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
                 raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
@@ -152,25 +108,16 @@ class SamplingParams:
             for token_id in self.stop_token_ids:
                 if not _is_int(token_id) or token_id < 0:
                     raise ValueError(f"stop_token_ids must be non-negative integers, got {token_id!r}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
+        problem = limits.check_sampling({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        if problem is not None:
+            raise ValueError(problem.message)
 
     def verify(self, vocab_size: int) -> None:
         """The checks that need the model: token ids must lie inside the vocabulary."""
-        if self.logit_bias:
-            for token_id in self.logit_bias:
-                if not 0 <= token_id < vocab_size:
-                    raise ValueError(
-                        f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})"
-                    )
-        if self.stop_token_ids:
-            for token_id in self.stop_token_ids:
-                if not 0 <= token_id < vocab_size:
-                    raise ValueError(
-                        f"stop_token_ids token id {token_id} is outside the vocabulary [0, {vocab_size})"
-                    )
+        for param, ids in (("logit_bias", self.logit_bias or ()), ("stop_token_ids", self.stop_token_ids or ())):
+            problem = limits.check_token_ids(param, ids, vocab_size)
+            if problem is not None:
+                raise ValueError(problem.message)
 
     # --- derived views ---
     @property

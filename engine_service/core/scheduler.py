@@ -39,6 +39,8 @@ from engine_service.core.block_pool import ROOT_HASH, BlockPool, blocks_for_leng
 from engine_service.core.request import FinishReason, Request, RequestStatus
 from engine_service.core.scheduler_stats import SchedulerStats
 from engine_service.core.stopping import check_stop
+from sluice.wire import limits
+from sluice.wire.error_codes import Code
 
 __all__ = [
     "RequestRejected",
@@ -50,10 +52,10 @@ __all__ = [
 
 
 class RequestRejected(ValueError):
-    """Refused at the door. ``code``: ``context_length_exceeded`` | ``kv_cache_too_small`` |
-    ``invalid_request``; the message says which limit and by how much."""
+    """Refused at the door. ``code`` (``sluice.wire.error_codes.Code``): ``CONTEXT_LENGTH_EXCEEDED`` |
+    ``KV_CACHE_TOO_SMALL`` | ``INVALID_REQUEST``; the message says which limit and by how much."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: Code, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -193,32 +195,19 @@ class Scheduler:
         """Return the most tokens the request will ever forward (its KV need)."""
         rid = request.request_id
         if rid in self._requests:
-            raise RequestRejected("invalid_request", f"request id {rid!r} is already in the scheduler")
+            raise RequestRejected(Code.INVALID_REQUEST, f"request id {rid!r} is already in the scheduler")
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
-            raise RequestRejected("invalid_request", f"request {rid!r} is not a fresh waiting request")
+            raise RequestRejected(Code.INVALID_REQUEST, f"request {rid!r} is not a fresh waiting request")
         n_prompt = request.num_prompt_tokens
-        if n_prompt == 0:
-            raise RequestRejected("invalid_request", "the prompt is empty: at least one token is needed")
         max_tokens = request.sampling_params.max_tokens
         max_len = self.max_model_len
-        if max_tokens is not None and max_tokens < 1:
-            raise RequestRejected("invalid_request", f"max_tokens must be at least 1, got {max_tokens}")
-        if max_tokens is None:
-            if n_prompt >= max_len:
-                raise RequestRejected(
-                    "context_length_exceeded",
-                    f"prompt ({n_prompt} tokens) leaves no room to generate: max_model_len is {max_len}, "
-                    f"{n_prompt - max_len + 1} tokens too many",
-                )
-            total = max_len
-        else:
-            total = n_prompt + max_tokens
-            if total > max_len:
-                raise RequestRejected(
-                    "context_length_exceeded",
-                    f"prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) is {total} tokens, "
-                    f"{total - max_len} more than max_model_len ({max_len})",
-                )
+        # the rules every layer applies (sluice.wire.limits): a prompt, max_tokens, the context
+        problem = (limits.check_prompt(request.prompt_token_ids, None)
+                   or (limits.MAX_TOKENS.check(max_tokens) if max_tokens is not None else None)
+                   or limits.check_context(n_prompt, max_tokens, max_len))
+        if problem is not None:
+            raise RequestRejected(problem.code, problem.message)
+        total = max_len if max_tokens is None else n_prompt + max_tokens
         # The last generated token is never forwarded, so the KV need is total - 1 tokens.
         kv_tokens = total - 1
         need = blocks_for_length(kv_tokens, self.block_size)
@@ -230,7 +219,7 @@ class Scheduler:
                 else f"max_model_len ({max_len} tokens)"
             )
             raise RequestRejected(
-                "kv_cache_too_small",
+                Code.KV_CACHE_TOO_SMALL,
                 f"{what} needs KV for {kv_tokens} tokens, {need} blocks of {self.block_size}, "
                 f"{need - pool} more than the whole KV cache ({pool} blocks, {pool * self.block_size} tokens)",
             )

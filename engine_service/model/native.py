@@ -8,14 +8,12 @@
   dense matrix, in one pass, for products of many rows (``kernels/dequantize.c``, bound by
   ``kernels/dequantize_op.cpp``; used by ``engine_service.model.quantization``).
 
-Why not ``torch.utils.cpp_extension``: code that includes ATen's headers takes about a minute to
-compile on two cores and needs ninja. The bindings use torch's stable C ABI instead
-(``torch/csrc/stable``: the shim's C declarations and a few header-only templates), so the whole
-build takes a few seconds and needs nothing but gcc and g++ (which inductor needs too). Why
-operators in C++ rather than Python functions (ctypes, as at first): they run once per layer (and
-per projection) per step, and the Python layer cost 5-8 µs a call with warm caches, ~30 µs in a real
-step, where a layer's weights have just streamed through the caches and the interpreter's objects
-with them (docs/performance.md).
+Why not ``torch.utils.cpp_extension``: code that includes ATen's headers takes long to compile
+and needs ninja. The bindings use torch's stable C ABI instead (``torch/csrc/stable``: the shim's C
+declarations and a few header-only templates), so the build is quick and needs nothing but gcc and
+g++ (which inductor needs too). Why operators in C++ rather than Python functions (ctypes, as at
+first): they run once per layer (and per projection) per step, where the Python layer's cost per call
+was a large share of the kernel's own (the figures: docs/performance.md).
 
 The shared object links ``libgomp.so.1``, the soname of the OpenMP runtime torch has already loaded,
 so the kernel runs on torch's thread pool (a second pool would fight it for the cores). Built
@@ -51,8 +49,16 @@ HEADERS = [KERNELS / "bf16.h", KERNELS / "paged_decode_attention.h", KERNELS / "
 CXX_SOURCES = [KERNELS / "paged_decode_attention_op.cpp", KERNELS / "prepacked_linear_op.cpp",
                KERNELS / "dequantize_op.cpp"]
 LIBRARY_NAME = "sluice_ops"
+# The oldest torch whose stable C ABI has what the bindings call (torch::stable::contiguous and
+# torch_call_dispatcher are 2.10's). pyproject.toml states the same lower bound; the build targets
+# it (TORCH_TARGET_VERSION), so a newer call fails the build here, not on a user's older torch.
+MIN_TORCH = (2, 10)
+TORCH_TARGET_VERSION = f"0x{MIN_TORCH[0]:02x}{MIN_TORCH[1]:02x}000000000000"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC"]
-CXXFLAGS = ["-O2", "-std=c++17", "-fPIC"]
+CXXFLAGS = ["-O2", "-std=c++17", "-fPIC", f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}"]
+# The C kernels are x86-64 code (kernels/packed_gemv.c includes immintrin.h): elsewhere the build
+# is refused before anything is compiled, and the engine runs torch's own paths.
+ARCHITECTURES = ("x86_64", "AMD64")
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
@@ -77,6 +83,14 @@ def _compiler(env: str, *names: str) -> str:
     if found is None:
         raise NativeKernelError(f"no {names[0]} on PATH (the native kernel needs gcc and g++)")
     return found
+
+
+def check_architecture(machine: str | None = None) -> None:
+    """Raise NativeKernelError unless this is an architecture the kernels are written for."""
+    machine = machine or platform.machine()
+    if machine not in ARCHITECTURES:
+        raise NativeKernelError(f"the native kernels are x86-64 code (AVX2/AVX-512 intrinsics); on {machine} "
+                                "the engine runs torch's own attention and products")
 
 
 def _run(cmd: list[str], what: str) -> None:
@@ -125,8 +139,7 @@ def load_native_ops() -> None:
         if cached is not None:
             return
         try:
-            if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
-                raise NativeKernelError(f"no native kernels for {platform.machine()}")
+            check_architecture()
             # the schemas the library implements are defined in Python (here and in prepacked)
             from engine_service.model import prepacked  # noqa: F401
             try:

@@ -1,15 +1,17 @@
 """The engine's Prometheus metrics, served on its own HTTP port (``--metrics-port``).
 
 Names follow vLLM's with a ``sluice:`` prefix (``vllm:num_requests_running`` becomes
-``sluice:num_requests_running``); every series carries ``model`` and ``engine_id`` labels, which is
-also what tells an engine's series from a gateway's of the same name (the gateway's have no
-``engine_id``). docs/metrics.md lists them all.
+``sluice:num_requests_running``); every series carries ``model`` and ``engine_id`` labels. The
+gateway's metrics have a prefix of their own (``sluice_gateway:``), so no name means two things.
+docs/metrics.md lists them all.
 
 Two kinds of sources, so nothing is counted twice:
 
 - **read at scrape time** from the step loop's snapshot (``Worker.snapshot()``, refreshed after every
   step): queue gauges, KV blocks, and the counters the scheduler and the engine already keep
-  (preemptions, prefix-cache queries and hits, prompt and generation tokens, iterations);
+  (preemptions, prefix-cache queries and hits, prompt and generation tokens, iterations), and the
+  I/O threads' and the step loop's own counters (``RedisIO.stats``: batches published, retried and
+  dropped, i.e. lost events; ``Worker.counters``: refusals, cancels, hand-backs);
 - **observed as they happen** by the step loop and the I/O threads, through the small interface of
   ``NullMetrics`` (the default everywhere, so the worker and ``RedisIO`` run without metrics):
   per-request latencies measured at the engine, step duration and batch size, finishes by reason,
@@ -30,7 +32,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from sluice.wire import codec, contract
+from sluice.wire import codec
+from sluice.wire.error_codes import Code
 from sluice.wire.stats import EngineStats
 
 log = logging.getLogger("sluice.engine.metrics")
@@ -56,7 +59,22 @@ TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
 FINISH_REASONS = ("stop", "length", "abort")
 ABORT_CAUSES = ("cancel", "deadline", "drain", "gateway_lost")
 IO_THREADS = ("reader", "canceller", "publisher", "housekeeper")
-ERROR_CODES = tuple(getattr(contract, name) for name in dir(contract) if name.startswith("ERR_"))
+# the codes an engine sends (the proto's ErrorCode), by name: the `code` label's values
+ERROR_CODES = tuple(c.value for c in Code if c.wire is not None)
+# RedisIO.stats keys -> (metric, help); "reclaimed" is sluice:reclaimed_requests, counted as it happens
+IO_COUNTERS = {
+    "published_batches": ("sluice:redis_published_batches", "Batches of events and XACKs sent to Redis"),
+    "publish_retries": ("sluice:redis_publish_retries", "Publish round trips retried while Redis was unavailable"),
+    "dropped_batches": ("sluice:redis_dropped_batches",
+                        "Batches of events dropped after --publish-retry-s without Redis: LOST events (their "
+                        "requests' clients get request_lost or a deadline)"),
+    "trimmed": ("sluice:stream_trimmed_entries", "Acknowledged entries trimmed from the request stream"),
+    "pruned_engines": ("sluice:registry_pruned_engines", "Registry entries of dead engines removed"),
+    "orphans": ("sluice:orphaned_entries", "Own pending entries taken back (their XACK was lost)"),
+    "gateways_lost": ("sluice:gateways_lost", "Gateways found gone (liveness key missing): their requests aborted"),
+}
+# Worker.counters keys: the `outcome` label's values of sluice:worker_requests
+WORKER_OUTCOMES = ("invalid", "cancelled", "deadline", "engine_lost", "handed_back", "gateway_lost")
 
 
 class MetricsPortInUse(RuntimeError):
@@ -170,6 +188,31 @@ class _SnapshotCollector:
         yield counter("sluice:iterations", "Engine steps that scheduled work", s.iterations)
 
 
+class _CountersCollector:
+    """The I/O threads' and the step loop's own counters (``RedisIO.stats``, ``Worker.counters``),
+    read at scrape time: the dicts stay the one place they are counted."""
+
+    def __init__(self, labels: tuple[str, str]) -> None:
+        self.labels = list(labels)
+        self.io_stats: dict[str, int] = {}
+        self.worker_counters: dict[str, int] = {}
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        for key, (name, doc) in IO_COUNTERS.items():
+            c = CounterMetricFamily(name, doc, labels=LABELS)
+            c.add_metric(self.labels, float(self.io_stats.get(key, 0)))
+            yield c
+        c = CounterMetricFamily("sluice:worker_requests",
+                                "Requests the step loop refused, ended early or handed back, by outcome",
+                                labels=[*LABELS, "outcome"])
+        for outcome in WORKER_OUTCOMES:
+            c.add_metric([*self.labels, outcome], float(self.worker_counters.get(outcome, 0)))
+        yield c
+
+
 class _Live:
     __slots__ = ("arrival", "last_token", "n", "num_ended")
 
@@ -194,6 +237,8 @@ class EngineMetrics(NullMetrics):
             ProcessCollector(registry=self.registry)
         self._snapshot: Callable[[], EngineStats | None] = lambda: None
         self.registry.register(_SnapshotCollector(lambda: self._snapshot(), (model, engine_id)))
+        self._counters = _CountersCollector((model, engine_id))
+        self.registry.register(self._counters)
         self._server = None
         self._live: dict[str, _Live] = {}
         r = self.registry
@@ -235,7 +280,7 @@ class EngineMetrics(NullMetrics):
         self._success = {reason: success.labels(**lv, finished_reason=reason) for reason in FINISH_REASONS}
         self._success_family = success
         self._errors_family = Counter("sluice:request_errors",
-                                      "Error events sent to clients, by error code (sluice.wire.contract)",
+                                      "Error events sent to clients, by error code (sluice.wire.error_codes)",
                                       [*LABELS, "code"], registry=r)
         self._errors = {code: self._errors_family.labels(**lv, code=code) for code in ERROR_CODES}
         aborts = Counter("sluice:request_aborts", "Requests the engine stopped before their end, by cause",
@@ -252,9 +297,15 @@ class EngineMetrics(NullMetrics):
         self._lv = lv
 
     # ---------------------------------------------------------------- wiring
-    def bind(self, snapshot: Callable[[], EngineStats | None]) -> EngineMetrics:
-        """Read gauges and scheduler counters from ``snapshot()`` (e.g. ``Worker.snapshot``)."""
+    def bind(self, snapshot: Callable[[], EngineStats | None], *, io_stats: dict[str, int] | None = None,
+             worker_counters: dict[str, int] | None = None) -> EngineMetrics:
+        """Read gauges and scheduler counters from ``snapshot()`` (e.g. ``Worker.snapshot``), and
+        the I/O and step-loop counters from ``RedisIO.stats`` and ``Worker.counters``."""
         self._snapshot = snapshot
+        if io_stats is not None:
+            self._counters.io_stats = io_stats
+        if worker_counters is not None:
+            self._counters.worker_counters = worker_counters
         return self
 
     def render(self) -> bytes:
@@ -380,7 +431,7 @@ class EngineMetrics(NullMetrics):
                     child = self._success[reason] = self._success_family.labels(**self._lv, finished_reason=reason)
                 child.inc()
             elif event.HasField("error"):
-                code = codec.error_code_name(event.error.code or contract.ERR_INTERNAL)
+                code = Code.from_wire(event.error.code).value
                 child = self._errors.get(code)
                 if child is None:
                     child = self._errors[code] = self._errors_family.labels(**self._lv, code=code)

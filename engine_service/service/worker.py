@@ -20,6 +20,7 @@ from typing import Any
 from engine_service.service.metrics import NULL_METRICS, NullMetrics
 from engine_service.service.redis_io import Batch, CancelNote, Entry
 from sluice.wire import codec, contract, limits, policy
+from sluice.wire.error_codes import Code
 from sluice.wire.messages_pb2 import Event, GenerateRequest
 from sluice.wire.stats import EngineStats
 
@@ -42,6 +43,17 @@ SHUTDOWN_RESERVE_SHARE = 0.2
 @dataclass
 class StopNote:
     """Leave at once (tests): nothing is handed back, pending entries stay pending."""
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """Why an entry is not run: an error event with ``code``, abort events (``abort``: the
+    ``request_aborts`` cause, its client is gone), or nothing at all (``duplicate`` of a live one)."""
+
+    message: str
+    code: Code | None = None
+    abort: str | None = None
+    duplicate: bool = False
 
 
 @dataclass
@@ -166,10 +178,12 @@ class Worker:
         self.io.send(batch)
 
     # ------------------------------------------------------------------ entries
-    def _error(self, batch: Batch, request_id: str, code: str, message: str) -> None:
-        batch.events.append(codec.error_event(request_id, code, message, self.engine_id))
+    def _error(self, batch: Batch, request_id: str, code: Code, message: str) -> None:
+        batch.events.append(codec.error_event(request_id, code.wire, message, self.engine_id))
 
     def _on_entry(self, entry: Entry, batch: Batch) -> None:
+        """Admit an entry, or answer it in this same step. Every check (limits included) comes
+        before anything done per completion: an entry's ``n`` is only trusted once it passed."""
         req = entry.request
         if req is None:
             log.warning("dropping malformed entry %s: %s", entry.entry_id, entry.problem)
@@ -177,11 +191,10 @@ class Worker:
             batch.acks.append(entry.entry_id)
             return
         rid = req.request_id
-        refuse = self._refusal(entry)
-        if refuse is not None:
-            code, message = refuse
-            log.info("refusing %s (%s): %s", rid, code, message)
-            if code == "duplicate":
+        refusal = self._refusal(entry)
+        if refusal is not None:
+            log.info("refusing %s (%s): %s", rid, refusal.code or refusal.abort or "duplicate", refusal.message)
+            if refusal.duplicate:
                 # A second copy of a running request. Acknowledge the copy only if it is another
                 # entry: acknowledging the running entry itself would leave nothing pending for a
                 # peer to reclaim if this engine died now.
@@ -189,35 +202,21 @@ class Worker:
                     batch.acks.append(entry.entry_id)
                 return  # the live request's channel must not hear about it
             batch.acks.append(entry.entry_id)
-            if code in ("cancelled", "gateway_lost"):
-                cause = "cancel" if code == "cancelled" else code
-                self.counters[code] += 1
-                self.metrics.aborted(cause)
-                n = req.params.n if req.params.HasField("n") and req.params.n > 0 else 1
+            if refusal.abort is not None:  # its client is gone: every completion ends "abort"
+                self.counters["cancelled" if refusal.abort == "cancel" else refusal.abort] += 1
+                self.metrics.aborted(refusal.abort)
+                n = req.params.n if req.params.HasField("n") else 1  # within limits.N: checked first
                 for index in range(n):
                     batch.events.append(
                         codec.finished_event(rid, index, "abort", prompt_tokens=len(req.prompt_token_ids), engine_id=self.engine_id)
                     )
                 return
-            self.counters["engine_lost" if code == contract.ERR_ENGINE_LOST else "invalid"] += 1
-            self._error(batch, rid, code, message)
+            assert refusal.code is not None
+            self.counters["engine_lost" if refusal.code is Code.ENGINE_LOST else "invalid"] += 1
+            self._error(batch, rid, refusal.code, refusal.message)
             return
         if self.draining:
             self._hand_back(req, entry.entry_id, batch)
-            return
-        # The gateway's limits, again: anything that can XADD can queue an entry (n=20000 would
-        # stall every other request for seconds a step).
-        problem = limits.check_request(
-            req,
-            vocab_size=getattr(self.engine, "vocab_size", None),
-            max_model_len=getattr(self.engine, "max_model_len", None),
-        )
-        if problem is not None:
-            code, message = problem
-            log.info("refusing %s (%s): %s", rid, code, message)
-            self.counters["invalid"] += 1
-            batch.acks.append(entry.entry_id)
-            self._error(batch, rid, code, message)
             return
         try:
             from engine_service.core.sampling_params import SamplingParams
@@ -225,15 +224,15 @@ class Worker:
             params = SamplingParams(**codec.sampling_kwargs_from_proto(req.params))
             self.engine.add_request(rid, list(req.prompt_token_ids), params)
         except ValueError as exc:  # RequestRejected is a ValueError with a .code
-            code = getattr(exc, "code", None) or contract.ERR_INVALID_REQUEST
+            code = getattr(exc, "code", None)
             self.counters["invalid"] += 1
             batch.acks.append(entry.entry_id)
-            self._error(batch, rid, code, str(exc))
+            self._error(batch, rid, code if isinstance(code, Code) else Code.INVALID_REQUEST, str(exc))
             return
         except Exception as exc:
             log.exception("add_request failed for %s", rid)
             batch.acks.append(entry.entry_id)
-            self._error(batch, rid, contract.ERR_INTERNAL, f"{type(exc).__name__}: {exc}")
+            self._error(batch, rid, Code.INTERNAL, f"{type(exc).__name__}: {exc}")
             return
         n = params.n
         self.live[rid] = _Live(req, entry.entry_id, set(range(n)), emitted=False)
@@ -243,31 +242,42 @@ class Worker:
         else:
             log.debug("admitted %s (%d prompt tokens)", rid, len(req.prompt_token_ids))
 
-    def _refusal(self, entry: Entry) -> tuple[str, str] | None:
+    def _refusal(self, entry: Entry) -> _Refusal | None:
+        """Why this entry must not run, checked in an order whose every step costs O(1) or O(the
+        entry's size within the limits): the limits come before the states whose answer is sent
+        per completion (cancelled, gateway lost)."""
         req = entry.request
         rid = req.request_id
         now = time.time()
         if rid in self.live:
-            return "duplicate", f"request id {rid!r} is already running here"
-        if entry.cancelled or self.recent_cancels.pop(rid, None) is not None:
-            return "cancelled", "cancelled before it ran"
-        if entry.gateway_lost:
-            return "gateway_lost", f"the gateway that enqueued it ({req.gateway_id}) is gone"
+            return _Refusal(f"request id {rid!r} is already running here", duplicate=True)
         if req.version != contract.CONTRACT_VERSION:
-            return contract.ERR_CONTRACT_MISMATCH, (
+            return _Refusal(
                 f"the request speaks Sluice contract version {req.version}, this engine version "
-                f"{contract.CONTRACT_VERSION}: run the same Sluice release on gateways and engines"
-            )
+                f"{contract.CONTRACT_VERSION}: run the same Sluice release on gateways and engines",
+                Code.CONTRACT_MISMATCH)
         if req.model != self.model:
-            return contract.ERR_INVALID_REQUEST, f"model {req.model!r} is not served here ({self.model!r})"
+            return _Refusal(f"model {req.model!r} is not served here ({self.model!r})", Code.INVALID_REQUEST)
+        # The gateway's limits, again: anything that can XADD can queue an entry (n=20000 would
+        # stall every other request for seconds a step; n=2**32-1 would never end a loop over it).
+        problem = limits.check_request(req, vocab_size=getattr(self.engine, "vocab_size", None),
+                                       max_model_len=getattr(self.engine, "max_model_len", None))
+        if problem is not None:
+            return _Refusal(problem.message, problem.code)
+        if entry.cancelled or self.recent_cancels.pop(rid, None) is not None:
+            return _Refusal("cancelled before it ran", abort="cancel")
+        if entry.gateway_lost:
+            return _Refusal(f"the gateway that enqueued it ({req.gateway_id}) is gone", abort="gateway_lost")
         lost = policy.lost_on_delivery(emitted=entry.emitted, deliveries=entry.deliveries, attempt=req.attempt)
         if lost is not None:
-            return contract.ERR_ENGINE_LOST, lost
+            return _Refusal(lost, Code.ENGINE_LOST)
         if req.deadline and now > req.deadline:
-            return contract.ERR_DEADLINE, f"the deadline passed {now - req.deadline:.3f}s before the request ran"
+            return _Refusal(f"the deadline passed {now - req.deadline:.3f}s before the request ran",
+                            Code.DEADLINE_EXCEEDED)
         wait = self.settings.max_queue_wait
         if wait and req.enqueue_time and now - req.enqueue_time > wait:
-            return contract.ERR_DEADLINE, f"waited {now - req.enqueue_time:.1f}s in the queue (limit {wait:g}s)"
+            return _Refusal(f"waited {now - req.enqueue_time:.1f}s in the queue (limit {wait:g}s)",
+                            Code.DEADLINE_EXCEEDED)
         return None
 
     def _finish(self, rid: str, batch: Batch) -> None:
@@ -318,7 +328,7 @@ class Worker:
                 self.counters["deadline"] += 1
                 self.metrics.aborted("deadline")
                 self._abort_silently(rid)
-                self._error(batch, rid, contract.ERR_DEADLINE, "the request's deadline passed while it ran")
+                self._error(batch, rid, Code.DEADLINE_EXCEEDED, "the request's deadline passed while it ran")
                 self._finish(rid, batch)
 
     # ------------------------------------------------------------------ the step
@@ -330,7 +340,7 @@ class Worker:
             log.exception("engine step failed; failing the requests it held")
             for rid in list(self.live):
                 self._abort_silently(rid)
-                self._error(batch, rid, contract.ERR_INTERNAL, f"engine step failed: {type(exc).__name__}: {exc}")
+                self._error(batch, rid, Code.INTERNAL, f"engine step failed: {type(exc).__name__}: {exc}")
                 self._finish(rid, batch)
             return 1
         self.metrics.step(time.perf_counter() - started, *getattr(self.engine, "last_batch", (0, 0)))
@@ -342,7 +352,7 @@ class Worker:
             reason = out.finish_reason.value if out.finish_reason is not None else None
             if reason == "error":
                 self._abort_silently(out.request_id)
-                self._error(batch, out.request_id, contract.ERR_INTERNAL, out.error or "the engine failed the request")
+                self._error(batch, out.request_id, Code.INTERNAL, out.error or "the engine failed the request")
                 self._finish(out.request_id, batch)
                 continue
             if out.new_token_ids and not live.emitted:
@@ -414,7 +424,7 @@ class Worker:
             for rid in list(self.live):
                 self.metrics.aborted("drain")
                 self._abort_silently(rid)
-                self._error(batch, rid, contract.ERR_DRAINING, "the engine shut down before the request finished")
+                self._error(batch, rid, Code.DRAINING, "the engine shut down before the request finished")
                 self._finish(rid, batch)
 
     # ------------------------------------------------------------------ stats

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sluice.wire import contract
+from sluice.wire import contract, limits
 
 # The hash's fields, each written by encode() and read by decode() only.
 F_NAME = "name"
@@ -35,7 +35,7 @@ F_CONTRACT_VERSION = "contract_version"
 F_FINGERPRINT = "fingerprint"  # a hash of the other fields: readers refetch the card only when it changes
 
 # generation_config.json keys that are sampling defaults (vLLM's ``--generation-config auto``).
-GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+GENERATION_DEFAULT_KEYS = tuple(limits.MODEL_DEFAULTS)
 
 
 class CardError(ValueError):

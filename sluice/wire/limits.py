@@ -1,74 +1,250 @@
-"""The limits on a ``GenerateRequest``, written once: the gateway refuses what breaks them before
-queueing (with a friendlier, field-by-field message), the engine checks them again on what it reads
-from the queue, because anything that can XADD can put an entry there.
+"""The limits on a request, written once: :data:`TABLE` holds every bound a request's parameters
+must keep, with the message that names the parameter, and the rules that need the model (token ids
+inside the vocabulary, the context length) are the functions below. Everyone takes them from here:
 
-``check_request`` works on the wire message alone (no torch, no engine): it returns ``None`` or
-``(code, reason)`` (``invalid_request``, or ``context_length_exceeded`` for a prompt that does not
-fit), which the engine sends as an error event and acknowledges: never a stall.
+- the gateway's pydantic models (``gateway/protocol.py``: the bounds in ``/openapi.json`` and the
+  400 naming the field),
+- the gateway's last check of the wire message before it queues it, and the engine's re-check of
+  what it reads from the queue (:func:`check_request`; anything that can XADD can put an entry
+  there), which the engine answers with an error event and an acknowledgement, never a stall,
+- the offline API's ``SamplingParams`` (``ValueError`` naming the field) and the scheduler's door.
+
+Changing a limit is editing its one line in :data:`TABLE`. A :class:`Bound` is a number's range; a
+:class:`Size` a list's (or a mapping's) number of entries and, for strings, their total length.
+``layers`` says where a limit can be broken: ``stop`` strings never cross the wire (the gateway and
+the offline ``LLM`` match them on text), a ``seed`` outside int64 cannot be put on it.
+
+Every check costs at most what its limit allows: a size is compared before any entry is read, and
+the entries are then read only up to the limit.
 """
 
 from __future__ import annotations
 
-from sluice.wire import contract
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from sluice.wire.error_codes import Code
 from sluice.wire.messages_pb2 import GenerateRequest
 
-MAX_N = 16  # completions per request
-MAX_LOGPROBS = 20  # alternatives per position (logprobs and prompt_logprobs)
-MAX_STOP_TOKEN_IDS = 256
-MAX_LOGIT_BIAS = 1024  # entries in logit_bias
-MAX_LOGIT_BIAS_VALUE = 100.0
-MAX_REQUEST_ID_LEN = 256
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+HTTP, OFFLINE, ENGINE = "http", "offline", "engine"
+ALL_LAYERS = frozenset({HTTP, OFFLINE, ENGINE})
 
 
-def check_request(
-    req: GenerateRequest, *, vocab_size: int | None, max_model_len: int | None
-) -> tuple[str, str] | None:
-    """``(error code, why)`` when ``req`` must be refused, else None. O(prompt + stop ids + bias)."""
-    problem = _invalid(req, vocab_size)
-    if problem is not None:
-        return contract.ERR_INVALID_REQUEST, problem
-    p = req.params
-    prompt_len = len(req.prompt_token_ids)
-    if max_model_len is not None:
-        if prompt_len >= max_model_len:
-            return contract.ERR_CONTEXT_LENGTH, (
-                f"the prompt has {prompt_len} tokens; this model's context is {max_model_len}"
-            )
-        if p.HasField("max_tokens") and prompt_len + p.max_tokens > max_model_len:
-            return contract.ERR_CONTEXT_LENGTH, (
-                f"the prompt ({prompt_len} tokens) plus max_tokens ({p.max_tokens}) exceeds this model's "
-                f"context of {max_model_len} tokens"
-            )
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e18 else f"{x:g}"
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A number's range, ``[low, high]`` (``(low, high]`` when ``low_open``)."""
+
+    param: str
+    low: float
+    high: float
+    integer: bool = False
+    low_open: bool = False
+    note: str = ""  # what the message adds, e.g. "-1 or 0 disables"
+    layers: frozenset[str] = ALL_LAYERS
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        rng = f"{'(' if self.low_open else '['}{_fmt(self.low)}, {_fmt(self.high)}]"
+        return f"{kind} in {rng}" + (f" ({self.note})" if self.note else "")
+
+    def problem(self, value: Any, param: str | None = None) -> str | None:
+        """None when ``value`` keeps the bound, else the message (naming ``param``, or this bound's)."""
+        ok_type = _is_int(value) if self.integer else _is_real(value) and math.isfinite(value)
+        if ok_type and (self.low < value if self.low_open else self.low <= value) and value <= self.high:
+            return None
+        return f"{param or self.param} must be {self.describe()}, got {value!r}"
+
+    def check(self, value: Any, param: str | None = None) -> Problem | None:
+        """:meth:`problem` as a :class:`Problem` (``invalid_request`` naming the parameter)."""
+        problem = self.problem(value, param)
+        return None if problem is None else invalid(param or self.param, problem)
+
+
+@dataclass(frozen=True)
+class Size:
+    """A list's (or a mapping's) number of entries, and for strings their total length."""
+
+    param: str
+    max_items: int
+    max_chars: int | None = None
+    layers: frozenset[str] = ALL_LAYERS
+    unit: str = "entries"
+
+    def problem(self, items: Any, param: str | None = None) -> str | None:
+        """None when ``items`` (a sized collection) is within the limit, else the message. Reads at
+        most ``max_items`` entries."""
+        name = param or self.param
+        if len(items) > self.max_items:
+            return f"{name} may have at most {self.max_items} {self.unit}, got {len(items)}"
+        if self.max_chars is not None:
+            total = 0
+            for s in items:
+                total += len(s)
+                if total > self.max_chars:
+                    return f"{name} may have at most {self.max_chars} characters in all, got more"
+        return None
+
+    def check(self, items: Any, param: str | None = None) -> Problem | None:
+        problem = self.problem(items, param)
+        return None if problem is None else invalid(param or self.param, problem)
+
+
+# --- the table ---------------------------------------------------------------------------------
+# The sampling parameters' names are vLLM's SamplingParams' (and the wire's); the HTTP API names
+# them the same (chat's ``top_logprobs`` and ``max_completion_tokens`` are ``logprobs`` and
+# ``max_tokens`` under another name).
+
+N = Bound("n", 1, 16, integer=True)  # completions per request: each is a sequence the engine runs
+TEMPERATURE = Bound("temperature", 0.0, 2.0)
+TOP_P = Bound("top_p", 0.0, 1.0, low_open=True)
+TOP_K = Bound("top_k", -1, INT32_MAX, integer=True, note="-1 or 0 disables")
+MIN_P = Bound("min_p", 0.0, 1.0)
+PRESENCE_PENALTY = Bound("presence_penalty", -2.0, 2.0)
+FREQUENCY_PENALTY = Bound("frequency_penalty", -2.0, 2.0)
+REPETITION_PENALTY = Bound("repetition_penalty", 0.0, 100.0, low_open=True)
+SEED = Bound("seed", INT64_MIN, INT64_MAX, integer=True, layers=frozenset({HTTP, OFFLINE}))  # int64 on the wire
+MAX_TOKENS = Bound("max_tokens", 1, INT32_MAX, integer=True)
+MIN_TOKENS = Bound("min_tokens", 0, INT32_MAX, integer=True)  # and at most max_tokens
+LOGPROBS = Bound("logprobs", 0, 20, integer=True)  # alternatives per generated position
+PROMPT_LOGPROBS = Bound("prompt_logprobs", 0, 20, integer=True, layers=frozenset({OFFLINE, ENGINE}))
+LOGIT_BIAS_VALUE = Bound("logit_bias", -100.0, 100.0)  # each bias
+LOGIT_BIAS = Size("logit_bias", 1024)
+STOP_TOKEN_IDS = Size("stop_token_ids", 256)
+# Stop strings are matched on every text delta of every completion: their number and total length
+# bound that work (they are text: never on the wire).
+STOP = Size("stop", 64, max_chars=4096, layers=frozenset({HTTP, OFFLINE}))
+PROMPTS = Size("prompt", 64, layers=frozenset({HTTP}))  # prompts in one /v1/completions request
+REQUEST_ID = Size("request_id", 256, layers=frozenset({ENGINE}), unit="characters")  # a string
+
+TABLE: tuple[Bound | Size, ...] = (
+    N, TEMPERATURE, TOP_P, TOP_K, MIN_P, PRESENCE_PENALTY, FREQUENCY_PENALTY, REPETITION_PENALTY, SEED,
+    MAX_TOKENS, MIN_TOKENS, LOGPROBS, PROMPT_LOGPROBS, LOGIT_BIAS_VALUE, LOGIT_BIAS, STOP_TOKEN_IDS, STOP,
+    PROMPTS, REQUEST_ID,
+)
+
+# The scalar sampling parameters and their bounds, by name (logit_bias's values are checked apart).
+SCALARS: dict[str, Bound] = {
+    b.param: b for b in TABLE if isinstance(b, Bound) and b is not LOGIT_BIAS_VALUE
+}
+
+# The parameters a model's generation_config.json may default (vLLM's ``--generation-config auto``),
+# with the neutral value used when neither the request nor the model sets them.
+MODEL_DEFAULTS: dict[str, float | int] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+}
+
+
+# --- the rules -----------------------------------------------------------------------------------
+
+EMPTY_PROMPT = "the prompt is empty: at least one token is needed"
+
+
+class Problem(NamedTuple):
+    """Why a request is refused: the error code, the message, the parameter it names."""
+
+    code: Code
+    message: str
+    param: str | None = None
+
+
+def invalid(param: str | None, message: str) -> Problem:
+    return Problem(Code.INVALID_REQUEST, message, param)
+
+
+def check_sampling(values: Mapping[str, Any]) -> Problem | None:
+    """The bounds of every sampling parameter ``values`` sets (None: unset), in the table's order,
+    and ``min_tokens <= max_tokens``. ``stop`` is checked when present (offline and HTTP only)."""
+    for name, bound in SCALARS.items():
+        value = values.get(name)
+        if value is not None and (problem := bound.problem(value)):
+            return invalid(name, problem)
+    max_tokens, min_tokens = values.get("max_tokens"), values.get("min_tokens") or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        return invalid("min_tokens", f"min_tokens must be at most max_tokens ({max_tokens}), got {min_tokens}")
+    for size, name in ((LOGIT_BIAS, "logit_bias"), (STOP_TOKEN_IDS, "stop_token_ids"), (STOP, "stop")):
+        items = values.get(name)
+        if items is not None and (problem := size.problem(items)):
+            return invalid(name, problem)
+    for value in (values.get("logit_bias") or {}).values():
+        if problem := LOGIT_BIAS_VALUE.problem(value):
+            return invalid("logit_bias", problem)
     return None
 
 
-def _invalid(req: GenerateRequest, vocab_size: int | None) -> str | None:
-    if len(req.request_id) > MAX_REQUEST_ID_LEN:
-        return f"request_id is longer than {MAX_REQUEST_ID_LEN} characters"
+def check_token_ids(param: str, ids: Iterable[int], vocab_size: int | None) -> Problem | None:
+    """Every id of ``param`` inside the vocabulary ``[0, vocab_size)`` (not checked when unknown)."""
+    if vocab_size is None:
+        return None
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            return invalid(param, f"{param} token id {t} is out of the vocabulary [0, {vocab_size})")
+    return None
+
+
+def check_prompt(prompt_ids: Any, vocab_size: int | None, param: str = "prompt") -> Problem | None:
+    """The prompt has a token and only ids of the vocabulary (when ``vocab_size`` is known)."""
+    if not len(prompt_ids):
+        return invalid(param, EMPTY_PROMPT)
+    return check_token_ids(param, prompt_ids, vocab_size)
+
+
+def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int,
+                  param: str = "prompt") -> Problem | None:
+    """The context-length rule: the prompt plus ``max_tokens`` fits the model's context; with no
+    ``max_tokens`` (up to the context) the prompt leaves room for one token at least. The message
+    keeps OpenAI's words ("maximum context length"), which clients look for."""
+    if max_tokens is None:
+        if prompt_len < max_model_len:
+            return None
+        detail = f"your {param} has {prompt_len} tokens, which leaves no room for the completion"
+    else:
+        if prompt_len + max_tokens <= max_model_len:
+            return None
+        detail = (f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the {param}, "
+                  f"{max_tokens} for the completion)")
+    return Problem(Code.CONTEXT_LENGTH_EXCEEDED,
+                   f"This model's maximum context length is {max_model_len} tokens. However, {detail}. "
+                   f"Please reduce the length of the {param} or the completion.", param)
+
+
+def check_request(req: GenerateRequest, *, vocab_size: int | None, max_model_len: int | None) -> Problem | None:
+    """The :class:`Problem` for which ``req`` (a wire message) must be refused, else None.
+
+    Costs O(prompt + stop ids + bias), each bounded by the table before it is read, and nothing
+    per completion: an entry with ``n = 2**32 - 1`` is refused at once."""
+    if problem := REQUEST_ID.problem(req.request_id):
+        return invalid("request_id", problem)
     p = req.params
-    n = p.n if p.HasField("n") else 1
-    if not 1 <= n <= MAX_N:
-        return f"n must be in [1, {MAX_N}], got {n}"
-    for name in ("logprobs", "prompt_logprobs"):
-        if p.HasField(name) and not 0 <= getattr(p, name) <= MAX_LOGPROBS:
-            return f"{name} must be in [0, {MAX_LOGPROBS}], got {getattr(p, name)}"
-    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        return f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(p.stop_token_ids)}"
-    if len(p.logit_bias) > MAX_LOGIT_BIAS:
-        return f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(p.logit_bias)}"
-    for value in p.logit_bias.values():
-        if not -MAX_LOGIT_BIAS_VALUE <= value <= MAX_LOGIT_BIAS_VALUE:  # NaN fails too
-            return f"logit_bias values must be in [-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], got {value}"
-    if not req.prompt_token_ids:
-        return "the prompt is empty"
-    if p.HasField("max_tokens") and p.max_tokens < 1:
-        return f"max_tokens must be at least 1, got {p.max_tokens}"
-    if p.min_tokens < 0 or (p.HasField("max_tokens") and p.min_tokens > p.max_tokens):
-        return f"min_tokens must be in [0, max_tokens], got {p.min_tokens}"
-    if vocab_size is not None:
-        for what, ids in (("prompt", req.prompt_token_ids), ("stop_token_ids", p.stop_token_ids),
-                          ("logit_bias", p.logit_bias.keys())):
-            for t in ids:
-                if not 0 <= t < vocab_size:
-                    return f"{what} token id {t} is outside the vocabulary [0, {vocab_size})"
+    values: dict[str, Any] = {name: getattr(p, name) for name in SCALARS
+                              if name != "min_tokens" and p.HasField(name)}
+    values["min_tokens"] = p.min_tokens
+    values["logit_bias"] = p.logit_bias
+    values["stop_token_ids"] = p.stop_token_ids
+    if problem := check_sampling(values):
+        return problem
+    if problem := check_prompt(req.prompt_token_ids, vocab_size):
+        return problem
+    for param, ids in (("stop_token_ids", p.stop_token_ids), ("logit_bias", p.logit_bias.keys())):
+        if problem := check_token_ids(param, ids, vocab_size):
+            return problem
+    if max_model_len is not None:
+        return check_context(len(req.prompt_token_ids), p.max_tokens if p.HasField("max_tokens") else None,
+                             max_model_len)
     return None

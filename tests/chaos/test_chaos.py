@@ -32,6 +32,7 @@ import redis
 
 from sluice.wire import contract
 from sluice.wire.connection import connect
+from tests.waiting import wait_http
 
 pytestmark = [pytest.mark.model, pytest.mark.chaos]
 
@@ -320,14 +321,7 @@ def test_chaos(model_dir, tmp_path):
             e.start()
         for e in engines:
             wait_engine(rds.url, e.engine_id, timeout=180)
-        end = time.monotonic() + 60
-        while time.monotonic() < end:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_http(f"{base}/health", timeout=60, interval=0.2)
         chaos.started = time.monotonic()
         threads = [threading.Thread(target=traffic, args=(chaos, base, stop_traffic, i), daemon=True)
                    for i in range(CLIENTS)]

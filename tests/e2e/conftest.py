@@ -5,18 +5,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import pytest
 
 from sluice.wire.connection import connect
 from tests.cluster_fixtures import clean_redis_cluster, redis_cluster, redis_cluster_factory  # noqa: F401
 from tests.docker_support import free_port
 from tests.integration.conftest import clean_redis, redis_client, redis_server, redis_url  # noqa: F401
+from tests.waiting import wait_http
 
 ENGINE_FLAGS = ["--max-model-len", "2048", "--kv-cache-memory", str(256 << 20), "--max-num-batched-tokens", "512"]
 
@@ -46,21 +45,6 @@ class Stack:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in self.logs if p.exists())
 
 
-def _wait_http(url: str, procs: list[subprocess.Popen], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{p.args} exited with {p.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} not healthy after {timeout}s")
-
-
 CLI = [sys.executable, "-m", "sluice_cli.cli"]
 
 
@@ -77,7 +61,7 @@ def start_gateway(redis: str, log: Path, extra_flags: list[str] | None = None) -
 
 
 def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
-    _wait_http(f"{url}/health", procs, timeout)
+    wait_http(f"{url}/health", timeout=timeout, procs=procs)
 
 
 def start_stack(redis: str, model_dir: Path, log_dir: Path, num_gateways: int = 2,
@@ -98,7 +82,7 @@ def start_stack(redis: str, model_dir: Path, log_dir: Path, num_gateways: int = 
     try:
         for url in stack.gateway_urls:
             wait_healthy(url, stack.procs)
-    except RuntimeError as exc:
+    except (RuntimeError, AssertionError) as exc:
         logs = stack.dump_logs()
         stop_stack(stack)
         raise RuntimeError(f"{exc}\n{logs}") from exc

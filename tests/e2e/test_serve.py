@@ -7,13 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 from openai import OpenAI
 
 from tests.docker_support import free_port
+from tests.waiting import wait_http
 
 pytestmark = pytest.mark.model
 
@@ -34,17 +33,7 @@ def test_serve_one_command_then_ctrl_c(model_dir, tmp_path):
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail("sluice serve never became healthy:\n" + (tmp_path / "serve.log").read_text())
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=300, procs=[proc], log=tmp_path / "serve.log")
         c = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
         resp = c.chat.completions.create(model=model_dir.name, messages=[{"role": "user", "content": "Hi"}],
                                          max_tokens=8, temperature=0)

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import jsonschema
@@ -23,6 +22,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from tests.docker_support import free_port
 from tests.structured_cases import MAX_TOKENS, cases
+from tests.waiting import wait_http
 
 pytestmark = pytest.mark.model
 
@@ -56,17 +56,7 @@ def server(model_dir, tmp_path_factory):
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail("sluice serve never became healthy:\n" + log_path.read_text())
+        wait_http(f"{base}/health", timeout=300, procs=[proc], log=log_path)
         yield base, model_dir.name
     finally:
         proc.send_signal(signal.SIGINT)

@@ -20,8 +20,10 @@ from engine_service.service.worker import Worker
 from sluice.wire import card, codec, contract, limits
 from sluice.wire.client import WireClient
 from sluice.wire.connection import connect
+from sluice.wire.error_codes import Code
 from tests.docker_support import free_port, wait_for_redis
 from tests.integration.test_engine_service_worker import FakeEngine
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.docker
 
@@ -77,14 +79,6 @@ def pending_ids(r: redis.Redis, consumer: str | None = None) -> set[bytes]:
     return {row["message_id"] for row in rows}
 
 
-def wait_until(cond, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.02)
-
-
 # --------------------------------------------------------------------------- item 8: limits
 
 
@@ -95,10 +89,10 @@ def test_engine_refuses_entries_over_the_gateway_limits(services, redis_client):
     greedy = {"temperature": 0.0, "max_tokens": 4}
     cases = {
         "n_huge": {**greedy, "n": 20000},
-        "logprobs": {**greedy, "logprobs": limits.MAX_LOGPROBS + 1},
+        "logprobs": {**greedy, "logprobs": limits.LOGPROBS.high + 1},
         "prompt_logprobs": {**greedy, "prompt_logprobs": 1000},
-        "stop_ids": {**greedy, "stop_token_ids": list(range(limits.MAX_STOP_TOKEN_IDS + 1))},
-        "logit_bias": {**greedy, "logit_bias": {i: 1.0 for i in range(limits.MAX_LOGIT_BIAS + 1)}},
+        "stop_ids": {**greedy, "stop_token_ids": list(range(limits.STOP_TOKEN_IDS.max_items + 1))},
+        "logit_bias": {**greedy, "logit_bias": {i: 1.0 for i in range(limits.LOGIT_BIAS.max_items + 1)}},
         "stop_id_vocab": {**greedy, "stop_token_ids": [FakeEngine.vocab_size + 7]},
     }
     handles = {name: client.submit(MODEL, [1, 2, 3], params) for name, params in cases.items()}
@@ -121,11 +115,11 @@ def test_engine_refuses_entries_over_the_gateway_limits(services, redis_client):
 def test_limits_check_request_unit():
     req = codec.make_request("r", MODEL, [1, 2, 3], {"max_tokens": 4, "n": 2}, reply_to="g")
     assert limits.check_request(req, vocab_size=10, max_model_len=64) is None
-    req.params.n = limits.MAX_N + 1
-    assert limits.check_request(req, vocab_size=10, max_model_len=64)[0] == contract.ERR_INVALID_REQUEST
+    req.params.n = limits.N.high + 1
+    assert limits.check_request(req, vocab_size=10, max_model_len=64).code == Code.INVALID_REQUEST
     req.params.n = 1
     req.params.max_tokens = 62
-    assert limits.check_request(req, vocab_size=10, max_model_len=64)[0] == contract.ERR_CONTEXT_LENGTH
+    assert limits.check_request(req, vocab_size=10, max_model_len=64).code == Code.CONTEXT_LENGTH_EXCEEDED
     req.params.max_tokens = 61
     assert limits.check_request(req, vocab_size=10, max_model_len=64) is None
     req.prompt_token_ids.append(10)

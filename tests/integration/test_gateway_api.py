@@ -14,6 +14,7 @@ from sluice.wire.connection import connect
 from sluice.wire.messages_pb2 import GenerateRequest
 from tests.integration import test_gateway_support as support
 from tests.integration.test_gateway_support import MAX_MODEL_LEN, MODEL, REPLY
+from tests.waiting import wait_until
 
 # the shared fixtures
 fake_engine = support.fake_engine
@@ -222,9 +223,7 @@ def test_non_streaming_disconnect_cancels(gateway, fake_engine):
     t = threading.Thread(target=client)
     t.start()
     t.join()
-    deadline = time.time() + 5
-    while not fake_engine.requests and time.time() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: fake_engine.requests, 5, "the request read by the engine")
     rid = fake_engine.requests[0].request_id
     assert fake_engine.wait_cancel(rid)
     assert redis_marker(gateway, rid)
@@ -250,16 +249,16 @@ def test_models_health_metrics(gateway, fake_engine):
     assert httpx.get(f"{gateway.url}/health").status_code == 200
     httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
     text = httpx.get(f"{gateway.url}/metrics").text
-    for name in ("sluice:time_to_first_token_seconds_bucket", "sluice:inter_token_latency_seconds_bucket",
-                 "sluice:e2e_request_latency_seconds_bucket", "sluice:request_queue_time_seconds_bucket",
-                 "sluice:num_requests_waiting", "sluice:prompt_tokens_total", "sluice:generation_tokens_total",
-                 'sluice:http_requests_total{endpoint="/v1/completions",status="200"}',
-                 "sluice:request_success_total"):
+    for name in ("sluice_gateway:time_to_first_token_seconds_bucket", "sluice_gateway:inter_token_latency_seconds_bucket",
+                 "sluice_gateway:e2e_request_latency_seconds_bucket", "sluice_gateway:request_queue_time_seconds_bucket",
+                 "sluice_gateway:num_requests_waiting", "sluice_gateway:prompt_tokens_total", "sluice_gateway:generation_tokens_total",
+                 'sluice_gateway:http_requests_total{endpoint="/v1/completions",status="200"}',
+                 "sluice_gateway:request_success_total"):
         assert name in text, name
-    fake_engine.kill()
-    time.sleep(1.1)
+    fake_engine.kill()  # the key is gone on return: /health checks afresh
     assert_error(httpx.get(f"{gateway.url}/health"), 503)
-    assert httpx.get(f"{gateway.url}/v1/models").json()["data"] == []
+    # /v1/models reads the liveness the gateway caches for up to a second
+    wait_until(lambda: httpx.get(f"{gateway.url}/v1/models").json()["data"] == [], 5, "no model listed")
 
 
 # --- the error matrix --------------------------------------------------------------------------
@@ -353,8 +352,7 @@ def test_body_too_large_413(make_gateway, fake_engine):
 @pytest.mark.both_topologies
 def test_queue_full_429(make_gateway, fake_engine, redis_client):
     gw = make_gateway(max_queue_len=2, retry_after_s=3)
-    fake_engine.paused = True
-    time.sleep(0.2)
+    fake_engine.pause()  # no read in flight: the fillers stay queued
     for _ in range(2):
         redis_client.xadd(contract.request_stream(MODEL),
                           {contract.REQUEST_FIELD: GenerateRequest(request_id="filler").SerializeToString()})
@@ -365,7 +363,7 @@ def test_queue_full_429(make_gateway, fake_engine, redis_client):
 
 def test_no_engine_503(gateway, fake_engine):
     fake_engine.kill()
-    time.sleep(1.1)
+    assert_error(httpx.get(f"{gateway.url}/health"), 503)  # a fresh look, which the gateway keeps
     r = httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert_error(r, 503, code="no_engine")
 
@@ -401,9 +399,7 @@ def test_engine_lost_503(gateway, fake_engine, monkeypatch):
 
     t = threading.Thread(target=client)
     t.start()
-    end = time.time() + 5
-    while not fake_engine.requests and time.time() < end:
-        time.sleep(0.02)
+    wait_until(lambda: fake_engine.requests, 5, "the request read by the engine")
     fake_engine.kill()
     t.join(10)
     assert_error(result["r"], 503, code="engine_lost")
@@ -427,9 +423,7 @@ def test_queued_request_waits_for_a_restarted_engine(gateway, fake_engine, monke
     t = threading.Thread(target=client)
     t.start()
     r = connect(gateway.config.redis_url)
-    end = time.time() + 10
-    while not r.keys(contract.inflight_key(MODEL, "*")) and time.time() < end:  # enqueued (a fixed sleep races)
-        time.sleep(0.02)
+    wait_until(lambda: r.keys(contract.inflight_key(MODEL, "*")), 10, "the request enqueued")
     r.close()
     fake_engine.kill()  # gone: no liveness key, no heartbeat
     time.sleep(3.0)  # many liveness checks see no engine
@@ -468,11 +462,11 @@ def test_limits_shared_with_the_engine_refused_before_queueing(gateway, fake_eng
     """sluice.wire.limits: what the engine would refuse, the gateway refuses first (400, nothing queued)."""
     from sluice.wire import limits
 
-    too_many = list(range(limits.MAX_STOP_TOKEN_IDS + 1))
+    too_many = list(range(limits.STOP_TOKEN_IDS.max_items + 1))
     r = httpx.post(f"{gateway.url}/v1/completions",
                    json={"model": MODEL, "prompt": "x", "max_tokens": 2, "stop_token_ids": too_many})
     assert_error(r, 400)
-    bias = {str(i): 1 for i in range(limits.MAX_LOGIT_BIAS + 1)}
+    bias = {str(i): 1 for i in range(limits.LOGIT_BIAS.max_items + 1)}
     r = httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
                                                           "logit_bias": bias})
     assert_error(r, 400)

@@ -64,6 +64,8 @@ class FakeEngine:
         self.max_running: int | None = None  # read only while fewer requests than this are running
         self.running = 0
         self._loop = asyncio.new_event_loop()
+        self._beat_lock = asyncio.Lock()  # a heartbeat and kill() never interleave
+        self._read_idle = asyncio.Event()  # set while paused with no XREADGROUP in flight
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._tasks: list = []
 
@@ -85,11 +87,16 @@ class FakeEngine:
         self._loop.close()
 
     def kill(self) -> None:
-        """Stop heartbeating and drop the liveness key (the engine is dead)."""
+        """Stop heartbeating and drop the liveness key (the engine is dead). On return the key is
+        gone for good: a heartbeat in flight has finished first (it would have set the key again)."""
         self.heartbeat = False
-        r = connect(self.redis_url)
-        r.delete(contract.engine_key(self.engine_id))
-        r.close()
+        asyncio.run_coroutine_threadsafe(self._kill(), self._loop).result(10)
+
+    def pause(self) -> None:
+        """Stop reading the stream; on return no read is in flight (a blocked XREADGROUP would still
+        take what the test queues next)."""
+        self.paused = True
+        asyncio.run_coroutine_threadsafe(self._read_idle.wait(), self._loop).result(10)
 
     def wait_cancel(self, request_id_prefix: str, timeout: float = 5.0) -> bool:
         end = time.time() + timeout
@@ -138,13 +145,18 @@ class FakeEngine:
     async def _heartbeat(self) -> None:
         while True:
             try:
-                if self.heartbeat:
-                    if not await self.r.exists(contract.model_card_key(MODEL)):
-                        await self._publish_card()  # Redis restarted without its data
-                    await self._beat()
+                async with self._beat_lock:
+                    if self.heartbeat:
+                        if not await self.r.exists(contract.model_card_key(MODEL)):
+                            await self._publish_card()  # Redis restarted without its data
+                        await self._beat()
             except (redis.RedisError, OSError):
                 pass
             await asyncio.sleep(contract.HEARTBEAT_INTERVAL_S)
+
+    async def _kill(self) -> None:
+        async with self._beat_lock:
+            await self.r.delete(contract.engine_key(self.engine_id))
 
     async def _listen_cancels(self) -> None:
         ps = self.r.pubsub()
@@ -163,8 +175,11 @@ class FakeEngine:
         while True:
             free = 16 if self.max_running is None else min(16, self.max_running - self.running)
             if self.paused or free <= 0:
+                if self.paused:
+                    self._read_idle.set()
                 await asyncio.sleep(0.05)
                 continue
+            self._read_idle.clear()
             try:
                 resp = await self.r.xreadgroup(contract.CONSUMER_GROUP, self.engine_id, {stream: ">"},
                                                count=free, block=100)

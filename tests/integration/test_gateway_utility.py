@@ -197,4 +197,4 @@ def test_openapi_documents_the_utility_endpoints() -> None:
 def test_utility_endpoints_are_counted_in_metrics(gateway) -> None:
     httpx.post(f"{gateway.url}/tokenize", json={"prompt": "x"})
     text = httpx.get(f"{gateway.url}/metrics").text
-    assert 'sluice:http_requests_total{endpoint="/tokenize",status="200"}' in text
+    assert 'sluice_gateway:http_requests_total{endpoint="/tokenize",status="200"}' in text

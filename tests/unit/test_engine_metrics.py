@@ -20,8 +20,9 @@ from engine_service.service.metrics import (
     NullMetrics,
     check_port_free,
 )
-from engine_service.service.redis_io import _Backoff
-from sluice.wire import codec
+from engine_service.service.redis_io import _LoopBackoff
+from sluice.wire import codec, contract
+from sluice.wire.error_codes import Code
 from sluice.wire.stats import EngineStats
 
 # Every sample name the engine exports (docs/metrics.md documents each).
@@ -33,6 +34,9 @@ ENGINE_SAMPLES = {
     "sluice:prompt_tokens_total", "sluice:generation_tokens_total", "sluice:iterations_total",
     "sluice:request_success_total", "sluice:request_errors_total", "sluice:request_aborts_total",
     "sluice:reclaimed_requests_total", "sluice:redis_reconnects_total",
+    "sluice:redis_published_batches_total", "sluice:redis_publish_retries_total", "sluice:redis_dropped_batches_total",
+    "sluice:stream_trimmed_entries_total", "sluice:registry_pruned_engines_total", "sluice:orphaned_entries_total",
+    "sluice:gateways_lost_total", "sluice:worker_requests_total",
     *(f"sluice:{h}_{suffix}" for h in (
         "time_to_first_token_seconds", "time_per_output_token_seconds", "inter_token_latency_seconds",
         "e2e_request_latency_seconds", "request_queue_time_seconds", "request_stream_queue_time_seconds",
@@ -197,9 +201,26 @@ def test_step_events_aborts_and_io_counters():
     assert value(m, "sluice:redis_reconnects_total", connection="publisher") == 0
 
 
+def test_error_codes_are_labelled_by_name_and_counters_read_the_io_and_worker_dicts():
+    m = EngineMetrics("m", "e", process_metrics=False)
+    codes = {s.labels["code"] for f in m.registry.collect() if f.name == "sluice:request_errors" for s in f.samples}
+    assert codes == {c.value for c in Code if c.wire is not None}, codes  # never "1" ... "8"
+    m.events([codec.error_event("x", contract.ERR_CONTEXT_LENGTH, "long", "e")])
+    assert value(m, "sluice:request_errors_total", code="context_length_exceeded") == 1
+    io_stats = {"dropped_batches": 0, "published_batches": 5}
+    counters = {"invalid": 2, "handed_back": 1}
+    m.bind(lambda: None, io_stats=io_stats, worker_counters=counters)
+    io_stats["dropped_batches"] += 3  # read at scrape time: the dicts stay where they are counted
+    assert value(m, "sluice:redis_dropped_batches_total") == 3
+    assert value(m, "sluice:redis_published_batches_total") == 5
+    assert value(m, "sluice:worker_requests_total", outcome="invalid") == 2
+    assert value(m, "sluice:worker_requests_total", outcome="handed_back") == 1
+    assert value(m, "sluice:worker_requests_total", outcome="cancelled") == 0
+
+
 def test_backoff_reports_a_reconnect_only_after_a_failure():
     calls = []
-    b = _Backoff(first=0.0001, on_recover=lambda: calls.append(1))
+    b = _LoopBackoff(on_recover=lambda: calls.append(1))
     b.ok()
     assert calls == []
     b.fail(threading.Event())
