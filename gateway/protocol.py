@@ -290,6 +290,7 @@ class DeltaToolCall(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
+    reasoning_content: str | None = None  # vLLM's: the <think> text, for a model with a reasoning parser
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
@@ -310,6 +311,7 @@ class ChatCompletionResponse(ResponseEnvelope):
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
+    reasoning_content: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
