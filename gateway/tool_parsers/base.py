@@ -27,10 +27,19 @@ class ParsedCall:
     arguments: str  # JSON text, as OpenAI's `function.arguments`
 
 
+def loads(text: str) -> Any:
+    """``json.loads``, with JSON nested too deep for it a ``ValueError`` like any other bad JSON
+    (it raises ``RecursionError``): model output and a client's strings can be anything."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
 def maybe_json(text: str) -> Any:
     """``text`` parsed as JSON, or the text itself when it is not JSON."""
     try:
-        return json.loads(text)
+        return loads(text)
     except ValueError:
         return text
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import json
 
-from gateway.tool_parsers.base import ParsedCall, ToolParser, call_from_object, maybe_json, scan_for_marker
+from gateway.tool_parsers.base import (
+    ParsedCall,
+    ToolParser,
+    call_from_object,
+    loads,
+    maybe_json,
+    scan_for_marker,
+)
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -32,7 +39,7 @@ class HermesParser(ToolParser):
         if body.endswith(CLOSE):
             body = body[:-len(CLOSE)]
         try:  # an unclosed block at the end still counts when its JSON is whole
-            call = call_from_object(json.loads(body))
+            call = call_from_object(loads(body))
         except ValueError:
             return None
         return None if call is None else [call]

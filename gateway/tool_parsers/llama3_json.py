@@ -32,7 +32,7 @@ class Llama3JsonParser(ToolParser):
         while pos < len(text):
             try:
                 obj, pos = decoder.raw_decode(text, pos)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested too deeply
                 return None
             call = call_from_object(obj)
             if call is None:

@@ -16,6 +16,7 @@ from gateway.tool_parsers.base import (
     ToolParser,
     arguments_text,
     call_from_object,
+    loads,
     maybe_json,
     partial_suffix,
 )
@@ -53,7 +54,7 @@ class MistralParser(ToolParser):
                 continue
             if part[0] in "[{":
                 try:
-                    value = json.loads(part)
+                    value = loads(part)
                 except ValueError:
                     return None
                 objs = value if isinstance(value, list) else [value]
@@ -66,7 +67,7 @@ class MistralParser(ToolParser):
             if match is None:
                 return None
             try:
-                arguments = json.loads(match.group(2))
+                arguments = loads(match.group(2))
             except ValueError:
                 return None
             if not isinstance(arguments, dict):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 import json
 
-from gateway.tool_parsers.base import ParsedCall, ToolParser, scan_at_start
+from gateway.tool_parsers.base import ParsedCall, ToolParser, loads, scan_at_start
 
 START, END = "<|python_start|>", "<|python_end|>"
 _NAMES = {"true": True, "false": False, "null": None}  # JSON spellings models use in Python calls
@@ -77,7 +77,7 @@ class PythonicParser(ToolParser):
     def format_calls(self, calls: list[ParsedCall]) -> str:
         def one(c: ParsedCall) -> str:
             try:
-                args = json.loads(c.arguments)
+                args = loads(c.arguments)
             except ValueError:
                 args = {}
             items = args.items() if isinstance(args, dict) else []

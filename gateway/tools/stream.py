@@ -26,12 +26,11 @@ loses argument text when a chunk holds two entries with the same index.
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 
 from gateway.tool_parsers import ParsedCall, ToolParser
-from gateway.tool_parsers.base import call_from_object
+from gateway.tool_parsers.base import call_from_object, loads
 from gateway.tools.spec import ToolSpec
 
 
@@ -214,7 +213,7 @@ class _RequiredStream:
         if self.object_start is not None:  # cut short: a call when its name is whole
             match = _CUT_CALL.match(self.text, self.object_start)
             if match is not None:
-                out = self._call(ParsedCall(json.loads(match.group(1)), match.group(2)))
+                out = self._call(ParsedCall(loads(match.group(1)), match.group(2)))
         if not self.calls:
             return self.text, []
         return "", out
@@ -222,7 +221,7 @@ class _RequiredStream:
 
 def _object_call(text: str) -> ParsedCall | None:
     try:
-        return call_from_object(json.loads(text))
+        return call_from_object(loads(text))
     except ValueError:
         return None
 

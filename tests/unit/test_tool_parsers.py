@@ -188,3 +188,19 @@ def test_named_call_streams_its_arguments_in_one_entry_per_chunk():
 def test_tool_choice_none_leaves_the_text_alone():
     check("hermes", '<tool_call>{"name": "add", "arguments": {}}</tool_call>',
           '<tool_call>{"name": "add", "arguments": {}}</tool_call>', [], spec=spec_of("none"))
+
+
+@pytest.mark.parametrize("name", dialects.TOOL_CALL_PARSERS)
+def test_output_nested_too_deeply_is_content_not_an_error(name):
+    deep = "[" * 5000 + "]" * 5000
+    texts = {"hermes": f"<tool_call>{deep}</tool_call>", "llama3_json": '{"name": "add", "parameters": ' + deep + "}",
+             "mistral": f"[TOOL_CALLS]{deep}", "pythonic": f"[add(a={deep})]"}
+    out = parse_chat_output(ChatOutputStream(Dialects(tool_parsers.get(name), None), spec_of(), ""), texts[name])
+    assert (out.content, out.tool_calls) == (texts[name], [])
+    req = parse_chat_output(ChatOutputStream(Dialects(tool_parsers.get(name), None), spec_of("required"), ""),
+                            '[{"name": "add", "arguments": ' + deep + "}]")
+    assert req.tool_calls == [] and req.content.startswith('[{"name": "add"')
+    # a client's history with such arguments renders (as the string it is)
+    history = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "add", "arguments": deep}}]}]
+    assert tools.render_messages(history, spec_of(), False, tool_parsers.get(name))[1]["content"]
