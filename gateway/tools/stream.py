@@ -212,11 +212,20 @@ class _RequiredStream:
         out: list[dict] = []
         if self.object_start is not None:  # cut short: a call when its name is whole
             match = _CUT_CALL.match(self.text, self.object_start)
-            if match is not None:
-                out = self._call(ParsedCall(loads(match.group(1)), match.group(2)))
+            name = _string(match.group(1)) if match is not None else None
+            if name:
+                out = self._call(ParsedCall(name, match.group(2)))
         if not self.calls:
             return self.text, []
         return "", out
+
+
+def _string(literal: str) -> str | None:
+    try:
+        value = loads(literal)
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
 
 
 def _object_call(text: str) -> ParsedCall | None:

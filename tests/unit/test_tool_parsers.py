@@ -204,3 +204,44 @@ def test_output_nested_too_deeply_is_content_not_an_error(name):
     history = [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "add", "arguments": deep}}]}]
     assert tools.render_messages(history, spec_of(), False, tool_parsers.get(name))[1]["content"]
+
+
+# whole calls of each dialect, and pieces of markers and JSON around them
+CALLS = ['<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', '{"name": "add", "parameters": {"a": 1}}',
+         '[TOOL_CALLS][{"name": "add", "arguments": {}}]', '[TOOL_CALLS]add[ARGS]{"b": 2}', '[add(a=1), add()]',
+         '<think>why</think>\n', '{"a": "}{"}']
+FRAGMENTS = CALLS * 4 + ['<tool_call>', '</tool_call>', '{"name": "add", "arguments": {"a": 1}}', '[TOOL_CALLS]', "[ARGS]",
+             '<|python_tag|>', '[add(a=1)]', '{"name": "get_weather", "parameters": {}}', "add", " ", "\n", "x",
+             "[", "]", "{", "}", '"', ";", ",", "<", "<think>", "</think>", "<tool_", "call>", "(", ")", "=1"]
+
+
+@pytest.mark.parametrize("name", dialects.TOOL_CALL_PARSERS)
+@pytest.mark.parametrize("reasoner", [None, "deepseek_r1", "qwen3"])
+def test_any_text_parses_and_streams_the_same_split_anywhere(name, reasoner):
+    """Random texts of the dialects' pieces: never an exception, and the chunks of a stream split at
+    random places assemble to the non-streamed answer, for every tool_choice."""
+    import random
+
+    from gateway import reasoning
+
+    rng = random.Random(f"{name}-{reasoner}")
+    named = tools.parse_tools([WEATHER, ADD], {"type": "function", "function": {"name": "add"}}, None)
+    specs = [spec_of(), spec_of("auto", False), spec_of("required"), named, None]
+    for _ in range(150):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 6)))
+        for spec in specs:
+            dialect = Dialects(tool_parsers.get(name), reasoning.get(reasoner))
+            out = parse_chat_output(ChatOutputStream(dialect, spec, ""), text)
+            cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(1, 6))))
+            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+            stream = ChatOutputStream(dialect, spec, "")
+            got = stream.feed("")
+            for piece in pieces:
+                more = stream.feed(piece)
+                assert len({d["index"] for d in more.tool_calls}) == len(more.tool_calls)
+                got += more
+            got += stream.finish()
+            calls = [{k: v for k, v in c.items() if k not in ("index", "id")} for c in got.tool_calls]
+            assert calls == [{k: v for k, v in c.items() if k != "id"} for c in out.tool_calls], (text, pieces)
+            assert (got.reasoning if stream.thought else None) == out.reasoning_content, (text, pieces)
+            assert (got.content or None if (calls or stream.thought) else got.content) == out.content, (text, pieces)
