@@ -53,8 +53,9 @@ class ChatOutput:
 
 
 class ChatOutputStream:
-    """One choice's text, piece by piece; ``spec`` None (no tools) or ``reasoner`` None (the model
-    does not think) leave that step out."""
+    """One choice's text, piece by piece; ``spec`` None (no tools) or ``dialects.reasoning`` None
+    (the model does not think) leave that step out. ``prompt``: the rendered prompt (whether it
+    opened the reasoning)."""
 
     def __init__(self, dialects: Dialects, spec: ToolSpec | None, prompt: str) -> None:
         self.reasoning = dialects.reasoning.stream(prompt) if dialects.reasoning is not None else None
