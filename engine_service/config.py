@@ -30,6 +30,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from sluice.wire import dialects
+
 DEFAULT_WATERMARK_SHARE = 0.01
 
 
@@ -79,6 +81,12 @@ class EngineConfig:
         "auto", "auto: the model's generation_config.json sets the temperature, top_p, top_k, min_p and "
         "repetition_penalty a request leaves unset (vLLM's behaviour); vllm: ignore it (neutral defaults)",
         choices=["auto", "vllm"])
+    tool_call_parser: str | None = knob(None, "how gateways read tool calls in this model's output (vLLM's names; "
+                                        "default: detected from the chat template, else hermes)",
+                                        choices=list(dialects.TOOL_CALL_PARSERS))
+    reasoning_parser: str | None = knob(None, "how gateways split <think> reasoning into reasoning_content (default: "
+                                        "detected from the chat template; none: never)",
+                                        choices=[*dialects.REASONING_PARSERS, dialects.NO_REASONING])
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

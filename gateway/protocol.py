@@ -337,6 +337,7 @@ class DeltaToolCall(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
+    reasoning_content: str | None = None  # vLLM's: the <think> text, for a model with a reasoning parser
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
@@ -357,6 +358,7 @@ class ChatCompletionResponse(ResponseEnvelope):
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
+    reasoning_content: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 

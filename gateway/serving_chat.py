@@ -11,6 +11,7 @@ from fastapi.responses import Response
 
 from gateway import errors, serving, tools
 from gateway.broker import LoadedCard
+from gateway.chat_output import ChatOutputStream, Dialects, parse_chat_output
 from gateway.generation import Delta, Generation, TokenInfo
 from gateway.protocol import (
     ChatCompletionLogProb,
@@ -68,12 +69,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             raise errors.invalid("A forced 'tool_choice' cannot be combined with 'response_format' or "
                                  "'structured_outputs'.", param="tool_choice")
         constraint = tools.tool_constraint(spec)
+    dialects = Dialects.of(card.card)  # the model's tool-call and reasoning parsers, named on its card
     messages = template_messages(body.messages)
     try:
         # tools go through the template's `tools` variable when it reads one, else a system block
         template_tools = tools.template_tools(spec)
         reads_tools = "tools" in template_variables(card.tokenizer.get_chat_template(tools=template_tools))
-        messages = tools.render_messages(messages, spec, reads_tools)
+        messages = tools.render_messages(messages, spec, reads_tools, dialects.tool_parser)
         text = card.tokenizer.apply_chat_template(
             messages, add_generation_prompt=body.add_generation_prompt, tokenize=False,
             tools=template_tools if reads_tools else None,
@@ -86,6 +88,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     max_tokens = serving.max_tokens_for(card, [len(ids)], requested, "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = serving.sampling_params(body, card, max_tokens, logprobs)
+    if constraint is not None and dialects.reasoning is not None:  # it constrains the answer, not the reasoning
+        constraint = dialects.reasoning.answer_constraint(constraint, text)
     serving.constrain(params, constraint)
     opts = {"stop": serving.stop_strings(body), "include_stop_str": body.include_stop_str_in_output,
             "skip_special_tokens": body.skip_special_tokens, "logprobs": logprobs}
@@ -94,8 +98,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     await serving.start(gen, broker, cfg, body.model)
     return await serving.respond(
         request, gen,
-        stream=ChatStreamFormatter(gen, card, body, spec) if body.stream else None,
-        build=lambda: chat_response(gen, body, spec),
+        stream=ChatStreamFormatter(gen, card, body, spec, dialects, text) if body.stream else None,
+        build=lambda: chat_response(gen, body, spec, dialects, text),
     )
 
 
@@ -109,18 +113,26 @@ def chat_logprobs(infos: list[TokenInfo]) -> ChatCompletionLogProbs:
     ])
 
 
-def chat_response(gen: Generation, body: ChatCompletionRequest,
-                  spec: tools.ToolSpec | None = None) -> ChatCompletionResponse:
+def _parses(spec: tools.ToolSpec | None, dialects: Dialects | None) -> bool:
+    """Whether a choice's text goes through the reasoning parser or the tool stream."""
+    return dialects is not None and (dialects.reasoning is not None or (spec is not None and spec.parses_output))
+
+
+def chat_response(gen: Generation, body: ChatCompletionRequest, spec: tools.ToolSpec | None = None,
+                  dialects: Dialects | None = None, prompt: str = "") -> ChatCompletionResponse:
     choices = []
     for c in gen.choices:
         message = ChatResponseMessage(role="assistant", content=c.text)
         finish = c.finish_reason
-        if spec is not None and spec.parses_output:
-            content, calls = tools.extract_tool_calls(spec, c.text)
-            if calls:  # finish_reason "tool_calls" (a call cut short by max_tokens stays text, "length")
-                message = ChatResponseMessage(role="assistant", content=content,
-                                              tool_calls=[ToolCall(**call) for call in calls])
-                finish = "tool_calls" if finish == "stop" else finish
+        if _parses(spec, dialects):  # the same parse as a stream's (gateway.chat_output)
+            stream = ChatOutputStream(dialects, spec, prompt)
+            out = parse_chat_output(stream, c.text)
+            message = ChatResponseMessage(role="assistant", content=out.content)
+            if dialects.reasoning is not None:
+                message.reasoning_content = out.reasoning_content
+            if out.tool_calls:  # finish_reason "tool_calls" (or "length" for a forced call cut short)
+                message.tool_calls = [ToolCall(**call) for call in out.tool_calls]
+            finish = stream.finish_reason(finish)
         choices.append(ChatCompletionResponseChoice(
             index=c.index,
             message=message,
@@ -133,12 +145,11 @@ def chat_response(gen: Generation, body: ChatCompletionRequest,
 
 class ChatStreamFormatter:
     def __init__(self, gen: Generation, card: LoadedCard, body: ChatCompletionRequest,
-                 spec: tools.ToolSpec | None = None) -> None:
+                 spec: tools.ToolSpec | None = None, dialects: Dialects | None = None, prompt: str = "") -> None:
         self.gen, self.card, self.body = gen, card, body
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        self.tool_streams = ({c.index: tools.ToolStream(spec) for c in gen.choices}
-                             if spec is not None and spec.parses_output else None)
-        self.called: set[int] = set()
+        self.outputs = ({c.index: ChatOutputStream(dialects, spec, prompt) for c in gen.choices}
+                        if _parses(spec, dialects) else None)
 
     def _chunk(self, index: int, delta: DeltaMessage, logprobs: ChatCompletionLogProbs | None = None,
                finish: str | None = None, stop_reason: int | str | None = None) -> ChatCompletionStreamResponse:
@@ -155,31 +166,32 @@ class ChatStreamFormatter:
     def on_delta(self, d: Delta) -> list[ChatCompletionStreamResponse]:
         out = []
         lp = chat_logprobs(d.logprobs) if self.body.logprobs and d.logprobs else None
-        if self.tool_streams is not None:
-            return self._on_tool_delta(d, lp)
+        if self.outputs is not None:
+            return self._on_parsed_delta(d, lp)
         if d.text or lp:
             out.append(self._chunk(d.index, DeltaMessage(content=d.text), lp))
         if d.finish_reason:
             out.append(self._chunk(d.index, DeltaMessage(), None, d.finish_reason, d.stop_reason))
         return out
 
-    def _on_tool_delta(self, d: Delta, lp: ChatCompletionLogProbs | None) -> list[ChatCompletionStreamResponse]:
-        """Text that is surely content goes out at once; calls as OpenAI's ``tool_calls`` deltas."""
-        stream = self.tool_streams[d.index]
+    def _on_parsed_delta(self, d: Delta, lp: ChatCompletionLogProbs | None) -> list[ChatCompletionStreamResponse]:
+        """Reasoning and surely-content text go out at once; calls as OpenAI's ``tool_calls``
+        deltas, one entry per index in a chunk (``gateway.chat_output``)."""
+        stream = self.outputs[d.index]
         out = []
-        content, calls = stream.feed(d.text)
+        piece = stream.feed(d.text)
         if d.finish_reason:
-            rest, more = stream.finish()
-            content += rest
-            calls += more
-        if content or lp:
-            out.append(self._chunk(d.index, DeltaMessage(content=content), lp))
-        if calls:
-            self.called.add(d.index)
-            out.append(self._chunk(d.index, DeltaMessage(tool_calls=[DeltaToolCall(**c) for c in calls])))
+            piece += stream.finish()
+        if piece.reasoning or piece.content or lp:
+            delta = DeltaMessage(content=piece.content) if piece.content or not piece.reasoning else DeltaMessage()
+            if piece.reasoning:
+                delta.reasoning_content = piece.reasoning
+            out.append(self._chunk(d.index, delta, lp))
+        if piece.tool_calls:
+            out.append(self._chunk(d.index, DeltaMessage(tool_calls=[DeltaToolCall(**c) for c in piece.tool_calls])))
         if d.finish_reason:
-            finish = "tool_calls" if d.index in self.called and d.finish_reason == "stop" else d.finish_reason
-            out.append(self._chunk(d.index, DeltaMessage(), None, finish, d.stop_reason))
+            out.append(self._chunk(d.index, DeltaMessage(), None, stream.finish_reason(d.finish_reason),
+                                   d.stop_reason))
         return out
 
     def end(self) -> list[ChatCompletionStreamResponse]:

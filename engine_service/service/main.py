@@ -59,9 +59,13 @@ def settings_from_args(args: argparse.Namespace) -> ServiceSettings:
 
 
 def model_card(engine: Any, name: str) -> ModelCard:
-    """The card this engine publishes (``sluice.wire.card``: one encoder, one decoder)."""
+    """The card this engine publishes (``sluice.wire.card``: one encoder, one decoder), naming the
+    tool-call and reasoning parsers of ``--tool-call-parser`` / ``--reasoning-parser`` (else detected)."""
+    config = getattr(engine, "config", None)  # test doubles of the engine have none
     return ModelCard.from_model_dir(engine.model_dir, name=name, max_model_len=engine.max_model_len,
-                                    vocab_size=engine.vocab_size, eos_token_ids=list(engine.eos_token_ids))
+                                    vocab_size=engine.vocab_size, eos_token_ids=list(engine.eos_token_ids),
+                                    tool_call_parser=getattr(config, "tool_call_parser", None),
+                                    reasoning_parser=getattr(config, "reasoning_parser", None))
 
 
 class EngineService:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sluice.wire import contract, limits
+from sluice.wire import contract, dialects, limits
 
 # The hash's fields, each written by encode() and read by decode() only.
 F_NAME = "name"
@@ -32,6 +32,8 @@ F_TOKENIZER_CONFIG = "tokenizer_config"  # the tokenizer_config.json text
 F_CHAT_TEMPLATE = "chat_template"  # JSON: null, a template string, or {name: template}
 F_GENERATION_CONFIG = "generation_config"  # JSON: the generation_config.json object ({} when absent)
 F_CONTRACT_VERSION = "contract_version"
+F_TOOL_CALL_PARSER = "tool_call_parser"  # sluice.wire.dialects' name (vLLM's)
+F_REASONING_PARSER = "reasoning_parser"  # a dialects name, "" for none
 F_FINGERPRINT = "fingerprint"  # a hash of the other fields: readers refetch the card only when it changes
 
 # generation_config.json keys that are sampling defaults (vLLM's ``--generation-config auto``).
@@ -75,12 +77,17 @@ class ModelCard:
     chat_template: str | dict[str, str] | None = None
     generation_config: dict[str, Any] = field(default_factory=dict)
     contract_version: int = contract.CONTRACT_VERSION
+    tool_call_parser: str = dialects.DEFAULT_TOOL_CALL_PARSER
+    reasoning_parser: str | None = None
 
     # -- building -------------------------------------------------------------------------------
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, *, name: str, max_model_len: int, vocab_size: int,
-                       eos_token_ids: list[int]) -> ModelCard:
+                       eos_token_ids: list[int], tool_call_parser: str | None = None,
+                       reasoning_parser: str | None = None) -> ModelCard:
+        """``tool_call_parser`` / ``reasoning_parser``: the engine's flags (None: detected from the
+        chat template, ``sluice.wire.dialects``); an unknown name is a ``ValueError`` listing the known."""
         from sluice.text.tokenizer import read_chat_template
 
         root = Path(model_dir)
@@ -90,6 +97,8 @@ class ModelCard:
             return path.read_text(encoding="utf-8") if path.is_file() else default
 
         gen_text = text("generation_config.json")
+        chat_template = read_chat_template(root)
+        tools, reasoning = dialects.resolve(chat_template, tool_call_parser, reasoning_parser)
         return cls(
             name=name,
             max_model_len=int(max_model_len),
@@ -97,8 +106,10 @@ class ModelCard:
             eos_token_ids=[int(t) for t in eos_token_ids],
             tokenizer_json=text("tokenizer.json"),
             tokenizer_config=text("tokenizer_config.json", "{}"),
-            chat_template=read_chat_template(root),
+            chat_template=chat_template,
             generation_config=json.loads(gen_text) if gen_text.strip() else {},
+            tool_call_parser=tools,
+            reasoning_parser=reasoning,
         )
 
     def tokenizer(self):
@@ -125,6 +136,8 @@ class ModelCard:
             F_CHAT_TEMPLATE: json.dumps(self.chat_template),
             F_GENERATION_CONFIG: json.dumps(self.generation_config, sort_keys=True),
             F_CONTRACT_VERSION: str(self.contract_version),
+            F_TOOL_CALL_PARSER: self.tool_call_parser,
+            F_REASONING_PARSER: self.reasoning_parser or "",
         }
         digest = hashlib.sha256()
         for key in sorted(fields):
@@ -140,6 +153,10 @@ class ModelCard:
         check_version(fields.get(F_CONTRACT_VERSION), fields.get(F_NAME, "?"))
         try:
             chat_template = json.loads(fields.get(F_CHAT_TEMPLATE) or "null")
+            # a card without the fields (an older engine): what its chat template shows
+            tools, reasoning = dialects.resolve(chat_template, fields.get(F_TOOL_CALL_PARSER),
+                                                fields.get(F_REASONING_PARSER) or dialects.NO_REASONING) \
+                if F_TOOL_CALL_PARSER in fields else dialects.resolve(chat_template)
             return cls(
                 name=fields[F_NAME],
                 max_model_len=int(fields[F_MAX_MODEL_LEN]),
@@ -150,6 +167,8 @@ class ModelCard:
                 chat_template=chat_template,
                 generation_config=json.loads(fields.get(F_GENERATION_CONFIG) or "{}"),
                 contract_version=int(fields[F_CONTRACT_VERSION]),
+                tool_call_parser=tools,
+                reasoning_parser=reasoning,
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise CardError(f"the model card in Redis is malformed ({type(exc).__name__}: {exc})") from exc

@@ -1,4 +1,5 @@
-"""The gateway's structured-output and tool-call helpers (no model, no Redis)."""
+"""The gateway's structured-output and tool-call helpers (no model, no Redis): request validation,
+constraints, rendering. The parsers and the streams: test_tool_parsers.py, test_reasoning_parsers.py."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 
 import pytest
 
-from gateway import tools
+from gateway import tool_parsers, tools
 from gateway.errors import OpenAIError
 from sluice.structured import StructuredOutputError, StructuredOutputsParams, compile_grammar
 from sluice.wire import codec
@@ -67,42 +68,6 @@ def test_tool_choice_parsing_and_schemas():
     assert _error(tools.parse_tools, [bad], "required", None).param == "tools"
 
 
-def test_extract_calls_and_hermes_parser():
-    req = tools.parse_tools([FN], "required", None)
-    content, calls = tools.extract_tool_calls(req, '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
-    assert content is None and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
-    assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
-    content, calls = tools.extract_tool_calls(req, '[{"name": "get_wea')  # cut short: stays text
-    assert calls == [] and content == '[{"name": "get_wea'
-    content, calls = tools.parse_hermes(
-        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
-        '<tool_call>{"name": "get_weather", "arguments": {"city": "Nice"}}</tool_call>')
-    assert content == "Let me check." and [json.loads(c["function"]["arguments"])["city"] for c in calls] == [
-        "Rome", "Nice"]
-    assert tools.parse_hermes("no calls here") == ("no calls here", [])
-    assert tools.parse_hermes("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
-
-
-def test_tool_stream_holds_back_only_what_may_be_a_call():
-    auto = tools.ToolStream(tools.parse_tools([FN], "auto", None))
-    sent = ""
-    for piece in ["Sure", ", <tool", "_ca", "ll>{\"name\": \"get_weather\", ", "\"arguments\": {\"city\": \"X\"}}",
-                  "</tool_call>"]:
-        content, calls = auto.feed(piece)
-        sent += content
-        assert calls == []
-    rest, calls = auto.finish()
-    assert sent + rest == "Sure, " and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
-    plain = tools.ToolStream(tools.parse_tools([FN], "auto", None))
-    assert plain.feed("a <to") == ("a ", []) and plain.feed("ol") == ("", [])
-    assert plain.feed(" x") == ("<tool x", []) and plain.finish() == ("", [])
-    named = tools.ToolStream(tools.parse_tools([FN], {"type": "function", "function": {"name": "get_weather"}},
-                                               None))
-    _, first = named.feed('{"ci')
-    assert first[0]["id"].startswith("call_") and first[0]["function"]["name"] == "get_weather"
-    assert first[1] == {"index": 0, "function": {"arguments": '{"ci'}}
-
-
 def test_messages_with_tools_render_through_the_default_block(ours):
     spec = tools.parse_tools([FN], "auto", None)
     history = [
@@ -111,10 +76,10 @@ def test_messages_with_tools_render_through_the_default_block(ours):
             "name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
         {"role": "tool", "content": "21C", "tool_call_id": "c1"},
     ]
-    messages = tools.render_messages(history, spec, template_reads_tools=False)
+    messages = tools.render_messages(history, spec, False, tool_parsers.get("hermes"))
     text = ours.apply_chat_template(messages, add_generation_prompt=True)
     assert "<tools>" in text and '"name": "get_weather"' in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' in text
     assert "<tool_response>\n21C\n</tool_response>" in text
-    kept = tools.render_messages(history, spec, template_reads_tools=True)
+    kept = tools.render_messages(history, spec, True, tool_parsers.get("hermes"))
     assert kept[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Rome"} and kept[2]["role"] == "tool"
