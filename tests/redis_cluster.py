@@ -65,7 +65,7 @@ class ClusterUnavailable(RuntimeError):
     """The cluster could not be started; the message says why and what to do."""
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
     """``count`` distinct TCP ports on 127.0.0.1 that nothing listens on right now."""
     socks = []
     try:
@@ -229,7 +229,7 @@ class LocalRedisCluster:
         _LIVE.add(self)
         try:
             count = self.masters_count * (1 + self.replicas_per_master)
-            ports = _free_ports(2 * count)
+            ports = free_ports(2 * count)
             for i in range(count):
                 node_dir = root / f"node-{i}"
                 node_dir.mkdir(parents=True, exist_ok=True)
@@ -475,7 +475,7 @@ class LocalRedisCluster:
                     repicks -= 1
                     (node.dir / "nodes.conf").unlink(missing_ok=True)
                     node.log_path.unlink(missing_ok=True)
-                    node.port, node.bus_port = _free_ports(2)
+                    node.port, node.bus_port = free_ports(2)
                     self._spawn(node)
                     continue
                 stderr = (node.dir / "stderr.log").read_text(errors="replace").strip()
