@@ -39,7 +39,6 @@ import socket
 import subprocess
 import tempfile
 import time
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,7 +163,7 @@ class _Killed:
     replica_ids: frozenset[str]
 
 
-_LIVE: weakref.WeakSet[LocalRedisCluster] = weakref.WeakSet()
+_LIVE: set[LocalRedisCluster] = set()  # started and not stopped (strong: a dropped object still stops)
 
 
 @atexit.register
@@ -207,6 +206,7 @@ class LocalRedisCluster:
         self.nodes: list[Node] = []
         self.startup_s: float | None = None  # wall time of the last start(), for reports
         self._killed: _Killed | None = None
+        self._clients: dict[tuple[int, int | None], redis.Redis] = {}
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, timeout: float = 60.0) -> LocalRedisCluster:
@@ -252,6 +252,9 @@ class LocalRedisCluster:
         for node in self.nodes:
             self._kill(node)
         self.nodes = []
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
         if self._own_dir is not None:
             shutil.rmtree(self._own_dir, ignore_errors=True)
             self._own_dir = None
@@ -512,7 +515,7 @@ class LocalRedisCluster:
 
     def _client(self, node: Node) -> redis.Redis:
         """A cached plain client per node (admin commands only; replaced when the process is)."""
-        cache = self.__dict__.setdefault("_clients", {})
+        cache = self._clients
         key = (node.port, node.proc.pid if node.proc else None)
         client = cache.get(key)
         if client is None:
