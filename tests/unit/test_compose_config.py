@@ -41,9 +41,18 @@ def _arg(command: list[str], flag: str) -> str:
     return command[command.index(flag) + 1]
 
 
+URL_WITH_PASSWORD = "redis+cluster://:pw123@redis-c1:6379,redis-c2:6379,redis-c3:6379"
+
+
 @pytest.fixture(scope="module")
 def default() -> dict:
     return _config()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> dict:
+    """The cluster profile with a password and the cluster URL set."""
+    return _config("--profile", "cluster", SLUICE_REDIS_URL=URL_WITH_PASSWORD, REDIS_PASSWORD="pw123")
 
 
 def test_default_stack_is_unchanged_by_the_cluster_profile(default: dict) -> None:
@@ -68,8 +77,8 @@ def test_pull_policies(default: dict) -> None:
         assert service.get("pull_policy") == expected, name
 
 
-def test_cluster_profile_makes_a_three_master_cluster() -> None:
-    services = _config("--profile", "cluster")["services"]
+def test_cluster_profile_makes_a_three_master_cluster(cluster: dict) -> None:
+    services = cluster["services"]
     conf = REPO / "deploy" / "redis" / "cluster-node.conf"
     for name in CLUSTER_NODES:
         node = services[name]
@@ -97,11 +106,10 @@ def test_cluster_profile_makes_a_three_master_cluster() -> None:
         assert line in text.splitlines(), line
 
 
-def test_redis_url_and_password_reach_every_process() -> None:
-    url = "redis+cluster://:pw123@redis-c1:6379,redis-c2:6379,redis-c3:6379"
-    services = _config("--profile", "cluster", SLUICE_REDIS_URL=url, REDIS_PASSWORD="pw123")["services"]
+def test_redis_url_and_password_reach_every_process(cluster: dict) -> None:
+    services = cluster["services"]
     for name in ("engine", "gateway"):
-        assert _arg(services[name]["command"], "--redis-url") == url
+        assert _arg(services[name]["command"], "--redis-url") == URL_WITH_PASSWORD
     assert _arg(services["redis"]["command"], "--requirepass") == "pw123"
     for name in CLUSTER_NODES:
         command = services[name]["command"]
