@@ -18,6 +18,11 @@ that ACL user (all keys, channels and commands), disables the ``default`` user a
 authenticate as the user (``masteruser``). ``url`` carries the credentials:
 ``redis+cluster://[user:password@]127.0.0.1:p1,127.0.0.1:p2,...``.
 
+TLS: ``tls=True`` serves clients, the cluster bus and replication over TLS only (no plain port),
+with a throwaway CA made by the openssl command (``ca_cert``); ``url`` is then
+``rediss+cluster://...``. A process that verifies with the default CA store (``ssl=True``, as a
+``rediss`` URL gives) trusts the nodes when ``SSL_CERT_FILE`` names ``ca_cert``.
+
 Ports: every node's client port and cluster-bus port are two free ports picked by the OS, the bus
 set with ``--cluster-port`` (Redis >= 7.0) rather than the implicit port + 10000, which for an
 ephemeral port often lies above 65535 or on something else. A port taken between the pick and the
@@ -39,7 +44,6 @@ import socket
 import subprocess
 import tempfile
 import time
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,7 +69,28 @@ class ClusterUnavailable(RuntimeError):
     """The cluster could not be started; the message says why and what to do."""
 
 
-def _free_ports(count: int) -> list[int]:
+def _make_certificates(directory: Path) -> Path:
+    """A throwaway CA and a node certificate it signs, for 127.0.0.1 and localhost (openssl CLI)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if shutil.which("openssl") is None:
+        raise ClusterUnavailable("a TLS cluster needs the openssl command (apt-get install -y openssl)")
+    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    steps = [
+        ["req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=sluice-test-ca"],
+        ["req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1"],
+        ["x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+         "-out", "server.crt", "-days", "2", "-extfile", "san.ext"],
+    ]
+    for step in steps:
+        proc = subprocess.run(["openssl", *step], cwd=directory, capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            raise ClusterUnavailable(f"openssl {' '.join(step[:2])} failed: {proc.stderr.strip()}")
+    (directory / "server.key").chmod(0o600)
+    return directory
+
+
+def free_ports(count: int) -> list[int]:
     """``count`` distinct TCP ports on 127.0.0.1 that nothing listens on right now."""
     socks = []
     try:
@@ -164,7 +189,7 @@ class _Killed:
     replica_ids: frozenset[str]
 
 
-_LIVE: weakref.WeakSet[LocalRedisCluster] = weakref.WeakSet()
+_LIVE: set[LocalRedisCluster] = set()  # started and not stopped (strong: a dropped object still stops)
 
 
 @atexit.register
@@ -185,6 +210,7 @@ class LocalRedisCluster:
         password: str | None = None,
         username: str | None = None,
         persistence: bool = False,
+        tls: bool = False,
         node_timeout_ms: int = 2000,
         base_dir: str | os.PathLike[str] | None = None,
         redis_server: str = REDIS_SERVER,
@@ -199,6 +225,8 @@ class LocalRedisCluster:
         self.password = password
         self.username = username
         self.persistence = persistence
+        self.tls = tls
+        self.tls_dir: Path | None = None  # ca.crt, server.crt, server.key once started with tls
         self.node_timeout_ms = node_timeout_ms
         self.redis_server = redis_server
         self.redis_cli = redis_cli
@@ -207,6 +235,7 @@ class LocalRedisCluster:
         self.nodes: list[Node] = []
         self.startup_s: float | None = None  # wall time of the last start(), for reports
         self._killed: _Killed | None = None
+        self._clients: dict[tuple[int, int | None], redis.Redis] = {}
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, timeout: float = 60.0) -> LocalRedisCluster:
@@ -228,8 +257,10 @@ class LocalRedisCluster:
             self._own_dir = root
         _LIVE.add(self)
         try:
+            if self.tls:
+                self.tls_dir = _make_certificates(root / "tls")
             count = self.masters_count * (1 + self.replicas_per_master)
-            ports = _free_ports(2 * count)
+            ports = free_ports(2 * count)
             for i in range(count):
                 node_dir = root / f"node-{i}"
                 node_dir.mkdir(parents=True, exist_ok=True)
@@ -252,6 +283,9 @@ class LocalRedisCluster:
         for node in self.nodes:
             self._kill(node)
         self.nodes = []
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
         if self._own_dir is not None:
             shutil.rmtree(self._own_dir, ignore_errors=True)
             self._own_dir = None
@@ -277,12 +311,24 @@ class LocalRedisCluster:
         auth = ""
         if self.password:
             auth = f"{quote(self.username or '', safe='')}:{quote(self.password, safe='')}@"
-        return "redis+cluster://" + auth + ",".join(f"{h}:{p}" for h, p in self.startup_nodes)
+        scheme = "rediss+cluster" if self.tls else "redis+cluster"
+        return f"{scheme}://" + auth + ",".join(f"{h}:{p}" for h, p in self.startup_nodes)
+
+    @property
+    def ca_cert(self) -> Path:
+        """The CA that signed the nodes' certificate (``tls=True``): what a client verifies with."""
+        if self.tls_dir is None:
+            raise RuntimeError("the cluster has no TLS (tls=True)")
+        return self.tls_dir / "ca.crt"
+
+    def _tls_kwargs(self) -> dict[str, Any]:
+        return {"ssl": True, "ssl_ca_certs": str(self.ca_cert)} if self.tls else {}
 
     def client(self, **kwargs: Any) -> redis.cluster.RedisCluster:
         """A ``redis.cluster.RedisCluster`` on this cluster, with its credentials."""
         kwargs.setdefault("password", self.password)
         kwargs.setdefault("username", self.username)
+        kwargs = {**self._tls_kwargs(), **kwargs}
         nodes = [ClusterNode(h, p) for h, p in self.startup_nodes]
         return redis.cluster.RedisCluster(startup_nodes=nodes, **kwargs)
 
@@ -292,6 +338,7 @@ class LocalRedisCluster:
         kwargs.setdefault("username", self.username)
         kwargs.setdefault("socket_connect_timeout", 2)
         kwargs.setdefault("socket_timeout", 5)
+        kwargs = {**self._tls_kwargs(), **kwargs}
         return redis.Redis(host=HOST, port=node.port, **kwargs)
 
     def node_by_port(self, port: int) -> Node:
@@ -426,7 +473,7 @@ class LocalRedisCluster:
     def _command(self, node: Node) -> list[str]:
         cmd = [
             self.redis_server,
-            "--port", str(node.port),
+            *(self._tls_ports(node) if self.tls else ["--port", str(node.port)]),
             "--bind", HOST,
             "--cluster-enabled", "yes",
             "--cluster-port", str(node.bus_port),
@@ -454,6 +501,18 @@ class LocalRedisCluster:
             cmd += ["--requirepass", self.password, "--masterauth", self.password]
         return cmd
 
+    def _tls_ports(self, node: Node) -> list[str]:
+        """TLS only: no plain port; clients, the cluster bus and replication all over TLS, clients
+        not asked for a certificate (they verify the nodes' against ``ca_cert``)."""
+        assert self.tls_dir is not None
+        return [
+            "--port", "0", "--tls-port", str(node.port),
+            "--tls-cluster", "yes", "--tls-replication", "yes", "--tls-auth-clients", "no",
+            "--tls-cert-file", str(self.tls_dir / "server.crt"),
+            "--tls-key-file", str(self.tls_dir / "server.key"),
+            "--tls-ca-cert-file", str(self.tls_dir / "ca.crt"),
+        ]
+
     def _spawn(self, node: Node) -> None:
         with open(node.dir / "stderr.log", "ab") as stderr:  # the child keeps its own descriptor
             try:
@@ -475,7 +534,7 @@ class LocalRedisCluster:
                     repicks -= 1
                     (node.dir / "nodes.conf").unlink(missing_ok=True)
                     node.log_path.unlink(missing_ok=True)
-                    node.port, node.bus_port = _free_ports(2)
+                    node.port, node.bus_port = free_ports(2)
                     self._spawn(node)
                     continue
                 stderr = (node.dir / "stderr.log").read_text(errors="replace").strip()
@@ -495,6 +554,8 @@ class LocalRedisCluster:
     def _create(self, deadline: float) -> None:
         cmd = [self.redis_cli, "--cluster", "create", *[n.address for n in self.nodes],
                "--cluster-replicas", str(self.replicas_per_master), "--cluster-yes"]
+        if self.tls:
+            cmd += ["--tls", "--cacert", str(self.ca_cert)]
         env = {k: v for k, v in os.environ.items() if k != "REDISCLI_AUTH"}
         if self.username:
             cmd += ["--user", self.username, "--pass", str(self.password), "--no-auth-warning"]
@@ -512,7 +573,7 @@ class LocalRedisCluster:
 
     def _client(self, node: Node) -> redis.Redis:
         """A cached plain client per node (admin commands only; replaced when the process is)."""
-        cache = self.__dict__.setdefault("_clients", {})
+        cache = self._clients
         key = (node.port, node.proc.pid if node.proc else None)
         client = cache.get(key)
         if client is None:

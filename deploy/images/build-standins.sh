@@ -2,7 +2,8 @@
 # Build same-named stand-ins for the public base images Sluice names, from Debian packages,
 # for hosts that cannot reach Docker Hub (DESIGN.md section 5):
 #
-#   redis:7            Debian bookworm's redis-server (7.0), CMD redis-server --protected-mode no
+#   redis:7            Debian bookworm's redis-server (7.0), CMD redis-server --protected-mode no;
+#                      also the Redis Cluster nodes and init job of compose's `cluster` profile
 #   python:3.11-slim   Debian bookworm's python3 (3.11) with pip and venv; python/pip on PATH
 #   prom/prometheus:v2.42.0  Debian bookworm's prometheus (2.42.0) and promtool, laid out like the
 #                      official image (/bin/prometheus, /etc/prometheus, /prometheus, user nobody);
@@ -134,6 +135,11 @@ build_redis() {
     local root
     new_root
     chroot_apt "$root" redis-server
+    # Sluice needs Redis >= 7: sharded pub/sub, and the Redis Cluster nodes of compose's `cluster`
+    # profile announce hostnames (cluster-announce-hostname, cluster-preferred-endpoint-type).
+    local v
+    v="$(chroot "$root" redis-server --version | sed -n 's/.* v=\([0-9]*\)\..*/\1/p')"
+    [ "${v:-0}" -ge 7 ] || die "bookworm's redis-server is ${v:-unknown}, not 7 or later"
     mkdir -p "$root/data"
     cat >"$root/usr/local/bin/docker-entrypoint.sh" <<'SH'
 #!/bin/sh

@@ -4,6 +4,10 @@ failover), with auth when asked. Clients here are redis-py's own ``RedisCluster`
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import redis
 from redis.backoff import NoBackoff
@@ -186,3 +190,30 @@ def test_start_without_redis_server_fails_and_says_what_to_install() -> None:
         cluster.start()
     with pytest.raises(pytest.fail.Exception, match="could not start a local Redis Cluster"):
         cluster_fixtures.start_cluster(redis_server="/nonexistent/redis-server")
+
+
+def test_tls_cluster_speaks_only_tls(redis_cluster_factory) -> None:
+    cluster: LocalRedisCluster = redis_cluster_factory(tls=True)
+    assert cluster.url.startswith("rediss+cluster://127.0.0.1:")
+    port = cluster.nodes[0].port
+    with pytest.raises(redis.ConnectionError):  # plain TCP on the node's port is not served
+        redis.Redis(host="127.0.0.1", port=port, socket_timeout=2, retry=Retry(NoBackoff(), 0)).ping()
+    client = cluster.client()  # TLS, verifying the nodes against cluster.ca_cert
+    try:
+        for i in range(60):
+            client.set(f"sluice:tls:{i}", i)
+        assert len({client.get_node_from_key(f"sluice:tls:{i}").name for i in range(60)}) == 3
+    finally:
+        client.close()
+    # replication runs over TLS too
+    for replica in cluster.replicas():
+        assert cluster.node_client(replica).info("replication")["master_link_status"] == "up"
+    # a process that only says ssl=True (as a rediss URL does) verifies against SSL_CERT_FILE
+    code = (
+        "import sys; from redis.cluster import ClusterNode, RedisCluster; "
+        "print(RedisCluster(startup_nodes=[ClusterNode('127.0.0.1', int(sys.argv[1]))], ssl=True).ping())"
+    )
+    for env, ok in (({}, False), ({"SSL_CERT_FILE": str(cluster.ca_cert)}, True)):
+        proc = subprocess.run([sys.executable, "-c", code, str(port)], env={**os.environ, **env},
+                              capture_output=True, text=True, timeout=60)
+        assert (proc.returncode == 0) is ok, proc.stderr[-2000:]

@@ -1,40 +1,55 @@
-"""deploy/k8s/: every manifest is valid against the Kubernetes schemas (offline, with
-kubernetes-validate's bundled schemas) and has the properties operators rely on."""
+"""deploy/k8s/ and its Redis Cluster variant deploy/k8s/cluster/: every manifest is valid against
+the Kubernetes schemas (offline, with kubernetes-validate's bundled schemas) and has the properties
+operators rely on."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
 
-K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+REPO = Path(__file__).resolve().parents[2]
+K8S_DIR = REPO / "deploy" / "k8s"
+CLUSTER_DIR = K8S_DIR / "cluster"
 K8S_VERSION = "1.30.0"  # gRPC probes are GA since 1.27; autoscaling/v2 since 1.23
+CLUSTER_PODS = [f"redis-cluster-{i}.redis-cluster.sluice.svc.cluster.local:6379" for i in range(6)]
 
 
-def _documents() -> list[tuple[str, dict]]:
+def _documents(directory: Path) -> list[tuple[str, dict]]:
     docs = []
-    for path in sorted(K8S_DIR.glob("*.yaml")):
+    for path in sorted(directory.glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
             if doc:
-                docs.append((path.name, doc))
+                docs.append((str(path.relative_to(K8S_DIR)), doc))
     return docs
 
 
-DOCS = _documents()
+BASE_DOCS = _documents(K8S_DIR)  # `kubectl apply -f deploy/k8s/` (not recursive)
+CLUSTER_DOCS = _documents(CLUSTER_DIR)
+DOCS = BASE_DOCS + CLUSTER_DOCS
+# what `kubectl apply -f deploy/k8s/cluster/ -f 00-namespace.yaml -f 30-engine.yaml -f 40-gateway.yaml`
+# applies: the cluster directory replaces 10-config.yaml and 20-redis.yaml
+CLUSTER_STACK = [
+    (s, d) for s, d in BASE_DOCS if s in ("00-namespace.yaml", "30-engine.yaml", "40-gateway.yaml")
+] + CLUSTER_DOCS
 
 
-def _find(kind: str, name: str) -> dict:
-    for _, doc in DOCS:
-        if doc["kind"] == kind and doc["metadata"]["name"] == name:
-            return doc
-    raise AssertionError(f"no {kind} {name} in {K8S_DIR}")
+def _find(kind: str, name: str, docs: list[tuple[str, dict]] = BASE_DOCS) -> dict:
+    found = [doc for _, doc in docs if doc["kind"] == kind and doc["metadata"]["name"] == name]
+    assert len(found) == 1, f"{len(found)} {kind} {name} (wanted one)"
+    return found[0]
 
 
 def _container(deployment: dict, name: str) -> dict:
     containers = deployment["spec"]["template"]["spec"]["containers"]
     return next(c for c in containers if c["name"] == name)
+
+
+def _workloads(docs: list[tuple[str, dict]]) -> list[dict]:
+    return [d for _, d in docs if d["kind"] in ("Deployment", "StatefulSet", "Job")]
 
 
 def test_manifests_exist() -> None:
@@ -74,9 +89,18 @@ def test_validation_rejects_a_broken_manifest() -> None:
 
 
 def test_everything_in_one_namespace() -> None:
+    assert CLUSTER_DOCS, f"no manifests in {CLUSTER_DIR}"
     for _, doc in DOCS:
         if doc["kind"] != "Namespace":
             assert doc["metadata"].get("namespace") == "sluice", doc["metadata"]["name"]
+
+
+def test_cluster_variant_replaces_only_the_redis_files() -> None:
+    base = {(d["kind"], d["metadata"]["name"]) for s, d in BASE_DOCS if s not in ("10-config.yaml", "20-redis.yaml")}
+    stack = [(d["kind"], d["metadata"]["name"]) for _, d in CLUSTER_STACK]
+    assert len(stack) == len(set(stack)), "an object defined twice in the cluster stack"
+    assert base <= set(stack)
+    assert ("Deployment", "redis") not in stack and ("StatefulSet", "redis-cluster") in stack
 
 
 def test_services_select_their_pods() -> None:
@@ -142,23 +166,134 @@ def test_engine_requests_a_gpu_with_grpc_probes_and_a_drain() -> None:
     assert {"name": "models", "mountPath": config["SLUICE_CACHE_DIR"]} in engine["volumeMounts"]
 
 
-def test_args_only_reference_configmap_keys() -> None:
-    """`$(VAR)` in args expands only from the container's environment: every one must exist."""
-    import re
-
-    config = _find("ConfigMap", "sluice-config")["data"]
-    for name in ("sluice-engine", "sluice-gateway"):
-        pod = _find("Deployment", name)["spec"]["template"]["spec"]
+@pytest.mark.parametrize("stack", [BASE_DOCS, CLUSTER_STACK], ids=["standalone", "cluster"])
+def test_variables_are_defined_before_use(stack: list[tuple[str, dict]]) -> None:
+    """`$(VAR)` in command, args and env values expands only from the container's environment
+    (envFrom, then env entries above it): every one must exist, or the literal text is passed."""
+    config = _find("ConfigMap", "sluice-config", stack)["data"]
+    for workload in _workloads(stack):
+        pod = workload["spec"]["template"]["spec"]
         for c in pod.get("initContainers", []) + pod["containers"]:
-            env = {e["name"] for e in c.get("env", [])}
-            if {"configMapRef": {"name": "sluice-config"}} in c.get("envFrom", []):
-                env |= set(config)
-            for arg in c.get("args", []):
+            env = set(config) if {"configMapRef": {"name": "sluice-config"}} in c.get("envFrom", []) else set()
+            for entry in c.get("env", []):
+                for var in re.findall(r"\$\((\w+)\)", entry.get("value", "")):
+                    assert var in env, f"{workload['metadata']['name']}/{c['name']}: env {entry['name']} uses $({var}) before it is defined"
+                env.add(entry["name"])
+            for arg in c.get("command", []) + c.get("args", []):
                 for var in re.findall(r"\$\((\w+)\)", arg):
-                    assert var in env, f"{name}/{c['name']}: $({var}) is not defined"
+                    assert var in env, f"{workload['metadata']['name']}/{c['name']}: $({var}) is not defined"
 
 
 def test_pods_run_as_non_root() -> None:
-    for name in ("sluice-engine", "sluice-gateway", "redis"):
-        pod = _find("Deployment", name)["spec"]["template"]["spec"]
-        assert pod["securityContext"]["runAsNonRoot"] is True
+    for workload in _workloads(DOCS):
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, workload["metadata"]["name"]
+
+
+def _redis_url(container: dict, config: dict) -> str:
+    """The --redis-url a container runs with, its $(VAR)s expanded (the password as PASSWORD)."""
+    env = {**config, "REDIS_PASSWORD": "PASSWORD"}
+    for entry in container.get("env", []):
+        if "value" in entry:
+            env[entry["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], entry["value"])
+    url = container["args"][container["args"].index("--redis-url") + 1]
+    return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], url)
+
+
+def _password_from_secret(container: dict) -> None:
+    entry = next(e for e in container["env"] if e["name"] == "REDIS_PASSWORD")
+    assert entry["valueFrom"]["secretKeyRef"] == {"name": "sluice-redis", "key": "password"}
+
+
+@pytest.mark.parametrize(
+    "stack,url",
+    [
+        (BASE_DOCS, "redis://:PASSWORD@redis.sluice.svc.cluster.local:6379/0"),
+        (CLUSTER_STACK, "redis+cluster://:PASSWORD@" + ",".join(CLUSTER_PODS)),
+    ],
+    ids=["standalone", "cluster"],
+)
+def test_sluice_pods_put_the_secret_password_in_their_redis_url(stack: list[tuple[str, dict]], url: str) -> None:
+    config = _find("ConfigMap", "sluice-config", stack)["data"]
+    for name, container in (("sluice-engine", "engine"), ("sluice-gateway", "gateway")):
+        c = _container(_find("Deployment", name, stack), container)
+        _password_from_secret(c)
+        assert _redis_url(c, config) == url
+
+
+def test_redis_servers_require_the_secret_password() -> None:
+    redis = _container(_find("Deployment", "redis"), "redis")
+    _password_from_secret(redis)
+    assert redis["args"][redis["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    node = _container(_find("StatefulSet", "redis-cluster", CLUSTER_DOCS), "redis")
+    _password_from_secret(node)
+    for flag in ("--requirepass", "--masterauth"):  # replicas authenticate to their masters
+        assert node["args"][node["args"].index(flag) + 1] == "$(REDIS_PASSWORD)"
+    for c in (redis, node):  # health checks authenticate without the password on a command line
+        probe = " ".join(c["readinessProbe"]["exec"]["command"])
+        assert "REDISCLI_AUTH" in probe and "PONG" in probe
+    job = _find("Job", "redis-cluster-create", CLUSTER_DOCS)["spec"]["template"]["spec"]["containers"][0]
+    _password_from_secret(job)
+
+
+def test_cluster_config_differs_from_the_standalone_one_only_in_where_redis_is() -> None:
+    base = _find("ConfigMap", "sluice-config")["data"]
+    cluster = _find("ConfigMap", "sluice-config", CLUSTER_DOCS)["data"]
+    assert set(base) == set(cluster)
+    assert {k for k in base if base[k] != cluster[k]} == {"REDIS_SCHEME", "REDIS_ADDRESS"}
+    assert cluster["REDIS_SCHEME"] == "redis+cluster"
+    assert cluster["REDIS_ADDRESS"].split(",") == CLUSTER_PODS
+
+
+def test_redis_cluster_statefulset() -> None:
+    sts = _find("StatefulSet", "redis-cluster", CLUSTER_DOCS)
+    service = _find("Service", "redis-cluster", CLUSTER_DOCS)
+    spec = sts["spec"]
+    assert spec["replicas"] == len(CLUSTER_PODS) == 6
+    assert spec["serviceName"] == service["metadata"]["name"]
+    # headless, with DNS names before readiness (the nodes and the Job meet through them)
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    pod_labels = spec["template"]["metadata"]["labels"]
+    assert all(pod_labels.get(k) == v for k, v in service["spec"]["selector"].items())
+    assert all(pod_labels.get(k) == v for k, v in spec["selector"]["matchLabels"].items())
+    node = _container(sts, "redis")
+    ports = {p["name"]: p["containerPort"] for p in node["ports"]}
+    assert ports == {"redis": 6379, "bus": 16379}
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == set(ports)
+    # every pod announces its own DNS name, which is what the URL and the Job name
+    args = node["args"]
+    assert args[:2] == ["redis-server", "/etc/redis/cluster-node.conf"]
+    announced = args[args.index("--cluster-announce-hostname") + 1]
+    assert announced == "$(POD_NAME).redis-cluster.sluice.svc.cluster.local"
+    pod_name = next(e for e in node["env"] if e["name"] == "POD_NAME")
+    assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert [announced.replace("$(POD_NAME)", f"{sts['metadata']['name']}-{i}") + ":6379" for i in range(6)] == CLUSTER_PODS
+    # nodes.conf and the AOF on a claim of each pod's own; the config from the ConfigMap
+    claims = {t["metadata"]["name"] for t in spec["volumeClaimTemplates"]}
+    mounts = {m["name"]: m["mountPath"] for m in node["volumeMounts"]}
+    assert mounts["data"] == "/data" and "data" in claims
+    assert mounts["config"] == "/etc/redis"
+    config_volume = next(v for v in spec["template"]["spec"]["volumes"] if v["name"] == "config")
+    assert config_volume["configMap"]["name"] == "redis-cluster"
+    pdb = _find("PodDisruptionBudget", "redis-cluster", CLUSTER_DOCS)
+    assert pdb["spec"]["maxUnavailable"] == 1 and pdb["spec"]["selector"] == spec["selector"]
+
+
+def test_redis_cluster_job_makes_three_masters_from_the_pod_names() -> None:
+    job = _find("Job", "redis-cluster-create", CLUSTER_DOCS)
+    pod = job["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["command"] == ["sh", "/etc/redis/cluster-init.sh"]
+    assert c["args"] == CLUSTER_PODS
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    replicas = int(env["REDIS_CLUSTER_REPLICAS"])
+    assert len(CLUSTER_PODS) // (1 + replicas) == 3  # 3 masters, each with a replica
+    assert pod["restartPolicy"] == "OnFailure"
+    assert next(v for v in pod["volumes"] if v["name"] == "config")["configMap"]["name"] == "redis-cluster"
+
+
+def test_redis_cluster_configmap_holds_the_deploy_redis_files() -> None:
+    """The node config and the init script are the files compose mounts (one source of truth)."""
+    data = _find("ConfigMap", "redis-cluster", CLUSTER_DOCS)["data"]
+    assert data["cluster-node.conf"] == (REPO / "deploy" / "redis" / "cluster-node.conf").read_text()
+    assert data["cluster-init.sh"] == (REPO / "deploy" / "redis" / "cluster-init.sh").read_text()

@@ -171,10 +171,13 @@ def test_prometheus_scrapes_every_gateway_and_engine_on_their_compose_ports():
     assert prom["profiles"] == ["monitoring"]
     assert "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
     assert all(p.startswith("127.0.0.1:") for p in prom["ports"]), "publish on loopback only"
-    # the default stack is unchanged: the monitoring services only come with their profile
+    # the default stack is unchanged: the monitoring services only come with their profile (and the
+    # Redis Cluster's with `cluster`: tests/unit/test_compose_config.py)
     for name, svc in services.items():
         if name in ("prometheus", "grafana"):
             assert svc.get("profiles")
+        elif svc.get("profiles") == ["cluster"]:
+            assert name.startswith("redis-"), name
         else:
             assert not svc.get("profiles"), name
 
