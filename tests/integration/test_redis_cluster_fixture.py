@@ -17,11 +17,6 @@ from redis.retry import Retry
 from tests import cluster_fixtures
 from tests.redis_cluster import ClusterUnavailable, LocalRedisCluster
 
-# The fixtures, by name in this module (pytest looks them up here and in the conftests).
-redis_cluster = cluster_fixtures.redis_cluster
-clean_redis_cluster = cluster_fixtures.clean_redis_cluster
-redis_cluster_factory = cluster_fixtures.redis_cluster_factory
-
 pytestmark = pytest.mark.timeout(300)
 
 
