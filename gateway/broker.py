@@ -190,6 +190,7 @@ class Broker:
         self._gateway_key = contract.gateway_key(self.gateway_id)
         self._channel = contract.events_channel(self.gateway_id)  # every event of our requests
         self._confirmations = 0  # SSUBSCRIBE confirmations of our channel: each after the first is a resubscribe
+        self._lost_subscription = False  # set by the housekeeper's check: the read loop subscribes anew
         self.ready = asyncio.Event()
         self._tracked: dict[str, _Tracked] = {}
         self._forget: list[tuple[str, str]] = []  # (model, request id): in-flight markers to delete
@@ -247,6 +248,12 @@ class Broker:
     async def _read_loop(self) -> None:
         subscribed = False
         while True:
+            if self._lost_subscription:
+                # The housekeeper found nobody subscribed to our channel (a failover the client
+                # library did not follow: no error on our side, no message either).
+                self._lost_subscription = False
+                subscribed = False
+                await self._reopen_pubsub()
             try:
                 if not subscribed:
                     await self._pubsub.ssubscribe(self._channel)
@@ -436,7 +443,21 @@ class Broker:
             if ids:
                 await self._cancel_quietly(ids, now + contract.CANCEL_MARKER_TTL_S)
         if check and self._down_since is None:
+            await self._check_subscription()
             await self._check_markers([t for t in self._tracked.values() if t.entry_id is not None])
+
+    async def _check_subscription(self) -> None:
+        """Ask Redis whether anyone is subscribed to this gateway's channel. After a cluster
+        failover redis-py's cluster pub/sub may drop the subscription without raising (its own
+        migration of the channel to the promoted node can fail and is not retried), and the
+        requests would then wait for their deadline; a count of 0 makes the read loop subscribe
+        again, and that resubscription runs the audit like any other."""
+        if not self.ready.is_set() or self._lost_subscription:
+            return
+        reply = await self.redis.pubsub_shardnumsub(self._channel)
+        if sum(int(count) for _, count in reply) == 0:
+            log.warning("nobody is subscribed to %s any more; subscribing again", self._channel)
+            self._lost_subscription = True
 
     async def _flush_forget(self) -> None:
         if not self._forget:

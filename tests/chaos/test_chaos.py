@@ -1,6 +1,9 @@
 """Chaos: real processes (a redis-server with AOF, two engines, a gateway) under mixed traffic while
 engines are killed (-9) and restarted, Redis is restarted (cleanly, and once with kill -9), an
-engine is drained, clients hang up.
+engine is drained, clients hang up. It runs twice: on one Redis, and on a Redis Cluster (3 masters
+with a replica each, AOF) whose Redis faults are a master killed -9 under traffic, a replica
+promoted in its place, and the old master restarted as a replica: once the master of the request
+queue's slot, once the master of the gateway's events channel.
 
 At the end every request has a terminal outcome — completed, or an error the client was told
 about within 10 s of the fault (or of its own start) — no engine holds a KV block or a running
@@ -32,6 +35,7 @@ import redis
 
 from sluice.wire import contract
 from sluice.wire.connection import connect
+from tests.redis_cluster import LocalRedisCluster
 from tests.waiting import wait_http
 
 pytestmark = [pytest.mark.model, pytest.mark.chaos]
@@ -100,6 +104,37 @@ class Redis:
             self.proc.kill()
             self.proc.wait(10)
         self.log.close()
+
+
+class ClusterRedis:
+    """The same faults on a Redis Cluster: a master killed -9 and failed over, then restarted."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.cluster = LocalRedisCluster(persistence=True, base_dir=workdir / "redis-cluster")
+        self.url = ""
+
+    def start(self) -> None:
+        self.cluster.start()
+        self.url = self.cluster.url
+
+    def _fail_over(self, key: str) -> str:
+        killed = self.cluster.kill_master(key)
+        promoted = self.cluster.wait_for_failover(timeout=30)
+        self.cluster.restart_node(killed)  # back as a replica of the promoted one
+        return f"{killed.port} -> {promoted.port}"
+
+    def restart(self) -> str:
+        """The master of the request queue's slot (the stream, the in-flight markers)."""
+        return "queue master kill -9, failover " + self._fail_over(contract.request_stream(MODEL))
+
+    def crash(self) -> str:
+        """The master of a gateway's events channel (its token events, its requests' markers)."""
+        gateways = connect(self.url).keys(contract.gateway_key("*"))
+        gateway_id = gateways[0].decode().rsplit(":", 1)[1] if gateways else "none"
+        return "events master kill -9, failover " + self._fail_over(contract.events_channel(gateway_id))
+
+    def stop(self) -> None:
+        self.cluster.stop()
 
 
 class Engine:
@@ -295,15 +330,18 @@ def _faults(chaos: Chaos, rds: Redis, engines: list[Engine], stop: threading.Eve
             engine.start()
         elif what == "redis-9":
             chaos.fault("redis kill -9")
-            rds.crash()
+            detail = rds.crash()
         else:
             chaos.fault("redis restart")
-            rds.restart()
+            detail = rds.restart()
+        if what.startswith("redis") and detail:
+            chaos.faults[-1] = (chaos.faults[-1][0], f"redis {detail}")
         stop.wait(period)
 
 
-def test_chaos(model_dir, tmp_path):
-    rds = Redis(tmp_path)
+@pytest.mark.parametrize("topology", ["standalone", "cluster"])
+def test_chaos(topology, model_dir, tmp_path):
+    rds = Redis(tmp_path) if topology == "standalone" else ClusterRedis(tmp_path)
     rds.start()
     engines = [Engine(eid, model_dir, rds.url, tmp_path) for eid in ENGINE_IDS]
     gw_port = free_port()
@@ -393,7 +431,7 @@ def test_chaos(model_dir, tmp_path):
         "stream_length_at_end": stream_len,
     }
     lines = [
-        f"chaos: {table['duration_s']} s of traffic, faults: {', '.join(table['faults'])}",
+        f"chaos ({topology}): {table['duration_s']} s of traffic, faults: {', '.join(table['faults'])}",
         "| sent | completed | client disconnects | errored (by code) | told late (>10 s) | hung | leaked blocks "
         "| running at end | pending entries |",
         "|---:|---:|---:|---|---:|---:|---:|---:|---:|",
@@ -403,7 +441,9 @@ def test_chaos(model_dir, tmp_path):
     ]
     print("\n" + "\n".join(lines))
     if os.environ.get("SLUICE_CHAOS_JSON"):
-        Path(os.environ["SLUICE_CHAOS_JSON"]).write_text(json.dumps(table, indent=2) + "\n")
+        out = Path(os.environ["SLUICE_CHAOS_JSON"])
+        out = out.with_name(f"{out.stem}-{topology}{out.suffix}")
+        out.write_text(json.dumps({"topology": topology, **table}, indent=2) + "\n")
     details = [(o.kind, o.result, round(o.ended - o.started, 1), o.detail) for o in late[:5]]
     assert not [f for f in table["faults"] if "failed" in f], table["faults"]
     assert table["hung"] == 0, f"hung requests; see {tmp_path}"

@@ -406,6 +406,38 @@ def test_engine_lost_503(gateway, fake_engine, monkeypatch):
     assert result["r"].headers["retry-after"] == "1"
 
 
+@pytest.mark.both_topologies
+def test_a_silently_dropped_subscription_is_noticed_and_audited(gateway, fake_engine):
+    """After a cluster failover redis-py's cluster pub/sub can lose the gateway's subscription
+    without an error (its own move of the channel to the promoted node fails and is not retried):
+    simulated by unsubscribing behind the broker's back. The broker's periodic check (nobody
+    subscribed to its channel) subscribes again and audits: a request an engine had taken gets a
+    retryable 503 within seconds instead of waiting for its deadline."""
+    import asyncio
+
+    fake_engine.hang = True  # taken by the engine, never answered: its events could be lost
+    broker = gateway.app.state.broker
+    result = {}
+
+    def client():
+        result["r"] = httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=60)
+
+    t = threading.Thread(target=client)
+    t.start()
+    wait_until(lambda: fake_engine.requests, 5, "the request read by the engine")
+    loop = broker._reader.get_loop()
+    asyncio.run_coroutine_threadsafe(broker._pubsub.sunsubscribe(broker._channel), loop).result(5)
+    dropped = time.monotonic()
+    t.join(30)
+    assert_error(result["r"], 503, code="request_lost")
+    assert result["r"].headers["retry-after"] == "1"
+    assert time.monotonic() - dropped < 8, "the lost subscription was not noticed within seconds"
+    assert broker.stats["reconnects"] == 1
+    fake_engine.hang = False  # subscribed again: the next request is answered
+    ok = httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3}, timeout=30)
+    assert ok.status_code == 200, ok.text
+
+
 def test_queued_request_waits_for_a_restarted_engine(gateway, fake_engine, monkeypatch):
     """The only engine drains (or dies) while a request is queued, untouched: the request waits
     for an engine instead of failing at the first liveness check, and the restarted engine
