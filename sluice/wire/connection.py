@@ -198,7 +198,23 @@ def is_cluster(client: Any) -> bool:
     return isinstance(client, (RedisCluster, AsyncCluster))
 
 
+_AUTH_WORDS = ("invalid username-password", "wrongpass", "noauth", "authentication required",
+               "must be called with the client already authenticated", "user is disabled")
+
+
+def _auth_refused(target: RedisTarget, exc: Exception) -> RedisURLError | None:
+    """A clear error when Redis refused the URL's credentials (None: some other failure)."""
+    text = str(exc).lower()
+    if not any(word in text for word in _AUTH_WORDS):
+        return None
+    return RedisURLError(f"{URL_FLAG} {target.display}: Redis refused the credentials ({str(exc).strip()}); "
+                         "give the right user and password in the URL")
+
+
 def _cluster_refused(target: RedisTarget, exc: Exception) -> Exception:
+    auth = _auth_refused(target, exc)
+    if auth is not None:
+        return auth
     text = str(exc)
     if "cluster mode is not enabled" in text.lower() or "cluster support disabled" in text.lower():
         plain = target.url.replace("+cluster", "", 1).split(",")[0]
@@ -231,7 +247,7 @@ def check_url(url: str) -> bool:
     """A process's start-up check of ``--redis-url``: raise :class:`RedisURLError` for a URL
     Sluice cannot use or one naming the wrong topology; False when no server answered (nothing
     could be checked: the process starts and its clients keep retrying), True when it matched."""
-    parse_url(url)
+    target = parse_url(url)
     try:
         client = connect(url, socket_timeout=SOCKET_CONNECT_TIMEOUT_S, retry=None)
     except RedisURLError:
@@ -241,7 +257,10 @@ def check_url(url: str) -> bool:
     try:
         check_topology(client, url)
         return True
-    except TRANSIENT_ERRORS:
+    except TRANSIENT_ERRORS as exc:  # an AuthenticationError is a ConnectionError to redis-py
+        refused = _auth_refused(target, exc)
+        if refused is not None:
+            raise refused from exc
         return False
     finally:
         client.close()
