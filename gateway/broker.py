@@ -67,6 +67,7 @@ from sluice.wire.connection import (
     read_shard_message_async,
     redact,
     refresh_topology,
+    shard_subscribers_async,
 )
 from sluice.wire.error_codes import Code
 from sluice.wire.messages_pb2 import GenerateRequest
@@ -454,8 +455,7 @@ class Broker:
         again, and that resubscription runs the audit like any other."""
         if not self.ready.is_set() or self._lost_subscription:
             return
-        reply = await self.redis.pubsub_shardnumsub(self._channel)
-        if sum(int(count) for _, count in reply) == 0:
+        if await shard_subscribers_async(self.redis, self._channel) == 0:
             log.warning("nobody is subscribed to %s any more; subscribing again", self._channel)
             self._lost_subscription = True
 

@@ -41,7 +41,9 @@ differences redis-py has between its standalone and cluster pub/sub objects.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -281,17 +283,41 @@ async def check_topology_async(client: Any, url: str) -> None:
         raise _standalone_refused(target)
 
 
+def _holds_no_node(pubsub: Any) -> bool:
+    """A cluster pub/sub subscribed on no node at all (never yet, or redis-py dropped the node's
+    connection after a failover): its read returns at once, so a read loop would spin."""
+    nodes = getattr(pubsub, "node_pubsub_mapping", None)
+    return nodes is not None and not nodes
+
+
 def read_shard_message(pubsub: Any, timeout: float) -> Any:
     """The next sharded-channel message (or subscribe confirmation) of a sync pub/sub, either
     topology; None after ``timeout``."""
+    if _holds_no_node(pubsub):
+        time.sleep(timeout)
+        return None
     return pubsub.get_sharded_message(ignore_subscribe_messages=False, timeout=timeout)
 
 
 async def read_shard_message_async(pubsub: Any, timeout: float) -> Any:
     """:func:`read_shard_message` for a ``redis.asyncio`` pub/sub (its standalone class reads
     sharded messages with ``get_message``; the cluster one needs ``get_sharded_message``)."""
+    if _holds_no_node(pubsub):
+        await asyncio.sleep(timeout)
+        return None
     reader = getattr(pubsub, "get_sharded_message", None) or pubsub.get_message
     return await reader(ignore_subscribe_messages=False, timeout=timeout)
+
+
+async def shard_subscribers_async(client: Any, channel: str) -> int:
+    """How many connections are subscribed to a sharded channel (asyncio client). On a cluster the
+    question goes to the node that owns the channel's slot: redis-py would send it to one default
+    node, which knows only its own subscribers."""
+    options: dict[str, Any] = {}
+    if is_cluster(client):
+        options["target_nodes"] = client.get_node_from_key(channel)
+    reply = await client.pubsub_shardnumsub(channel, **options)
+    return sum(int(count) for _, count in reply)
 
 
 def refresh_topology(client: Any) -> Any:

@@ -221,7 +221,7 @@ class SizedEngine(FakeEngine):
 
 def _entry(name: str, prompt: list[int] | None = None, **params: Any) -> Entry:
     req = codec.make_request(name, "m", [1, 2, 3] if prompt is None else prompt,
-                             {"temperature": 0.0, "max_tokens": 4})
+                             {"temperature": 0.0, "max_tokens": 4}, reply_to="g")
     for key, value in params.items():
         if key == "logit_bias":
             req.params.logit_bias.update(value)

@@ -79,3 +79,17 @@ def test_processes_stop_at_start_on_the_wrong_topology(program, redis_cluster, t
     proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "--redis-url" in proc.stderr and "redis+cluster://" in proc.stderr
+
+
+def test_wrong_credentials_stop_a_process_at_start(redis_cluster_factory) -> None:
+    cluster = redis_cluster_factory(password="s3cret", username="app", replicas_per_master=0)
+    assert check_url(cluster.url) is True
+    host, port = cluster.startup_nodes[0]
+    for url in (cluster.url.replace("s3cret", "nope"), cluster.url.replace("app:s3cret@", ""),
+                f"redis://app:nope@{host}:{port}/0"):
+        with pytest.raises(RedisURLError, match="refused the credentials") as info:
+            check_url(url)
+        assert "s3cret" not in str(info.value) and "nope" not in str(info.value)  # never a password in a log
+    proc = subprocess.run([*CLI, "gateway", "--redis-url", cluster.url.replace("s3cret", "nope"), "--port", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "refused the credentials" in proc.stderr, proc.stderr
