@@ -22,8 +22,12 @@ received by the load generators; from Redis itself (``INFO commandstats`` and ``
 every node, before and after) the commands per request by command and Redis CPU seconds per 1,000
 requests, in total and on the busiest node; from the processes, their socket writes (redis-py's
 ``send_packed_command``: one per command or pipeline per connection, i.e. one network round trip)
-per request, and their own CPU. It prints a table with the cluster/standalone ratios and writes
-the JSON (``--json``). ``measure()`` is the function the test runs for a couple of seconds.
+per request, and their own CPU. Also: Redis's CPU with no client (a second before the processes
+start), requests per CPU-second of all the bench's processes (the machine may be shared: this does
+not depend on what else runs), and an estimate, labelled as one, of the requests/s at which the
+busiest node would be saturated at the measured CPU per request. It prints a table with the
+cluster/standalone ratios and writes the JSON (``--json``); ``--rounds`` alternates the topologies
+several times. ``measure()`` is the function the test runs for a couple of seconds.
 
 Requires ``redis-server`` and ``redis-cli`` >= 7 on PATH (sharded pub/sub).
 """
@@ -64,6 +68,7 @@ SCRIPT_INNER_COMMANDS = 2
 C_COMPLETED, C_COMPLETED_EVENTS, C_EVENTS, C_BAD, C_SENDS, C_TOKENS = range(6)
 N_COUNTERS = 6
 _IGNORED_COMMANDS = {"info"}  # the bench's own polling
+IDLE_S = 1.0  # Redis CPU with no client is measured this long before the processes start
 
 
 @dataclass
@@ -76,6 +81,9 @@ class BenchConfig:
     tokens: int = 16  # max_tokens of every request (the fake engine emits exactly that many)
     models: int = 1  # engines and requests are spread round-robin over this many model names
     cluster_replicas: int = 0  # replicas per master in the cluster topology
+    # sys.setswitchinterval in the engine processes (None: Python's 5 ms). A diagnostic: the step
+    # loop of a model-free engine never blocks, so its I/O threads wait for the GIL.
+    engine_switch_interval_ms: float | None = None
 
     def model(self, i: int) -> str:
         return f"bench-{i % self.models}"
@@ -237,12 +245,15 @@ class FastFakeEngine:
                            total_blocks=self.slots, generation_tokens_total=self.generated)
 
 
-def _engine_main(url: str, model: str, engine_id: str, ready: Any, stop: Any, counters: Any, row: int) -> None:
+def _engine_main(url: str, model: str, engine_id: str, ready: Any, stop: Any, counters: Any, row: int,
+                 switch_interval_ms: float | None = None) -> None:
     from engine_service.service.redis_io import RedisIO
     from engine_service.service.settings import ServiceSettings
     from engine_service.service.worker import Worker
 
     _count_sends(counters, row)
+    if switch_interval_ms is not None:
+        sys.setswitchinterval(switch_interval_ms / 1000)
     settings = ServiceSettings(redis_url=url, engine_id=engine_id)
     holder: dict[str, Worker] = {}
     io = RedisIO(settings, model, queue.Queue(), {"name": model, "bench": "1"},
@@ -386,7 +397,7 @@ def measure(topology: Any, cfg: BenchConfig) -> dict[str, Any]:
         ready = ctx.Event()
         engines.append(ctx.Process(target=_engine_main, name=f"bench-engine-{i}", daemon=True,
                                    args=(topology.url, cfg.model(i), f"bench-{run_id}-{i}", ready, stop_engines,
-                                         counters, i)))
+                                         counters, i, cfg.engine_switch_interval_ms)))
         readies.append(ready)
     for i in range(cfg.gateways):
         ready = ctx.Event()
@@ -395,6 +406,11 @@ def measure(topology: Any, cfg: BenchConfig) -> dict[str, Any]:
         readies.append(ready)
     procs = {"engines": engines, "loadgens": loadgens}
     nodes = topology.nodes()
+    idle_before = _snapshot(nodes, counters, {})
+    time.sleep(IDLE_S)  # what the nodes spend with no client at all (cron, a cluster's bus)
+    idle = _snapshot(nodes, counters, {})
+    idle_cpu_per_s = sum(idle.cpu.values()) - sum(idle_before.cpu.values())
+    idle_cpu_per_s /= idle.t - idle_before.t
     try:
         for p in engines:
             p.start()
@@ -426,7 +442,9 @@ def measure(topology: Any, cfg: BenchConfig) -> dict[str, Any]:
         for client, _ in nodes.values():
             client.close()
     final = list(counters)
-    return _figures(topology, cfg, nodes, before, after, final)
+    figures = _figures(topology, cfg, nodes, before, after, final)
+    figures["redis_idle_cpu_s_per_s"] = idle_cpu_per_s
+    return figures
 
 
 def _figures(topology: Any, cfg: BenchConfig, nodes: dict[str, tuple[redis.Redis, str]],
@@ -486,6 +504,10 @@ def _figures(topology: Any, cfg: BenchConfig, nodes: dict[str, tuple[redis.Redis
         "busiest_node_cpu_s_per_1k_requests": per_req(cpu[busiest]) * 1000,
         "busiest_node_cpu_share": cpu[busiest] / cpu_total if cpu_total else 0.0,
         "busiest_node_cpu_utilisation": cpu[busiest] / window,
+        # An estimate, not a measurement: the requests/s at which the busiest node would be busy
+        # all the time, at this window's Redis CPU per request (Redis executes commands on one
+        # thread; per-request cost falls as batches grow, so this is on the low side).
+        "redis_bound_requests_per_s": requests / cpu[busiest] if cpu[busiest] else 0.0,
         "python_cpu_s_per_1k_requests": {k: per_req(v) * 1000 for k, v in proc_cpu.items()},
         # The machine is shared: how many cores the bench's processes (Redis and Python) got, and
         # the requests per CPU-second they spent, which does not depend on what else ran.
@@ -517,13 +539,15 @@ ROWS = [
     ("busiest node CPU s / 1k req", "busiest_node_cpu_s_per_1k_requests", "{:.3f}"),
     ("busiest node share of CPU", "busiest_node_cpu_share", "{:.0%}"),
     ("busiest node CPU utilisation", "busiest_node_cpu_utilisation", "{:.0%}"),
+    ("Redis-bound requests/s (est.)", "redis_bound_requests_per_s", "{:,.0f}"),
+    ("Redis idle CPU s / s", "redis_idle_cpu_s_per_s", "{:.3f}"),
     ("cores used by the bench", "bench_cores_used", "{:.2f}"),
     ("requests / CPU-second (all)", "requests_per_cpu_s", "{:,.0f}"),
     ("load average (1 min)", "load_average_1m", "{:.1f}"),
 ]
 RATIOS = ["requests_per_s", "token_events_per_s", "commands_per_request", "round_trips_per_request",
           "redis_cpu_s_per_1k_requests", "busiest_node_cpu_s_per_1k_requests", "busiest_node_cpu_utilisation",
-          "requests_per_cpu_s"]
+          "redis_bound_requests_per_s", "requests_per_cpu_s"]
 
 
 def mean_result(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -585,11 +609,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topologies", default="standalone,cluster", help="comma-separated: standalone, cluster")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the topologies this many times, alternating (the table shows the means)")
+    parser.add_argument("--engine-switch-interval-ms", type=float, default=None,
+                        help="sys.setswitchinterval of the engine processes, in ms (default: Python's 5 ms); "
+                             "a diagnostic of how long the engine's I/O threads wait for the GIL")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the figures ('-': nowhere)")
     args = parser.parse_args(argv)
     for name in ("duration", "engines", "gateways", "concurrency", "tokens", "models", "rounds"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name} must be positive")
+    if args.engine_switch_interval_ms is not None and args.engine_switch_interval_ms <= 0:
+        parser.error("--engine-switch-interval-ms must be positive")
+    if args.engines < args.models:
+        parser.error("--engines must be at least --models (every model needs an engine)")
     if args.warmup < 0:
         parser.error("--warmup must not be negative")
     topologies = [t.strip() for t in args.topologies.split(",") if t.strip()]
@@ -598,7 +629,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--topologies: unknown {unknown or args.topologies!r}; use standalone,cluster")
     cfg = BenchConfig(duration_s=args.duration, warmup_s=args.warmup, engines=args.engines, gateways=args.gateways,
                       concurrency=args.concurrency, tokens=args.tokens, models=args.models,
-                      cluster_replicas=args.cluster_replicas)
+                      cluster_replicas=args.cluster_replicas,
+                      engine_switch_interval_ms=args.engine_switch_interval_ms)
     rounds: list[dict[str, dict[str, Any]]] = []
     for i in range(args.rounds):
         results: dict[str, dict[str, Any]] = {}
