@@ -15,10 +15,11 @@ if str(SCRIPTS) not in sys.path:  # spawned children inherit sys.path, so they f
 import bench_redis_capacity as bench  # noqa: E402
 
 
-def test_measure_standalone_counts_requests_events_and_commands():
+@pytest.mark.parametrize("topology", ["standalone", "cluster"])
+def test_measure_counts_requests_events_and_commands(topology):
     cfg = bench.BenchConfig(duration_s=2.0, warmup_s=0.5, engines=1, gateways=1, concurrency=8, tokens=5)
-    with bench.Standalone() as topology:
-        result = bench.measure(topology, cfg)
+    with bench.Standalone() if topology == "standalone" else bench.Cluster(replicas=0) as started:
+        result = bench.measure(started, cfg)
     check = result["check"]
     # every request of the whole run (those in flight at the stop finish) got all its events
     assert check["completed"] > 0 and check["bad"] == 0
@@ -38,8 +39,14 @@ def test_measure_standalone_counts_requests_events_and_commands():
     # every request costs at least its enqueue round trip; Redis used some CPU on one node
     assert result["round_trips_per_request_loadgens"] >= 1
     assert result["round_trips_per_request_engines"] > 0
-    assert result["masters"] == 1 and result["busiest_node_cpu_share"] == 1.0
     assert result["redis_cpu_s_per_1k_requests"] > 0 and result["requests_per_cpu_s"] > 0
+    nodes = result["per_node"].values()
+    assert sum(n["command_share"] for n in nodes) == pytest.approx(1.0)
+    if topology == "standalone":
+        assert result["masters"] == 1 and result["busiest_node_cpu_share"] == 1.0
+    else:  # commands summed over the three masters; the queue's and the gateway's slots on some of them
+        assert result["masters"] == 3 and result["busiest_node_cpu_share"] < 1.0
+        assert sum(1 for n in nodes if n["commands"] > 0) >= 2
 
 
 def test_cli_refuses_bad_options(capsys):
