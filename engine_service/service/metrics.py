@@ -66,7 +66,7 @@ IO_COUNTERS = {
     "published_batches": ("sluice:redis_published_batches", "Batches of events and XACKs sent to Redis"),
     "publish_retries": ("sluice:redis_publish_retries", "Publish round trips retried while Redis was unavailable"),
     "dropped_batches": ("sluice:redis_dropped_batches",
-                        "Batches of events dropped after --publish-retry-s without Redis: LOST events (their "
+                        "Batches of events dropped after 60 s without Redis (publish_retry_s): LOST events (their "
                         "requests' clients get request_lost or a deadline)"),
     "trimmed": ("sluice:stream_trimmed_entries", "Acknowledged entries trimmed from the request stream"),
     "pruned_engines": ("sluice:registry_pruned_engines", "Registry entries of dead engines removed"),
