@@ -104,6 +104,12 @@ def body_too_large(limit: int) -> OpenAIError:
     return OpenAIError(413, f"The request body exceeds the limit of {limit} bytes.", code="request_too_large")
 
 
+def body_too_deep() -> OpenAIError:
+    """JSON nested deeper than Python's parser recurses (RecursionError): a 400, never a 500."""
+    return invalid("We could not parse the JSON body of your request: its arrays and objects are nested too "
+                   "deeply.", code="invalid_json")
+
+
 # Engine Error.code (the contract's ErrorCode) -> (HTTP status, OpenAI type). The OpenAI `code`
 # is the enum's short name (codec.error_code_name), e.g. "deadline_exceeded".
 ENGINE_ERRORS: dict[int, tuple[int, str]] = {
@@ -200,6 +206,8 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body" on deep JSON
+            return body_too_deep().response()
         type_ = "invalid_request_error" if exc.status_code < 500 else "internal_error"
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return JSONResponse(

@@ -32,6 +32,19 @@ def test_malformed_json(client):
     assert err["code"] == "invalid_json" and err["param"] is None
 
 
+@pytest.mark.parametrize("prompt", ["x", "x\\ud83d\\ude00", "x\\ud800", "x\\u00e9", "ünï"])
+@pytest.mark.parametrize("open_, close", [("[", "]"), ('{"a":', "}")])
+def test_deeply_nested_body_is_400(prompt, open_, close):
+    """Issue 26 item 1: nested past the parser's recursion, a body with a surrogate escape (parsed by
+    body_checks) was a 500 RecursionError; without one (parsed by FastAPI) a 400 without a code."""
+    client = TestClient(create_app(GatewayConfig(api_keys=["k"])), raise_server_exceptions=False)
+    raw = f'{{"model": "m", "max_tokens": 2, "prompt": "{prompt}", "zz": {open_ * 10000}1{close * 10000}}}'
+    r = client.post("/v1/completions", content=raw.encode(), headers={**AUTH, "content-type": "application/json"})
+    err = error_of(r, 400)
+    assert err["code"] == "invalid_json" and err["param"] is None, err
+    assert "nested too deeply" in err["message"], err
+
+
 @pytest.mark.parametrize(
     "path, body, param",
     [
