@@ -27,6 +27,9 @@ class GatewayConfig:
     max_n: int = limits.MAX_N  # the engine refuses more than limits.MAX_N whatever this says
     max_logprobs: int = limits.MAX_LOGPROBS
     max_prompts: int = 64  # prompts in one /v1/completions request
+    # a request's own `chat_template` is rendered (vLLM's flag of the same name); else it is a 400.
+    # Off by default: a template is a program, and one from a client runs on the gateway's CPU.
+    trust_request_chat_template: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

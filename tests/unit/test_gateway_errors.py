@@ -82,7 +82,8 @@ def test_body_limit(client):
 
 
 def test_unknown_route_is_openai_shaped(client):
-    error_of(client.get("/nope"), 404)
+    error_of(client.get("/nope", headers=AUTH), 404)
+    error_of(client.get("/nope"), 401)  # with a key set, only OPEN_PATHS answer without it
     error_of(client.get("/v1/completions", headers=AUTH), 405)
 
 
@@ -90,3 +91,19 @@ def test_param_of():
     assert _param_of(("body", "messages", 0, "content")) == "messages[0].content"
     assert _param_of(("body", "prompt", "str")) == "prompt"
     assert _param_of(("body",)) is None
+
+
+def test_every_path_but_probes_and_docs_needs_the_key():
+    """Issue 26 item 8: /tokenize and /detokenize were open without the API key (only /v1/ was
+    checked), so anyone could spend the gateway's CPU tokenizing megabytes. Probes, metrics, the
+    version and the API's documentation stay open (documented in docs/gateway.md)."""
+    client = TestClient(create_app(GatewayConfig(api_keys=["k"])), raise_server_exceptions=False)
+    for path in ("/tokenize", "/detokenize", "/v1/completions", "/v1/models", "/anything-else"):
+        r = client.post(path, json={"prompt": "x", "tokens": [1]}) if path != "/v1/models" else client.get(path)
+        err = error_of(r, 401)
+        assert err["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer", path
+    for path in ("/version", "/openapi.json", "/docs", "/redoc"):
+        assert client.get(path).status_code == 200, path
+    # /health, /ping and /metrics read Redis (absent here): whatever they answer, not a 401
+    for path in ("/health", "/ping", "/metrics"):
+        assert client.get(path).status_code != 401, path
