@@ -8,8 +8,10 @@ one kind are sent one after another (``max_tokens`` 1; with ``--echo-logprobs`` 
 ``echo`` and ``logprobs``, so the engine scores every prompt token). The background streams' gaps
 between chunks are collected from the first arrival to the last one's answer (then the streams
 are cancelled; ``--stream-tokens`` must outlast the window, which the summary checks). Rounds alternate
-short and long prompts (``--rounds`` of each), so both kinds see the same machine. The table gives
-the gaps' median, p99 and max per kind, and the ratio long/short.
+the kinds (``--rounds`` of each): short prompts, prompts of one token budget (one step of prefill),
+and long ones, so all see the same machine. The table gives the gaps' median, p99 and max per kind,
+and the ratios long/short and long/budget: a long prompt should hold the streams no longer per step
+than a budget-sized one does.
 """
 
 from __future__ import annotations
@@ -76,13 +78,15 @@ async def one_round(client: httpx.AsyncClient, args, model: str, prompt_len: int
 
 
 async def main(args) -> dict:
+    if args.seed is None:
+        args.seed = random.SystemRandom().randrange(2**32)
     rng = random.Random(args.seed)
     async with httpx.AsyncClient(timeout=args.timeout) as client:
         model = args.model or (await client.get(f"{args.base_url.rstrip('/')}/v1/models")).json()["data"][0]["id"]
-        kinds = {"short": args.short_len, "long": args.long_len}
+        kinds = {"short": args.short_len, "budget": args.budget_len, "long": args.long_len}
         out: dict = {k: {"gaps": [], "arrival_latency": [], "rounds_ok": 0} for k in kinds}
         for r in range(args.rounds):
-            for kind in (("short", "long") if r % 2 == 0 else ("long", "short")):
+            for kind in (tuple(kinds) if r % 2 == 0 else tuple(reversed(kinds))):
                 res = await one_round(client, args, model, kinds[kind], rng)
                 out[kind]["gaps"] += res["gaps"]
                 out[kind]["arrival_latency"] += res["arrival_latency"]
@@ -96,6 +100,7 @@ async def main(args) -> dict:
                          "arrival_latency_median_ms": statistics.median(d["arrival_latency"]) * 1000,
                          "rounds_where_streams_outlived_the_arrivals": d["rounds_ok"]}
     summary["p99_long_over_short"] = summary["long"]["p99_ms"] / summary["short"]["p99_ms"]
+    summary["p99_long_over_budget"] = summary["long"]["p99_ms"] / summary["budget"]["p99_ms"]
     return summary
 
 
@@ -108,9 +113,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--arrivals", type=int, default=2, help="prompts sent per round, one after another")
     p.add_argument("--long-len", type=int, default=8000)
     p.add_argument("--short-len", type=int, default=16)
+    p.add_argument("--budget-len", type=int, default=2048,
+                   help="the middle kind: one token budget (the engine's --max-num-batched-tokens), a single step")
     p.add_argument("--echo-logprobs", action="store_true", help="the arrivals ask for echo and logprobs")
     p.add_argument("--rounds", type=int, default=2, help="rounds of each kind, alternating")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="prompts' seed (default: a fresh one, so no prompt hits the prefix cache of an earlier run)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", default=None, help="write the summary here")
     return p.parse_args(argv)
@@ -120,9 +128,9 @@ if __name__ == "__main__":
     a = parse_args()
     s = asyncio.run(main(a))
     print(f"{'arrivals':<10}{'prompt':>8}{'gaps':>7}{'ITL p50 ms':>12}{'ITL p99 ms':>12}{'ITL max ms':>12}")
-    for kind in ("short", "long"):
+    for kind in ("short", "budget", "long"):
         k = s[kind]
         print(f"{kind:<10}{k['prompt_len']:>8}{k['gaps']:>7}{k['median_ms']:>12.0f}{k['p99_ms']:>12.0f}{k['max_ms']:>12.0f}")
-    print(f"ITL p99 long/short: {s['p99_long_over_short']:.2f}x")
+    print(f"ITL p99 long/short: {s['p99_long_over_short']:.2f}x, long/budget: {s['p99_long_over_budget']:.2f}x")
     if a.json:
         Path(a.json).write_text(json.dumps(s, indent=2))

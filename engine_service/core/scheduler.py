@@ -18,11 +18,12 @@ One step (token budget B = ``max_num_batched_tokens``, slots S = ``max_num_seqs`
    idle pool. Only the first chunk's blocks are allocated at admission.
 4. A step costs about what a fresh prefill of B tokens costs, whatever the prompts' lengths
    (``_cut_chunk``). Attention makes a prefill chunk's work grow with what precedes it: a chunk of
-   c tokens after s computed ones attends to c * (s + c) query-key pairs, so B tokens at offset
-   6,000 cost several times the attention of the prompt's first B. A step's prefill chunks
-   together attend to at most B * B pairs (``SchedulerConfig.max_num_batched_pairs``; a budget
-   fresh prompts never reach: their chunks sum to at most B tokens), so a long prompt's later
-   chunks shrink as its context grows. And a chunk
+   c tokens after s computed ones attends, through a mask, to c * (s + c) query-key pairs
+   (``attention_pairs``; a fresh chunk, causal from 0, to c * (c + 1) / 2), so B tokens at offset
+   6,000 cost many times the attention of the prompt's first B. A step's prefill chunks together
+   attend to at most B * (B + 1) / 2 pairs (``SchedulerConfig.max_num_batched_pairs``), what one
+   fresh prefill of B tokens does and fresh prompts never exceed (their chunks sum to at most B
+   tokens), so a long prompt's later chunks shrink as its context grows. And a chunk
    whose prompt logprobs are wanted counts two tokens per token: each of its rows also computes
    and scores logits over the whole vocabulary. Decodes (one token) are not cut. A chunk cut to
    nothing still gets one token when it is the step's first, so the oldest request always moves.
@@ -58,6 +59,15 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerStats",
 ]
+
+
+def attention_pairs(start: int, num_tokens: int) -> int:
+    """The query-key pairs a prefill chunk of ``num_tokens`` after ``start`` computed tokens costs:
+    causal from 0 when nothing precedes it, else every query against every key through a mask (what
+    the model's attention computes for each case)."""
+    if start == 0:
+        return num_tokens * (num_tokens + 1) // 2
+    return num_tokens * (start + num_tokens)
 
 
 class RequestRejected(ValueError):
@@ -134,7 +144,8 @@ class Scheduler:
         pairs = config.max_num_batched_pairs
         if pairs is not None and pairs < 0:
             raise ValueError(f"SchedulerConfig.max_num_batched_pairs must be >= 0 (0: no limit), got {pairs}")
-        self.max_num_batched_pairs = (config.max_num_batched_tokens ** 2 if pairs is None
+        budget = config.max_num_batched_tokens
+        self.max_num_batched_pairs = (attention_pairs(0, budget) if pairs is None
                                       else pairs or 1 << 62)  # 0, no limit: a bound no step reaches
         wm = config.resolved_watermark_blocks() if watermark_blocks is None else watermark_blocks
         if wm < 0:
@@ -356,7 +367,7 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, start, num_new, known))
             budget -= cost
             if num_new > 1:
-                pairs -= num_new * (start + num_new)
+                pairs -= attention_pairs(start, num_new)
             num_batched += num_new
         self._stats.forwarded_tokens += forwarded
 
@@ -417,7 +428,7 @@ class Scheduler:
                 chunks.append(ScheduledChunk(req, num_hit, num_new, num_tokens))
                 budget -= cost
                 if num_new > 1:
-                    pairs -= num_new * (num_hit + num_new)
+                    pairs -= attention_pairs(num_hit, num_new)
                 num_batched += num_new
             if waiting and not running:
                 self._idle_violation = (
@@ -434,14 +445,15 @@ class Scheduler:
     def _cut_chunk(req: Request, start: int, num_new: int, budget: int, pairs: int, first: bool) -> tuple[int, int]:
         """(tokens, budget cost) of the chunk of ``num_new`` tokens from ``start`` this step can take:
         within the token ``budget`` left, a prompt-logprobs row counting two, and, for more than one
-        token, within the ``pairs`` of attention left (c * (start + c) <= pairs). A chunk cut to
-        nothing still gets one token when it is the step's ``first`` (the docstring's point 4)."""
+        token, within the ``pairs`` of attention left (``attention_pairs(start, c) <= pairs``). A chunk
+        cut to nothing still gets one token when it is the step's ``first`` (the docstring's point 4)."""
         weight = 2 if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1 else 1
         c = min(num_new, max(0, budget) // weight)
-        if c > 1 and c * (start + c) > pairs:
-            # the largest c with c * (start + c) <= pairs: c = (sqrt(start^2 + 4 pairs) - start) / 2
-            c = max(0, (math.isqrt(start * start + 4 * max(0, pairs)) - start) // 2)
-            while c > 1 and c * (start + c) > pairs:
+        if c > 1 and attention_pairs(start, c) > pairs:
+            p = max(0, pairs)
+            # the largest c within the pairs: the positive root of c^2 + s c = p, or of c^2 + c = 2 p
+            c = (math.isqrt(start * start + 4 * p) - start) // 2 if start else (math.isqrt(8 * p + 1) - 1) // 2
+            while c > 1 and attention_pairs(start, c) > pairs:
                 c -= 1
         if c == 0 and first:
             c = 1

@@ -13,7 +13,13 @@ from engine_service.bench.scheduler import FakeKVRunner
 from engine_service.config import SchedulerConfig
 from engine_service.core.request import FinishReason, Request, RequestStatus
 from engine_service.core.sampling_params import SamplingParams
-from engine_service.core.scheduler import RequestRejected, ScheduledChunk, Scheduler, SchedulerOutput
+from engine_service.core.scheduler import (
+    RequestRejected,
+    ScheduledChunk,
+    Scheduler,
+    SchedulerOutput,
+    attention_pairs,
+)
 
 
 def make_request(rid: str, prompt: int | list[int], max_tokens: int | None = 4, **params) -> Request:
@@ -539,15 +545,20 @@ def test_scheduled_chunk_token_ids():
 # --- what a long prompt costs the others (issue 26, item 7) ---
 def _step_cost(out: SchedulerOutput) -> tuple[int, int]:
     """(budget tokens, attention pairs of the prefill chunks) a step took: a prompt-logprobs row
-    counts two tokens; a chunk of c tokens after s computed ones attends to c * (s + c) pairs."""
+    counts two tokens; a chunk of c tokens after s > 0 computed ones attends to c * (s + c) pairs
+    through a mask, a fresh one to c * (c + 1) / 2 causally."""
     tokens = pairs = 0
     for ch in out.chunks:
         req = ch.request
         plp = req.sampling_params.prompt_logprobs is not None and ch.start < req.num_prompt_tokens - 1
         tokens += ch.num_tokens * (2 if plp else 1)
         if ch.num_tokens > 1:
-            pairs += ch.num_tokens * (ch.start + ch.num_tokens)
+            pairs += ch.num_tokens * (ch.start + ch.num_tokens) if ch.start else ch.num_tokens * (ch.num_tokens + 1) // 2
     return tokens, pairs
+
+
+def test_attention_pairs():
+    assert attention_pairs(0, 4) == 10 and attention_pairs(4, 4) == 32 and attention_pairs(100, 1) == 101
 
 
 @pytest.mark.parametrize("prompt_logprobs", [None, 1])
@@ -555,8 +566,8 @@ def _step_cost(out: SchedulerOutput) -> tuple[int, int]:
 def test_a_long_prefill_costs_the_running_requests_one_budget_step_at_most(prompt_logprobs, long_first):
     """A 500-token prompt (8 budgets) beside streams already decoding: every step gives each running stream
     its token and costs no more than a fresh prefill of the budget: at most B tokens (a prompt
-    logprobs row counting two, as it also scores the whole vocabulary) and at most B * B attention
-    pairs. Before, the prompt's later chunks took the whole budget at any offset (a chunk of B
+    logprobs row counting two, as it also scores the whole vocabulary) and at most the B * (B + 1) / 2
+    attention pairs of a fresh B-token prefill. Before, the prompt's later chunks took the whole budget at any offset (a chunk of B
     tokens after 436 attends to 8 times the pairs of a fresh one), and prompt-logprob rows
     counted one. With ``long_first`` the prompt is the oldest request: streams admitted beside it
     must still get a token every step once they run."""
@@ -580,7 +591,7 @@ def test_a_long_prefill_costs_the_running_requests_one_budget_step_at_most(promp
         out, _ = step(sched, runner)
         steps += 1
         tokens, pairs = _step_cost(out)
-        assert tokens <= budget and pairs <= budget * budget, (steps, tokens, pairs)
+        assert tokens <= budget and pairs <= budget * (budget + 1) // 2, (steps, tokens, pairs)
         for s in running:  # a stream that runs is never held for more than this one step
             assert s.num_output_tokens == before[s.request_id] + 1, (steps, s.request_id)
         assert steps < 500
@@ -596,8 +607,8 @@ def test_the_pair_budget_never_stops_the_oldest_request():
     r = make_request("r", 600, max_tokens=1)
     sched.add_request(r)
     out, _ = step(sched, runner)
-    assert out.chunks[0].num_tokens == 4  # fresh: 16 pairs, the whole budget
+    assert out.chunks[0].num_tokens == 4  # fresh: 10 pairs, the whole budget
     while r.num_output_tokens == 0:
         out, _ = step(sched, runner)
         assert out.chunks[0].num_tokens >= 1
-    assert sched.max_num_batched_pairs == 16
+    assert sched.max_num_batched_pairs == 10
