@@ -160,6 +160,9 @@ class SchedulerConfig:
     max_model_len: int = 8192  # the scheduler alone has no model; the engine passes the model's
     watermark_blocks: int | None = EngineConfig.watermark_blocks  # None: DEFAULT_WATERMARK_SHARE of the pool
     enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
+    # query-key pairs a step's prefill chunks may attend to (scheduler.py, point 4); None: what a
+    # fresh prefill of the whole budget attends to, B * (B + 1) / 2; 0: no limit
+    max_num_batched_pairs: int | None = None
 
     def resolved_watermark_blocks(self) -> int:
         if self.watermark_blocks is not None:

@@ -22,6 +22,13 @@ _KNOWN_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/h
                     "/tokenize", "/detokenize", "/version", "/ping"}
 
 
+# Open without the API key: probes and scrapes (a kubelet or Prometheus sends no key), the version,
+# and the API's own documentation (the schema and the two pages that render it). Everything else,
+# /tokenize and /detokenize included (they spend the gateway's CPU on a client's text), needs it.
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/docs", "/docs/oauth2-redirect", "/redoc",
+                        "/openapi.json"})
+
+
 def _endpoint_label(path: str) -> str:
     if path in _KNOWN_ENDPOINTS:
         return path
@@ -39,7 +46,8 @@ async def _send_json(send, status: int, body: dict, headers: dict[str, str] | No
 
 
 class GatewayMiddleware:
-    """Pure ASGI: counts responses by status, checks API keys, enforces the body size limit, and
+    """Pure ASGI: counts responses by status, checks API keys (every path but ``OPEN_PATHS``),
+    enforces the body size limit, and
     refuses bodies that are not declared JSON or are not valid Unicode (``body_checks``).
 
     The body is read here (up to the limit) and replayed to the app, so a chunked upload without
@@ -71,7 +79,7 @@ class GatewayMiddleware:
                 METRICS.requests.labels(endpoint=label, status=str(message["status"])).inc()
             await send(message)
 
-        if self.keys and scope["path"].startswith("/v1/") and not self._authorized(scope):
+        if self.keys and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
             err = errors.unauthorized()
             await _send_json(counting_send, err.status, err.body(), {"WWW-Authenticate": "Bearer"})
             return

@@ -15,6 +15,9 @@
   Cost: one UTF-8 validation of the body (C speed); the body is parsed a second time only when it
   contains a ``\\uD800``–``\\uDFFF`` escape (a valid escaped pair, e.g. an emoji from
   ``json.dumps``, passes).
+- **Depth.** JSON nested deeper than Python's parser recurses raises ``RecursionError`` (not a
+  ``ValueError``) wherever the body is parsed, here or in FastAPI: both answer the same 400
+  (``errors.body_too_deep``), whatever the body's encoding.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ def check_body(body: bytes) -> OpenAIError | None:
         data = json.loads(body)
     except ValueError:
         return None  # malformed JSON: FastAPI's parser answers it (invalid_json)
+    except RecursionError:  # nested deeper than the parser recurses: the same 400 as FastAPI's parse
+        return errors.body_too_deep()
     found = _lone_surrogate(data, ())
     if found is None:
         return None

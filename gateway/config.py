@@ -23,6 +23,9 @@ class GatewayConfig:
     retry_after_s: int = 1  # the Retry-After of a 429
     card_ttl_s: float = 2.0  # how long a model card (and engine liveness) is trusted before a check
     # The request limits (n, logprobs, prompts per request, ...) are not settings: sluice.wire.limits.
+    # a request's own `chat_template` is rendered (vLLM's flag of the same name); else it is a 400.
+    # Off by default: a template is a program, and one from a client runs on the gateway's CPU.
+    trust_request_chat_template: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

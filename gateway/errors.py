@@ -110,6 +110,12 @@ def body_too_large(limit: int) -> OpenAIError:
     return error(Code.REQUEST_TOO_LARGE, f"The request body exceeds the limit of {limit} bytes.")
 
 
+def body_too_deep() -> OpenAIError:
+    """JSON nested deeper than Python's parser recurses (RecursionError): a 400, never a 500."""
+    return invalid("We could not parse the JSON body of your request: its arrays and objects are nested too "
+                   "deeply.", code=Code.INVALID_JSON)
+
+
 def from_engine(code: int, message: str, retry_after_s: int = 1) -> OpenAIError:
     """An engine's ``Error`` event (the proto ``ErrorCode``)."""
     c = Code.from_wire(code)
@@ -194,6 +200,8 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body" on deep JSON
+            return body_too_deep().response()
         code = {404: Code.NOT_FOUND, 405: Code.METHOD_NOT_ALLOWED}.get(exc.status_code)
         if code is not None:
             err = error(code, str(exc.detail))

@@ -14,6 +14,40 @@ import tempfile
 
 from gateway.config import ENV_VAR, GatewayConfig
 
+# Probed or scraped every few seconds (load balancers, kubelets, Prometheus): their access lines
+# would bury the requests in the log, so they are logged at debug level only, and when they fail.
+QUIET_PATHS = frozenset({"/health", "/ping", "/metrics"})
+
+
+class QuietProbes(logging.Filter):
+    """Drops uvicorn's access line of a successful ``QUIET_PATHS`` request unless debug logging is on.
+    Uvicorn's access record carries ``(client, method, path, http_version, status)`` as its args."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not isinstance(args, tuple) or len(args) < 5 or logging.getLogger("uvicorn.access").isEnabledFor(
+                logging.DEBUG):
+            return True
+        path = str(args[2]).split("?", 1)[0]
+        try:
+            ok = int(args[4]) < 400
+        except (TypeError, ValueError):
+            return True
+        return not (path in QUIET_PATHS and ok)
+
+
+def log_config() -> dict:
+    """Uvicorn's logging configuration with ``QuietProbes`` on its access handler: uvicorn applies
+    it in every worker process, where a filter added here would not reach."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config.setdefault("filters", {})["quiet_probes"] = {"()": f"{__name__}.QuietProbes"}
+    config["handlers"]["access"]["filters"] = ["quiet_probes"]
+    return config
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = GatewayConfig()
@@ -33,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="413 for larger request bodies (default: %(default)s)")
     parser.add_argument("--retry-after-s", type=int, default=d.retry_after_s,
                         help="Retry-After of a 429 (default: %(default)s)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="render a `chat_template` sent with a chat request (vLLM's flag; default: refuse "
+                             "it with a 400, the model's template is used when none is sent)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -47,6 +84,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         request_timeout_s=args.request_timeout_s,
         max_body_bytes=args.max_body_bytes,
         retry_after_s=args.retry_after_s,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
 
 
@@ -75,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
             port=args.port,
             workers=args.workers,
             log_level=args.log_level,
+            log_config=log_config(),
             timeout_graceful_shutdown=5,
         )
     finally:

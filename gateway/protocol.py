@@ -208,6 +208,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    chat_template: str | None = None  # vLLM's; rendered only with --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template
 
 
 class TokenizeRequest(BaseModel):

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from gateway import errors, serving, tools
 from gateway.broker import LoadedCard
 from gateway.chat_output import ChatOutputStream, Dialects, parse_chat_output
+from gateway.config import GatewayConfig
 from gateway.generation import Delta, Generation, TokenInfo
 from gateway.protocol import (
     ChatCompletionLogProb,
@@ -56,6 +57,16 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
+def request_chat_template(chat_template: str | None, cfg: GatewayConfig) -> str | None:
+    """A request's own ``chat_template``, rendered only with ``--trust-request-chat-template`` (as
+    vLLM); else a 400 naming it, never silently ignored."""
+    if chat_template is not None and not cfg.trust_request_chat_template:
+        raise errors.invalid("A chat template in the request is not accepted: this gateway renders the model's "
+                             "own template (leave 'chat_template' out), unless started with "
+                             "--trust-request-chat-template.", param="chat_template")
+    return chat_template
+
+
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     broker, cfg = serving.broker_of(request), serving.config_of(request)
     arrival = time.time()
@@ -71,17 +82,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         constraint = tools.tool_constraint(spec)
     dialects = Dialects.of(card.card)  # the model's tool-call and reasoning parsers, named on its card
     messages = template_messages(body.messages)
+    chat_template = request_chat_template(body.chat_template, cfg)
     try:
         # tools go through the template's `tools` variable when it reads one, else a system block
         template_tools = tools.template_tools(spec)
-        reads_tools = "tools" in template_variables(card.tokenizer.get_chat_template(tools=template_tools))
+        template = card.tokenizer.get_chat_template(chat_template, tools=template_tools)
+        reads_tools = "tools" in template_variables(template)
         messages = tools.render_messages(messages, spec, reads_tools, dialects.tool_parser)
         text = card.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt, tokenize=False,
-            tools=template_tools if reads_tools else None,
+            messages, add_generation_prompt=body.add_generation_prompt, tokenize=False, chat_template=template,
+            tools=template_tools if reads_tools else None, **(body.chat_template_kwargs or {}),
         )
-    except ValueError as exc:
-        raise errors.invalid(f"Invalid messages for the chat template: {exc}", param="messages") from exc
+    except (ValueError, TypeError) as exc:  # TypeError: chat_template_kwargs naming a parameter
+        param = "chat_template" if chat_template is not None else "messages"
+        raise errors.invalid(f"Invalid messages for the chat template: {exc}", param=param) from exc
     ids = list(await serving.encode(card.tokenizer, text, add_special_tokens=False))
     serving.check_prompt(ids, card, "messages")
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

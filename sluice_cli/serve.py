@@ -2,7 +2,8 @@
 
 Starts a private ``redis-server`` (unless ``--redis-url``/``$REDIS_URL`` names one), one engine and
 the gateway, prepares the default model on first use, waits until the API answers, and on
-Ctrl-C (or SIGTERM) stops every process it started: the engine first, so it drains.
+Ctrl-C (or SIGTERM) stops every process it started, in the reverse order: the gateway, then the
+engine (which drains), then Redis.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@
     python healthcheck.py grpc 127.0.0.1:50051 [SERVICE]         # exit 0 when SERVING
     python healthcheck.py drain 127.0.0.1:50051 [GRACE_S]        # EngineAdmin.Drain, wait for idle
 
+``drain`` sends ``$SLUICE_ADMIN_TOKEN`` as a bearer token when it is set (the engine's ``--admin-token``).
+
 Used by the Dockerfile's HEALTHCHECK and compose.yaml; Kubernetes uses its native probes.
 """
 
@@ -46,6 +48,7 @@ def check_grpc(target: str, service: str, timeout: float) -> int:
 def drain(target: str, grace_s: float) -> int:
     """Ask the engine to drain (stop reading the queue, finish what it runs), then wait until it
     holds no request or ``grace_s`` passes. A Kubernetes preStop hook: SIGTERM follows it."""
+    import os
     import time
 
     import grpc
@@ -56,7 +59,9 @@ def drain(target: str, grace_s: float) -> int:
     with grpc.insecure_channel(target) as channel:
         stub = admin_pb2_grpc.EngineAdminStub(channel)
         try:
-            resp = stub.Drain(admin_pb2.DrainRequest(grace_period_s=grace_s), timeout=10)
+            token = os.environ.get("SLUICE_ADMIN_TOKEN")
+            metadata = (("authorization", f"Bearer {token}"),) if token else None
+            resp = stub.Drain(admin_pb2.DrainRequest(grace_period_s=grace_s), timeout=10, metadata=metadata)
             print(f"drain accepted={resp.accepted} running={resp.running} waiting={resp.waiting}")
             while time.monotonic() < deadline:
                 stats = stub.GetStats(admin_pb2.GetStatsRequest(), timeout=5)

@@ -16,7 +16,18 @@ One step (token budget B = ``max_num_batched_tokens``, slots S = ``max_num_seqs`
    re-admitted after a preemption) takes from the free pool, its cache hits counted, and
    ``admissible_blocks = total - watermark_blocks`` is what the watermark lets admission use of an
    idle pool. Only the first chunk's blocks are allocated at admission.
-4. The door (``add_request``): a request whose prompt plus max_tokens exceeds ``max_model_len``, or
+4. A step costs about what a fresh prefill of B tokens costs, whatever the prompts' lengths
+   (``_cut_chunk``). Attention makes a prefill chunk's work grow with what precedes it: a chunk of
+   c tokens after s computed ones attends, through a mask, to c * (s + c) query-key pairs
+   (``attention_pairs``; a fresh chunk, causal from 0, to c * (c + 1) / 2), so B tokens at offset
+   6,000 cost many times the attention of the prompt's first B. A step's prefill chunks together
+   attend to at most B * (B + 1) / 2 pairs (``SchedulerConfig.max_num_batched_pairs``), what one
+   fresh prefill of B tokens does and fresh prompts never exceed (their chunks sum to at most B
+   tokens), so a long prompt's later chunks shrink as its context grows. And a chunk
+   whose prompt logprobs are wanted counts two tokens per token: each of its rows also computes
+   and scores logits over the whole vocabulary. Decodes (one token) are not cut. A chunk cut to
+   nothing still gets one token when it is the step's first, so the oldest request always moves.
+5. The door (``add_request``): a request whose prompt plus max_tokens exceeds ``max_model_len``, or
    whose KV could never fit the empty pool, is refused with ``RequestRejected``. Passing it is a
    promise to run it.
 
@@ -29,6 +40,7 @@ attention reads it in that layer); apply aborts between steps, or between ``sche
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -49,6 +61,15 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerStats",
 ]
+
+
+def attention_pairs(start: int, num_tokens: int) -> int:
+    """The query-key pairs a prefill chunk of ``num_tokens`` after ``start`` computed tokens costs:
+    causal from 0 when nothing precedes it, else every query against every key through a mask (what
+    the model's attention computes for each case)."""
+    if start == 0:
+        return num_tokens * (num_tokens + 1) // 2
+    return num_tokens * (start + num_tokens)
 
 
 class RequestRejected(ValueError):
@@ -122,6 +143,12 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
+        pairs = config.max_num_batched_pairs
+        if pairs is not None and pairs < 0:
+            raise ValueError(f"SchedulerConfig.max_num_batched_pairs must be >= 0 (0: no limit), got {pairs}")
+        budget = config.max_num_batched_tokens
+        self.max_num_batched_pairs = (attention_pairs(0, budget) if pairs is None
+                                      else pairs or 1 << 62)  # 0, no limit: a bound no step reaches
         wm = config.resolved_watermark_blocks() if watermark_blocks is None else watermark_blocks
         if wm < 0:
             raise ValueError(f"watermark_blocks must be >= 0, got {wm}")
@@ -279,18 +306,24 @@ class Scheduler:
 
         caching = self.enable_prefix_caching
         forwarded = 0
+        pairs = self.max_num_batched_pairs  # attention pairs left this step (see 4.)
+        num_batched = 0
 
         # 1. running requests, oldest first (preemption only ever pops the tail)
         for i, req in enumerate(running):
             if budget <= 0:
                 break
             start = req.num_computed_tokens
-            num_new = len(req._all_token_ids) - start  # req.num_tokens, without a property call (hot path)
-            remaining = 0
-            if num_new > budget:
-                remaining = num_new - budget
-                num_new = budget
+            known = len(req._all_token_ids)  # req.num_tokens, without a property call (hot path)
+            num_new = known - start
             if num_new <= 0:  # nothing to forward (cannot happen while requests sample every chunk)
+                continue
+            cost = num_new
+            if num_new > 1:  # a prefill chunk: cut to the step's tokens and attention pairs
+                num_new, cost = self._cut_chunk(req, start, num_new, budget, pairs, not chunks)
+                if num_new == 0:
+                    continue
+            elif budget < 1:
                 continue
             end = start + num_new
             need = -(-end // bs) - len(req.block_ids)
@@ -320,8 +353,11 @@ class Scheduler:
                 forwarded += num_new
             else:
                 self._advance(req, st, start, num_new)
-            chunks.append(ScheduledChunk(req, start, num_new, end + remaining))
-            budget -= num_new
+            chunks.append(ScheduledChunk(req, start, num_new, known))
+            budget -= cost
+            if num_new > 1:
+                pairs -= attention_pairs(start, num_new)
+            num_batched += num_new
         self._stats.forwarded_tokens += forwarded
 
         # 2. admission, in order, unless this step had to preempt
@@ -344,9 +380,9 @@ class Scheduler:
                         hashes = self._block_hashes(req, st, max_hit)
                         hit_blocks = pool.lookup(hashes, max_hit)
                 num_hit = len(hit_blocks) * bs
-                num_new = num_tokens - num_hit
-                if num_new > budget:
-                    num_new = budget
+                num_new, cost = self._cut_chunk(req, num_hit, num_tokens - num_hit, budget, pairs, not chunks)
+                if num_new == 0:
+                    break  # strict FIFO: the head waits for a step with room for it
                 # need: what the whole known sequence takes from the free pool (new blocks plus
                 # cache hits that are free now), though only the first chunk's blocks are allocated
                 need = -(-num_tokens // bs) - len(hit_blocks)
@@ -379,18 +415,38 @@ class Scheduler:
                 running.append(req)
                 self._advance(req, st, num_hit, num_new)
                 chunks.append(ScheduledChunk(req, num_hit, num_new, num_tokens))
-                budget -= num_new
+                budget -= cost
+                if num_new > 1:
+                    pairs -= attention_pairs(num_hit, num_new)
+                num_batched += num_new
             if waiting and not running:
                 self._idle_violation = (
                     f"request {waiting[0].request_id!r} waits while nothing runs "
                     f"({pool.num_free_blocks}/{pool.num_total_blocks} blocks free)"
                 )
 
-        num_batched = self.max_num_batched_tokens - budget
         if chunks:
             self._stats.iterations += 1
         self._stats.schedule_calls += 1
         return SchedulerOutput(chunks=chunks, preempted=preempted, num_batched_tokens=num_batched)
+
+    @staticmethod
+    def _cut_chunk(req: Request, start: int, num_new: int, budget: int, pairs: int, first: bool) -> tuple[int, int]:
+        """(tokens, budget cost) of the chunk of ``num_new`` tokens from ``start`` this step can take:
+        within the token ``budget`` left, a prompt-logprobs row counting two, and, for more than one
+        token, within the ``pairs`` of attention left (``attention_pairs(start, c) <= pairs``). A chunk
+        cut to nothing still gets one token when it is the step's ``first`` (the docstring's point 4)."""
+        weight = 2 if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1 else 1
+        c = min(num_new, max(0, budget) // weight)
+        if c > 1 and attention_pairs(start, c) > pairs:
+            p = max(0, pairs)
+            # the largest c within the pairs: the positive root of c^2 + s c = p, or of c^2 + c = 2 p
+            c = (math.isqrt(start * start + 4 * p) - start) // 2 if start else (math.isqrt(8 * p + 1) - 1) // 2
+            while c > 1 and attention_pairs(start, c) > pairs:
+                c -= 1
+        if c == 0 and first:
+            c = 1
+        return c, c * weight
 
     def _advance(self, req: Request, st: _State, start: int, num_new: int) -> None:
         """Account a scheduled chunk: computed tokens, recompute, and the blocks it fills."""

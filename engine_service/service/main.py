@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 from typing import Any
 
 from engine_service.config import add_engine_arguments, engine_config_from_args
-from engine_service.service.settings import ServiceSettings, default_engine_id
+from engine_service.service.settings import ADMIN_TOKEN_ENV, LOOPBACK, ServiceSettings, default_engine_id
 from sluice.wire import contract
 from sluice.wire.card import ModelCard
 
@@ -27,10 +28,16 @@ log = logging.getLogger("sluice.engine")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default="redis://localhost:6379/0", help="redis://, rediss:// (one server) or redis+cluster://host:port[,host:port...] (a Redis Cluster) URL, user and password included if any")
     parser.add_argument("--grpc-port", type=int, default=50051, help="port of gRPC health and EngineAdmin (0: none)")
-    parser.add_argument("--grpc-host", default="0.0.0.0")
+    parser.add_argument("--grpc-host", default=LOOPBACK,
+                        help="address of the gRPC server (default: %(default)s; 0.0.0.0 for all interfaces, "
+                             "e.g. for Kubernetes' gRPC probes)")
+    parser.add_argument("--admin-token", default=os.environ.get(ADMIN_TOKEN_ENV) or None, metavar="TOKEN",
+                        help=f"require `authorization: Bearer TOKEN` metadata on EngineAdmin.Drain "
+                             f"(default: ${ADMIN_TOKEN_ENV}; unset: Drain is open to whoever reaches the port)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus metrics on http://HOST:PORT/metrics (0: off)")
-    parser.add_argument("--metrics-host", default="0.0.0.0", help="address of the metrics server")
+    parser.add_argument("--metrics-host", default=LOOPBACK,
+                        help="address of the metrics server (default: %(default)s; 0.0.0.0 for all interfaces)")
     parser.add_argument("--engine-id", default=None, help="consumer name and registry id (default: host-pid-random)")
     parser.add_argument("--max-queue-wait", type=float, default=0.0, help="refuse requests that waited longer than this many seconds (0: no limit)")
     parser.add_argument("--drain-grace-s", type=float, default=30.0, help="on SIGTERM, how long running requests may take to finish")
@@ -47,6 +54,7 @@ def settings_from_args(args: argparse.Namespace) -> ServiceSettings:
         redis_url=args.redis_url,
         grpc_port=args.grpc_port,
         grpc_host=args.grpc_host,
+        admin_token=args.admin_token,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         engine_id=args.engine_id or default_engine_id(),
@@ -94,7 +102,8 @@ class EngineService:
         if settings.grpc_port:
             from engine_service.service.admin import AdminServer
 
-            self.admin = AdminServer(self.worker, settings.engine_id, self.model, settings.grpc_port, settings.grpc_host)
+            self.admin = AdminServer(self.worker, settings.engine_id, self.model, settings.grpc_port,
+                                     settings.grpc_host, token=settings.admin_token)
         self.metrics = metrics
         if self.metrics is None and settings.metrics_port:
             from engine_service.service.metrics import EngineMetrics

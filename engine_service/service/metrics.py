@@ -125,7 +125,7 @@ def _port_error(port: int, host: str, exc: OSError) -> Exception:
     return exc
 
 
-def check_port_free(port: int, host: str = "0.0.0.0") -> None:
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
     """Raise ``MetricsPortInUse`` now if ``host:port`` cannot be bound (before a long model load)."""
     import socket
 
@@ -311,7 +311,7 @@ class EngineMetrics(NullMetrics):
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` on ``host:port`` (0: any free port) from a daemon thread; returns the
         port. Raises ``MetricsPortInUse`` when the address is taken.
 

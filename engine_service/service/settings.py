@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 
 from sluice.wire import contract
 
+LOOPBACK = "127.0.0.1"
+ADMIN_TOKEN_ENV = "SLUICE_ADMIN_TOKEN"
+
 
 def default_engine_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -18,9 +21,11 @@ def default_engine_id() -> str:
 class ServiceSettings:
     redis_url: str = "redis://localhost:6379/0"
     grpc_port: int = 0  # 0: no gRPC server (in-process tests)
-    grpc_host: str = "0.0.0.0"
+    # loopback unless told otherwise: anyone who reaches the admin port can drain the engine
+    grpc_host: str = LOOPBACK
+    admin_token: str | None = None  # when set, EngineAdmin.Drain needs `authorization: Bearer TOKEN`
     metrics_port: int = 0  # Prometheus /metrics on this port; 0: no metrics server
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = LOOPBACK
     engine_id: str = field(default_factory=default_engine_id)
     max_queue_wait: float = 0.0  # seconds a request may wait in the queue before it is refused; 0: no limit
     drain_grace_s: float = 30.0

@@ -190,3 +190,13 @@ def test_503s_carry_retry_after(gateway, fake_engine):
     r = httpx.post(f"{gateway.url}{COMPLETIONS}", json={"model": MODEL, "prompt": "x"})
     assert_error(r, 503, code="no_engine")
     assert r.headers["retry-after"] == "1"
+
+
+def test_deeply_nested_body_is_400(gateway, fake_engine):
+    """Issue 26 item 1, its body: with the surrogate-pair escape it was a 500 RecursionError
+    (body_checks parsed it and caught only ValueError); without the escape a 400 with no code."""
+    for prompt in ("x\\ud83d\\ude00", "x"):
+        raw = f'{{"model": "{MODEL}", "max_tokens": 2, "prompt": "{prompt}", "zz": {"[" * 10000}1{"]" * 10000}}}'
+        err = assert_error(post_raw(gateway, COMPLETIONS, raw), 400, param=None, code="invalid_json")
+        assert "nested too deeply" in err["message"], err
+    assert fake_engine.requests == []

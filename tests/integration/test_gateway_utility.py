@@ -111,7 +111,9 @@ def test_detokenize_round_trip(gateway, tok) -> None:
         ("/tokenize", {"model": MODEL, "messages": MESSAGES, "continue_final_message": True}, None,
          "invalid_value", "cannot both be true"),
         ("/tokenize", {"model": MODEL, "messages": MESSAGES, "chat_template": "{{ 'x' }}"}, "chat_template", None,
-         "not accepted"),
+         "--trust-request-chat-template"),
+        ("/tokenize", {"model": MODEL, "prompt": "ab" * 8 * MAX_MODEL_LEN + "a"}, "prompt", "invalid_value",
+         f"at most {16 * MAX_MODEL_LEN}"),
         ("/tokenize", {"model": MODEL, "messages": MESSAGES, "chat_template_kwargs": {"add_generation_prompt": 1}},
          "messages", None, "Invalid messages for the chat template"),
         ("/detokenize", {"model": MODEL}, "tokens", "missing_required_parameter", ""),
@@ -198,3 +200,41 @@ def test_utility_endpoints_are_counted_in_metrics(gateway) -> None:
     httpx.post(f"{gateway.url}/tokenize", json={"prompt": "x"})
     text = httpx.get(f"{gateway.url}/metrics").text
     assert 'sluice_gateway:http_requests_total{endpoint="/tokenize",status="200"}' in text
+
+
+# A template that writes the messages as "role: content|" and reads a chat_template_kwargs variable.
+OWN_TEMPLATE = "{{ prefix }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}|{% endfor %}"
+
+
+def test_a_request_chat_template_is_refused_not_ignored(gateway, fake_engine) -> None:
+    """Issue 26 item 8: a chat request's `chat_template` was silently ignored (the model's was
+    rendered). Without --trust-request-chat-template it is a 400 naming it, as /tokenize answers."""
+    r = httpx.post(f"{gateway.url}/v1/chat/completions",
+                   json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "chat_template": OWN_TEMPLATE})
+    err = assert_error(r, 400, param="chat_template")
+    assert "--trust-request-chat-template" in err["message"]
+    assert fake_engine.requests == []
+
+
+def test_a_trusted_request_chat_template_is_rendered(make_gateway, fake_engine, tok) -> None:
+    """With --trust-request-chat-template (vLLM's flag) the request's template and its
+    chat_template_kwargs render the prompt, in chat completions and /tokenize alike."""
+    gw = make_gateway(trust_request_chat_template=True)
+    body = {"model": MODEL, "messages": MESSAGES, "chat_template": OWN_TEMPLATE,
+            "chat_template_kwargs": {"prefix": "P> "}}
+    r = httpx.post(f"{gw.url}/v1/chat/completions", json={**body, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200, r.text
+    want = tok.encode("P> system: You are terse.|user: Hi! 你好|", add_special_tokens=False)
+    assert list(fake_engine.requests[-1].prompt_token_ids) == want
+    assert httpx.post(f"{gw.url}/tokenize", json=body).json()["tokens"] == want
+    # the model's template, with a kwarg it does not read, is unchanged by it
+    r = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2,
+                                                          "chat_template_kwargs": {"prefix": "P> "}}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert list(fake_engine.requests[-1].prompt_token_ids) == tok.encode(
+        tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    # a broken template is the client's: a 400 naming it
+    err = assert_error(httpx.post(f"{gw.url}/v1/chat/completions",
+                                  json={**body, "chat_template": "{% for %}", "max_tokens": 2}), 400,
+                       param="chat_template")
+    assert "syntax error" in err["message"]

@@ -32,6 +32,19 @@ def test_malformed_json(client):
     assert err["code"] == "invalid_json" and err["param"] is None
 
 
+@pytest.mark.parametrize("prompt", ["x", "x\\ud83d\\ude00", "x\\ud800", "x\\u00e9", "ünï"])
+@pytest.mark.parametrize("open_, close", [("[", "]"), ('{"a":', "}")])
+def test_deeply_nested_body_is_400(prompt, open_, close):
+    """Issue 26 item 1: nested past the parser's recursion, a body with a surrogate escape (parsed by
+    body_checks) was a 500 RecursionError; without one (parsed by FastAPI) a 400 without a code."""
+    client = TestClient(create_app(GatewayConfig(api_keys=["k"])), raise_server_exceptions=False)
+    raw = f'{{"model": "m", "max_tokens": 2, "prompt": "{prompt}", "zz": {open_ * 10000}1{close * 10000}}}'
+    r = client.post("/v1/completions", content=raw.encode(), headers={**AUTH, "content-type": "application/json"})
+    err = error_of(r, 400)
+    assert err["code"] == "invalid_json" and err["param"] is None, err
+    assert "nested too deeply" in err["message"], err
+
+
 @pytest.mark.parametrize(
     "path, body, param",
     [
@@ -69,7 +82,8 @@ def test_body_limit(client):
 
 
 def test_unknown_route_is_openai_shaped(client):
-    error_of(client.get("/nope"), 404)
+    error_of(client.get("/nope", headers=AUTH), 404)
+    error_of(client.get("/nope"), 401)  # with a key set, only OPEN_PATHS answer without it
     error_of(client.get("/v1/completions", headers=AUTH), 405)
 
 
@@ -77,3 +91,19 @@ def test_param_of():
     assert _param_of(("body", "messages", 0, "content")) == "messages[0].content"
     assert _param_of(("body", "prompt", "str")) == "prompt"
     assert _param_of(("body",)) is None
+
+
+def test_every_path_but_probes_and_docs_needs_the_key():
+    """Issue 26 item 8: /tokenize and /detokenize were open without the API key (only /v1/ was
+    checked), so anyone could spend the gateway's CPU tokenizing megabytes. Probes, metrics, the
+    version and the API's documentation stay open (documented in docs/gateway.md)."""
+    client = TestClient(create_app(GatewayConfig(api_keys=["k"])), raise_server_exceptions=False)
+    for path in ("/tokenize", "/detokenize", "/v1/completions", "/v1/models", "/anything-else"):
+        r = client.post(path, json={"prompt": "x", "tokens": [1]}) if path != "/v1/models" else client.get(path)
+        err = error_of(r, 401)
+        assert err["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer", path
+    for path in ("/version", "/openapi.json", "/docs", "/redoc"):
+        assert client.get(path).status_code == 200, path
+    # /health, /ping and /metrics read Redis (absent here): whatever they answer, not a 401
+    for path in ("/health", "/ping", "/metrics"):
+        assert client.get(path).status_code != 401, path

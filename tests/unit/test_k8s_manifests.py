@@ -297,3 +297,28 @@ def test_redis_cluster_configmap_holds_the_deploy_redis_files() -> None:
     data = _find("ConfigMap", "redis-cluster", CLUSTER_DOCS)["data"]
     assert data["cluster-node.conf"] == (REPO / "deploy" / "redis" / "cluster-node.conf").read_text()
     assert data["cluster-init.sh"] == (REPO / "deploy" / "redis" / "cluster-init.sh").read_text()
+
+
+def _arg(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_engine_admin_port_is_fenced() -> None:
+    """Issue 26 item 5: the engine binds loopback by default, so the pod must ask for every
+    interface where the kubelet's probes and Prometheus dial the pod IP; other pods may reach only
+    the metrics port (NetworkPolicy), and Drain takes the sluice-admin Secret's token."""
+    deployment = _find("Deployment", "sluice-engine")
+    engine = _container(deployment, "engine")
+    assert _arg(engine["args"], "--grpc-host") == "0.0.0.0"
+    assert _arg(engine["args"], "--metrics-host") == "0.0.0.0"
+    token = next(e for e in engine["env"] if e["name"] == "SLUICE_ADMIN_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "sluice-admin", "key": "token", "optional": True}
+    policy = _find("NetworkPolicy", "sluice-engine")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert all(pod_labels.get(k) == v for k, v in selector.items())
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    allowed = [p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]]
+    assert allowed == ["metrics"], allowed
+    grpc_port = next(p["containerPort"] for p in engine["ports"] if p["name"] == "grpc")
+    assert grpc_port not in allowed and "grpc" not in allowed

@@ -166,6 +166,10 @@ def test_prometheus_scrapes_every_gateway_and_engine_on_their_compose_ports():
     engine_cmd = services["engine"]["command"]
     assert engine_cmd[engine_cmd.index("--metrics-port") + 1] == str(port)
     assert str(port) in [str(p) for p in services["engine"]["expose"]]
+    # the engine binds loopback by default: Prometheus dials it from another container
+    assert engine_cmd[engine_cmd.index("--metrics-host") + 1] == "0.0.0.0"
+    assert "--grpc-host" not in engine_cmd  # gRPC (Drain) stays on loopback, where the healthcheck asks
+    assert "127.0.0.1:" in " ".join(services["engine"]["healthcheck"]["test"])
 
     prom = services["prometheus"]
     assert prom["profiles"] == ["monitoring"]

@@ -13,7 +13,13 @@ from engine_service.bench.scheduler import FakeKVRunner
 from engine_service.config import SchedulerConfig
 from engine_service.core.request import FinishReason, Request, RequestStatus
 from engine_service.core.sampling_params import SamplingParams
-from engine_service.core.scheduler import RequestRejected, ScheduledChunk, Scheduler, SchedulerOutput
+from engine_service.core.scheduler import (
+    RequestRejected,
+    ScheduledChunk,
+    Scheduler,
+    SchedulerOutput,
+    attention_pairs,
+)
 
 
 def make_request(rid: str, prompt: int | list[int], max_tokens: int | None = 4, **params) -> Request:
@@ -27,9 +33,11 @@ def make_request(rid: str, prompt: int | list[int], max_tokens: int | None = 4, 
 
 
 def make_scheduler(
-    num_blocks=16, block_size=4, max_num_seqs=4, budget=64, max_model_len=4096, watermark=0, caching=True
+    num_blocks=16, block_size=4, max_num_seqs=4, budget=64, max_model_len=4096, watermark=0, caching=True,
+    pairs=None,
 ) -> tuple[Scheduler, FakeKVRunner]:
     cfg = SchedulerConfig(
+        max_num_batched_pairs=pairs,
         num_blocks=num_blocks,
         block_size=block_size,
         max_num_seqs=max_num_seqs,
@@ -215,7 +223,8 @@ def test_preempted_request_needing_more_than_the_reserve_leaves_is_readmitted_wh
     """6 blocks of 4, a reserve of 3: b is admitted holding 1 block, grows to 4, is preempted; a
     finishes; with the pool empty b (needing 4 > 6 - 3 blocks) is admitted again and finishes."""
     sched, runner = make_scheduler(
-        num_blocks=6, block_size=4, max_num_seqs=4, budget=10, watermark=3, caching=caching
+        num_blocks=6, block_size=4, max_num_seqs=4, budget=10, watermark=3, caching=caching,
+        pairs=0,  # chunks cut by tokens only: the scenario's chunk sizes are its subject
     )
     assert sched.admissible_blocks == 3
     a = make_request("a", 6, max_tokens=8)
@@ -327,7 +336,8 @@ def test_abort_of_a_preempted_request_releases_everything():
 
 
 def test_abort_in_the_middle_of_a_chunked_prefill():
-    sched, runner = make_scheduler(num_blocks=8, block_size=4, budget=4)
+    # cut by tokens only: the chunk sizes are the scenario
+    sched, runner = make_scheduler(num_blocks=8, block_size=4, budget=4, pairs=0)
     prompt = list(range(20))
     r = make_request("r", prompt, max_tokens=2)
     sched.add_request(r)
@@ -480,7 +490,8 @@ def test_a_request_wanting_prompt_logprobs_computes_its_whole_prompt():
 
 
 def test_readmission_after_preemption_reuses_its_own_cached_blocks():
-    sched, runner = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4, budget=10, watermark=3)
+    sched, runner = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4, budget=10, watermark=3,
+                                   pairs=0)  # cut by tokens only: the chunk sizes are the scenario
     a = make_request("a", 6, max_tokens=8)
     b = make_request("b", 13, max_tokens=4)
     sched.add_request(a)
@@ -529,3 +540,75 @@ def test_scheduled_chunk_token_ids():
     c = ScheduledChunk(req, 2, 3)
     assert c.token_ids == req.all_token_ids[2:5] and not c.samples
     assert ScheduledChunk(req, 2, 4).samples
+
+
+# --- what a long prompt costs the others (issue 26, item 7) ---
+def _step_cost(out: SchedulerOutput) -> tuple[int, int]:
+    """(budget tokens, attention pairs of the prefill chunks) a step took: a prompt-logprobs row
+    counts two tokens; a chunk of c tokens after s > 0 computed ones attends to c * (s + c) pairs
+    through a mask, a fresh one to c * (c + 1) / 2 causally."""
+    tokens = pairs = 0
+    for ch in out.chunks:
+        req = ch.request
+        plp = req.sampling_params.prompt_logprobs is not None and ch.start < req.num_prompt_tokens - 1
+        tokens += ch.num_tokens * (2 if plp else 1)
+        if ch.num_tokens > 1:
+            pairs += ch.num_tokens * (ch.start + ch.num_tokens) if ch.start else ch.num_tokens * (ch.num_tokens + 1) // 2
+    return tokens, pairs
+
+
+def test_attention_pairs():
+    assert attention_pairs(0, 4) == 10 and attention_pairs(4, 4) == 32 and attention_pairs(100, 1) == 101
+
+
+@pytest.mark.parametrize("prompt_logprobs", [None, 1])
+@pytest.mark.parametrize("long_first", [False, True])
+def test_a_long_prefill_costs_the_running_requests_one_budget_step_at_most(prompt_logprobs, long_first):
+    """A 500-token prompt (8 budgets) beside streams already decoding: every step gives each running stream
+    its token and costs no more than a fresh prefill of the budget: at most B tokens (a prompt
+    logprobs row counting two, as it also scores the whole vocabulary) and at most the B * (B + 1) / 2
+    attention pairs of a fresh B-token prefill. Before, the prompt's later chunks took the whole budget at any offset (a chunk of B
+    tokens after 436 attends to 8 times the pairs of a fresh one), and prompt-logprob rows
+    counted one. With ``long_first`` the prompt is the oldest request: streams admitted beside it
+    must still get a token every step once they run."""
+    budget = 64
+    sched, runner = make_scheduler(num_blocks=2048, block_size=4, max_num_seqs=8, budget=budget)
+    long = make_request("long", 500, max_tokens=2, prompt_logprobs=prompt_logprobs)
+    streams = [make_request(f"s{i}", 5, max_tokens=400) for i in range(3)]
+    if long_first:
+        sched.add_request(long)
+    for s in streams:
+        sched.add_request(s)
+    if not long_first:
+        for _ in range(3):
+            step(sched, runner)
+        assert all(s.num_output_tokens == 3 for s in streams)
+        sched.add_request(long)
+    steps = 0
+    while long.num_output_tokens == 0:
+        running = [s for s in streams if s.status is RequestStatus.RUNNING]
+        before = {s.request_id: s.num_output_tokens for s in running}
+        out, _ = step(sched, runner)
+        steps += 1
+        tokens, pairs = _step_cost(out)
+        assert tokens <= budget and pairs <= budget * (budget + 1) // 2, (steps, tokens, pairs)
+        for s in running:  # a stream that runs is never held for more than this one step
+            assert s.num_output_tokens == before[s.request_id] + 1, (steps, s.request_id)
+        assert steps < 500
+    assert all(s.status is RequestStatus.RUNNING for s in streams)
+    # the prompt still moves: its prefill took more steps than 500 / B, but a bounded number
+    assert 500 / budget < steps < 100
+    run_all(sched, runner)
+
+
+def test_the_pair_budget_never_stops_the_oldest_request():
+    """A chunk the pair budget cuts to nothing still gets one token when it is the step's first."""
+    sched, runner = make_scheduler(num_blocks=256, block_size=4, budget=4, max_model_len=1024)
+    r = make_request("r", 600, max_tokens=1)
+    sched.add_request(r)
+    out, _ = step(sched, runner)
+    assert out.chunks[0].num_tokens == 4  # fresh: 10 pairs, the whole budget
+    while r.num_output_tokens == 0:
+        out, _ = step(sched, runner)
+        assert out.chunks[0].num_tokens >= 1
+    assert sched.max_num_batched_pairs == 10
