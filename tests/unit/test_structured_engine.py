@@ -139,12 +139,73 @@ def test_invalid_constraint_is_refused_at_the_engine_door(llm):
 
 
 class _Seq:
-    def __init__(self, rid: str, params: SamplingParams) -> None:
+    def __init__(self, rid: str, params: SamplingParams, prompt_len: int = 8) -> None:
         self.request_id = rid
         self.sampling_params = params
         self.output_token_ids: list[int] = []
         self.structured_done = False
         self.structured_error = None
+        self.prompt_len = prompt_len
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + len(self.output_token_ids)
+
+
+# Constraints that compile but that the grammar engine fails on once decoding starts (issue 26):
+# a recursion without a base case, a row of 30,000 alternatives, a regex its lexer cannot build.
+RECURSIVE = {"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}},
+             "$ref": "#/$defs/a"}
+WIDE_GRAMMAR = "start: " + " | ".join(f'"w{i}"' for i in range(30000))
+HUGE_REGEX = "(a{1000}){1000}"
+# Its shortest completion ("a") passes the door; the "b" "c" branch reaches a row of 3,000
+# alternatives, which the grammar engine refuses only when decoding gets there.
+LATE_FAILURE = 'start: "a" | "b" "c" x\nx: ' + " | ".join(f'"w{i}"' for i in range(3000))
+
+
+def _clean(message: str) -> bool:
+    """A message for a client: one line, none of the grammar engine's internal state."""
+    return "\n" not in message and "<state>" not in message and "Parser: {" not in message and len(message) < 400
+
+
+def test_constraints_the_grammar_engine_fails_on_are_refused_at_the_engine_door(llm):
+    engine = llm.engine
+    for so, param in (({"json": RECURSIVE}, "structured_outputs.json"),
+                      ({"grammar": WIDE_GRAMMAR}, "structured_outputs.grammar"),
+                      ({"regex": HUGE_REGEX}, "structured_outputs.regex")):
+        with pytest.raises(RequestRejected, match=param.replace(".", r"\.")) as info:
+            engine.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=512, structured_outputs=so))
+        assert _clean(str(info.value)), str(info.value)
+    # a max_tokens below the constraint's shortest completion: refused naming max_tokens
+    const = {"json": {"type": "object", "properties": {"k": {"const": "x" * 60}}, "required": ["k"]}}
+    with pytest.raises(RequestRejected, match=r"max_tokens \(8\) is too small"):
+        engine.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=8, structured_outputs=const))
+    assert not engine.has_unfinished_requests() and engine.grammars.num_active == 0
+
+
+def test_a_constraint_failure_mid_decode_ends_that_request_alone(llm):
+    engine = llm.engine
+    tok = engine.tokenizer
+    force_bcw = {tok.encode(ch, add_special_tokens=False)[0]: 100.0 for ch in "bcw"}
+    bad = SamplingParams(temperature=0, max_tokens=64, logit_bias=force_bcw,
+                         structured_outputs={"grammar": LATE_FAILURE})
+    engine.add_request("late", tok.encode("Say something:"), bad)
+    engine.add_request("fine", tok.encode("The capital of France is"),
+                       SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    late, fine = finished["late"], finished["fine"]
+    assert late.finish_reason == "error" and late.error_code == "invalid_request"
+    assert "output constraint failed" in late.error and _clean(late.error), late.error
+    assert fine.finish_reason == "length" and fine.num_output_tokens == 12  # the batch went on
+    assert engine.grammars.num_active == 0
 
 
 def test_eos_only_where_the_grammar_may_end_and_rows_untouched(llm):
