@@ -282,11 +282,14 @@ def _engine_refused(params: StructuredOutputsParams, message: str, limits: bool 
 
 # Bytes tried, in order, when walking the shortest completion. Inside a string (a quote and plain
 # letters both allowed) the quote comes first: it closes the string. Elsewhere closers come first
-# (an empty array or object is the shortest), then the shortest scalars (0, null, true), the ends
-# of free text and separators, letters, everything else. Two orders walk side by side and the
-# first to finish wins: each escapes loops the other falls into. The first puts separators after
-# the scalars and before full stops (a number's "0" then "," where "0." would go on "0.000..."),
-# the second puts full stops and separators before any letter (free text "a." where "a" would go
+# (an empty array or object is the shortest), then separators, the shortest scalars (0, null,
+# true), the ends of free text, letters, everything else (a byte taken ``_MAX_RUN`` times in a
+# row is passed over once); where none of the first ``_HEAD`` fits,
+# the bytes the grammar forces (the rest of a member name) are taken in one go. The first order
+# walks alone for ``_FIRST_REACH`` bytes (it ends nearly every walk); failing that, both walk side
+# by side and the first to finish wins: each escapes loops the other falls into. The first puts
+# separators before scalars and full stops (a number's "0" then "," where "0." would go on
+# "0.000..."; free text "a b c" where "a" would go on "aaa..."), the second puts full stops and separators before any letter (free text "a." where "a" would go
 # on "aaa...") and reverses the letter and digit runs (``(ab)*c``: "c", where "a" then "b" would).
 _LOWER = b"abcdeghijklmopqrsuvwxyz"  # n, t, f come earlier
 _UPPER = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -298,10 +301,13 @@ def _order(*runs: bytes) -> bytes:
 
 
 _ORDERS = (
-    _order(b']})"0', b"ntf", b"123456789", b",: ", b".!?\n", _LOWER, _UPPER),
+    _order(b']})"', b",: ", b"0", b"ntf", b"123456789", b".!?\n", _LOWER, _UPPER),
     _order(b']})"0', b".!?\n", b",: ", b"ftn", b"987654321", _LOWER[::-1], _UPPER[::-1]),
 )
 _STRING_PROBES = b"aQ#"
+_FIRST_REACH = 256  # bytes the first order walks alone before both orders walk side by side
+_MAX_RUN = 8  # the same byte this many times in a row: the walk tries another
+_HEAD = 16  # the first bytes of an order, tried before asking the grammar for its forced bytes
 
 
 class _Walk:
@@ -325,16 +331,37 @@ class _Walk:
     def done(self) -> bool:
         return self.matcher.is_accepting()
 
+    def _take(self, candidates: bytes) -> bool:
+        # a byte chosen _MAX_RUN times in a row is passed over once: a loop of one byte ends
+        run = self.path[-_MAX_RUN:]
+        repeated = run[-1] if len(run) == _MAX_RUN and run.count(run[-1]) == _MAX_RUN else None
+        for b in candidates:
+            if b == repeated:
+                continue
+            t = self.tokens.get(b)
+            if t is not None and self.matcher.try_consume_tokens([t]) == 1:
+                self.path.append(b)
+                return True
+        return False
+
+    def _take_forced(self) -> bool:
+        """Bytes the grammar forces from here (the rest of a member name, ``": "``) in one go:
+        one llguidance call (~25 µs) instead of scanning the order byte by byte."""
+        forced = self.matcher.compute_ff_bytes()
+        tokens = [self.tokens.get(b) for b in forced]
+        if not forced or None in tokens:
+            return False
+        taken = self.matcher.try_consume_tokens(tokens)
+        self.path += forced[:taken]
+        return taken > 0
+
     def step(self) -> None:
         m = self.matcher
-        inside_string = self._fits(34) and any(self._fits(p) for p in _STRING_PROBES)
-        for b in (b'"' if inside_string else self.order):
-            t = self.tokens.get(b)
-            if t is not None and m.try_consume_tokens([t]) == 1:
-                self.path.append(b)
-                break
-        else:
-            self.failed = True  # no single byte continues here (a multi-byte character would)
+        if self._fits(34) and any(self._fits(p) for p in _STRING_PROBES):  # inside a string: close it
+            done = self._take(b'"')
+        else:  # the order's head (closers, scalars, separators), forced bytes, then the rest
+            done = self._take(self.order[:_HEAD]) or self._take_forced() or self._take(self.order[_HEAD:])
+        self.failed = not done  # no single byte continues here (a multi-byte character would)
         if m.is_error():
             raise GrammarEngineError(m.get_error())
 
@@ -374,20 +401,23 @@ class Vocabulary:
         fails on the way (a resource limit). ``matcher`` is left as it was (the walks run on
         copies, 2 µs each).
 
-        Greedy walks over single bytes in fixed orders of preference (``_ORDERS``), side by side,
-        the first to end winning: not a proof of minimality, but for JSON it closes the open
+        Greedy walks over single bytes in fixed orders of preference (``_ORDERS``): not a proof of
+        minimality, but for JSON it closes the open
         string, empties every open array and object it may, and fills each required member with
         its shortest value."""
-        walks = [_Walk(matcher.deep_copy(), order, self.byte_tokens) for order in _ORDERS]
-        for _ in range(max_bytes + 1):
-            for walk in walks:
-                if walk.done:
-                    return bytes(walk.path), walk.matcher.is_stopped()
-            for walk in walks:
-                walk.step()
-            walks = [w for w in walks if not w.failed]
-            if not walks:
-                return None
+        # The first order alone (it ends most walks, at half the cost of two), within a short
+        # reach; then both side by side, the first to end winning.
+        for orders, reach in ((_ORDERS[:1], min(max_bytes, _FIRST_REACH)), (_ORDERS, max_bytes)):
+            walks = [_Walk(matcher.deep_copy(), order, self.byte_tokens) for order in orders]
+            while walks:
+                for walk in walks:
+                    if walk.done:
+                        return bytes(walk.path), walk.matcher.is_stopped()
+                if len(walks[0].path) >= reach:
+                    break
+                for walk in walks:
+                    walk.step()
+                walks = [w for w in walks if not w.failed]
         return None
 
     def shortest_completion(self, matcher, max_bytes: int = MAX_COMPLETION_BYTES) -> list[int] | None:

@@ -50,7 +50,7 @@ from sluice.structured import GrammarEngineError, StructuredOutputsParams, Vocab
 
 logger = logging.getLogger(__name__)
 
-WATCH = 32  # within this many tokens of what the constraint needs, its completion is walked each step
+WATCH = 16  # within this many tokens of what the constraint needs, its completion is walked each step
 PLAN_EVERY = 16  # farther away, every this many tokens
 
 
@@ -105,6 +105,9 @@ class GrammarManager:
         self.eos_token_ids = list(eos_token_ids)
         self.max_model_len = max_model_len
         self._vocabulary: Vocabulary | None = None  # built on first use (~1 s)
+        # steer constrained sequences to end within their token budget (off: masks only, as
+        # before issue 24; ``sluice bench structured`` compares the two)
+        self.budget_steering = True
         self.steered = 0  # sequences whose end was forced by the token budget
         self.replaced = 0  # sampled tokens replaced because the constraint would no longer fit
         self._templates: OrderedDict[tuple[str, str], object] = OrderedDict()
@@ -211,7 +214,7 @@ class GrammarManager:
                 continue
             if seq.num_consumed != len(req.output_token_ids):  # recomputed or replayed: rebuild
                 seq = self._rebuild(req)
-            if seq.forced is None and not seq.matcher.is_stopped():
+            if self.budget_steering and seq.forced is None and not seq.matcher.is_stopped():
                 self._steer(seq, req)
             rows.append(i)
             seqs.append(seq)
@@ -245,7 +248,7 @@ class GrammarManager:
             return token
         if seq.forced:
             token = seq.forced.pop(0)  # the mask allowed nothing else
-        elif seq.plan is not None and seq.plan_at == seq.num_consumed:
+        elif self.budget_steering and seq.plan is not None and seq.plan_at == seq.num_consumed:
             token = self._keep_within_budget(seq, request, token)
         if not matcher.consume_token(token):
             request.structured_error = (

@@ -21,6 +21,7 @@ import jsonschema
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
+from engine_service.bench.structured import unbounded_cases, validates
 from tests.docker_support import free_port
 from tests.structured_cases import MAX_TOKENS, cases
 
@@ -348,3 +349,64 @@ def test_langchain_bind_tools_and_with_structured_output(server):
 
     person = llm.with_structured_output(Person).invoke("Invent a person.")
     assert isinstance(person, Person)
+
+
+NOTES = {"type": "function", "function": {
+    "name": "take_notes", "description": "Write down notes on a topic",
+    "parameters": {"type": "object", "properties": {
+        "topic": {"type": "string"}, "notes": {"type": "array", "items": {"type": "string"}}},
+        "required": ["topic", "notes"]}}}
+
+
+def test_the_token_budget_closes_schemas_and_forced_calls_streamed_and_not(server):
+    """Issue 24: unbounded schemas at temperature 0.7 with a max_tokens too small for what the model
+    writes: every document still parses and validates, with finish_reason "stop" (forced tool
+    calls: "tool_calls" with valid arguments), streamed and not; JSON mode and a regex too."""
+    base, model = server
+    pairs = unbounded_cases(10)
+
+    def fmt(i, schema):
+        return {"type": "json_schema", "json_schema": {"name": f"u{i}", "schema": schema}}
+
+    async def main():
+        client = _aclient(base)
+        common = {"model": model, "temperature": 0.7, "max_tokens": 32}
+        plain = [client.chat.completions.create(messages=[{"role": "user", "content": p}], seed=i,
+                                                response_format=fmt(i, s), **common) for i, (p, s) in enumerate(pairs)]
+        streamed = [_stream_text(client, messages=[{"role": "user", "content": p}], seed=i, response_format=fmt(i, s),
+                                 **common) for i, (p, s) in enumerate(pairs)]
+        tool_msgs = [{"role": "user", "content": "Take detailed notes on the history of Rome."}]
+        named = {"type": "function", "function": {"name": "take_notes"}}
+        tools_plain = [client.chat.completions.create(messages=tool_msgs, tools=[NOTES], tool_choice=choice, seed=i,
+                                                      **common) for i, choice in enumerate([named, "required"])]
+        tools_streamed = [_stream_text(client, messages=tool_msgs, tools=[NOTES], tool_choice=choice, seed=i,
+                                       **common) for i, choice in enumerate([named, "required"])]
+        json_mode = client.chat.completions.create(
+            messages=[{"role": "user", "content": "Describe a city as JSON with many keys."}],
+            response_format={"type": "json_object"}, **{**common, "max_tokens": 12})
+        return await asyncio.gather(asyncio.gather(*plain), asyncio.gather(*streamed), asyncio.gather(*tools_plain),
+                                    asyncio.gather(*tools_streamed), json_mode)
+
+    plain, streamed, tools_plain, tools_streamed, json_mode = asyncio.run(main())
+    for resp, (text, finish, _), (_, schema) in zip(plain, streamed, pairs, strict=True):
+        choice = resp.choices[0]
+        assert choice.finish_reason == "stop" and validates(choice.message.content, schema), choice
+        assert resp.usage.completion_tokens <= 32
+        assert finish == "stop" and validates(text, schema), text
+    params = NOTES["function"]["parameters"]
+    for resp in tools_plain:
+        choice = resp.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), params)
+    for text, finish, deltas in tools_streamed:
+        assert finish == "tool_calls" and text == ""
+        arguments = "".join(d.function.arguments or "" for d in deltas if d.index == 0)
+        jsonschema.validate(json.loads(arguments), params)
+    assert json_mode.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(json_mode.choices[0].message.content), dict)
+    r = httpx.post(f"{base}/v1/completions", timeout=600, json={
+        "model": model, "prompt": "Write a long sentence:", "max_tokens": 6, "temperature": 0.7, "seed": 1,
+        "structured_outputs": {"regex": r"[a-z]+( [a-z]+)*\."}})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["text"].endswith("."), choice
