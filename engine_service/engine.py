@@ -128,7 +128,8 @@ class LLMEngine:
         eos = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.eos_token_ids: list[int] = sorted(eos)
         self._eos = frozenset(eos)
-        self.grammars = GrammarManager(self.tokenizer.backend.to_str(), self.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarManager(self.tokenizer.backend.to_str(), self.vocab_size, self.eos_token_ids,
+                                       max_model_len=self.max_model_len)
         self._groups: dict[str, _Group] = {}
         self._child_index: dict[str, tuple[_Group, int]] = {}
         self._prompt_tokens_total = 0
@@ -155,8 +156,13 @@ class LLMEngine:
             raise RequestRejected(problem.code, problem.message)
         params.verify(self.vocab_size)
         if params.structured_outputs is not None:
-            try:  # compiled against the vocabulary (cached): a constraint from the queue is re-checked
-                self.grammars.check(params.structured_outputs)
+            # compiled against the vocabulary (cached) and walked to its shortest completion, which
+            # must fit in max_tokens and the context: a constraint from the queue is re-checked
+            budget = self.max_model_len - len(prompt_token_ids)
+            if params.max_tokens is not None:
+                budget = min(budget, params.max_tokens)
+            try:
+                self.grammars.check(params.structured_outputs, budget)
             except ValueError as exc:
                 raise RequestRejected(Code.INVALID_REQUEST, str(exc)) from None
         params = params.with_model_defaults(self.sampling_defaults)
@@ -266,9 +272,13 @@ class LLMEngine:
             # grammar bitmasks on the constrained rows only, before any sampling stage
             self.grammars.apply_bitmask(result.sample_logits, result.sample_requests)
             out = self.sampler(result.sample_logits, result.sample_requests)
-            for req, token, lp in zip(result.sample_requests, out.token_ids, out.logprobs, strict=True):
-                sampled[req.request_id] = token
-                self.grammars.accept(req, token)
+            for row, (req, token, lp) in enumerate(zip(result.sample_requests, out.token_ids, out.logprobs,
+                                                       strict=True)):
+                kept = self.grammars.accept(req, token)  # the token budget may replace it
+                if kept != token and lp is not None:
+                    lp = compute_logprobs(result.sample_logits[row : row + 1], [kept],
+                                          req.sampling_params.logprobs)[0]
+                sampled[req.request_id] = kept
                 if lp is not None:
                     new_logprobs[req.request_id] = lp
         self._prompt_tokens_total += sum(
@@ -298,6 +308,7 @@ class LLMEngine:
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
             error=req.error,
+            error_code=req.error_code,
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,

@@ -29,6 +29,7 @@ from gateway.errors import OpenAIError
 from gateway.generation import Delta, Generation
 from gateway.metrics import METRICS
 from gateway.protocol import ResponseEnvelope, SamplingFields, UsageInfo
+from sluice.structured import StructuredOutputError, vocabulary_for
 from sluice.wire import codec, limits
 from sluice.wire.card import CardError
 from sluice.wire.messages_pb2 import SamplingParams
@@ -146,10 +147,32 @@ def sampling_params(req: SamplingFields, card: LoadedCard, max_tokens: int, logp
     })
 
 
-def constrain(params: SamplingParams, constraint: Any) -> None:
-    """Put a checked output constraint (``gateway.tools``) on the wire."""
-    if constraint is not None:
-        params.structured_outputs.CopyFrom(codec.structured_outputs_to_proto(constraint))
+def constraint_param(response_format: Any) -> str | None:
+    """The request field a ``response_format`` constraint's errors name (None: not one)."""
+    if response_format is None:
+        return None
+    if isinstance(response_format, dict) and response_format.get("type") == "json_schema":
+        return "response_format.json_schema.schema"
+    return "response_format"
+
+
+async def constrain(params: SamplingParams, constraint: Any, card: LoadedCard, max_tokens: int,
+                    param: str | None = None) -> None:
+    """Put a checked output constraint (``gateway.tools``) on the wire, once it has passed the
+    engine's own check (``sluice.structured.Vocabulary.check``: compiled against the model's
+    vocabulary under the grammar engine's limits, walked to its shortest completion, which must
+    fit in ``max_tokens``): a 400 naming ``param`` (else the constraint's own parameter) or
+    max_tokens, before anything is queued. In a thread: the first call builds the vocabulary."""
+    if constraint is None:
+        return
+    vocab = await asyncio.to_thread(vocabulary_for, card.fingerprint, card.tokenizer.backend.to_str,
+                                    card.vocab_size, card.eos_token_ids)
+    try:
+        await asyncio.to_thread(vocab.check, constraint, max_tokens)
+    except StructuredOutputError as exc:
+        name = exc.param if param is None or exc.param == "max_tokens" else param
+        raise errors.invalid(str(exc).replace(exc.param, name, 1), param=name, code="invalid_value") from None
+    params.structured_outputs.CopyFrom(codec.structured_outputs_to_proto(constraint))
 
 
 def stop_strings(req: SamplingFields) -> list[str]:

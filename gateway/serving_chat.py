@@ -104,7 +104,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = serving.sampling_params(body, card, max_tokens, logprobs)
     if constraint is not None and dialects.reasoning is not None:  # it constrains the answer, not the reasoning
         constraint = dialects.reasoning.answer_constraint(constraint, text)
-    serving.constrain(params, constraint)
+    await serving.constrain(params, constraint, card, max_tokens,
+                            "tool_choice" if spec is not None and spec.constrained
+                            else serving.constraint_param(body.response_format))
     opts = {"stop": serving.stop_strings(body), "include_stop_str": body.include_stop_str_in_output,
             "skip_special_tokens": body.skip_special_tokens, "logprobs": logprobs}
     gen = Generation(broker, card, [ids], params, opts, deadline=arrival + cfg.request_timeout_s,

@@ -45,7 +45,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     max_tokens = serving.max_tokens_for(card, [len(ids) for ids in prompts], body.max_tokens, "prompt")
     echo = bool(body.echo)
     params = serving.sampling_params(body, card, max_tokens, body.logprobs)
-    serving.constrain(params, tools.constraint_for(body.response_format, body.structured_outputs))
+    await serving.constrain(params, tools.constraint_for(body.response_format, body.structured_outputs), card,
+                            max_tokens, serving.constraint_param(body.response_format))
     if echo and body.logprobs is not None:
         params.prompt_logprobs = body.logprobs
     opts = {"stop": serving.stop_strings(body), "include_stop_str": body.include_stop_str_in_output,

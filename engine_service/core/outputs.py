@@ -27,6 +27,7 @@ class EngineOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     error: str | None = None
+    error_code: str | None = None  # the contract's short error name for ``error`` (None: internal)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0

@@ -44,6 +44,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id that ended it, if any
     error: str | None = None
+    error_code: str | None = None  # the contract's short error name (None: internal)
     # Tokens: prompt followed by the generated ones; ``num_computed_tokens`` of them have KV in cache.
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -94,11 +95,13 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def finish(self, reason: FinishReason, *, stop_reason: int | None = None, error: str | None = None) -> None:
+    def finish(self, reason: FinishReason, *, stop_reason: int | None = None, error: str | None = None,
+               error_code: str | None = None) -> None:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.error = error
+        self.error_code = error_code
         self.finished_time = time.monotonic()
 
     @property

@@ -18,7 +18,8 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         return False
     last = request.output_token_ids[-1]
     if request.structured_error is not None:
-        request.finish(FinishReason.ERROR, error=request.structured_error)
+        # the request's constraint failed, not the engine: the client's error (400), this request alone
+        request.finish(FinishReason.ERROR, error=request.structured_error, error_code="invalid_request")
         return True
     if num_out >= params.min_tokens:
         if not params.ignore_eos and last in request.eos_token_ids:

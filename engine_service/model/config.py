@@ -6,17 +6,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Architectures this runtime implements: all are the Llama decoder with small variations.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+from engine_service.model.architectures import ARCHITECTURES, UnsupportedModelError, resolve_architecture
+
+__all__ = ["ARCHITECTURES", "ModelConfig", "UnsupportedModelError"]
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
-
-
-class UnsupportedModelError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -42,14 +35,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> ModelConfig:
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise UnsupportedModelError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}: "
-                f"Sluice runs {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-            )
-        family = SUPPORTED_ARCHITECTURES[arch]
+        arch = resolve_architecture(cfg)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         # transformers >= 5 writes "rope_parameters" (theta included); older configs write
@@ -69,11 +55,9 @@ class ModelConfig:
                 )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        sliding = cfg.get("sliding_window")
-        if family == "qwen2" and not cfg.get("use_sliding_window", False):
-            sliding = None
-        return cls(
-            architecture=arch,
+        # Read the Llama way, then the family's differences (engine_service.model.architectures).
+        fields = dict(
+            architecture=arch.name,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
@@ -85,13 +69,17 @@ class ModelConfig:
             rope_theta=rope_theta,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            o_proj_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            o_proj_bias=bool(cfg.get("attention_bias", False)),
             rope_scaling=rope_scaling or None,
-            sliding_window=int(sliding) if sliding else None,
+            sliding_window=cfg.get("sliding_window"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+        fields.update(arch.config_differences(cfg))
+        sliding = fields["sliding_window"]
+        fields["sliding_window"] = int(sliding) if sliding else None
+        return cls(**fields)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+"""The Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2; Qwen3 swaps the attention,
+``engine_service.model.qwen3``) over a paged KV cache.
 
 Parameter names follow Hugging Face's so checkpoints load by name, except two fused projections:
 ``self_attn.qkv_proj`` is ``q_proj``, ``k_proj`` and ``v_proj`` concatenated on the output axis, and
@@ -51,10 +52,10 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, attention: type[nn.Module] = Attention) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
@@ -65,18 +66,21 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, attention: type[nn.Module] = Attention) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, attention) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
+    # a family that differs only inside the attention (Qwen3's q/k norms) subclasses and swaps this
+    attention_class: type[nn.Module] = Attention
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
+        self.model = DecoderModel(cfg, self.attention_class)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

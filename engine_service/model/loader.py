@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine_service.model.architectures import ARCHITECTURES
 from engine_service.model.config import ModelConfig
 from engine_service.model.hugepages import move_to_hugepages
 from engine_service.model.layers import RotaryEmbedding
@@ -40,7 +41,8 @@ def _weight_files(model_dir: Path) -> list[Path]:
 def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
                device: torch.device | str = "cpu", quantization: str | None = None,
                prepack: bool = True) -> LlamaForCausalLM:
-    """Instantiate the architecture named by config.json and load its weights onto ``device``;
+    """Instantiate the architecture named by config.json (its class from
+    ``engine_service.model.architectures``) and load its weights onto ``device``;
     ``quantization`` ("int8" | "int4") then swaps its linear layers for quantized ones. Otherwise a
     bfloat16/float16 model on CPU gets its linear weights prepacked for oneDNN
     (``engine_service.model.prepacked``; ``prepack=False`` keeps plain ``nn.Linear``, the reference)."""
@@ -49,7 +51,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
     dtype = parse_dtype(dtype)
     device = torch.device(device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = ARCHITECTURES[cfg.architecture].model_class()(cfg)
     expected = {name for name, _ in model.named_parameters()}
     # checkpoint name -> (fused parameter name, part index) for the fused projections
     fused_parts: dict[str, tuple[str, int]] = {}

@@ -352,7 +352,8 @@ class Worker:
             reason = out.finish_reason.value if out.finish_reason is not None else None
             if reason == "error":
                 self._abort_silently(out.request_id)
-                self._error(batch, out.request_id, Code.INTERNAL, out.error or "the engine failed the request")
+                self._error(batch, out.request_id, Code(out.error_code) if out.error_code else Code.INTERNAL,
+                            out.error or "the engine failed the request")
                 self._finish(out.request_id, batch)
                 continue
             if out.new_token_ids and not live.emitted:

@@ -20,6 +20,7 @@ import jsonschema
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
+from engine_service.bench.structured import unbounded_cases, validates
 from tests.docker_support import free_port
 from tests.structured_cases import MAX_TOKENS, cases
 from tests.waiting import wait_http
@@ -246,6 +247,74 @@ def test_completions_structured_outputs_and_errors_before_queueing(server):
     assert e["param"] == "tools[0]"
 
 
+def _clean(message: str) -> bool:
+    """A message for a client: one line, none of the grammar engine's internal state."""
+    return "\n" not in message and "<state>" not in message and "Parser: {" not in message and len(message) < 400
+
+
+def test_constraints_the_engine_would_fail_on_are_400_before_queueing(server):
+    """Issue 26: these passed the gateway's check and failed at the first sampled token with a 500
+    that dumped the grammar engine's state. The gateway now compiles them as the engine does
+    (the model's vocabulary, the same resource limits, a walk to the shortest completion)."""
+    base, model = server
+    http = httpx.Client(base_url=base, timeout=600)
+    recursive = {"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}},
+                 "$ref": "#/$defs/a"}
+    bad = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "r", "schema": recursive}}},
+         "response_format.json_schema.schema"),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"json": recursive}}, "structured_outputs.json"),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {
+            "grammar": "start: " + " | ".join(f'"w{i}"' for i in range(30000))}}, "structured_outputs.grammar"),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "(a{1000}){1000}"}},
+         "structured_outputs.regex"),
+        # a constraint whose shortest document does not fit in max_tokens
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "c", "schema": {
+                "type": "object", "properties": {"k": {"const": "x" * 60}}, "required": ["k"]}}}}, "max_tokens"),
+    ]
+    for path, body, param in bad:
+        r = http.post(path, json={"model": model, "max_tokens": 8, **body})
+        assert r.status_code == 400, r.text
+        e = r.json()["error"]
+        assert e["param"] == param and e["type"] == "invalid_request_error", e
+        assert _clean(e["message"]), e["message"]
+    # nothing reached the engine: it is still serving
+    r = http.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200
+
+
+def test_a_constraint_failure_mid_decode_is_a_400_for_that_request_alone(server):
+    """A constraint whose shortest completion passes the door ("a") but whose other branch hits the
+    grammar engine's row limit once decoding takes it (logit_bias steers the model there): that
+    request alone ends, as a 400 with a one-line message; a request batched with it completes."""
+    base, model = server
+    tok_ids = {}
+    http = httpx.Client(base_url=base, timeout=600)
+    for ch in "bcw":
+        r = http.post("/tokenize", json={"model": model, "prompt": ch, "add_special_tokens": False})
+        (tok_ids[ch],) = r.json()["tokens"]
+    grammar = 'start: "a" | "b" "c" x\nx: ' + " | ".join(f'"w{i}"' for i in range(3000))
+
+    async def main():
+        async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+            late = client.post("/v1/completions", json={
+                "model": model, "prompt": "Say something:", "max_tokens": 64, "temperature": 0,
+                "structured_outputs": {"grammar": grammar}, "logit_bias": {str(t): 100 for t in tok_ids.values()}})
+            fine = client.post("/v1/completions", json={
+                "model": model, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True})
+            return await asyncio.gather(late, fine)
+
+    late, fine = asyncio.run(main())
+    assert late.status_code == 400, late.text
+    e = late.json()["error"]
+    assert e["code"] == "invalid_request" and "output constraint failed" in e["message"], e
+    assert _clean(e["message"]), e["message"]
+    assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 16
+
+
 def test_langchain_bind_tools_and_with_structured_output(server):
     from langchain_openai import ChatOpenAI
     from pydantic import BaseModel, Field
@@ -270,3 +339,64 @@ def test_langchain_bind_tools_and_with_structured_output(server):
 
     person = llm.with_structured_output(Person).invoke("Invent a person.")
     assert isinstance(person, Person)
+
+
+NOTES = {"type": "function", "function": {
+    "name": "take_notes", "description": "Write down notes on a topic",
+    "parameters": {"type": "object", "properties": {
+        "topic": {"type": "string"}, "notes": {"type": "array", "items": {"type": "string"}}},
+        "required": ["topic", "notes"]}}}
+
+
+def test_the_token_budget_closes_schemas_and_forced_calls_streamed_and_not(server):
+    """Issue 24: unbounded schemas at temperature 0.7 with a max_tokens too small for what the model
+    writes: every document still parses and validates, with finish_reason "stop" (forced tool
+    calls: "tool_calls" with valid arguments), streamed and not; JSON mode and a regex too."""
+    base, model = server
+    pairs = unbounded_cases(10)
+
+    def fmt(i, schema):
+        return {"type": "json_schema", "json_schema": {"name": f"u{i}", "schema": schema}}
+
+    async def main():
+        client = _aclient(base)
+        common = {"model": model, "temperature": 0.7, "max_tokens": 32}
+        plain = [client.chat.completions.create(messages=[{"role": "user", "content": p}], seed=i,
+                                                response_format=fmt(i, s), **common) for i, (p, s) in enumerate(pairs)]
+        streamed = [_stream_text(client, messages=[{"role": "user", "content": p}], seed=i, response_format=fmt(i, s),
+                                 **common) for i, (p, s) in enumerate(pairs)]
+        tool_msgs = [{"role": "user", "content": "Take detailed notes on the history of Rome."}]
+        named = {"type": "function", "function": {"name": "take_notes"}}
+        tools_plain = [client.chat.completions.create(messages=tool_msgs, tools=[NOTES], tool_choice=choice, seed=i,
+                                                      **common) for i, choice in enumerate([named, "required"])]
+        tools_streamed = [_stream_text(client, messages=tool_msgs, tools=[NOTES], tool_choice=choice, seed=i,
+                                       **common) for i, choice in enumerate([named, "required"])]
+        json_mode = client.chat.completions.create(
+            messages=[{"role": "user", "content": "Describe a city as JSON with many keys."}],
+            response_format={"type": "json_object"}, **{**common, "max_tokens": 12})
+        return await asyncio.gather(asyncio.gather(*plain), asyncio.gather(*streamed), asyncio.gather(*tools_plain),
+                                    asyncio.gather(*tools_streamed), json_mode)
+
+    plain, streamed, tools_plain, tools_streamed, json_mode = asyncio.run(main())
+    for resp, (text, finish, _), (_, schema) in zip(plain, streamed, pairs, strict=True):
+        choice = resp.choices[0]
+        assert choice.finish_reason == "stop" and validates(choice.message.content, schema), choice
+        assert resp.usage.completion_tokens <= 32
+        assert finish == "stop" and validates(text, schema), text
+    params = NOTES["function"]["parameters"]
+    for resp in tools_plain:
+        choice = resp.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), params)
+    for text, finish, deltas in tools_streamed:
+        assert finish == "tool_calls" and text == ""
+        arguments = "".join(d.function.arguments or "" for d in deltas if d.index == 0)
+        jsonschema.validate(json.loads(arguments), params)
+    assert json_mode.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(json_mode.choices[0].message.content), dict)
+    r = httpx.post(f"{base}/v1/completions", timeout=600, json={
+        "model": model, "prompt": "Write a long sentence:", "max_tokens": 6, "temperature": 0.7, "seed": 1,
+        "structured_outputs": {"regex": r"[a-z]+( [a-z]+)*\."}})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["text"].endswith("."), choice

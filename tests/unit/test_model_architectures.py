@@ -1,4 +1,8 @@
-"""Every supported architecture variant computes what transformers computes; others are refused."""
+"""Every supported architecture variant computes what transformers computes; others are refused.
+
+Qwen3 (the registry's proof: one entry plus its per-head q/k norms) is also run end to end through
+the engine on a tiny random model: greedy token-identical with transformers' own generate, one at a
+time, batched, and preempted, on the eager and the compiled/native paths."""
 
 from __future__ import annotations
 
@@ -7,8 +11,10 @@ import json
 import pytest
 import torch
 
+from engine_service import LLM
 from engine_service.core.request import Request
 from engine_service.core.sampling_params import SamplingParams
+from engine_service.model.architectures import ARCHITECTURES
 from engine_service.model.config import ModelConfig, UnsupportedModelError
 from engine_service.model.kv_cache import allocate_kv_cache
 from engine_service.model.loader import load_model
@@ -36,10 +42,21 @@ def _tiny(kind: str):
     if kind == "qwen2":
         cfg = transformers.Qwen2Config(**TINY, tie_word_embeddings=True)
         return transformers.Qwen2ForCausalLM(cfg)
+    if kind == "qwen3":
+        # head_dim is not hidden/heads in Qwen3's configs: keep it explicit, as they do
+        cfg = transformers.Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True)
+        return transformers.Qwen3ForCausalLM(cfg)
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["llama3-rope", "llama-untied-bias", "mistral", "qwen2"])
+def _randomize_norms(hf) -> None:
+    """RMSNorm weights start at 1: random ones, so a dropped or misplaced norm shows."""
+    for name, p in hf.named_parameters():
+        if name.endswith("norm.weight"):
+            torch.nn.init.normal_(p, mean=1.0, std=0.5)
+
+
+@pytest.mark.parametrize("kind", ["llama3-rope", "llama-untied-bias", "mistral", "qwen2", "qwen3"])
 def test_tiny_model_logits_match_transformers(kind, tmp_path):
     torch.manual_seed(0)
     hf = _tiny(kind).eval()
@@ -47,6 +64,7 @@ def test_tiny_model_logits_match_transformers(kind, tmp_path):
         for name, p in hf.named_parameters():
             if name.endswith("bias"):
                 torch.nn.init.normal_(p, std=0.5)
+    _randomize_norms(hf)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     ids = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
@@ -67,8 +85,107 @@ def test_tiny_model_logits_match_transformers(kind, tmp_path):
 
 def test_unsupported_architecture_is_refused_by_name(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
-    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel") as info:
         ModelConfig.from_dir(tmp_path)
+    for known in ARCHITECTURES:  # the error lists what would have worked
+        assert known in str(info.value)
+    assert "Qwen3ForCausalLM" in ARCHITECTURES
+
+
+def test_the_registry_maps_each_family_to_its_class_and_config():
+    from engine_service.model.llama import LlamaForCausalLM
+    from engine_service.model.qwen3 import Qwen3ForCausalLM
+
+    qwen3 = ModelConfig.from_dict({"architectures": ["Qwen3ForCausalLM"], **TINY, "head_dim": 32,
+                                   "sliding_window": 64, "use_sliding_window": False})
+    assert ARCHITECTURES[qwen3.architecture].model_class() is Qwen3ForCausalLM
+    assert qwen3.head_dim == 32 and qwen3.sliding_window is None and not qwen3.attention_bias
+    qwen2 = ModelConfig.from_dict({"architectures": ["Qwen2ForCausalLM"], **TINY})
+    assert ARCHITECTURES[qwen2.architecture].model_class() is LlamaForCausalLM
+    assert qwen2.attention_bias and not qwen2.o_proj_bias
+    llama = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], **TINY, "attention_bias": True})
+    assert llama.attention_bias and llama.o_proj_bias
+
+
+# ---------------------------------------------------------------- Qwen3 through the engine
+
+def _byte_tokenizer_json() -> str:
+    """A 256-token byte-level tokenizer (no merges): the engine needs a tokenizer.json beside the
+    tiny model; prompts are given as token ids."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok.to_str()
+
+
+QWEN3_NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    """A random-weight Qwen3 directory, six prompts and transformers' greedy continuations."""
+    torch.manual_seed(0)
+    hf = _tiny("qwen3").eval()
+    _randomize_norms(hf)
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    hf.save_pretrained(path, safe_serialization=True)
+    (path / "tokenizer.json").write_text(_byte_tokenizer_json())
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 17, 30, 41, 9, 25)]
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    reference = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=QWEN3_NEW_TOKENS, do_sample=False)
+            reference.append(out[0, len(ids):].tolist())
+    return path, prompts, reference
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["eager-torch", "compiled-native"])
+def test_qwen3_greedy_matches_transformers_alone_batched_and_preempted(tiny_qwen3, fast):
+    path, prompts, reference = tiny_qwen3
+    greedy = SamplingParams(temperature=0.0, max_tokens=QWEN3_NEW_TOKENS, ignore_eos=True)
+    paths = dict(enforce_eager=not fast, attention_backend="native" if fast else "torch", dtype="float32")
+    llm = LLM(str(path), max_num_batched_tokens=128, kv_cache_memory=16 << 20, **paths)
+    if fast:  # the fast paths apply to the new architecture (they fall back only where they cannot run)
+        assert llm.engine.runner.compiled_decode is not None and llm.engine.runner.decode_kernel is not None
+    for ids, ref in zip(prompts, reference, strict=True):
+        assert llm.generate([ids], greedy)[0].outputs[0].token_ids == ref
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == reference
+    # 16 blocks of 4 tokens cannot hold six requests of up to 61 tokens: the scheduler must preempt.
+    tight = LLM(str(path), block_size=4, num_blocks=16, max_num_batched_tokens=32,
+                enable_prefix_caching=False, **paths)
+    outs = tight.generate(prompts, greedy)
+    assert tight.engine.get_stats().preemptions > 0, "the pool was meant to force preemption"
+    assert [o.outputs[0].token_ids for o in outs] == reference
+
+
+def test_qwen3_bfloat16_prepacks_and_follows_float32(tiny_qwen3):
+    """On CPU a bfloat16 Qwen3 gets the prepacked linears like any Llama-family model; its logits
+    stay within bfloat16's rounding of float32's."""
+    from engine_service.model.prepacked import PrepackedLinear, prepack_unavailable
+
+    path, prompts, _ = tiny_qwen3
+    why_not = prepack_unavailable(torch.bfloat16, torch.device("cpu"))
+    model = load_model(path, dtype="bfloat16")
+    linears = [m for m in model.modules() if isinstance(m, PrepackedLinear)]
+    assert bool(linears) == (why_not is None), why_not
+    reference = load_model(path, dtype="float32")
+    cfg = ModelConfig.from_dir(path)
+    ids = prompts[3]
+    logits = []
+    for m, dtype in ((reference, torch.float32), (model, torch.bfloat16)):
+        kv = allocate_kv_cache(cfg, 16, 16, dtype, torch.device("cpu"))
+        runner = ModelRunner(m, kv, 16, torch.device("cpu"))
+        req = Request("r", ids, SamplingParams())
+        req.block_ids = list(range(3))
+        logits.append(runner.execute([Chunk(req, 0, len(ids))]).sample_logits[0])
+    torch.testing.assert_close(logits[1], logits[0], atol=0.1, rtol=0.05)
 
 
 def test_unsupported_rope_scaling_is_refused():

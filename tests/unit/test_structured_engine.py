@@ -3,7 +3,9 @@
 50 JSON-schema prompts through the offline API; a constrained request batched with 31 others
 leaves their greedy tokens unchanged; preemption (a tiny KV pool) and abort with grammars in
 flight leak no matcher and recompute to the same tokens; n > 1 gets one matcher per completion;
-EOS only where the grammar may end.
+EOS only where the grammar may end. The engine's door refuses what the grammar engine would fail
+on; a failure mid-decode ends that request alone. The token budget closes every kind of
+constraint: steered to its shortest completion before max_tokens or the context ends it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from engine_service import LLM, SamplingParams
+from engine_service.bench.structured import UNBOUNDED_SCHEMAS, unbounded_cases, validates
 from engine_service.core.scheduler import RequestRejected
 from engine_service.sampling.grammar import GrammarManager, apply_token_bitmask
 from sluice.structured import JSON_OBJECT_LIMITS, StructuredOutputsParams
@@ -139,12 +142,73 @@ def test_invalid_constraint_is_refused_at_the_engine_door(llm):
 
 
 class _Seq:
-    def __init__(self, rid: str, params: SamplingParams) -> None:
+    def __init__(self, rid: str, params: SamplingParams, prompt_len: int = 8) -> None:
         self.request_id = rid
         self.sampling_params = params
         self.output_token_ids: list[int] = []
         self.structured_done = False
         self.structured_error = None
+        self.prompt_len = prompt_len
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + len(self.output_token_ids)
+
+
+# Constraints that compile but that the grammar engine fails on once decoding starts (issue 26):
+# a recursion without a base case, a row of 30,000 alternatives, a regex its lexer cannot build.
+RECURSIVE = {"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}},
+             "$ref": "#/$defs/a"}
+WIDE_GRAMMAR = "start: " + " | ".join(f'"w{i}"' for i in range(30000))
+HUGE_REGEX = "(a{1000}){1000}"
+# Its shortest completion ("a") passes the door; the "b" "c" branch reaches a row of 3,000
+# alternatives, which the grammar engine refuses only when decoding gets there.
+LATE_FAILURE = 'start: "a" | "b" "c" x\nx: ' + " | ".join(f'"w{i}"' for i in range(3000))
+
+
+def _clean(message: str) -> bool:
+    """A message for a client: one line, none of the grammar engine's internal state."""
+    return "\n" not in message and "<state>" not in message and "Parser: {" not in message and len(message) < 400
+
+
+def test_constraints_the_grammar_engine_fails_on_are_refused_at_the_engine_door(llm):
+    engine = llm.engine
+    for so, param in (({"json": RECURSIVE}, "structured_outputs.json"),
+                      ({"grammar": WIDE_GRAMMAR}, "structured_outputs.grammar"),
+                      ({"regex": HUGE_REGEX}, "structured_outputs.regex")):
+        with pytest.raises(RequestRejected, match=param.replace(".", r"\.")) as info:
+            engine.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=512, structured_outputs=so))
+        assert _clean(str(info.value)), str(info.value)
+    # a max_tokens below the constraint's shortest completion: refused naming max_tokens
+    const = {"json": {"type": "object", "properties": {"k": {"const": "x" * 60}}, "required": ["k"]}}
+    with pytest.raises(RequestRejected, match=r"max_tokens \(8\) is too small"):
+        engine.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=8, structured_outputs=const))
+    assert not engine.has_unfinished_requests() and engine.grammars.num_active == 0
+
+
+def test_a_constraint_failure_mid_decode_ends_that_request_alone(llm):
+    engine = llm.engine
+    tok = engine.tokenizer
+    force_bcw = {tok.encode(ch, add_special_tokens=False)[0]: 100.0 for ch in "bcw"}
+    bad = SamplingParams(temperature=0, max_tokens=64, logit_bias=force_bcw,
+                         structured_outputs={"grammar": LATE_FAILURE})
+    engine.add_request("late", tok.encode("Say something:"), bad)
+    engine.add_request("fine", tok.encode("The capital of France is"),
+                       SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    late, fine = finished["late"], finished["fine"]
+    assert late.finish_reason == "error" and late.error_code == "invalid_request"
+    assert "output constraint failed" in late.error and _clean(late.error), late.error
+    assert fine.finish_reason == "length" and fine.num_output_tokens == 12  # the batch went on
+    assert engine.grammars.num_active == 0
 
 
 def test_eos_only_where_the_grammar_may_end_and_rows_untouched(llm):
@@ -199,3 +263,89 @@ def test_structured_outputs_params_forms():
     assert SamplingParams(structured_outputs={"choice": ["a"]}).structured_outputs.kind == "choice"
     with pytest.raises(ValueError, match="exactly one"):
         SamplingParams(structured_outputs={"regex": "a", "choice": ["a"]})
+
+
+# ---------------------------------------------------------------- the token budget (issue 24.1)
+
+def _decode_with_random_logits(manager, tok, so, max_tokens, prompt_len=8, seed=0):
+    """Decode one sequence as a model that prefers random tokens would (argmax of random logits
+    after the mask): left alone, it writes long strings and keeps arrays going."""
+    seq = _Seq(f"s{seed}", SamplingParams(max_tokens=max_tokens, structured_outputs=so), prompt_len)
+    manager.add(seq)
+    gen = torch.Generator().manual_seed(seed)
+    limit = max_tokens if max_tokens is not None else manager.max_model_len - prompt_len
+    while not seq.structured_done and seq.structured_error is None and len(seq.output_token_ids) < limit:
+        logits = torch.randn(1, manager.vocab_size, generator=gen)
+        manager.apply_bitmask(logits, [seq])
+        token = manager.accept(seq, int(logits[0].argmax()))
+        seq.output_token_ids.append(token)
+    manager.free(seq.request_id)
+    eos = set(manager.eos_token_ids)
+    text = tok.decode([t for t in seq.output_token_ids if t not in eos])
+    return seq, text
+
+
+BUDGET_CONSTRAINTS = [
+    ({"json": UNBOUNDED_SCHEMAS[0]}, lambda t: validates(t, UNBOUNDED_SCHEMAS[0])),
+    ({"json": UNBOUNDED_SCHEMAS[5]}, lambda t: validates(t, UNBOUNDED_SCHEMAS[5])),
+    ({"json": UNBOUNDED_SCHEMAS[6]}, lambda t: validates(t, UNBOUNDED_SCHEMAS[6])),  # recursive, finite
+    ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
+    ({"regex": r"[a-z]+( [a-z]+)*\."}, lambda t: re.fullmatch(r"[a-z]+( [a-z]+)*\.", t) is not None),
+    ({"grammar": 'start: "[" item ("," item)* "]"\nitem: /[a-z]+/'},
+     lambda t: re.fullmatch(r"\[[a-z]+(,[a-z]+)*\]", t) is not None),
+    ({"choice": ["a fairly long answer of many words", "no"]},
+     lambda t: t in ("a fairly long answer of many words", "no")),
+]
+
+
+@pytest.mark.parametrize("index", range(len(BUDGET_CONSTRAINTS)))
+def test_the_token_budget_closes_every_kind_of_constraint(llm, index):
+    so, check = BUDGET_CONSTRAINTS[index]
+    engine = llm.engine
+    manager = GrammarManager(engine.tokenizer.backend.to_str(), engine.vocab_size, engine.eos_token_ids,
+                             max_model_len=1024)
+    need = manager.check(StructuredOutputsParams.from_dict(so))
+    for max_tokens in (need, need + 1, need + 7, 24):
+        for seed in range(3):
+            seq, text = _decode_with_random_logits(manager, engine.tokenizer, so, max(max_tokens, need), seed=seed)
+            assert seq.structured_done and seq.structured_error is None, (so, max_tokens, text)
+            assert len(seq.output_token_ids) <= max(max_tokens, need)
+            assert check(text), (so, max_tokens, text)
+    assert manager.steered > 0 and manager.num_active == 0
+
+
+def test_without_the_steering_the_budget_cuts_documents(llm):
+    # the same decoding with the masks alone: the random "model" runs out of tokens mid-document
+    engine = llm.engine
+    manager = GrammarManager(engine.tokenizer.backend.to_str(), engine.vocab_size, engine.eos_token_ids,
+                             max_model_len=1024)
+    manager.budget_steering = False
+    cut = 0
+    for so, _ in BUDGET_CONSTRAINTS[:3]:
+        seq, _ = _decode_with_random_logits(manager, engine.tokenizer, so, 24)
+        cut += not seq.structured_done
+    assert cut == 3
+
+
+def test_the_context_end_is_a_budget_too(llm):
+    # no max_tokens: the context (max_model_len) ends the request; the document closes before it
+    engine = llm.engine
+    manager = GrammarManager(engine.tokenizer.backend.to_str(), engine.vocab_size, engine.eos_token_ids,
+                             max_model_len=1000)
+    so = {"json": UNBOUNDED_SCHEMAS[2]}
+    seq, text = _decode_with_random_logits(manager, engine.tokenizer, so, None, prompt_len=980)
+    assert seq.structured_done and len(seq.output_token_ids) <= 20
+    assert validates(text, UNBOUNDED_SCHEMAS[2]), text
+
+
+def test_unbounded_schemas_at_temperature_07_always_validate(llm):
+    # the real model, sampled: ten unbounded schemas with a budget too small for what it writes
+    pairs = unbounded_cases(10)
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=40, structured_outputs={"json": schema})
+              for i, (_, schema) in enumerate(pairs)]
+    outs = llm.chat([_chat(p) for p, _ in pairs], params)
+    for out, (_, schema) in zip(outs, pairs, strict=True):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and validates(c.text, schema), c
+        assert len(c.token_ids) <= 40
+    assert llm.engine.grammars.steered > 0 and llm.engine.grammars.num_active == 0
