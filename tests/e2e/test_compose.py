@@ -264,7 +264,7 @@ def _completions_served(container: str) -> float:
     total = 0.0
     for family in text_string_to_metric_families(out):
         for sample in family.samples:
-            if (sample.name == "sluice:http_requests_total" and sample.labels.get("status") == "200"
+            if (sample.name == "sluice_gateway:http_requests_total" and sample.labels.get("status") == "200"
                     and sample.labels.get("endpoint") == "/v1/completions"):
                 total += sample.value
     return total
