@@ -40,6 +40,7 @@ token (``accept`` returns the token kept), which always fits.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -110,6 +111,7 @@ class GrammarManager:
         self.budget_steering = True
         self.steered = 0  # sequences whose end was forced by the token budget
         self.replaced = 0  # sampled tokens replaced because the constraint would no longer fit
+        self.walk_seconds = 0.0  # time spent walking completions (the steering's own cost)
         self._templates: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._cache_size = cache_size
         self._sequences: dict[str, _Sequence] = {}
@@ -181,10 +183,12 @@ class GrammarManager:
         """The shortest completion from ``seq``'s state (None: none within what the budget could
         hold, or the grammar engine failed on the way: then no steering, and a failure on the
         sampled path ends the sequence through ``accept``)."""
+        started = time.perf_counter()
         try:
             seq.plan = self.vocabulary().shortest_completion(seq.matcher, max_bytes=min(4096, 32 * max(budget, 1)))
         except GrammarEngineError:
             seq.plan = None
+        self.walk_seconds += time.perf_counter() - started
         seq.plan_at = seq.num_consumed
         return seq.plan
 
@@ -265,8 +269,12 @@ class GrammarManager:
         then the current completion's first token (and the rest of it is forced)."""
         left = _remaining(request, self.max_model_len)
         plan = seq.plan
-        if left > len(plan) + WATCH or token == plan[0]:
+        if left > len(plan) + WATCH:
             return token
+        if token == plan[0]:  # the model follows the completion: its rest fits, no walk needed
+            seq.plan, seq.plan_at = plan[1:], seq.num_consumed + 1
+            return token
+        started = time.perf_counter()
         probe = seq.matcher.deep_copy()
         after = None
         if probe.consume_token(token):
@@ -274,6 +282,7 @@ class GrammarManager:
                 after = self.vocabulary().shortest_completion(probe, max_bytes=min(4096, 32 * max(left, 1)))
             except GrammarEngineError:
                 after = None
+        self.walk_seconds += time.perf_counter() - started
         if after is not None and len(after) <= left - 1:
             seq.plan, seq.plan_at = after, seq.num_consumed + 1  # the next step's walk, done
             return token
