@@ -72,22 +72,29 @@ def test_the_stream_helper_gives_the_named_call_the_plain_response_gives(stack):
     assert (content, calls, finish) == ("", [(0, "add", want.function.arguments)], "tool_calls")
 
 
-def test_a_forced_call_cut_by_max_tokens_is_the_same_call_streamed_and_not(stack):
+def test_a_forced_call_too_long_for_max_tokens_is_refused_and_a_tight_one_closes(stack):
+    """A forced call knows its token budget (issue 24.1): below the call's shortest completion,
+    max_tokens is a 400 naming it before anything is queued, streamed or not; at exactly that
+    budget the call is steered to close, its arguments parse, and streamed and plain agree (no
+    call is ever cut short, so none differs between the two)."""
     c = client(stack.gateway_urls[-1])
     kwargs = {"model": stack.model_name, "messages": MESSAGES, "tools": [TOOL], "tool_choice": NAMED,
-              "temperature": 0, "max_tokens": 3}
-    plain = c.chat.completions.create(**kwargs).choices[0]
-    assert plain.finish_reason == "length" and plain.message.content is None
+              "temperature": 0}
+    shortest = None
+    for budget in range(1, 64):
+        try:
+            plain = c.chat.completions.create(max_tokens=budget, **kwargs).choices[0]
+        except openai.BadRequestError as exc:
+            assert exc.param == "max_tokens", exc
+            with pytest.raises(openai.BadRequestError) as streamed:  # the same refusal when streamed
+                list(c.chat.completions.create(max_tokens=budget, stream=True, **kwargs))
+            assert streamed.value.param == "max_tokens"
+            continue
+        shortest = budget
+        break
+    assert shortest is not None and shortest > 3, shortest  # {"a":..,"b":..} takes more than 3 tokens
+    assert plain.finish_reason == "tool_calls" and plain.message.content is None
     (call,) = plain.message.tool_calls
-    assert call.function.name == "add" and call.function.arguments.startswith("{")
-    with pytest.raises(json.JSONDecodeError):
-        json.loads(call.function.arguments)  # cut short: the arguments as far as they got
-
-    content, calls, finish = _assembled(c.chat.completions.create(stream=True, **kwargs))
-    assert (content, calls, finish) == ("", [(0, "add", call.function.arguments)], "length")
-    # the SDK's helper tells its caller the call was cut, holding the same partial call
-    with pytest.raises(openai.LengthFinishReasonError) as info:
-        with c.chat.completions.stream(**kwargs) as stream:
-            list(stream)
-    (partial,) = info.value.completion.choices[0].message.tool_calls
-    assert (partial.function.name, partial.function.arguments) == ("add", call.function.arguments)
+    assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}
+    content, calls, finish = _assembled(c.chat.completions.create(stream=True, max_tokens=shortest, **kwargs))
+    assert (content, calls, finish) == ("", [(0, "add", call.function.arguments)], "tool_calls")
