@@ -304,9 +304,13 @@ _ORDERS = (
     _order(b']})"', b",: ", b"0", b"ntf", b"123456789", b".!?\n", _LOWER, _UPPER),
     _order(b']})"0', b".!?\n", b",: ", b"ftn", b"987654321", _LOWER[::-1], _UPPER[::-1]),
 )
+# After a closer (below) the answer may start with whitespace without end: these orders take it last,
+# and a document's opening brace or bracket before any other byte.
+_AFTER_CLOSER = tuple(b"{[" + bytes(b for b in order if b not in b" \t\r\n{[") + b" \n" for order in _ORDERS)
 _STRING_PROBES = b"aQ#"
 _FIRST_REACH = 256  # bytes the first order walks alone before both orders walk side by side
 _MAX_RUN = 8  # the same byte this many times in a row: the walk tries another
+_CLOSERS = (b"</think>",)  # tags that end free text, tried when no greedy walk ends (see completion_bytes)
 _HEAD = 16  # the first bytes of an order, tried before asking the grammar for its forced bytes
 
 
@@ -405,9 +409,25 @@ class Vocabulary:
         minimality, but for JSON it closes the open
         string, empties every open array and object it may, and fills each required member with
         its shortest value."""
+        found = self._greedy(matcher, max_bytes)
+        if found is not None:
+            return found
+        # Free text that ends only at a tag (the reasoning block a reasoning parser wraps around a
+        # constraint: any byte fits, so a greedy walk never spells the tag): close it, then walk.
+        for closer in _CLOSERS:
+            probe = matcher.deep_copy()
+            tokens = [self.byte_tokens.get(b) for b in closer]
+            if None in tokens or probe.try_consume_tokens(tokens) != len(tokens):
+                continue
+            found = self._greedy(probe, max_bytes - len(closer), _AFTER_CLOSER)
+            if found is not None:
+                return closer + found[0], found[1]
+        return None
+
+    def _greedy(self, matcher, max_bytes: int, all_orders: tuple[bytes, ...] = _ORDERS) -> tuple[bytes, bool] | None:
         # The first order alone (it ends most walks, at half the cost of two), within a short
         # reach; then both side by side, the first to end winning.
-        for orders, reach in ((_ORDERS[:1], min(max_bytes, _FIRST_REACH)), (_ORDERS, max_bytes)):
+        for orders, reach in ((all_orders[:1], min(max_bytes, _FIRST_REACH)), (all_orders, max_bytes)):
             walks = [_Walk(matcher.deep_copy(), order, self.byte_tokens) for order in orders]
             while walks:
                 for walk in walks:
