@@ -350,7 +350,7 @@ class _Walk:
 
     def _take_forced(self) -> bool:
         """Bytes the grammar forces from here (the rest of a member name, ``": "``) in one go:
-        one llguidance call (~25 µs) instead of scanning the order byte by byte."""
+        one llguidance call instead of scanning the order byte by byte."""
         forced = self.matcher.compute_ff_bytes()
         tokens = [self.tokens.get(b) for b in forced]
         if not forced or None in tokens:
@@ -403,7 +403,7 @@ class Vocabulary:
         constraint, and whether the grammar stops by itself there (else EOS must follow); None
         when none is found within ``max_bytes``; ``GrammarEngineError`` when the grammar engine
         fails on the way (a resource limit). ``matcher`` is left as it was (the walks run on
-        copies, 2 µs each).
+        copies).
 
         Greedy walks over single bytes in fixed orders of preference (``_ORDERS``): not a proof of
         minimality, but for JSON it closes the open

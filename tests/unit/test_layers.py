@@ -77,7 +77,9 @@ def test_import_linter_contracts_hold() -> None:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    exe = shutil.which("lint-imports")
+    # the environment's own script first: pytest run as .venv/bin/python has no .venv/bin on PATH
+    beside = Path(sys.executable).parent / "lint-imports"
+    exe = str(beside) if beside.exists() else shutil.which("lint-imports")
     assert exe is not None, "import-linter is a test dependency: pip install import-linter"
     env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     res = subprocess.run([exe, "--config", str(root / "pyproject.toml")], cwd=root, env=env,
