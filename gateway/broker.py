@@ -27,6 +27,9 @@ Surviving Redis restarts (issue 12):
   events, and one whose entry is gone (Redis restarted without persistence) will never be
   answered; both are ended with a retryable 503 (``Retry-After``) at once. A request still waiting,
   untouched, in the queue keeps waiting.
+- The request goes to one shard of the model's queue, chosen from its prompt's first blocks
+  (``sluice.wire.shards.choose_shard``, with the shard count, block size and prefix blocks of the
+  model card), so requests that share a prefix meet on the engine that owns the shard.
 - The XADD goes with an in-flight marker (``contract.inflight_key``) in one script. Every
   ``ENTRY_CHECK_S`` the broker checks the markers of the requests it waits for: a marker gone while
   the gateway still waits means Redis lost the entry (restart without persistence, FLUSHALL, an
@@ -58,7 +61,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from gateway.metrics import METRICS
 from sluice.wire import card as wire_card
-from sluice.wire import codec, contract, registry
+from sluice.wire import codec, contract, registry, shards
 from sluice.wire.card import ModelCard
 from sluice.wire.connection import (
     TRANSIENT_ERRORS,
@@ -96,6 +99,14 @@ class LoadedCard:
     tokenizer: Any
     fingerprint: str
     created: int = field(default_factory=lambda: int(time.time()))
+    header_tokens: int = 0  # tokens every chat prompt starts with (the template's header): no shard key
+
+    def shard_of(self, prompt_token_ids: list[int], request_id: str) -> int:
+        """The queue shard of a request (``sluice.wire.shards``, with this card's settings)."""
+        c = self.card
+        return shards.choose_shard(prompt_token_ids, shards=c.queue_shards, block_size=c.block_size,
+                                   prefix_blocks=c.shard_prefix_blocks, request_id=request_id,
+                                   header_tokens=self.header_tokens)
 
     @property
     def name(self) -> str:
@@ -130,6 +141,7 @@ class _Tracked:
     model: str
     queue: asyncio.Queue
     deadline: float  # unix seconds
+    shard: int = 0  # the queue shard it went to
     entry_id: bytes | None = None  # known once the XADD returned
     audit_pending: bool = False  # a reconnect happened before the entry id was known
     lost: bool = False  # a Lost was sent
@@ -165,6 +177,17 @@ class _KeyedLocks:
                 self._locks[key] = (lock, users - 1)
 
 
+def template_header_tokens(tokenizer: Any) -> int:
+    """Tokens every chat prompt of this tokenizer's template starts with: the common prefix of two
+    unrelated one-message conversations (0 without a chat template)."""
+    try:
+        a = tokenizer.apply_chat_template([{"role": "user", "content": "Zebra quartz 17"}], tokenize=True)
+        b = tokenizer.apply_chat_template([{"role": "user", "content": "Mellow river 42"}], tokenize=True)
+    except Exception:  # noqa: BLE001 - no template, or one that needs more: no header to skip
+        return 0
+    return shards.common_prefix_len(a, b)
+
+
 def _entry_id(raw: Any) -> tuple[int, int]:
     ms, _, seq = _s(raw).partition("-")
     return int(ms), int(seq or 0)
@@ -194,7 +217,7 @@ class Broker:
         self._lost_subscription = False  # set by the housekeeper's check: the read loop subscribes anew
         self.ready = asyncio.Event()
         self._tracked: dict[str, _Tracked] = {}
-        self._forget: list[tuple[str, str]] = []  # (model, request id): in-flight markers to delete
+        self._forget: list[tuple[str, int, str]] = []  # (model, shard, request id): in-flight markers to delete
         self._pending_cancels: dict[str, float] = {}  # request id -> give up at (unix seconds)
         self._down_since: float | None = None  # monotonic time the pub/sub connection was found failing
         self.stats = {"reconnects": 0, "audits": 0, "lost": 0}
@@ -343,14 +366,16 @@ class Broker:
             await asyncio.wait_for(self.ready.wait(), REDIS_DOWN_FAIL_S)
         rid = req.request_id
         req.gateway_id = req.reply_to = self.gateway_id
+        card = await self.card(req.model)  # cached: the caller has just read it
+        shard = card.shard_of(list(req.prompt_token_ids), rid) if card is not None else 0
         queue = self._queues.get(rid)
         tracked = None
         if queue is not None:
-            tracked = _Tracked(rid, req.model, queue, req.deadline)
+            tracked = _Tracked(rid, req.model, queue, req.deadline, shard)
             self._tracked[rid] = tracked
         ttl = (max(req.deadline - time.time(), 0.0) if req.deadline else 3600.0) + contract.INFLIGHT_MARGIN_S
-        entry_id = await self._enqueue_script(  # marker + XADD, atomic: both in the queue's slot
-            keys=[contract.request_stream(req.model), contract.inflight_key(req.model, rid)],
+        entry_id = await self._enqueue_script(  # marker + XADD, atomic: both in the shard's slot
+            keys=[contract.request_stream(req.model, shard), contract.inflight_key(req.model, shard, rid)],
             args=[req.SerializeToString(), max(1, int(ttl)), contract.REQUEST_FIELD])
         if tracked is not None and self._tracked.get(rid) is tracked:
             tracked.entry_id = entry_id
@@ -364,7 +389,7 @@ class Broker:
         for rid in request_ids:
             tracked = self._tracked.pop(rid, None)
             if tracked is not None:
-                self._forget.append((tracked.model, rid))
+                self._forget.append((tracked.model, tracked.shard, rid))
 
     def settled(self, request_id: str) -> None:
         """The engine ended this request (terminal events received): nothing more can be lost."""
@@ -466,8 +491,8 @@ class Broker:
         try:
             # single-key commands, pipelined: a cluster pipeline routes each to its slot's node
             pipe = self.redis.pipeline(transaction=False)
-            for model, rid in batch:
-                pipe.delete(contract.inflight_key(model, rid))
+            for model, shard, rid in batch:
+                pipe.delete(contract.inflight_key(model, shard, rid))
             await pipe.execute()
         except BaseException:
             self._forget.extend(batch)
@@ -479,7 +504,7 @@ class Broker:
             return []
         pipe = self.redis.pipeline(transaction=False)
         for t in tracked:  # single-key GETs: a cluster pipeline routes each to its slot's node
-            pipe.get(contract.inflight_key(t.model, t.request_id))
+            pipe.get(contract.inflight_key(t.model, t.shard, t.request_id))
         values = await pipe.execute()
         alive = []
         for t, v in zip(tracked, values, strict=True):
@@ -503,7 +528,7 @@ class Broker:
                     t.audit_pending = True  # audited when its XADD returns
             targets = [t for t in targets if t.entry_id is not None and self._tracked.get(t.request_id) is t]
             try:
-                delivered = await self._last_delivered({t.model for t in targets})
+                delivered = await self._last_delivered({(t.model, t.shard) for t in targets})
                 alive = await self._check_markers(targets)
             except (RedisError, OSError) as exc:
                 if time.monotonic() < give_up:
@@ -513,24 +538,24 @@ class Broker:
                     self._lose(t, Code.REDIS_UNAVAILABLE, f"The queue (Redis) is unavailable: {type(exc).__name__}")
                 return
             for t in alive:
-                last = delivered.get(t.model)
+                last = delivered.get((t.model, t.shard))
                 if last is not None and _entry_id(t.entry_id) <= last:
                     self._lose(t, Code.REQUEST_LOST,
                                "The connection to the queue (Redis) was lost while an engine ran the request, "
                                "so part of its output may be missing; retry it.")
             return
 
-    async def _last_delivered(self, models: set[str]) -> dict[str, tuple[int, int]]:
-        """Per model, the id of the last entry the engines' group has read (absent: none read)."""
-        out: dict[str, tuple[int, int]] = {}
-        for model in models:
+    async def _last_delivered(self, queues: set[tuple[str, int]]) -> dict[tuple[str, int], tuple[int, int]]:
+        """Per (model, shard), the id of the last entry the engines' group has read (absent: none read)."""
+        out: dict[tuple[str, int], tuple[int, int]] = {}
+        for model, shard in queues:
             try:
-                groups = await self.redis.xinfo_groups(contract.request_stream(model))
+                groups = await self.redis.xinfo_groups(contract.request_stream(model, shard))
             except ResponseError:  # the stream is gone
                 continue
             for g in groups:
                 if _s(g.get("name", b"")) == contract.CONSUMER_GROUP:
-                    out[model] = _entry_id(g.get("last-delivered-id", b"0-0"))
+                    out[(model, shard)] = _entry_id(g.get("last-delivered-id", b"0-0"))
         return out
 
     def tracked_ids(self) -> Iterator[str]:
@@ -569,18 +594,32 @@ class Broker:
         return sorted(_s(m) for m in await self.redis.smembers(contract.MODELS_KEY))
 
     async def queue_depth(self, model: str) -> int:
-        """Requests not yet delivered to any engine: the group's lag, else the stream's length."""
-        stream = contract.request_stream(model)
-        try:
-            groups = await self.redis.xinfo_groups(stream)
-        except ResponseError:  # no stream yet
-            return 0
-        for g in groups:
-            if _s(g.get("name", b"")) == contract.CONSUMER_GROUP:
-                lag = g.get("lag")
-                if lag is not None:
-                    return int(lag)
-        return int(await self.redis.xlen(stream))
+        """Requests not yet delivered to any engine, over the shards of the model's card: each
+        shard's group lag, else its stream's length (one pipelined round trip, plus one for lengths)."""
+        card = self._cards.get(model)
+        count = card[1].card.queue_shards if card is not None else 1
+        streams = contract.request_streams(model, count)
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xinfo_groups(stream)
+        depth = 0
+        unknown = []
+        for stream, groups in zip(streams, await pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(groups, ResponseError):  # no stream yet
+                continue
+            if isinstance(groups, Exception):
+                raise groups
+            lag = next((g.get("lag") for g in groups if _s(g.get("name", b"")) == contract.CONSUMER_GROUP), None)
+            if lag is not None:
+                depth += int(lag)
+            else:
+                unknown.append(stream)
+        if unknown:
+            pipe = self.redis.pipeline(transaction=False)
+            for stream in unknown:
+                pipe.xlen(stream)
+            depth += sum(int(n) for n in await pipe.execute())
+        return depth
 
     async def card(self, model: str) -> LoadedCard | None:
         """The model's card, from the cache unless older than ``card_ttl_s`` and changed in Redis."""
@@ -603,6 +642,7 @@ class Broker:
                 return cached[1]
             decoded = ModelCard.decode(await self.redis.hgetall(key))
             tokenizer = await asyncio.to_thread(decoded.tokenizer)
-            card = LoadedCard(card=decoded, tokenizer=tokenizer, fingerprint=_s(fingerprint))
+            header = await asyncio.to_thread(template_header_tokens, tokenizer)
+            card = LoadedCard(card=decoded, tokenizer=tokenizer, fingerprint=_s(fingerprint), header_tokens=header)
             self._cards[model] = (time.monotonic(), card)
             return card

@@ -25,6 +25,18 @@ from sluice.wire.card import ModelCard
 log = logging.getLogger("sluice.engine")
 
 
+def _int_in(low: int, high: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is outside [{low}, {high}]")
+        return value
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default="redis://localhost:6379/0", help="redis://, rediss:// (one server) or redis+cluster://host:port[,host:port...] (a Redis Cluster) URL, user and password included if any")
     parser.add_argument("--grpc-port", type=int, default=50051, help="port of gRPC health and EngineAdmin (0: none)")
@@ -45,6 +57,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway-lost-after", type=float, default=contract.GATEWAY_LOST_AFTER_S,
                         help="abort the requests of a gateway whose liveness key has been missing this many "
                              "seconds (it crashed; 0: never)")
+    parser.add_argument("--queue-shards", type=_int_in(1, contract.MAX_QUEUE_SHARDS), default=contract.DEFAULT_QUEUE_SHARDS,
+                        help="streams the model's request queue is sharded into, published on the model card "
+                             "(gateways follow the card; engines serve every shard any engine published)")
+    parser.add_argument("--shard-prefix-blocks", type=_int_in(0, 1 << 16), default=contract.DEFAULT_SHARD_PREFIX_BLOCKS,
+                        help="full KV blocks at the start of a prompt whose tokens choose its queue shard "
+                             "(published on the model card)")
+    parser.add_argument("--steal-after-ms", type=_int_in(0, 3_600_000), default=contract.DEFAULT_STEAL_AFTER_MS,
+                        help="take another shard's entries once the oldest has waited this long (ms), "
+                             "when this engine has room")
     parser.add_argument("--log-level", default="INFO")
     add_engine_arguments(parser)
 
@@ -63,17 +84,25 @@ def settings_from_args(args: argparse.Namespace) -> ServiceSettings:
         heartbeat_ttl_s=args.heartbeat_ttl,
         gateway_lost_after_s=args.gateway_lost_after,
         heartbeat_interval_s=min(contract.HEARTBEAT_INTERVAL_S, args.heartbeat_ttl / 3),
+        queue_shards=args.queue_shards,
+        shard_prefix_blocks=args.shard_prefix_blocks,
+        steal_after_ms=args.steal_after_ms,
     )
 
 
-def model_card(engine: Any, name: str) -> ModelCard:
+def model_card(engine: Any, name: str, settings: ServiceSettings | None = None) -> ModelCard:
     """The card this engine publishes (``sluice.wire.card``: one encoder, one decoder), naming the
-    tool-call and reasoning parsers of ``--tool-call-parser`` / ``--reasoning-parser`` (else detected)."""
+    tool-call and reasoning parsers of ``--tool-call-parser`` / ``--reasoning-parser`` (else detected)
+    and the queue's sharding (``--queue-shards``, ``--shard-prefix-blocks``, the KV block size)."""
     config = getattr(engine, "config", None)  # test doubles of the engine have none
+    settings = settings or ServiceSettings()
     return ModelCard.from_model_dir(engine.model_dir, name=name, max_model_len=engine.max_model_len,
                                     vocab_size=engine.vocab_size, eos_token_ids=list(engine.eos_token_ids),
                                     tool_call_parser=getattr(config, "tool_call_parser", None),
-                                    reasoning_parser=getattr(config, "reasoning_parser", None))
+                                    reasoning_parser=getattr(config, "reasoning_parser", None),
+                                    queue_shards=settings.queue_shards,
+                                    block_size=getattr(config, "block_size", 16),
+                                    shard_prefix_blocks=settings.shard_prefix_blocks)
 
 
 class EngineService:
@@ -96,7 +125,7 @@ class EngineService:
         self.model = model or engine.model_name
         inbox: queue.Queue = queue.Queue()
         self.worker: Worker | None = None
-        self.io = RedisIO(settings, self.model, inbox, model_card(engine, self.model).encode(), self._load)
+        self.io = RedisIO(settings, self.model, inbox, model_card(engine, self.model, settings).encode(), self._load)
         self.worker = Worker(engine, self.io, settings, self.model)
         self.admin = None
         if settings.grpc_port:

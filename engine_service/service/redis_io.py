@@ -1,8 +1,13 @@
 """Redis I/O beside the step loop: four small threads, queues in between.
 
-- reader: XREADGROUP on the model's stream, only as many entries as the worker granted (credit);
-  checks the cancel marker (and, for reclaimed entries, the emitted marker) in the same round trip;
-  delivers to the worker's inbox.
+- reader: XREADGROUP on the model's queue shards, only as many entries as the worker granted
+  (credit): first the shards this engine owns (rendezvous hashing over the live engines,
+  ``sluice.wire.shards``), in one pipelined non-blocking read, then, when room is left, the
+  oldest entries of other shards that waited ``steal_after_ms`` (or whose owner is gone or
+  saturated). Between empty reads it pauses 1 ms, doubling up to ``read_idle_ms``: one code path on
+  one Redis and on a cluster, where one XREADGROUP cannot block on streams of several slots.
+  It checks the cancel marker (and, for reclaimed entries, the emitted marker) in the same round
+  trip and delivers to the worker's inbox.
 - canceller: SSUBSCRIBE to the cancel channel; delivers Cancel ids to the inbox.
 - publisher: takes the worker's per-step ``Batch`` from the outbox and sends it in ONE pipelined
   round trip (emitted markers, then one SPUBLISH per reply_to carrying all its events of the step,
@@ -14,8 +19,9 @@ stays inside one hash slot family of ``sluice.wire.contract``; the publisher's p
 families but is not a transaction (redis-py sends each node its part, in order, so an emitted
 marker still lands before the event it guards: both are in the reply_to's slot).
 - housekeeper: heartbeat (liveness key + registry hash), model card (again after each reconnect),
-  reclaim of pending entries whose consumer's liveness key is gone, removal of dead engines'
-  registry entries, and the stream's trim (acknowledged entries only, see ``trim_stream``).
+  the shard view (who owns which shard, how many shards exist, each shard's depth), reclaim of
+  pending entries whose consumer's liveness key is gone (shard by shard), removal of dead engines'
+  registry entries, and the streams' trim (acknowledged entries only, see ``trim_stream``).
 
 At start the housekeeper first reclaims this consumer's own pending entries (a restarted engine
 with a fixed ``--engine-id`` owns those of its previous life); the reader waits for that, so the
@@ -34,13 +40,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 from redis.backoff import ExponentialBackoff
 
 from engine_service.service.metrics import NULL_METRICS, NullMetrics
-from sluice.wire import codec, contract, policy, registry
+from sluice.wire import codec, contract, policy, registry, shards
 from sluice.wire.connection import TRANSIENT_ERRORS, connect, read_shard_message, refresh_topology
 from sluice.wire.messages_pb2 import Cancel, Event, GenerateRequest
 
@@ -49,11 +55,33 @@ log = logging.getLogger("sluice.engine.io")
 _REDIS_ERRORS = TRANSIENT_ERRORS
 
 
+class EntryRef(NamedTuple):
+    """A queue entry: its shard's stream and its id there (ids of two shards may be equal)."""
+
+    stream: str
+    id: bytes
+
+    def __str__(self) -> str:
+        return f"{self.stream}/{self.id.decode(errors='replace')}"
+
+
+@dataclass(frozen=True)
+class ShardView:
+    """What the housekeeper learnt from the registry, read by the reader: the shards served (the
+    largest count published), this engine's own ones, each shard's owner and whether it is
+    saturated (its registry entry shows requests waiting inside it)."""
+
+    count: int
+    owned: tuple[int, ...]
+    owners: tuple[str | None, ...]
+    saturated: frozenset[str] = frozenset()
+
+
 @dataclass
 class Entry:
     """One stream entry handed to the worker."""
 
-    entry_id: bytes
+    entry_id: EntryRef | bytes
     request: GenerateRequest | None  # None: unparseable (see ``problem``)
     problem: str | None = None
     cancelled: bool = False  # the queued-request cancel marker was set
@@ -61,6 +89,8 @@ class Entry:
     reclaimed: bool = False
     deliveries: int = 1
     gateway_lost: bool = False  # the gateway that waits for it is gone (``RedisIO.check_gateways``)
+    shard: int = 0
+    stolen: bool = False  # read from a shard this engine does not own
 
 
 @dataclass
@@ -76,7 +106,7 @@ class Batch:
     events: list[Event] = field(default_factory=list)
     emitted: list[str] = field(default_factory=list)  # request ids whose first token is in this batch
     requeue: list[GenerateRequest] = field(default_factory=list)  # handed back (attempt already raised)
-    acks: list[bytes] = field(default_factory=list)
+    acks: list[EntryRef] = field(default_factory=list)
     # request id -> reply_to for events of entries the worker never held (answered by the I/O thread)
     reply_to: dict[str, str] = field(default_factory=dict)
 
@@ -156,7 +186,7 @@ class _LoopBackoff:
         self.failures = 0
 
 
-def parse_entry(entry_id: bytes, fields: dict | None) -> Entry:
+def parse_entry(entry_id: EntryRef | bytes, fields: dict | None) -> Entry:
     if not fields:
         return Entry(entry_id, None, problem="entry has no fields (deleted?)")
     raw = fields.get(contract.REQUEST_FIELD)
@@ -185,8 +215,16 @@ class RedisIO:
     ) -> None:
         self.settings = settings
         self.model = model
-        self.stream = contract.request_stream(model)
         self.consumer = settings.engine_id
+        # The queue's shards: until the housekeeper has read the registry, this engine is alone.
+        own = max(1, min(int(settings.queue_shards), contract.MAX_QUEUE_SHARDS))
+        self.view = ShardView(own, tuple(range(own)), (self.consumer,) * own)
+        self.streams = contract.request_streams(model, own)
+        self._shard_of = {stream: i for i, stream in enumerate(self.streams)}
+        self._grouped: set[str] = set()  # streams whose consumer group exists (reader thread)
+        self._rotation = 0  # which owned shard a short credit starts with, so none starves
+        self._next_probe = 0.0
+        self.shard_depth: dict[int, int] = {}  # undelivered entries per shard (housekeeper, metrics)
         self.inbox = inbox
         self.card = card
         self.load = load  # the worker's latest load snapshot, for the heartbeat
@@ -221,7 +259,7 @@ class RedisIO:
         self.own_reclaimed = threading.Event()  # the start's reclaim of our own entries is done
         self.stats = {
             "published_batches": 0, "publish_retries": 0, "dropped_batches": 0, "reclaimed": 0,
-            "trimmed": 0, "pruned_engines": 0, "orphans": 0, "gateways_lost": 0,
+            "trimmed": 0, "pruned_engines": 0, "orphans": 0, "gateways_lost": 0, "stolen": 0,
         }
         self.metrics: NullMetrics = NULL_METRICS  # reconnects, reclaims, events answered here
 
@@ -286,17 +324,29 @@ class RedisIO:
             self.outbox.put(batch)
 
     # --- reader ---
-    def _ensure_group(self) -> None:
-        try:
-            self.redis.xgroup_create(self.stream, contract.CONSUMER_GROUP, id="0", mkstream=True)
-            log.info("created consumer group %s on %s", contract.CONSUMER_GROUP, self.stream)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+    def _ensure_groups(self, streams: list[str]) -> None:
+        for stream in streams:
+            if stream in self._grouped:
+                continue
+            try:
+                self.redis.xgroup_create(stream, contract.CONSUMER_GROUP, id="0", mkstream=True)
+                log.info("created consumer group %s on %s", contract.CONSUMER_GROUP, stream)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+            self._grouped.add(stream)
+
+    def _set_view(self, view: ShardView) -> None:
+        """Adopt a new view (housekeeper): more shards than before extend the streams served."""
+        if view.count > len(self.streams):
+            log.info("serving %d queue shards (an engine of the model published that many)", view.count)
+            self.streams = contract.request_streams(self.model, view.count)
+            self._shard_of = {stream: i for i, stream in enumerate(self.streams)}
+        self.view = view
 
     def _reader_loop(self) -> None:
         backoff = self._backoff("reader")
-        need_group = True
+        idle_s = 0.001
         while not self._stop.is_set():
             if not self.own_reclaimed.is_set():
                 self.own_reclaimed.wait(0.1)
@@ -307,33 +357,122 @@ class RedisIO:
                     self._credit_lock.wait(0.1)
                     continue
             try:
-                if need_group:
-                    self._ensure_group()
-                    need_group = False
-                reply = self.redis.xreadgroup(
-                    contract.CONSUMER_GROUP,
-                    self.consumer,
-                    {self.stream: ">"},
-                    count=min(credit, self.settings.max_read_batch),
-                    block=self.settings.read_block_ms,
-                )
+                entries = self.read(min(credit, self.settings.max_read_batch))
                 backoff.ok()
                 self.connected.set()
             except _REDIS_ERRORS as exc:
                 log.warning("reader: Redis unavailable (%s); retrying", exc)
-                need_group = True
+                self._grouped.clear()
                 backoff.fail(self._stop)
                 continue
             except redis.ResponseError as exc:
-                if "NOGROUP" in str(exc):  # Redis lost the stream (restart without persistence)
-                    need_group = True
+                self._grouped.clear()
+                if "NOGROUP" in str(exc):  # Redis lost a stream (restart without persistence)
                     continue
                 log.error("XREADGROUP failed: %s", exc)
                 backoff.fail(self._stop)
                 continue
-            entries = [parse_entry(eid, fields) for _, messages in (reply or []) for eid, fields in messages]
             if entries:
+                idle_s = 0.001
                 self._deliver(entries)
+            else:  # an idle queue: pause a little, a little longer each time
+                self._stop.wait(idle_s)
+                idle_s = min(idle_s * 2, self.settings.read_idle_ms / 1000)
+
+    def read(self, count: int) -> list[Entry]:
+        """At most ``count`` new entries: own shards first, then what may be stolen."""
+        view = self.view
+        streams = self.streams
+        self._ensure_groups(streams)
+        entries = self._read_shards(list(view.owned), count) if view.owned else []
+        room = count - len(entries)
+        now = time.monotonic()
+        if room > 0 and now >= self._next_probe:
+            self._next_probe = now + self.settings.steal_probe_ms / 1000
+            stolen = self._read_shards(self.steal_candidates(view, streams), room, stolen=True)
+            if stolen:
+                self.stats["stolen"] += len(stolen)
+                log.debug("took %d entries of shards this engine does not own", len(stolen))
+            entries += stolen
+        return entries
+
+    def _read_shards(self, shard_ids: list[int], count: int, stolen: bool = False) -> list[Entry]:
+        """One pipelined, non-blocking XREADGROUP per shard (a cluster pipeline sends each node its
+        part), the credit split so that the total never exceeds ``count``: a short credit goes to
+        a rotating subset of the shards."""
+        if not shard_ids or count <= 0:
+            return []
+        if not stolen:
+            k = self._rotation % len(shard_ids)
+            shard_ids = shard_ids[k:] + shard_ids[:k]
+            self._rotation += 1
+        shard_ids = shard_ids[:count]
+        base, extra = divmod(count, len(shard_ids))
+        pipe = self.redis.pipeline(transaction=False)
+        for i, shard in enumerate(shard_ids):
+            pipe.xreadgroup(contract.CONSUMER_GROUP, self.consumer, {self.streams[shard]: ">"},
+                            count=base + (1 if i < extra else 0))
+        replies = pipe.execute()
+        entries = []
+        for shard, reply in zip(shard_ids, replies, strict=True):
+            stream = self.streams[shard]
+            for _, messages in reply or []:
+                for eid, fields in messages:
+                    entry = parse_entry(EntryRef(stream, eid), fields)
+                    entry.shard, entry.stolen = shard, stolen
+                    entries.append(entry)
+        return entries
+
+    def steal_candidates(self, view: ShardView, streams: list[str]) -> list[int]:
+        """The other shards whose oldest undelivered entry may be taken now, oldest first: it
+        waited ``steal_after_ms``, or its shard has no live owner, or the owner is saturated.
+        Two pipelined round trips: each group's read position (and lag), then the first entry
+        after it (its id is its enqueue time)."""
+        owned = set(view.owned)
+        others = [i for i in range(len(streams)) if i not in owned]
+        if not others:
+            return []
+        positions = self._positions([streams[i] for i in others])
+        looked = [(i, last) for i, (last, lag) in zip(others, positions, strict=True)
+                  if last is not None and lag != 0]
+        if not looked:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for i, last in looked:
+            pipe.xrange(streams[i], min="(" + last, count=1)
+        firsts = pipe.execute(raise_on_error=False)
+        now_ms = self._redis_ms()
+        ready: list[tuple[int, int]] = []
+        for (i, _), first in zip(looked, firsts, strict=True):
+            if isinstance(first, Exception) or not first:
+                continue
+            age = now_ms - shards.entry_ms(first[0][0])
+            owner = view.owners[i] if i < len(view.owners) else None
+            if age >= self.settings.steal_after_ms or owner is None or owner in view.saturated:
+                ready.append((age, i))
+        return [i for _, i in sorted(ready, reverse=True)]
+
+    def _positions(self, streams: list[str]) -> list[tuple[str | None, int | None]]:
+        """Per stream: the group's last-delivered id and lag (None where unknown); (None, None)
+        for a stream without the group."""
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xinfo_groups(stream)
+        out: list[tuple[str | None, int | None]] = []
+        for groups in pipe.execute(raise_on_error=False):
+            found: tuple[str | None, int | None] = (None, None)
+            if not isinstance(groups, Exception):
+                for g in groups:
+                    if _str(g.get("name", b"")) == contract.CONSUMER_GROUP:
+                        lag = g.get("lag")
+                        found = (_str(g.get("last-delivered-id", b"0-0")), None if lag is None else int(lag))
+            out.append(found)
+        return out
+
+    def _redis_ms(self) -> int:
+        """Now, by this host's clock, in ms (entry ids carry Redis's clock; the two agree on one
+        host, and across hosts within NTP's error, small beside ``steal_after_ms``)."""
+        return int(time.time() * 1000)
 
     def _deliver(self, entries: list[Entry]) -> None:
         """Check markers in one round trip, then hand the entries to the worker."""
@@ -497,29 +636,49 @@ class RedisIO:
                     continue
                 by_reply.setdefault(reply_to, []).append(event)
             replies = {rid: self._reply_to.get(rid) for rid in batch.emitted}
+            acks, requeues = self._queue_writes(batch)
         pipe = self.redis.pipeline(transaction=False)
         for rid, reply_to in replies.items():
             if reply_to:
                 pipe.set(contract.emitted_key(reply_to, rid), self.consumer, ex=contract.EMITTED_TTL_S)
         for reply_to, events in by_reply.items():
             pipe.spublish(contract.events_channel(reply_to), codec.encode_events(events))
-        if batch.acks and not batch.requeue:
-            pipe.xack(self.stream, contract.CONSUMER_GROUP, *batch.acks)
+        for stream, ids in acks.items():
+            if stream not in requeues:
+                pipe.xack(stream, contract.CONSUMER_GROUP, *ids)
         results = pipe.execute(raise_on_error=False) if len(pipe) else []
-        if batch.requeue:
+        for stream, requests in requeues.items():  # one MULTI per shard: both in its slot
             multi = self.redis.pipeline(transaction=True)
-            for request in batch.requeue:
-                multi.xadd(self.stream, codec.encode_request(request))
-            if batch.acks:
-                multi.xack(self.stream, contract.CONSUMER_GROUP, *batch.acks)
+            for request in requests:
+                multi.xadd(stream, codec.encode_request(request))
+            if acks.get(stream):
+                multi.xack(stream, contract.CONSUMER_GROUP, *acks[stream])
             results += multi.execute(raise_on_error=False)
         return results
+
+    def _queue_writes(self, batch: Batch) -> tuple[dict[str, list[bytes]], dict[str, list[GenerateRequest]]]:
+        """The batch's XACKs by shard stream, and its hand-backs by the shard they came from (a
+        hand-back goes back to ITS shard, with its XACK; call with ``_held_lock`` held)."""
+        acks: dict[str, list[bytes]] = {}
+        shard_of_request: dict[str, str] = {}
+        for ref in batch.acks:
+            stream, entry_id = (ref.stream, ref.id) if isinstance(ref, EntryRef) else (self.streams[0], ref)
+            acks.setdefault(stream, []).append(entry_id)
+            rid = self._held.get(ref, ("", ""))[0]
+            if rid:
+                shard_of_request[rid] = stream
+        requeues: dict[str, list[GenerateRequest]] = {}
+        for request in batch.requeue:
+            stream = shard_of_request.get(request.request_id, self.streams[0])
+            requeues.setdefault(stream, []).append(request)
+        return acks, requeues
 
     # --- housekeeper: heartbeat, model card, reclaim ---
     def publish_card(self) -> None:
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(contract.model_card_key(self.model), mapping=self.card)
         pipe.sadd(contract.MODELS_KEY, self.model)
+        pipe.sadd(contract.queue_shards_key(self.model), self.settings.queue_shards)
         pipe.execute()
 
     def heartbeat(self) -> None:
@@ -550,6 +709,7 @@ class RedisIO:
                     need_card = False
                 if now >= next_beat:
                     self.heartbeat()
+                    self.refresh_view()
                     next_beat = now + self.settings.heartbeat_interval_s
                 if not self.own_reclaimed.is_set():
                     # Before the reader's first read: our own entries of a previous life only.
@@ -589,6 +749,39 @@ class RedisIO:
                 backoff.fail(self._stop)
                 continue
             self._stop.wait(min(next_beat, next_reclaim, next_gateways) - time.monotonic() if self.reading else 0.2)
+
+    def refresh_view(self) -> ShardView:
+        """Read the registry: the live engines of this model (liveness key present, not draining;
+        this engine while it reads), the shard counts published; compute every shard's owner by
+        rendezvous hashing, and each shard's depth (for the metrics)."""
+        pipe = self.redis.pipeline(transaction=False)  # both in the registry's slot
+        pipe.hgetall(contract.ENGINES_KEY)
+        pipe.smembers(contract.queue_shards_key(self.model))
+        raw, counts = pipe.execute()
+        peers = {}
+        for value in raw.values():
+            entry = registry.decode(value)
+            if entry is not None and entry.model == self.model and not entry.draining \
+                    and entry.engine_id != self.consumer:
+                peers[entry.engine_id] = entry
+        ids = list(peers)
+        if ids:
+            pipe = self.redis.pipeline(transaction=False)
+            for engine_id in ids:
+                pipe.exists(contract.engine_key(engine_id))
+            alive = pipe.execute()
+            peers = {e: peers[e] for e, ok in zip(ids, alive, strict=True) if ok}
+        live = set(peers) | ({self.consumer} if self.reading else set())
+        count = max(shards.shard_count(counts, self.settings.queue_shards), len(self.streams))
+        owners = tuple(shards.owners(count, live))
+        view = ShardView(count, tuple(i for i, o in enumerate(owners) if o == self.consumer), owners,
+                         frozenset(e for e, entry in peers.items() if entry.waiting > 0))
+        if view.owned != self.view.owned:
+            log.info("owning queue shards %s of %d (%d live engines)", list(view.owned), count, len(live))
+        self._set_view(view)
+        positions = self._positions(self.streams)
+        self.shard_depth.update({i: lag for i, (_, lag) in enumerate(positions) if lag is not None})
+        return view
 
     def check_gateways(self, now: float | None = None) -> list[str]:
         """Abort the requests of gateways that are gone; return the ids of those found lost now.
@@ -649,35 +842,39 @@ class RedisIO:
         a previous life of this engine id. Left alone they would stay pending forever (no peer
         reclaims a live consumer's entries) and stop the stream's trim. They go through the
         reclaim path: errored (emitted, cancelled, expired) or restarted, and acknowledged."""
+        return sum(self._reclaim_orphans(stream) for stream in list(self.streams))
+
+    def _reclaim_orphans(self, stream: str) -> int:
         try:
             pending = self.redis.xpending_range(
-                self.stream, contract.CONSUMER_GROUP, min="-", max="+", count=1000,
+                stream, contract.CONSUMER_GROUP, min="-", max="+", count=1000,
                 consumername=self.consumer, idle=self.settings.orphan_idle_ms,
             )
         except redis.ResponseError:
             return 0
         with self._held_lock:
-            orphans = [p for p in pending if p["message_id"] not in self._held]
+            orphans = [p for p in pending if EntryRef(stream, p["message_id"]) not in self._held]
         if not orphans:
             return 0
         ids = [p["message_id"] for p in orphans]
         deliveries = {p["message_id"]: int(p["times_delivered"]) for p in orphans}
         messages = self.redis.xclaim(
-            self.stream, contract.CONSUMER_GROUP, self.consumer, self.settings.orphan_idle_ms, ids
+            stream, contract.CONSUMER_GROUP, self.consumer, self.settings.orphan_idle_ms, ids
         )
         entries = []
         for entry_id, fields in messages:
             with self._held_lock:
-                if entry_id in self._held:  # delivered meanwhile: ours after all
+                if EntryRef(stream, entry_id) in self._held:  # delivered meanwhile: ours after all
                     continue
-            entry = parse_entry(entry_id, fields)
+            entry = parse_entry(EntryRef(stream, entry_id), fields)
+            entry.shard = self._shard_of.get(stream, 0)
             entry.reclaimed = True
             entry.deliveries = deliveries.get(entry_id, 1)
             entries.append(entry)
         claimed = {e for e, _ in messages}
         gone = [i for i in ids if i not in claimed]  # deleted entries: nothing to run, just forget them
         if gone:
-            self.redis.xack(self.stream, contract.CONSUMER_GROUP, *gone)
+            self.redis.xack(stream, contract.CONSUMER_GROUP, *gone)
         if entries:
             log.warning("took back %d orphaned pending entries of our own (lost acknowledgements?)", len(entries))
             self.stats["orphans"] += len(entries)
@@ -685,9 +882,10 @@ class RedisIO:
         return len(entries) + len(gone)
 
     def tidy(self) -> None:
-        """Trim the stream's acknowledged entries and forget dead engines' registry entries."""
-        _, removed = trim_stream(self.redis, self.stream)
-        self.stats["trimmed"] += removed
+        """Trim the streams' acknowledged entries and forget dead engines' registry entries."""
+        for stream in list(self.streams):
+            _, removed = trim_stream(self.redis, stream)
+            self.stats["trimmed"] += removed
         self.stats["pruned_engines"] += self.prune_registry()
 
     def prune_registry(self) -> int:
@@ -720,8 +918,12 @@ class RedisIO:
         """Forget consumers (dead engines) that own nothing and whose liveness key is gone, so the
         group does not grow with every engine restart. A live one removed by a race is recreated
         by its next XREADGROUP."""
+        for stream in list(self.streams):
+            self._prune_consumers(stream)
+
+    def _prune_consumers(self, stream: str) -> None:
         try:
-            consumers = self.redis.xinfo_consumers(self.stream, contract.CONSUMER_GROUP)
+            consumers = self.redis.xinfo_consumers(stream, contract.CONSUMER_GROUP)
         except redis.ResponseError:
             return
         ttl_ms = self.settings.heartbeat_ttl_s * 1000
@@ -730,48 +932,65 @@ class RedisIO:
             if name == self.consumer or c.get("pending", 0) or c.get("idle", 0) < 2 * ttl_ms:
                 continue
             if not self.redis.exists(contract.engine_key(name)):
-                self.redis.xgroup_delconsumer(self.stream, contract.CONSUMER_GROUP, name)
+                self.redis.xgroup_delconsumer(stream, contract.CONSUMER_GROUP, name)
                 log.info("removed consumer %s of a gone engine", name)
 
     def reclaim(self, include_self: bool = False) -> int:
         """XCLAIM the pending entries of consumers whose liveness key is gone (and, once at start,
-        our own: a restarted engine with a fixed id owns entries of its previous life)."""
-        try:
-            summary = self.redis.xpending(self.stream, contract.CONSUMER_GROUP)
-        except redis.ResponseError as exc:
-            if "NOGROUP" in str(exc) or "no such key" in str(exc).lower():
-                return 0
-            raise
-        consumers = [c["name"].decode() if isinstance(c["name"], bytes) else c["name"] for c in summary.get("consumers") or []]
-        others = [c for c in consumers if c != self.consumer]
+        our own: a restarted engine with a fixed id owns entries of its previous life), shard by
+        shard: whoever finds a dead consumer's entries first takes them (XCLAIM's min-idle keeps
+        two reclaimers from both winning one), whichever shards they are on."""
+        streams = list(self.streams)
         pipe = self.redis.pipeline(transaction=False)
-        for c in others:
-            pipe.exists(contract.engine_key(c))
-        alive = dict(zip(others, pipe.execute(), strict=True)) if others else {}
-        dead = [c for c in others if not alive[c]]
-        if include_self and self.consumer in consumers:
-            dead.append(self.consumer)
+        for stream in streams:
+            pipe.xpending(stream, contract.CONSUMER_GROUP)
+        summaries = []
+        for stream, summary in zip(streams, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(summary, redis.ResponseError):
+                if "NOGROUP" in str(summary) or "no such key" in str(summary).lower():
+                    continue
+                raise summary
+            if isinstance(summary, Exception):
+                raise summary
+            names = [_str(c["name"]) for c in summary.get("consumers") or []]
+            if names:
+                summaries.append((stream, names))
+        others = sorted({c for _, names in summaries for c in names if c != self.consumer})
+        alive: dict[str, bool] = {}
+        if others:
+            pipe = self.redis.pipeline(transaction=False)
+            for c in others:
+                pipe.exists(contract.engine_key(c))
+            alive = dict(zip(others, pipe.execute(), strict=True))
         claimed = 0
-        for consumer in dead:
-            pending = self.redis.xpending_range(
-                self.stream, contract.CONSUMER_GROUP, min="-", max="+", count=1000, consumername=consumer
-            )
-            ids = [p["message_id"] for p in pending]
-            if not ids:
-                continue
-            deliveries = {p["message_id"]: int(p["times_delivered"]) for p in pending}
-            min_idle = 0 if consumer == self.consumer else self.settings.reclaim_min_idle_ms
-            messages = self.redis.xclaim(self.stream, contract.CONSUMER_GROUP, self.consumer, min_idle, ids)
-            entries = []
-            for entry_id, fields in messages:
-                entry = parse_entry(entry_id, fields)
-                entry.reclaimed = True
-                entry.deliveries = deliveries.get(entry_id, 1) + 1
-                entries.append(entry)
-            if entries:
-                log.warning("reclaimed %d pending entries of dead engine %s", len(entries), consumer)
-                self.stats["reclaimed"] += len(entries)
-                self.metrics.reclaimed(len(entries))
-                claimed += len(entries)
-                self._deliver(entries)
+        for stream, names in summaries:
+            dead = [c for c in names if c != self.consumer and not alive.get(c, True)]
+            if include_self and self.consumer in names:
+                dead.append(self.consumer)
+            for consumer in dead:
+                claimed += self._claim(stream, consumer)
         return claimed
+
+    def _claim(self, stream: str, consumer: str) -> int:
+        pending = self.redis.xpending_range(
+            stream, contract.CONSUMER_GROUP, min="-", max="+", count=1000, consumername=consumer
+        )
+        ids = [p["message_id"] for p in pending]
+        if not ids:
+            return 0
+        deliveries = {p["message_id"]: int(p["times_delivered"]) for p in pending}
+        min_idle = 0 if consumer == self.consumer else self.settings.reclaim_min_idle_ms
+        messages = self.redis.xclaim(stream, contract.CONSUMER_GROUP, self.consumer, min_idle, ids)
+        entries = []
+        for entry_id, fields in messages:
+            entry = parse_entry(EntryRef(stream, entry_id), fields)
+            entry.reclaimed = True
+            entry.deliveries = deliveries.get(entry_id, 1) + 1
+            entry.shard = self._shard_of.get(stream, 0)
+            entries.append(entry)
+        if entries:
+            log.warning("reclaimed %d pending entries of dead engine %s on %s", len(entries), consumer, stream)
+            self.stats["reclaimed"] += len(entries)
+            self.metrics.reclaimed(len(entries))
+            self._deliver(entries)
+        return len(entries)

@@ -33,7 +33,14 @@ class ServiceSettings:
     heartbeat_ttl_s: float = contract.HEARTBEAT_TTL_S
     reclaim_interval_s: float = 0.5  # how often pending entries of dead engines are looked for
     reclaim_min_idle_ms: int = 1000  # XCLAIM's min-idle: two reclaimers never both win an entry
-    read_block_ms: int = 100  # XREADGROUP BLOCK when the engine has room
+    read_block_ms: int = 100  # bounds a read's round trip (the socket timeout leaves room for it)
+    # The sharded queue (sluice.wire.shards): shard count published on the card (engines serve the
+    # largest count any engine published), leading full blocks that choose a shard, and stealing.
+    queue_shards: int = contract.DEFAULT_QUEUE_SHARDS
+    shard_prefix_blocks: int = contract.DEFAULT_SHARD_PREFIX_BLOCKS
+    steal_after_ms: int = contract.DEFAULT_STEAL_AFTER_MS  # another shard's entry that waited this long is taken
+    steal_probe_ms: int = 50  # at most one look at other shards per this many ms (when there is room)
+    read_idle_ms: int = 10  # the longest pause between reads of an idle queue (the pause doubles from 1 ms)
     max_read_batch: int = 16  # at most this many entries per XREADGROUP: a replica takes a bite, not the queue
     trim_interval_s: float = 2.0  # how often acknowledged stream entries are trimmed, dead engines pruned
     orphan_check_s: float = 5.0  # how often our own pending entries are checked for lost acknowledgements

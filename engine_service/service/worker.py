@@ -59,7 +59,7 @@ class _Refusal:
 @dataclass
 class _Live:
     request: GenerateRequest
-    entry_id: bytes
+    entry_id: Any  # redis_io.EntryRef: the shard's stream and the entry's id there
     open: set[int]
     emitted: bool = False
     cached_prompt: list[int] = field(default_factory=list)
@@ -238,9 +238,10 @@ class Worker:
         self.live[rid] = _Live(req, entry.entry_id, set(range(n)), emitted=False)
         self.metrics.request_started(rid, n, req.enqueue_time)
         if entry.reclaimed:
-            log.info("restarting reclaimed request %s (it had emitted nothing)", rid)
+            log.info("restarting reclaimed request %s of queue shard %d (it had emitted nothing)", rid, entry.shard)
         else:
-            log.debug("admitted %s (%d prompt tokens)", rid, len(req.prompt_token_ids))
+            log.debug("admitted %s from queue shard %d%s (%d prompt tokens)", rid, entry.shard,
+                      " (stolen)" if entry.stolen else "", len(req.prompt_token_ids))
 
     def _refusal(self, entry: Entry) -> _Refusal | None:
         """Why this entry must not run, checked in an order whose every step costs O(1) or O(the
@@ -412,7 +413,8 @@ class Worker:
                 self.metrics.request_done(rid, ended=False)
                 self._hand_back(live.request, live.entry_id, batch)
 
-    def _hand_back(self, req: GenerateRequest, entry_id: bytes, batch: Batch) -> None:
+    def _hand_back(self, req: GenerateRequest, entry_id: Any, batch: Batch) -> None:
+        """Back to the queue, to the shard it came from (the I/O side finds it by ``entry_id``)."""
         again = GenerateRequest()
         again.CopyFrom(req)
         again.attempt = req.attempt + 1

@@ -34,6 +34,9 @@ F_GENERATION_CONFIG = "generation_config"  # JSON: the generation_config.json ob
 F_CONTRACT_VERSION = "contract_version"
 F_TOOL_CALL_PARSER = "tool_call_parser"  # sluice.wire.dialects' name (vLLM's)
 F_REASONING_PARSER = "reasoning_parser"  # a dialects name, "" for none
+F_QUEUE_SHARDS = "queue_shards"  # the queue's shard count (sluice.wire.shards)
+F_BLOCK_SIZE = "block_size"  # tokens per KV block: the unit of the shard key
+F_SHARD_PREFIX_BLOCKS = "shard_prefix_blocks"  # how many leading full blocks choose the shard
 F_FINGERPRINT = "fingerprint"  # a hash of the other fields: readers refetch the card only when it changes
 
 # generation_config.json keys that are sampling defaults (vLLM's ``--generation-config auto``).
@@ -79,13 +82,18 @@ class ModelCard:
     contract_version: int = contract.CONTRACT_VERSION
     tool_call_parser: str = dialects.DEFAULT_TOOL_CALL_PARSER
     reasoning_parser: str | None = None
+    queue_shards: int = contract.DEFAULT_QUEUE_SHARDS
+    block_size: int = 16
+    shard_prefix_blocks: int = contract.DEFAULT_SHARD_PREFIX_BLOCKS
 
     # -- building -------------------------------------------------------------------------------
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, *, name: str, max_model_len: int, vocab_size: int,
                        eos_token_ids: list[int], tool_call_parser: str | None = None,
-                       reasoning_parser: str | None = None) -> ModelCard:
+                       reasoning_parser: str | None = None,
+                       queue_shards: int = contract.DEFAULT_QUEUE_SHARDS, block_size: int = 16,
+                       shard_prefix_blocks: int = contract.DEFAULT_SHARD_PREFIX_BLOCKS) -> ModelCard:
         """``tool_call_parser`` / ``reasoning_parser``: the engine's flags (None: detected from the
         chat template, ``sluice.wire.dialects``); an unknown name is a ``ValueError`` listing the known."""
         from sluice.text.tokenizer import read_chat_template
@@ -110,6 +118,9 @@ class ModelCard:
             generation_config=json.loads(gen_text) if gen_text.strip() else {},
             tool_call_parser=tools,
             reasoning_parser=reasoning,
+            queue_shards=int(queue_shards),
+            block_size=int(block_size),
+            shard_prefix_blocks=int(shard_prefix_blocks),
         )
 
     def tokenizer(self):
@@ -138,6 +149,9 @@ class ModelCard:
             F_CONTRACT_VERSION: str(self.contract_version),
             F_TOOL_CALL_PARSER: self.tool_call_parser,
             F_REASONING_PARSER: self.reasoning_parser or "",
+            F_QUEUE_SHARDS: str(self.queue_shards),
+            F_BLOCK_SIZE: str(self.block_size),
+            F_SHARD_PREFIX_BLOCKS: str(self.shard_prefix_blocks),
         }
         digest = hashlib.sha256()
         for key in sorted(fields):
@@ -169,9 +183,21 @@ class ModelCard:
                 contract_version=int(fields[F_CONTRACT_VERSION]),
                 tool_call_parser=tools,
                 reasoning_parser=reasoning,
+                queue_shards=_bounded(fields.get(F_QUEUE_SHARDS), 1, 1, contract.MAX_QUEUE_SHARDS),
+                block_size=_bounded(fields.get(F_BLOCK_SIZE), 16, 1, 1 << 16),
+                shard_prefix_blocks=_bounded(fields.get(F_SHARD_PREFIX_BLOCKS),
+                                             contract.DEFAULT_SHARD_PREFIX_BLOCKS, 0, 1 << 16),
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise CardError(f"the model card in Redis is malformed ({type(exc).__name__}: {exc})") from exc
+
+
+def _bounded(raw: str | None, default: int, low: int, high: int) -> int:
+    """An int field of the card; absent: ``default`` (a card without shards has one queue stream)."""
+    value = default if raw in (None, "") else int(raw)
+    if not low <= value <= high:
+        raise ValueError(f"{value} is outside [{low}, {high}]")
+    return value
 
 
 def check_version(version: Any, model: str = "?") -> None:

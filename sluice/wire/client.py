@@ -16,7 +16,8 @@ from typing import Any
 
 import redis
 
-from sluice.wire import codec, contract, registry
+from sluice.wire import card as wire_card
+from sluice.wire import codec, contract, registry, shards
 from sluice.wire.card import ModelCard
 from sluice.wire.connection import TRANSIENT_ERRORS, connect, read_shard_message
 from sluice.wire.messages_pb2 import Event
@@ -62,6 +63,7 @@ class RequestHandle:
         self.n = n
         self.reply_to = reply_to
         self.entry_id: bytes | None = None
+        self.shard = 0  # the queue shard it was enqueued on
         self._pubsub = pubsub
         self._buffered: list[Event] = []  # the rest of a batch already read
         self._open = set(range(n))
@@ -141,6 +143,7 @@ class WireClient:
     def __init__(self, r: Any) -> None:
         self.redis = r
         self._reply_of: dict[str, str] = {}  # request id -> reply id, for cancel()
+        self.last_shard = 0  # the queue shard of the last enqueue
 
     @classmethod
     def from_url(cls, url: str) -> WireClient:
@@ -169,15 +172,17 @@ class WireClient:
         deadline: float = 0.0,
         gateway_id: str = "",
         reply_to: str | None = None,
+        shard: int | None = None,
     ) -> RequestHandle:
         """Enqueue a request and subscribe to its events. With ``gateway_id`` the engines abort it
         once that gateway's liveness key (``heartbeat_gateway``) stays gone. ``reply_to``: the
-        reply id (default: a new one)."""
+        reply id (default: a new one). ``shard``: the queue shard (default: as a gateway chooses)."""
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         request = codec.make_request(request_id, model, prompt_token_ids, params, deadline=deadline,
                                      reply_to=reply_to or self.new_reply_id(), gateway_id=gateway_id)
         handle = self.listen(request)
-        handle.entry_id = self.enqueue(request)
+        handle.entry_id = self.enqueue(request, shard)
+        handle.shard = self.last_shard
         return handle
 
     @staticmethod
@@ -191,13 +196,29 @@ class WireClient:
         self._reply_of[request.request_id] = request.reply_to
         return RequestHandle(self, request.request_id, max(1, n), self.subscribe(request.reply_to), request.reply_to)
 
-    def enqueue(self, request: Any) -> bytes:
-        self._reply_of[request.request_id] = request.reply_to
-        return self.redis.xadd(contract.request_stream(request.model), codec.encode_request(request))
+    def shard_of(self, request: Any) -> int:
+        """The queue shard a gateway would choose for ``request`` (``sluice.wire.shards``, with the
+        model card's settings; shard 0 while there is no card). No chat-template header is skipped:
+        the client sends token ids."""
+        raw = self.redis.hmget(contract.model_card_key(request.model),
+                               [wire_card.F_QUEUE_SHARDS, wire_card.F_BLOCK_SIZE, wire_card.F_SHARD_PREFIX_BLOCKS])
+        try:
+            count, block, blocks = (int(v) for v in raw)
+        except (TypeError, ValueError):
+            return 0
+        return shards.choose_shard(list(request.prompt_token_ids), shards=count, block_size=block,
+                                   prefix_blocks=blocks, request_id=request.request_id)
 
-    def enqueue_raw(self, model: str, fields: dict) -> bytes:
+    def enqueue(self, request: Any, shard: int | None = None) -> bytes:
+        """XADD ``request`` to its shard (``shard_of``, unless ``shard`` is given)."""
+        self._reply_of[request.request_id] = request.reply_to
+        shard = self.shard_of(request) if shard is None else shard
+        self.last_shard = shard
+        return self.redis.xadd(contract.request_stream(request.model, shard), codec.encode_request(request))
+
+    def enqueue_raw(self, model: str, fields: dict, shard: int = 0) -> bytes:
         """Add an arbitrary entry (tests of malformed input)."""
-        return self.redis.xadd(contract.request_stream(model), fields)
+        return self.redis.xadd(contract.request_stream(model, shard), fields)
 
     def heartbeat_gateway(self, gateway_id: str, ttl_s: float = contract.GATEWAY_HEARTBEAT_TTL_S) -> None:
         """Set (or refresh) a gateway's liveness key, as a gateway's broker does every second."""

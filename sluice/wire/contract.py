@@ -12,10 +12,13 @@ three families:
 - ``{registry}``: the control plane (a few writes a second per process, never per token): the
   engine registry, liveness keys, model cards, the cancel channel. One slot, so a card and the
   model set change in one MULTI.
-- ``{q:<model>}``: a model's queue. The stream and the gateway's in-flight markers of its entries
-  are in one slot, so XADD + marker is one atomic script and a failover loses both or neither (Redis
+- ``{q:<model>:<shard>}``: one shard of a model's queue (a model's queue is ``queue_shards``
+  streams, ``sluice.wire.shards``; each shard has its own tag, so a cluster spreads a model's queue
+  over its nodes). A shard's stream and the gateway's in-flight markers of its entries are in one
+  slot, so XADD + marker is one atomic script and a failover loses both or neither (Redis
   replicates a node's writes in order): a marker that is gone still means "the entry is gone".
-  The engine's hand-back (XADD) and XACK go together in one MULTI for the same reason.
+  The engine's hand-back (XADD, to the same shard) and XACK go together in one MULTI for the same
+  reason.
 - ``{g:<reply_to>}``: one gateway process's replies (``GenerateRequest.reply_to``). All events of
   its requests go through ONE sharded channel (SPUBLISH/SSUBSCRIBE: a cluster delivers it on the
   slot's node only, instead of broadcasting every token to every node), batched per engine step;
@@ -24,8 +27,8 @@ three families:
 
 | key / channel                        | type                   | writer  | purpose                                   |
 |--------------------------------------|------------------------|---------|-------------------------------------------|
-| sluice:{q:<model>}:requests          | stream, group engines  | gateway | the request queue (field "r": GenerateRequest) |
-| sluice:{q:<model>}:inflight:<rid>    | string with TTL        | gateway | set atomically with the request's XADD (ENQUEUE_SCRIPT), deleted when the gateway is done with it: gone while the gateway still waits = Redis lost the entry |
+| sluice:{q:<model>:<shard>}:requests  | stream, group engines  | gateway | one shard of the request queue (field "r": GenerateRequest); the gateway picks the shard from the prompt's first blocks |
+| sluice:{q:<model>:<shard>}:inflight:<rid> | string with TTL   | gateway | set atomically with the request's XADD (ENQUEUE_SCRIPT), deleted when the gateway is done with it: gone while the gateway still waits = Redis lost the entry |
 | sluice:{g:<reply_to>}:events         | sharded channel        | engine  | EventBatch messages for the requests of one reply_to |
 | sluice:{g:<reply_to>}:emitted:<rid>  | string with TTL        | engine  | set with a request's first token: a reclaimed request that has it is errored, not restarted |
 | sluice:{g:<reply_to>}:cancelled:<rid>| string with TTL        | gateway | a cancel remembered for a still-queued request |
@@ -35,6 +38,7 @@ three families:
 | sluice:{registry}:gateway:<gateway_id>| string with TTL       | gateway | liveness of the gateway process named in GenerateRequest.gateway_id: gone for GATEWAY_LOST_AFTER_S = its requests are aborted |
 | sluice:{registry}:model:<model>      | hash                   | engine  | model card (``sluice.wire.card``): tokenizer, chat template, limits |
 | sluice:{registry}:models             | set                    | engine  | names of models that have a card          |
+| sluice:{registry}:queue_shards:<model>| set of ints           | engine  | every shard count an engine of the model has published: engines serve the shards of the largest, so a rolling change of the count strands nothing |
 
 A model name or reply id is used as it is inside the tag; Redis takes the tag up to the first
 ``}``, so a name containing ``}`` still maps all its keys to one slot (a shorter tag, the same for
@@ -50,7 +54,9 @@ from sluice.wire.messages_pb2 import ErrorCode
 # 2: error codes and finish reasons as enums, terminal event as a oneof, the typed ModelCard.
 # 3: hash-tagged names (Redis Cluster), GenerateRequest.reply_to, events batched per reply_to on a
 #    sharded channel (EventBatch), the registry entry as a typed codec.
-CONTRACT_VERSION = 3
+# 4: the queue is sharded (``{q:<model>:<shard>}``, shard chosen from the prompt's prefix; the card
+#    carries the shard count, block size and prefix blocks; the registry the shard counts published).
+CONTRACT_VERSION = 4
 PREFIX = "sluice"
 
 CONSUMER_GROUP = "engines"
@@ -79,9 +85,21 @@ GATEWAY_LOST_AFTER_S = 5.0
 # The model card's hash fields are defined with the card: sluice.wire.card.
 
 
-def queue_tag(model: str) -> str:
-    """The hash tag of a model's queue family."""
-    return "{q:" + model + "}"
+# The queue's shards (sluice.wire.shards): the default count, published on the model card by the
+# engines (``--queue-shards``); gateways take it from the card. 16: rendezvous hashing spreads 16
+# shards over 2-4 engines within about a shard or two of even, and over a 3-master cluster's nodes;
+# each extra shard costs one more XREADGROUP in an engine's pipelined read and one more probe.
+DEFAULT_QUEUE_SHARDS = 16
+MAX_QUEUE_SHARDS = 1024
+# How many full KV blocks at the start of a prompt choose its shard (the card carries it).
+DEFAULT_SHARD_PREFIX_BLOCKS = 8
+# An engine with room takes another shard's entries once the oldest waited this long (--steal-after-ms).
+DEFAULT_STEAL_AFTER_MS = 200
+
+
+def queue_tag(model: str, shard: int) -> str:
+    """The hash tag of one shard of a model's queue."""
+    return "{q:" + model + ":" + str(int(shard)) + "}"
 
 
 def reply_tag(reply_to: str) -> str:
@@ -89,12 +107,21 @@ def reply_tag(reply_to: str) -> str:
     return "{g:" + reply_to + "}"
 
 
-def request_stream(model: str) -> str:
-    return f"{PREFIX}:{queue_tag(model)}:requests"
+def request_stream(model: str, shard: int) -> str:
+    return f"{PREFIX}:{queue_tag(model, shard)}:requests"
 
 
-def inflight_key(model: str, request_id: str) -> str:
-    return f"{PREFIX}:{queue_tag(model)}:inflight:{request_id}"
+def request_streams(model: str, shards: int) -> list[str]:
+    """The streams of shards 0 .. shards-1 of a model's queue."""
+    return [request_stream(model, s) for s in range(max(1, int(shards)))]
+
+
+def inflight_key(model: str, shard: int, request_id: str) -> str:
+    return f"{PREFIX}:{queue_tag(model, shard)}:inflight:{request_id}"
+
+
+def queue_shards_key(model: str) -> str:
+    return f"{PREFIX}:{REGISTRY_TAG}:queue_shards:{model}"
 
 
 def events_channel(reply_to: str) -> str:

@@ -14,7 +14,7 @@ import uuid
 import pytest
 import redis
 
-from engine_service.service.redis_io import RedisIO, trim_stream
+from engine_service.service.redis_io import EntryRef, RedisIO, trim_stream
 from engine_service.service.settings import ServiceSettings
 from engine_service.service.worker import Worker
 from sluice.wire import card, codec, contract, limits
@@ -23,11 +23,18 @@ from sluice.wire.connection import connect
 from sluice.wire.error_codes import Code
 from tests.docker_support import free_port, wait_for_redis
 from tests.integration.test_engine_service_worker import FakeEngine
+from tests.queue_helpers import pending_refs, queue_length
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.docker
 
 MODEL = "fake-model"
+
+
+def fake_card(settings: ServiceSettings) -> dict[str, str]:
+    """The card fields a fake engine publishes: enough for WireClient to shard as a gateway would."""
+    return {card.F_NAME: MODEL, card.F_MAX_MODEL_LEN: "64", card.F_QUEUE_SHARDS: str(settings.queue_shards),
+            card.F_BLOCK_SIZE: "4", card.F_SHARD_PREFIX_BLOCKS: str(settings.shard_prefix_blocks)}
 
 
 class FakeService:
@@ -38,7 +45,7 @@ class FakeService:
                                         heartbeat_ttl_s=2.0, heartbeat_interval_s=0.5, **settings)
         self.engine = FakeEngine(slow=slow)
         inbox: queue.Queue = queue.Queue()
-        self.io = RedisIO(self.settings, MODEL, inbox, {card.F_NAME: MODEL, card.F_MAX_MODEL_LEN: "64"},
+        self.io = RedisIO(self.settings, MODEL, inbox, fake_card(self.settings),
                           lambda: {"running": len(self.engine.reqs)})
         self.worker = Worker(self.engine, self.io, self.settings, MODEL)
         self.thread = threading.Thread(target=self.worker.run, daemon=True)
@@ -69,14 +76,8 @@ def services(clean_redis):
             svc.stop()
 
 
-def pending_ids(r: redis.Redis, consumer: str | None = None) -> set[bytes]:
-    stream = contract.request_stream(MODEL)
-    try:
-        rows = r.xpending_range(stream, contract.CONSUMER_GROUP, min="-", max="+", count=10_000,
-                                **({"consumername": consumer} if consumer else {}))
-    except redis.ResponseError:
-        return set()
-    return {row["message_id"] for row in rows}
+def pending_ids(r: redis.Redis, consumer: str | None = None) -> set[EntryRef]:
+    return pending_refs(r, MODEL, consumer)
 
 
 # --------------------------------------------------------------------------- item 8: limits
@@ -135,11 +136,11 @@ def test_restart_with_fixed_engine_id_while_queued_keeps_running_entries_pending
     take its old entries once (reclaim) and the queued ones once (reader): no entry delivered
     twice, and every running request's entry stays pending until it finishes (so a peer could
     reclaim it if this engine died now)."""
-    stream = contract.request_stream(MODEL)
+    stream = contract.request_stream(MODEL, 0)
     redis_client.xgroup_create(stream, contract.CONSUMER_GROUP, id="0", mkstream=True)
     client = WireClient(redis_client)
     params = {"temperature": 0.0, "max_tokens": 30}
-    handles = [client.submit(MODEL, [1, 2, i], params) for i in range(2)]
+    handles = [client.submit(MODEL, [1, 2, i], params, shard=0) for i in range(2)]
     # The previous life of "fixed" read these two and died.
     redis_client.xreadgroup(contract.CONSUMER_GROUP, "fixed", {stream: ">"}, count=2)
     handles += [client.submit(MODEL, [1, 2, i], params) for i in range(2, 8)]
@@ -170,7 +171,7 @@ def test_restart_with_fixed_engine_id_while_queued_keeps_running_entries_pending
 
 
 def test_trim_never_drops_unread_or_pending_entries(redis_client):
-    stream = contract.request_stream(MODEL)
+    stream = contract.request_stream(MODEL, 0)
     ids = [redis_client.xadd(stream, {b"r": str(i).encode()}) for i in range(10)]
     # No group yet: nobody has read anything, nothing may go.
     assert trim_stream(redis_client, stream) == (None, 0)
@@ -194,7 +195,7 @@ def test_stream_length_bounded_over_10000_requests(redis_client):
     """10,000 synthetic requests through the group (read in bites, acknowledged out of order,
     a few left pending for long), the engine's trim routine every 200: the stream's length stays
     bounded by what is unread, pending or acknowledged since the last trim."""
-    stream = contract.request_stream(MODEL)
+    stream = contract.request_stream(MODEL, 0)
     redis_client.xgroup_create(stream, contract.CONSUMER_GROUP, id="0", mkstream=True)
     long_pending: list[bytes] = []
     inflight: list[bytes] = []
@@ -230,7 +231,7 @@ def test_engine_trims_acknowledged_entries(services, redis_client):
     client.wait_for_engine(MODEL, timeout=10)
     handles = [client.submit(MODEL, [1, 2, i], {"temperature": 0.0, "max_tokens": 2}) for i in range(40)]
     assert all(not h.collect(timeout=20).timed_out for h in handles)
-    wait_until(lambda: redis_client.xlen(contract.request_stream(MODEL)) == 0, 5, "the stream trimmed")
+    wait_until(lambda: queue_length(redis_client, MODEL) == 0, 5, "the streams trimmed")
     assert svc.io.stats["trimmed"] >= 40
 
 
@@ -339,7 +340,7 @@ def test_own_pending_entry_with_a_lost_ack_is_taken_back(services, redis_client)
     svc = services(orphan_check_s=0.2, orphan_idle_ms=300, trim_interval_s=0.2)
     client = WireClient(redis_client)
     client.wait_for_engine(MODEL, timeout=10)
-    stream = contract.request_stream(MODEL)
+    stream = contract.request_stream(MODEL, 3)  # any shard: the engine owns them all
     # One that had emitted tokens (its client got them and its end): errored, acknowledged.
     done = codec.make_request("done-before-crash", MODEL, [1, 2, 3], {"temperature": 0.0, "max_tokens": 2},
                               reply_to=client.new_reply_id())
@@ -371,9 +372,14 @@ def test_gateway_counts_as_lost_only_after_its_key_stays_missing(clean_redis, re
     from engine_service.service.redis_io import CancelNote, parse_entry
 
     settings = ServiceSettings(redis_url=clean_redis, engine_id="gw-check", gateway_lost_after_s=5.0)
+
+    def ref(entry_id: bytes) -> EntryRef:
+        return EntryRef(contract.request_stream(MODEL, 1), entry_id)
+
     inbox: queue.Queue = queue.Queue()
     io = RedisIO(settings, MODEL, inbox, {card.F_NAME: MODEL}, dict)
-    io._held.update({b"1-0": ("r1", "gA"), b"2-0": ("r2", "gB"), b"3-0": ("r3", "gB"), b"4-0": ("r4", "")})
+    io._held.update({ref(b"1-0"): ("r1", "gA"), ref(b"2-0"): ("r2", "gB"), ref(b"3-0"): ("r3", "gB"),
+                     ref(b"4-0"): ("r4", "")})
     client = WireClient(redis_client)
     client.heartbeat_gateway("gA", ttl_s=60)
 
@@ -407,10 +413,10 @@ def test_gateway_counts_as_lost_only_after_its_key_stays_missing(clean_redis, re
     assert [sorted(n.request_ids) for n in cancels()] == [["r2", "r3"]]
     # acknowledged: nothing more to abort
     for entry_id in (b"2-0", b"3-0"):
-        io._held.pop(entry_id)
+        io._held.pop(ref(entry_id))
     assert io.check_gateways(now=119.0) == [] and cancels() == []
     # an entry of the lost gateway read later is dropped on delivery; one of a live gateway is not
-    late = [parse_entry(f"{5 + i}-0".encode(), codec.encode_request(
+    late = [parse_entry(ref(f"{5 + i}-0".encode()), codec.encode_request(
         codec.make_request(f"late-{gid}", MODEL, [1, 2], {"max_tokens": 2}, gateway_id=gid, reply_to=gid)))
         for i, gid in enumerate(("gB", "gA"))]
     io._deliver(late)

@@ -102,13 +102,16 @@ def test_each_key_family_is_one_hash_slot() -> None:
         return {key_slot(k.encode()) for k in keys}
 
     for model in ("m", "SmolLM2-135M-Instruct", "org/model:v2", "we}ird{name"):
-        assert len(slots(contract.request_stream(model), contract.inflight_key(model, "r1"),
-                         contract.inflight_key(model, "r2"))) == 1, model
+        for shard in (0, 5):
+            assert len(slots(contract.request_stream(model, shard), contract.inflight_key(model, shard, "r1"),
+                             contract.inflight_key(model, shard, "r2"))) == 1, (model, shard)
     for reply_to in ("g1", "0123456789abcdef", "wc-x"):
         assert len(slots(contract.events_channel(reply_to), contract.emitted_key(reply_to, "r1"),
                          contract.cancelled_key(reply_to, "r2"))) == 1, reply_to
     assert len(slots(contract.ENGINES_KEY, contract.MODELS_KEY, contract.CANCEL_CHANNEL, contract.engine_key("e"),
-                     contract.gateway_key("g"), contract.model_card_key("m"))) == 1
+                     contract.gateway_key("g"), contract.model_card_key("m"), contract.queue_shards_key("m"))) == 1
     # and the families spread: different models' queues (and gateways' channels) land on many slots
-    assert len(slots(*(contract.request_stream(f"model-{i}") for i in range(50)))) > 40
+    assert len(slots(*(contract.request_stream(f"model-{i}", 0) for i in range(50)))) > 40
+    # and one model's shards spread too: a cluster serves a model's queue from several nodes
+    assert len(slots(*contract.request_streams("m", contract.DEFAULT_QUEUE_SHARDS))) == contract.DEFAULT_QUEUE_SHARDS
     assert len(slots(*(contract.events_channel(f"gw-{i}") for i in range(50)))) > 40

@@ -1,0 +1,38 @@
+"""The sharded request queue seen from a test: every shard's stream, pending entries and lengths
+summed over them (engines serve ``contract.DEFAULT_QUEUE_SHARDS`` unless a test says otherwise)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from engine_service.service.redis_io import EntryRef
+from sluice.wire import contract
+
+
+def streams(model: str, shards: int = contract.DEFAULT_QUEUE_SHARDS) -> list[str]:
+    return contract.request_streams(model, shards)
+
+
+def pending_refs(r: Any, model: str, consumer: str | None = None,
+                 shards: int = contract.DEFAULT_QUEUE_SHARDS) -> set[EntryRef]:
+    """Every pending entry of the model's queue (of ``consumer`` only, if given), by shard stream."""
+    out: set[EntryRef] = set()
+    for stream in streams(model, shards):
+        try:
+            rows = r.xpending_range(stream, contract.CONSUMER_GROUP, min="-", max="+", count=10_000,
+                                    **({"consumername": consumer} if consumer else {}))
+        except redis.ResponseError:
+            continue
+        out |= {EntryRef(stream, row["message_id"]) for row in rows}
+    return out
+
+
+def pending_count(r: Any, model: str, shards: int = contract.DEFAULT_QUEUE_SHARDS) -> int:
+    return len(pending_refs(r, model, shards=shards))
+
+
+def queue_length(r: Any, model: str, shards: int = contract.DEFAULT_QUEUE_SHARDS) -> int:
+    """Entries in all the model's shard streams (XLEN summed)."""
+    return sum(int(r.xlen(s)) for s in streams(model, shards))
