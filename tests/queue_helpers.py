@@ -36,3 +36,22 @@ def pending_count(r: Any, model: str, shards: int = contract.DEFAULT_QUEUE_SHARD
 def queue_length(r: Any, model: str, shards: int = contract.DEFAULT_QUEUE_SHARDS) -> int:
     """Entries in all the model's shard streams (XLEN summed)."""
     return sum(int(r.xlen(s)) for s in streams(model, shards))
+
+
+def inflight_pattern(model: str) -> str:
+    """A KEYS pattern of the gateway's in-flight markers of ``model``, on every shard."""
+    return f"{contract.PREFIX}:{{q:{model}:*}}:inflight:*"
+
+
+def lag(r: Any, model: str, shards: int = contract.DEFAULT_QUEUE_SHARDS) -> int:
+    """Entries of the model's queue no engine has read yet (the group's lag, summed over shards)."""
+    total = 0
+    for stream in streams(model, shards):
+        try:
+            groups = r.xinfo_groups(stream)
+        except redis.ResponseError:
+            continue
+        for g in groups:
+            if g["name"] in (contract.CONSUMER_GROUP, contract.CONSUMER_GROUP.encode()):
+                total += int(g["lag"] or 0)
+    return total

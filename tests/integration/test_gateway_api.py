@@ -14,6 +14,7 @@ from sluice.wire.connection import connect
 from sluice.wire.messages_pb2 import GenerateRequest
 from tests.integration import test_gateway_support as support
 from tests.integration.test_gateway_support import MAX_MODEL_LEN, MODEL, REPLY
+from tests.queue_helpers import inflight_pattern
 from tests.waiting import wait_until
 
 # the shared fixtures
@@ -354,7 +355,7 @@ def test_queue_full_429(make_gateway, fake_engine, redis_client):
     gw = make_gateway(max_queue_len=2, retry_after_s=3)
     fake_engine.pause()  # no read in flight: the fillers stay queued
     for _ in range(2):
-        redis_client.xadd(contract.request_stream(MODEL),
+        redis_client.xadd(contract.request_stream(MODEL, 0),
                           {contract.REQUEST_FIELD: GenerateRequest(request_id="filler").SerializeToString()})
     r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert_error(r, 429, code="queue_full")
@@ -455,7 +456,7 @@ def test_queued_request_waits_for_a_restarted_engine(gateway, fake_engine, monke
     t = threading.Thread(target=client)
     t.start()
     r = connect(gateway.config.redis_url)
-    wait_until(lambda: r.keys(contract.inflight_key(MODEL, "*")), 10, "the request enqueued")
+    wait_until(lambda: r.keys(inflight_pattern(MODEL)), 10, "the request enqueued")
     r.close()
     fake_engine.kill()  # gone: no liveness key, no heartbeat
     time.sleep(3.0)  # many liveness checks see no engine

@@ -28,6 +28,7 @@ from tests.docker_support import RedisServer
 from tests.integration import test_gateway_support as support
 from tests.integration.conftest import _running
 from tests.integration.test_gateway_support import MODEL
+from tests.queue_helpers import inflight_pattern, lag, queue_length
 
 fake_engine = support.fake_engine
 make_fake_engine = support.make_fake_engine
@@ -212,14 +213,11 @@ def _lag(url: str) -> int:
 
     r = connect(url)
     try:
-        for g in r.xinfo_groups(contract.request_stream(MODEL)):
-            if g["name"] == contract.CONSUMER_GROUP.encode():
-                return int(g["lag"] or 0)
+        return lag(r, MODEL)
     except redis.RedisError:
         return -1
     finally:
         r.close()
-    return 0
 
 
 def test_entry_flushed_while_queued_is_told_within_seconds(make_gateway, fake_engine, redis_client):
@@ -236,9 +234,9 @@ def test_entry_flushed_while_queued_is_told_within_seconds(make_gateway, fake_en
     t = threading.Thread(target=client)
     t.start()
     end = time.time() + 5
-    while not redis_client.keys(contract.inflight_key(MODEL, "*")) and time.time() < end:
+    while not redis_client.keys(inflight_pattern(MODEL)) and time.time() < end:
         time.sleep(0.02)
-    assert redis_client.xlen(contract.request_stream(MODEL)) == 1
+    assert queue_length(redis_client, MODEL) == 1
     t_fault = time.time()
     redis_client.flushall()
     t.join(40)
@@ -253,9 +251,9 @@ def test_finished_requests_leave_no_marker(gateway, fake_engine, redis_client):
         r = httpx.post(f"{gateway.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert r.status_code == 200
     end = time.time() + 3
-    while redis_client.keys(contract.inflight_key(MODEL, "*")) and time.time() < end:
+    while redis_client.keys(inflight_pattern(MODEL)) and time.time() < end:
         time.sleep(0.05)
-    assert redis_client.keys(contract.inflight_key(MODEL, "*")) == []
+    assert redis_client.keys(inflight_pattern(MODEL)) == []
 
 
 def _key_appears(redis_client, key: str) -> bool:

@@ -117,11 +117,11 @@ class FakeEngine:
         pipe.hset(contract.model_card_key(MODEL), mapping=card_fields(self.model_dir))
         pipe.sadd(contract.MODELS_KEY, MODEL)
         await pipe.execute()
-        try:
-            await self.r.xgroup_create(contract.request_stream(MODEL), contract.CONSUMER_GROUP, id="0",
-                                       mkstream=True)
-        except redis.ResponseError:
-            pass
+        for stream in contract.request_streams(MODEL, contract.DEFAULT_QUEUE_SHARDS):
+            try:
+                await self.r.xgroup_create(stream, contract.CONSUMER_GROUP, id="0", mkstream=True)
+            except redis.ResponseError:
+                pass
 
     async def _close(self) -> None:
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -171,7 +171,9 @@ class FakeEngine:
                 self.cancels.extend(Cancel.FromString(msg["data"]).request_ids)
 
     async def _read(self) -> None:
-        stream = contract.request_stream(MODEL)
+        # Every shard of the queue (the card's count), as a real engine alone serves them:
+        # non-blocking reads, a short pause when all are empty.
+        streams = contract.request_streams(MODEL, contract.DEFAULT_QUEUE_SHARDS)
         while True:
             free = 16 if self.max_running is None else min(16, self.max_running - self.running)
             if self.paused or free <= 0:
@@ -180,26 +182,34 @@ class FakeEngine:
                 await asyncio.sleep(0.05)
                 continue
             self._read_idle.clear()
+            got = 0
             try:
-                resp = await self.r.xreadgroup(contract.CONSUMER_GROUP, self.engine_id, {stream: ">"},
-                                               count=free, block=100)
+                for stream in streams:  # one by one, so that the credit is never exceeded
+                    if free <= 0:
+                        break
+                    resp = await self.r.xreadgroup(contract.CONSUMER_GROUP, self.engine_id, {stream: ">"},
+                                                   count=free)
+                    for _, entries in resp or []:
+                        for entry_id, fields in entries:
+                            req = GenerateRequest.FromString(fields[contract.REQUEST_FIELD])
+                            self.requests.append(req)
+                            self.running += 1
+                            free -= 1
+                            got += 1
+                            self._loop.create_task(self._serve(stream, entry_id, req))
             except redis.ResponseError:  # NOGROUP: Redis restarted without its data
                 await asyncio.sleep(0.1)
                 continue
             except (redis.RedisError, OSError):
                 await asyncio.sleep(0.1)
                 continue
-            for _, entries in resp or []:
-                for entry_id, fields in entries:
-                    req = GenerateRequest.FromString(fields[contract.REQUEST_FIELD])
-                    self.requests.append(req)
-                    self.running += 1
-                    self._loop.create_task(self._serve(entry_id, req))
+            if not got:
+                await asyncio.sleep(0.01)
 
     def _cancelled(self, rid: str) -> bool:
         return rid in self.cancels
 
-    async def _serve(self, entry_id, req: GenerateRequest) -> None:
+    async def _serve(self, stream: str, entry_id, req: GenerateRequest) -> None:
         channel = contract.events_channel(req.reply_to)
         try:
             if await self.r.exists(contract.cancelled_key(req.reply_to, req.request_id)) or self.hang:
@@ -245,7 +255,7 @@ class FakeEngine:
         finally:
             self.running -= 1
             try:
-                await self.r.xack(contract.request_stream(MODEL), contract.CONSUMER_GROUP, entry_id)
+                await self.r.xack(stream, contract.CONSUMER_GROUP, entry_id)
             except (redis.RedisError, OSError):
                 pass
 
