@@ -134,6 +134,13 @@ def build() -> dict:
         q(f"sum(sluice:num_requests_waiting{{{ENGINE}}})", "waiting in engines"),
         q(f"sum(sluice:num_requests_preempted{{{ENGINE}}})", "preempted (waiting)"),
     ], unit="short", description="Requests queued in Redis (the gateways' view) and running / waiting in engines.")
+    L.panel("Queue shards", [
+        q(f"max by (shard) (sluice:queue_shard_depth{{{ENGINE}}})", "shard {{shard}}"),
+    ], unit="short", stack=True, description="Entries waiting in each shard of the request queue (unread by any engine).")
+    L.panel("Steals/s", [
+        q(f"sum by (engine_id) (rate(sluice:queue_stolen_entries_total{{{ENGINE}}}{RATE}))", "{{engine_id}}"),
+    ], unit="reqps", description="Entries engines took from shards they do not own (waited past the steal bound, "
+                                 "or the owner was gone or saturated): high means the shards' owners lack room.")
     L.panel("Preemptions/s", [
         q(f"sum by (engine_id) (rate(sluice:num_preemptions_total{{{ENGINE}}}{RATE}))", "{{engine_id}}"),
     ], unit="short", description="Preemptions by recompute: the KV pool ran out while requests grew.")

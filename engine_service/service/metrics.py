@@ -72,6 +72,9 @@ IO_COUNTERS = {
     "pruned_engines": ("sluice:registry_pruned_engines", "Registry entries of dead engines removed"),
     "orphans": ("sluice:orphaned_entries", "Own pending entries taken back (their XACK was lost)"),
     "gateways_lost": ("sluice:gateways_lost", "Gateways found gone (liveness key missing): their requests aborted"),
+    "stolen": ("sluice:queue_stolen_entries",
+               "Entries this engine took from queue shards it does not own (waited past --steal-after-ms, "
+               "or their owner is gone or saturated)"),
 }
 # Worker.counters keys: the `outcome` label's values of sluice:worker_requests
 WORKER_OUTCOMES = ("invalid", "cancelled", "deadline", "engine_lost", "handed_back", "gateway_lost")
@@ -196,6 +199,7 @@ class _CountersCollector:
         self.labels = list(labels)
         self.io_stats: dict[str, int] = {}
         self.worker_counters: dict[str, int] = {}
+        self.shard_depth: dict[int, int] = {}
 
     def describe(self) -> list:
         return []
@@ -211,6 +215,12 @@ class _CountersCollector:
         for outcome in WORKER_OUTCOMES:
             c.add_metric([*self.labels, outcome], float(self.worker_counters.get(outcome, 0)))
         yield c
+        g = GaugeMetricFamily("sluice:queue_shard_depth",
+                              "Entries of each queue shard no engine has read yet (as this engine last saw them)",
+                              labels=[*LABELS, "shard"])
+        for shard, depth in sorted(dict(self.shard_depth).items()):
+            g.add_metric([*self.labels, str(shard)], float(depth))
+        yield g
 
 
 class _Live:
@@ -298,14 +308,18 @@ class EngineMetrics(NullMetrics):
 
     # ---------------------------------------------------------------- wiring
     def bind(self, snapshot: Callable[[], EngineStats | None], *, io_stats: dict[str, int] | None = None,
-             worker_counters: dict[str, int] | None = None) -> EngineMetrics:
-        """Read gauges and scheduler counters from ``snapshot()`` (e.g. ``Worker.snapshot``), and
-        the I/O and step-loop counters from ``RedisIO.stats`` and ``Worker.counters``."""
+             worker_counters: dict[str, int] | None = None,
+             shard_depth: dict[int, int] | None = None) -> EngineMetrics:
+        """Read gauges and scheduler counters from ``snapshot()`` (e.g. ``Worker.snapshot``), the
+        I/O and step-loop counters from ``RedisIO.stats`` and ``Worker.counters``, and the queue
+        shards' depths from ``RedisIO.shard_depth``."""
         self._snapshot = snapshot
         if io_stats is not None:
             self._counters.io_stats = io_stats
         if worker_counters is not None:
             self._counters.worker_counters = worker_counters
+        if shard_depth is not None:
+            self._counters.shard_depth = shard_depth
         return self
 
     def render(self) -> bytes:

@@ -35,6 +35,7 @@ import redis
 
 from sluice.wire import contract
 from sluice.wire.connection import connect
+from tests.queue_helpers import pending_count, queue_length
 from tests.redis_cluster import LocalRedisCluster
 from tests.waiting import wait_http
 
@@ -124,8 +125,9 @@ class ClusterRedis:
         return f"{killed.port} -> {promoted.port}"
 
     def restart(self) -> str:
-        """The master of the request queue's slot (the stream, the in-flight markers)."""
-        return "queue master kill -9, failover " + self._fail_over(contract.request_stream(MODEL))
+        """The master of a request queue shard's slot (its stream, its in-flight markers; the other
+        shards on that node go with it)."""
+        return "queue master kill -9, failover " + self._fail_over(contract.request_stream(MODEL, 0))
 
     def crash(self) -> str:
         """The master of a gateway's events channel (its token events, its requests' markers)."""
@@ -378,7 +380,6 @@ def test_chaos(topology, model_dir, tmp_path):
         for e in engines:
             wait_engine(rds.url, e.engine_id, timeout=120)
         r = connect(rds.url)
-        stream = contract.request_stream(MODEL)
         # (an entry whose acknowledgement a Redis crash lost is taken back after 30 s idle)
         end = time.monotonic() + 50
         while True:
@@ -386,11 +387,11 @@ def test_chaos(topology, model_dir, tmp_path):
             running = sum(int(v.get("running") or 0) + int(v.get("live_requests") or 0) + int(v.get("waiting") or 0)
                           for v in loads.values())
             leaked = sum(int(v.get("total_blocks") or 0) - int(v.get("free_blocks") or 0) for v in loads.values())
-            pending = int(r.xpending(stream, contract.CONSUMER_GROUP)["pending"])
+            pending = pending_count(r, MODEL)
             if (running == 0 and leaked == 0 and pending == 0) or time.monotonic() > end:
                 break
             time.sleep(0.5)
-        stream_len = r.xlen(stream)
+        stream_len = queue_length(r, MODEL)
         registry = {k.decode() for k in r.hkeys(contract.ENGINES_KEY)}
     finally:
         stop_traffic.set()

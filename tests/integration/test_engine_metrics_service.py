@@ -100,7 +100,7 @@ def test_cancels_deadlines_and_bad_entries_are_counted(service, redis_client, pr
     bad = codec.make_request(f"bad-{uuid.uuid4().hex}", "no-such-model", prompt, {"max_tokens": 2},
                              reply_to=client.new_reply_id())
     sub = client.listen(bad)
-    client.redis.xadd(contract.request_stream(model), codec.encode_request(bad))
+    client.redis.xadd(contract.request_stream(model, 0), codec.encode_request(bad))
     sub.close()
     # one that finishes normally
     ok = client.submit(model, prompt, {"temperature": 0.0, "max_tokens": 3}).collect(timeout=60)
@@ -123,13 +123,13 @@ def test_cancels_deadlines_and_bad_entries_are_counted(service, redis_client, pr
 def test_an_entry_reclaimed_from_a_dead_engine_is_counted(llm, clean_redis, redis_client, prompt):
     client = WireClient(redis_client)
     model = llm.engine.model_name
-    stream = contract.request_stream(model)
+    stream = contract.request_stream(model, 0)
     # before any engine runs: a consumer with no liveness key takes an entry and "dies" holding it
     redis_client.xgroup_create(stream, contract.CONSUMER_GROUP, id="0", mkstream=True)
     request = codec.make_request(f"orphan-{uuid.uuid4().hex}", model, prompt, {"temperature": 0.0, "max_tokens": 3},
                                  reply_to=client.new_reply_id())
     sub = client.listen(request)
-    client.enqueue(request)
+    client.enqueue(request, shard=0)
     taken = redis_client.xreadgroup(contract.CONSUMER_GROUP, "dead-engine", {stream: ">"}, count=1)
     assert taken and taken[0][1], "the dead consumer did not get the entry"
     sub.close()

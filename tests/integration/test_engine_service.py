@@ -17,12 +17,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine_service.service.main import EngineService
-from engine_service.service.redis_io import Entry, parse_entry
+from engine_service.service.redis_io import Entry, EntryRef, parse_entry
 from engine_service.service.settings import ServiceSettings
 from sluice.wire import admin_pb2, admin_pb2_grpc, codec, contract
 from sluice.wire.client import WireClient
 from sluice.wire.messages_pb2 import GenerateRequest
 from tests.docker_support import free_port
+from tests.queue_helpers import pending_count
 
 pytestmark = [pytest.mark.model, pytest.mark.docker]
 
@@ -109,7 +110,7 @@ def wait_idle(svc: EngineService, timeout: float = 10.0) -> admin_pb2.EngineStat
 
 def pending(redis_client, model: str) -> int:
     try:
-        return int(redis_client.xpending(contract.request_stream(model), contract.CONSUMER_GROUP)["pending"])
+        return pending_count(redis_client, model)
     except Exception:
         return 0
 
@@ -267,7 +268,7 @@ def test_malformed_entry_matrix(service, client, prompts, reference, redis_clien
         rid = f"bad-{name}-{uuid.uuid4().hex[:6]}"
         request = raw_request(rid, **changes)
         handles[name] = client.listen(request)
-        redis_client.xadd(contract.request_stream(model), codec.encode_request(request))
+        redis_client.xadd(contract.request_stream(model, 0), codec.encode_request(request))
     for name, handle in handles.items():
         result = handle.collect(timeout=30)
         assert not result.timed_out, f"{name}: no answer"
@@ -305,7 +306,7 @@ def test_health_stats_and_drain_hands_back(llm, clean_redis, redis_client, clien
         assert first.token_ids
         late_id = f"late-{uuid.uuid4().hex[:6]}"
         late_req = codec.make_request(late_id, svc.model, prompts[12], greedy(), reply_to=client.new_reply_id())
-        stream = contract.request_stream(svc.model)
+        stream = contract.request_stream(svc.model, 2)  # a shard; the hand-back must go back to it
         svc.io.stop_reading()  # so that this test, not the reader, takes the next entry
         time.sleep(svc.settings.read_block_ms / 1000 + 0.3)
         entry_id = redis_client.xadd(stream, codec.encode_request(late_req))
@@ -318,7 +319,7 @@ def test_health_stats_and_drain_hands_back(llm, clean_redis, redis_client, clien
             reply = admin_pb2_grpc.EngineAdminStub(channel).Drain(admin_pb2.DrainRequest(grace_period_s=20.0), timeout=5)
         assert reply.accepted
         # delivered after the drain began (Drain queued its note first): handed back, not run
-        svc.worker.inbox.put(parse_entry(eid, fields))
+        svc.io._deliver([parse_entry(EntryRef(stream, eid), fields)])  # as the reader delivers
         end = time.monotonic() + 5
         while health(svc) != health_pb2.HealthCheckResponse.NOT_SERVING and time.monotonic() < end:
             time.sleep(0.05)

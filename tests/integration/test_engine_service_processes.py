@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sluice.wire import contract
 from sluice.wire.client import WireClient
 from tests.docker_support import free_port
+from tests.queue_helpers import pending_count, pending_refs
 
 pytestmark = [pytest.mark.model, pytest.mark.docker]
 
@@ -125,7 +126,7 @@ def test_two_engines_share_work_and_survive_kill9(engines, redis_client):
     for i, result in results.items():
         assert not result.timed_out, (
             f"request {i} ({result.request_id}) hung; pending "
-            f"{redis_client.xpending(contract.request_stream(MODEL), contract.CONSUMER_GROUP)}:\n{b.logs()}"
+            f"{pending_refs(redis_client, MODEL)}:\n{b.logs()}"
         )
         terminal = [e for e in result.events if e.HasField("finished") or e.HasField("error")]
         assert len(terminal) == 1 and result.events[-1] is terminal[0], f"request {i}: events after the final one"
@@ -146,10 +147,10 @@ def test_two_engines_share_work_and_survive_kill9(engines, redis_client):
     # everything acknowledged: nothing of the dead engine is left pending
     end = time.monotonic() + 10
     while time.monotonic() < end:
-        if int(redis_client.xpending(contract.request_stream(MODEL), contract.CONSUMER_GROUP)["pending"]) == 0:
+        if pending_count(redis_client, MODEL) == 0:
             break
         time.sleep(0.2)
-    assert int(redis_client.xpending(contract.request_stream(MODEL), contract.CONSUMER_GROUP)["pending"]) == 0
+    assert pending_count(redis_client, MODEL) == 0
     # The survivor drains on SIGTERM and exits 0.
     b.proc.send_signal(signal.SIGTERM)
     assert b.proc.wait(60) == 0, b.logs()
@@ -181,8 +182,8 @@ def test_sigterm_drains_not_serving_then_exit_0(engines, redis_client):
     assert c.proc.wait(60) == 0, c.logs()
     # The queued request was not lost: it is in the queue for the next engine.
     assert queued.collect(timeout=0.5).timed_out
-    stream = contract.request_stream(MODEL)
-    assert int(redis_client.xpending(stream, contract.CONSUMER_GROUP)["pending"]) == 0
+    stream = contract.request_stream(MODEL, queued.shard)  # handed back to its own shard
+    assert pending_count(redis_client, MODEL) == 0
     reply = redis_client.xreadgroup(contract.CONSUMER_GROUP, "test-reader", {stream: ">"}, count=10)
     from engine_service.service.redis_io import parse_entry
 

@@ -60,10 +60,13 @@ def test_a_cluster_client_reaches_every_node(clean_redis_cluster) -> None:
         assert is_cluster(client)
         models = [f"model-{i}" for i in range(30)]
         for model in models:
-            client.xadd(contract.request_stream(model), {contract.REQUEST_FIELD: b"x"})
-        owners = {clean_redis_cluster.master_for(contract.request_stream(m)).port for m in models}
+            client.xadd(contract.request_stream(model, 0), {contract.REQUEST_FIELD: b"x"})
+        owners = {clean_redis_cluster.master_for(contract.request_stream(m, 0)).port for m in models}
         assert len(owners) == 3, "the queues of 30 models should land on all three masters"
-        assert all(client.xlen(contract.request_stream(m)) == 1 for m in models)
+        assert all(client.xlen(contract.request_stream(m, 0)) == 1 for m in models)
+        # and one model's queue shards spread over the masters too
+        shards = contract.request_streams("one-model", contract.DEFAULT_QUEUE_SHARDS)
+        assert len({clean_redis_cluster.master_for(s).port for s in shards}) == 3
     finally:
         client.close()
 

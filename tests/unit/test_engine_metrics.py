@@ -36,7 +36,7 @@ ENGINE_SAMPLES = {
     "sluice:reclaimed_requests_total", "sluice:redis_reconnects_total",
     "sluice:redis_published_batches_total", "sluice:redis_publish_retries_total", "sluice:redis_dropped_batches_total",
     "sluice:stream_trimmed_entries_total", "sluice:registry_pruned_engines_total", "sluice:orphaned_entries_total",
-    "sluice:gateways_lost_total", "sluice:worker_requests_total",
+    "sluice:gateways_lost_total", "sluice:worker_requests_total", "sluice:queue_stolen_entries_total",
     *(f"sluice:{h}_{suffix}" for h in (
         "time_to_first_token_seconds", "time_per_output_token_seconds", "inter_token_latency_seconds",
         "e2e_request_latency_seconds", "request_queue_time_seconds", "request_stream_queue_time_seconds",

@@ -84,6 +84,18 @@ def test_decode_refuses_another_contract_version_and_malformed_cards() -> None:
         ModelCard.decode({k: v for k, v in fields.items() if k != wire_card.F_TOKENIZER_JSON})
 
 
+def test_card_carries_the_queue_sharding() -> None:
+    card = ModelCard(name="m", max_model_len=8, vocab_size=10, eos_token_ids=[1], tokenizer_json="{}",
+                     queue_shards=12, block_size=32, shard_prefix_blocks=4)
+    back = ModelCard.decode(card.encode())
+    assert (back.queue_shards, back.block_size, back.shard_prefix_blocks) == (12, 32, 4)
+    assert ModelCard(name="m", max_model_len=8, vocab_size=10, eos_token_ids=[1],
+                     tokenizer_json="{}").queue_shards == contract.DEFAULT_QUEUE_SHARDS > 1
+    for bad in ("0", "-3", str(contract.MAX_QUEUE_SHARDS + 1), "many"):
+        with pytest.raises(CardError, match="malformed"):
+            ModelCard.decode({**card.encode(), wire_card.F_QUEUE_SHARDS: bad})
+
+
 def test_sampling_defaults_from_generation_config() -> None:
     assert sampling_defaults({"temperature": 0.7, "top_k": 20.0, "top_p": True, "max_length": 5}) == {
         "temperature": 0.7, "top_k": 20}
