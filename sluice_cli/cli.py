@@ -25,6 +25,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "scheduler"): ("engine_service.bench.scheduler", "model-free scheduler benchmark (batchbench)"),
     ("bench", "serve"): ("sluice_cli.bench_serve", "serving benchmark against a running gateway"),
     ("bench", "plot"): ("sluice.plots", "charts of saved bench results (JSON), as the benches draw them"),
+    ("bench", "prefix-affinity"): ("engine_service.bench.prefix_affinity",
+                                   "one request queue against a queue sharded by prompt prefix (3 engines)"),
     ("bench", "gateway-memory"): ("sluice_cli.bench_gateway_memory",
                                   "gateway memory across requests naming random unknown models"),
 }

@@ -687,7 +687,10 @@ class RedisIO:
         # "this engine serves", so a gateway that sees the engine also finds its card.
         if not self.redis.exists(contract.model_card_key(self.model)):
             self.publish_card()
-        entry = registry.EngineEntry.from_load(self.consumer, self.model, time.time(), self.load())
+        load = dict(self.load())
+        with self._credit_lock:
+            load["free_slots"] = max(0, self._credit())  # 0 while draining: its shards are others' now
+        entry = registry.EngineEntry.from_load(self.consumer, self.model, time.time(), load)
         pipe = self.redis.pipeline(transaction=True)  # both in the registry's slot
         pipe.set(contract.engine_key(self.consumer), json.dumps({"model": self.model}), px=int(self.settings.heartbeat_ttl_s * 1000))
         pipe.hset(contract.ENGINES_KEY, self.consumer, entry.encode())
@@ -774,8 +777,10 @@ class RedisIO:
         live = set(peers) | ({self.consumer} if self.reading else set())
         count = max(shards.shard_count(counts, self.settings.queue_shards), len(self.streams))
         owners = tuple(shards.owners(count, live))
-        view = ShardView(count, tuple(i for i, o in enumerate(owners) if o == self.consumer), owners,
-                         frozenset(e for e, entry in peers.items() if entry.waiting > 0))
+        # One shard is one shared queue, as before sharding: every engine reads it as its own.
+        owned = tuple(range(count)) if count == 1 and self.reading else \
+            tuple(i for i, o in enumerate(owners) if o == self.consumer)
+        view = ShardView(count, owned, owners, frozenset(e for e, entry in peers.items() if entry.saturated))
         if view.owned != self.view.owned:
             log.info("owning queue shards %s of %d (%d live engines)", list(view.owned), count, len(live))
         self._set_view(view)

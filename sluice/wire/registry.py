@@ -27,6 +27,13 @@ class EngineEntry:
     live_requests: int = 0
     generation_tokens_per_s: float = 0.0
     grpc_port: int = 0  # the admin service's port; 0: none
+    free_slots: int = -1  # entries its reader may still take (its admission credit); -1: unknown
+
+    @property
+    def saturated(self) -> bool:
+        """No room for more work at its last beat: requests wait inside it, or its credit is spent.
+        Peers take its queue shards' entries without waiting for the steal bound."""
+        return self.waiting > 0 or self.free_slots == 0
 
     def encode(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
