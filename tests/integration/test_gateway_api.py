@@ -504,3 +504,30 @@ def test_limits_shared_with_the_engine_refused_before_queueing(gateway, fake_eng
                                                           "logit_bias": bias})
     assert_error(r, 400)
     assert not fake_engine.requests
+
+
+def test_the_gateway_shards_by_prompt_prefix(gateway, fake_engine):
+    """Chat requests of one tenant (system prompt) share a queue shard, a conversation's next turn
+    stays on its shard, different tenants spread, and prompts that are all chat-template header
+    (no system prompt, a short message) spread by request id instead of piling onto one shard."""
+    def chat(messages: list[dict]) -> str:
+        r = httpx.post(f"{gateway.url}/v1/chat/completions",
+                       json={"model": MODEL, "messages": messages, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200, r.text
+        return fake_engine.stream_of[fake_engine.requests[-1].request_id]
+
+    def system(tenant: int) -> dict:
+        return {"role": "system", "content": f"You are the assistant of tenant number {tenant}. " + "Be precise and kind. " * 40}
+
+    tenants = {t: chat([system(t), {"role": "user", "content": f"question {q}"}]) for t in range(6) for q in range(2)}
+    for t in range(6):
+        assert len({chat([system(t), {"role": "user", "content": f"another question {q}"}]) for q in range(3)}) == 1
+        assert chat([system(t), {"role": "user", "content": "x"}]) == tenants[t]
+    assert len(set(tenants.values())) >= 3, tenants
+    # a conversation: turn 2 carries turn 1 (and its answer) as its prefix
+    turn1 = [system(99), {"role": "user", "content": "What is a shard?"}]
+    first = chat(turn1)
+    turn2 = [*turn1, {"role": "assistant", "content": "A part of a queue."}, {"role": "user", "content": "And a slot?"}]
+    assert chat(turn2) == first
+    # header-only prompts: no system prompt and a one-word message spread over several shards
+    assert len({chat([{"role": "user", "content": "hi"}]) for _ in range(16)}) >= 4

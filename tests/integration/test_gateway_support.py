@@ -55,6 +55,7 @@ class FakeEngine:
         self.token_delay = token_delay
         self.engine_id = "fake-0"
         self.requests: list[GenerateRequest] = []
+        self.stream_of: dict[str, str] = {}  # request id -> the queue shard's stream it came from
         self.cancels: list[str] = []
         self.finished: set[str] = set()
         self.hang = False  # read requests but never answer
@@ -193,6 +194,7 @@ class FakeEngine:
                         for entry_id, fields in entries:
                             req = GenerateRequest.FromString(fields[contract.REQUEST_FIELD])
                             self.requests.append(req)
+                            self.stream_of[req.request_id] = stream
                             self.running += 1
                             free -= 1
                             got += 1
