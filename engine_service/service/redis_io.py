@@ -4,7 +4,7 @@
   (credit): first the shards this engine owns (rendezvous hashing over the live engines,
   ``sluice.wire.shards``), in one pipelined non-blocking read, then, when room is left, the
   oldest entries of other shards that waited ``steal_after_ms`` (or whose owner is gone or
-  saturated). Between empty reads it pauses 1 ms, doubling up to ``read_idle_ms``: one code path on
+  saturated). Between empty reads it pauses, doubling the pause up to ``read_idle_ms``: one code path on
   one Redis and on a cluster, where one XREADGROUP cannot block on streams of several slots.
   It checks the cancel marker (and, for reclaimed entries, the emitted marker) in the same round
   trip and delivers to the worker's inbox.
@@ -398,10 +398,17 @@ class RedisIO:
 
     def _read_shards(self, shard_ids: list[int], count: int, stolen: bool = False) -> list[Entry]:
         """One pipelined, non-blocking XREADGROUP per shard (a cluster pipeline sends each node its
-        part), the credit split so that the total never exceeds ``count``: a short credit goes to
-        a rotating subset of the shards."""
+        part), the credit split so that the total never exceeds ``count``: a credit shorter than
+        the shards goes to those with unread entries, a rotating subset when they are still more."""
         if not shard_ids or count <= 0:
             return []
+        if not stolen and count < len(shard_ids):
+            # Less credit than shards: look first which hold unread entries (one more pipelined
+            # round trip), so that the credit goes to those rather than to empty ones.
+            positions = self._positions([self.streams[i] for i in shard_ids])
+            shard_ids = [i for i, (last, lag) in zip(shard_ids, positions, strict=True) if last is None or lag != 0]
+            if not shard_ids:
+                return []
         if not stolen:
             k = self._rotation % len(shard_ids)
             shard_ids = shard_ids[k:] + shard_ids[:k]
