@@ -314,8 +314,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=20.0, help="Poisson arrivals, requests/s")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--prefix-blocks", type=int, default=contract.DEFAULT_SHARD_PREFIX_BLOCKS)
-    parser.add_argument("--num-blocks", type=int, default=720,
-                        help="KV blocks per engine (default: a third of the tenants' prefixes fit, with room to run)")
+    parser.add_argument("--num-blocks", type=int, default=900,
+                        help="KV blocks per engine (default: about two fifths of the tenants' prefixes fit beside a full batch, all of them in three engines)")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--prefill-us-per-token", type=float, default=40.0, help="cost model: per prompt token computed")
     parser.add_argument("--decode-ms-per-step", type=float, default=4.0, help="cost model: per step that decodes")
