@@ -224,6 +224,7 @@ class RedisIO:
         self._grouped: set[str] = set()  # streams whose consumer group exists (reader thread)
         self._rotation = 0  # which owned shard a short credit starts with, so none starves
         self._next_probe = 0.0
+        self._room_shown: bool | None = None  # what contract.room_key last said (reader thread)
         self.shard_depth: dict[int, int] = {}  # undelivered entries per shard (housekeeper, metrics)
         self.inbox = inbox
         self.card = card
@@ -293,6 +294,7 @@ class RedisIO:
             try:
                 pipe = self.redis.pipeline(transaction=False)
                 pipe.delete(contract.engine_key(self.consumer))
+                pipe.delete(contract.room_key(self.consumer))
                 pipe.hdel(contract.ENGINES_KEY, self.consumer)
                 pipe.execute()
             except _REDIS_ERRORS + (redis.RedisError,) as exc:
@@ -353,9 +355,13 @@ class RedisIO:
                 continue
             with self._credit_lock:
                 credit = self._credit()
-                if credit <= 0:
-                    self._credit_lock.wait(0.1)
-                    continue
+            if (credit > 0) != self._room_shown:
+                self._show_room(credit > 0)
+            if credit <= 0:
+                with self._credit_lock:
+                    if self._credit() <= 0:
+                        self._credit_lock.wait(0.1)
+                continue
             try:
                 entries = self.read(min(credit, self.settings.max_read_batch))
                 backoff.ok()
@@ -378,6 +384,16 @@ class RedisIO:
             else:  # an idle queue: pause a little, a little longer each time
                 self._stop.wait(idle_s)
                 idle_s = min(idle_s * 2, self.settings.read_idle_ms / 1000)
+
+    def _show_room(self, room: bool) -> None:
+        """Tell peers at once whether this engine can take more (``contract.room_key``): while it
+        cannot, they take its shards' entries without waiting for the steal bound."""
+        try:
+            self.redis.set(contract.room_key(self.consumer), b"1" if room else b"0",
+                           px=int(self.settings.heartbeat_ttl_s * 1000))
+            self._room_shown = room
+        except _REDIS_ERRORS + (redis.RedisError,) as exc:
+            log.debug("reader: could not publish room (%s)", exc)
 
     def read(self, count: int) -> list[Entry]:
         """At most ``count`` new entries: own shards first, then what may be stolen."""
@@ -419,15 +435,26 @@ class RedisIO:
         for i, shard in enumerate(shard_ids):
             pipe.xreadgroup(contract.CONSUMER_GROUP, self.consumer, {self.streams[shard]: ">"},
                             count=base + (1 if i < extra else 0))
-        replies = pipe.execute()
+        # A failing node (a cluster failover) must not hide what the others delivered: those
+        # entries are ours now, pending; dropping them would leave them to the orphan check.
+        replies = pipe.execute(raise_on_error=False)
         entries = []
+        failed: list[Exception] = []
         for shard, reply in zip(shard_ids, replies, strict=True):
             stream = self.streams[shard]
+            if isinstance(reply, Exception):
+                failed.append(reply)
+                self._grouped.discard(stream)
+                continue
             for _, messages in reply or []:
                 for eid, fields in messages:
                     entry = parse_entry(EntryRef(stream, eid), fields)
                     entry.shard, entry.stolen = shard, stolen
                     entries.append(entry)
+        if failed and not entries:
+            raise failed[0]
+        if failed:
+            log.warning("reader: %d of %d shard reads failed (%s)", len(failed), len(shard_ids), failed[0])
         return entries
 
     def steal_candidates(self, view: ShardView, streams: list[str]) -> list[int]:
@@ -444,10 +471,16 @@ class RedisIO:
                   if last is not None and lag != 0]
         if not looked:
             return []
+        owners = sorted({o for i, _ in looked if (o := view.owners[i] if i < len(view.owners) else None)})
         pipe = self.redis.pipeline(transaction=False)
         for i, last in looked:
             pipe.xrange(streams[i], min="(" + last, count=1)
-        firsts = pipe.execute(raise_on_error=False)
+        for o in owners:
+            pipe.get(contract.room_key(o))
+        replies = pipe.execute(raise_on_error=False)
+        firsts, rooms = replies[:len(looked)], dict(zip(owners, replies[len(looked):], strict=True))
+        # no room: its reader's credit is spent (or it has not said so: hung, dying)
+        full = {o for o, room in rooms.items() if room in (b"0", "0", None)} | set(view.saturated)
         now_ms = self._redis_ms()
         ready: list[tuple[int, int]] = []
         for (i, _), first in zip(looked, firsts, strict=True):
@@ -455,7 +488,7 @@ class RedisIO:
                 continue
             age = now_ms - shards.entry_ms(first[0][0])
             owner = view.owners[i] if i < len(view.owners) else None
-            if age >= self.settings.steal_after_ms or owner is None or owner in view.saturated:
+            if age >= self.settings.steal_after_ms or owner is None or owner in full:
                 ready.append((age, i))
         return [i for _, i in sorted(ready, reverse=True)]
 
@@ -700,6 +733,8 @@ class RedisIO:
         entry = registry.EngineEntry.from_load(self.consumer, self.model, time.time(), load)
         pipe = self.redis.pipeline(transaction=True)  # both in the registry's slot
         pipe.set(contract.engine_key(self.consumer), json.dumps({"model": self.model}), px=int(self.settings.heartbeat_ttl_s * 1000))
+        pipe.set(contract.room_key(self.consumer), b"1" if load["free_slots"] > 0 else b"0",
+                 px=int(self.settings.heartbeat_ttl_s * 1000))
         pipe.hset(contract.ENGINES_KEY, self.consumer, entry.encode())
         pipe.execute()
 

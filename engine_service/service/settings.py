@@ -39,7 +39,7 @@ class ServiceSettings:
     queue_shards: int = contract.DEFAULT_QUEUE_SHARDS
     shard_prefix_blocks: int = contract.DEFAULT_SHARD_PREFIX_BLOCKS
     steal_after_ms: int = contract.DEFAULT_STEAL_AFTER_MS  # another shard's entry that waited this long is taken
-    steal_probe_ms: int = 50  # at most one look at other shards per this many ms (when there is room)
+    steal_probe_ms: int = 20  # at most one look at other shards per this many ms (when there is room)
     read_idle_ms: int = 10  # the longest pause between reads of an idle queue (the pause doubles from 1 ms)
     max_read_batch: int = 16  # at most this many entries per XREADGROUP: a replica takes a bite, not the queue
     trim_interval_s: float = 2.0  # how often acknowledged stream entries are trimmed, dead engines pruned

@@ -35,6 +35,7 @@ three families:
 | sluice:{registry}:cancel             | sharded channel        | gateway | Cancel messages; every engine listens     |
 | sluice:{registry}:engines            | hash id -> EngineEntry | engine  | the registry (``sluice.wire.registry``): model, load, last heartbeat |
 | sluice:{registry}:engine:<engine_id> | string with TTL        | engine  | liveness: gone when the heartbeat lapses  |
+| sluice:{registry}:room:<engine_id>   | string with TTL        | engine  | "1" while the engine's reader has credit (room for more work), "0" when it has none: written when that changes and with each heartbeat; a peer takes the queue shards of an owner without room at once |
 | sluice:{registry}:gateway:<gateway_id>| string with TTL       | gateway | liveness of the gateway process named in GenerateRequest.gateway_id: gone for GATEWAY_LOST_AFTER_S = its requests are aborted |
 | sluice:{registry}:model:<model>      | hash                   | engine  | model card (``sluice.wire.card``): tokenizer, chat template, limits |
 | sluice:{registry}:models             | set                    | engine  | names of models that have a card          |
@@ -138,6 +139,10 @@ def cancelled_key(reply_to: str, request_id: str) -> str:
 
 def engine_key(engine_id: str) -> str:
     return f"{PREFIX}:{REGISTRY_TAG}:engine:{engine_id}"
+
+
+def room_key(engine_id: str) -> str:
+    return f"{PREFIX}:{REGISTRY_TAG}:room:{engine_id}"
 
 
 def gateway_key(gateway_id: str) -> str:

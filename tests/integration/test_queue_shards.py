@@ -65,11 +65,13 @@ def served_once(result: Result, one_engine: bool = True) -> str:
     return terminal[0].engine_id
 
 
-def ghost(r, engine_id: str, waiting: int = 0, ttl_s: float = 60.0) -> None:
-    """A registered, live engine of the model that never reads (busy elsewhere, or hung)."""
+def ghost(r, engine_id: str, waiting: int = 0, room: bytes = b"1", ttl_s: float = 60.0) -> None:
+    """A registered, live engine of the model that never reads: it says it has room (a hung
+    reader), or says it has none (``room=b"0"``, or requests ``waiting`` in its registry entry)."""
     entry = registry.EngineEntry(engine_id=engine_id, model=MODEL, heartbeat=time.time(), waiting=waiting)
     r.hset(contract.ENGINES_KEY, engine_id, entry.encode())
     r.set(contract.engine_key(engine_id), json.dumps({"model": MODEL}), px=int(ttl_s * 1000))
+    r.set(contract.room_key(engine_id), room, px=int(ttl_s * 1000))
 
 
 def tenants_on(shard_ids: set[int], count: int) -> list[int]:
@@ -119,12 +121,19 @@ def test_what_a_silent_owner_holds_is_stolen_past_the_bound(services, redis_clie
     wait_until(lambda: not pending_refs(redis_client, MODEL, shards=S), 5, "everything acknowledged")
 
 
-def test_a_saturated_owners_entries_are_taken_at_once(services, redis_client):
-    """An owner whose registry entry shows requests waiting inside it has no room: its shards'
-    entries are taken without waiting for the bound (a minute here)."""
-    ghost(redis_client, "busy", waiting=5)
+@pytest.mark.parametrize("signal", ["room", "registry"])
+def test_a_saturated_owners_entries_are_taken_at_once(services, redis_client, signal):
+    """An owner without room (its reader's credit spent: ``contract.room_key``, or requests waiting
+    inside it in its registry entry) cannot take them: its shards' entries are taken without
+    waiting for the bound (a minute here)."""
+    if signal == "room":
+        ghost(redis_client, "busy", room=b"0")
+    else:
+        ghost(redis_client, "busy", waiting=5)
     svc = services(steal_after_ms=60_000)
-    wait_until(lambda: "busy" in svc.io.view.saturated, 10, "the busy owner seen as saturated")
+    wait_until(lambda: "busy" in svc.io.view.owners, 10, "the busy owner seen")
+    if signal == "registry":
+        wait_until(lambda: "busy" in svc.io.view.saturated, 10, "the busy owner seen as saturated")
     theirs = {i for i, o in enumerate(svc.io.view.owners) if o == "busy"}
     client = WireClient(redis_client)
     handles = [client.submit(MODEL, prompt(t), PARAMS) for t in tenants_on(theirs, 4)]
