@@ -68,8 +68,8 @@ class EntryRef(NamedTuple):
 @dataclass(frozen=True)
 class ShardView:
     """What the housekeeper learnt from the registry, read by the reader: the shards served (the
-    largest count published), this engine's own ones, each shard's owner and whether it is
-    saturated (its registry entry shows requests waiting inside it)."""
+    largest count published), this engine's own ones, each shard's owner, and the owners whose
+    registry entry says they are saturated (the reader also reads their room keys, fresher)."""
 
     count: int
     owned: tuple[int, ...]
