@@ -96,3 +96,23 @@ def test_entry_age_and_served_shard_count():
     assert shards.shard_count([b"4", b"16", b"x"], own=8) == 16
     assert shards.shard_count([], own=8) == 8
     assert shards.shard_count([b"100000"], own=1) == contract.MAX_QUEUE_SHARDS
+
+
+def test_engine_flags_refuse_a_bad_shard_count(capsys):
+    import argparse
+
+    import pytest
+
+    from engine_service.service.main import add_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--queue-shards", "4", "--steal-after-ms", "50", "--shard-prefix-blocks", "2"])
+    settings = settings_from_args(args)
+    assert (settings.queue_shards, settings.steal_after_ms, settings.shard_prefix_blocks) == (4, 50, 2)
+    for bad in (["--queue-shards", "0"], ["--queue-shards", "many"], ["--steal-after-ms", "-1"],
+                ["--queue-shards", str(contract.MAX_QUEUE_SHARDS + 1)]):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(bad)
+        assert exc.value.code == 2
+        assert bad[0] in capsys.readouterr().err
