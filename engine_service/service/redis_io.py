@@ -4,8 +4,9 @@
   (credit): first the shards this engine owns (rendezvous hashing over the live engines,
   ``sluice.wire.shards``), in one pipelined non-blocking read, then, when room is left, the
   oldest entries of other shards that waited ``steal_after_ms`` (or whose owner is gone or
-  saturated). Between empty reads it pauses, doubling the pause up to ``read_idle_ms``: one code path on
-  one Redis and on a cluster, where one XREADGROUP cannot block on streams of several slots.
+  saturated). After an empty read it BLOCKs on its shards in one XREADGROUP on one Redis server;
+  on a cluster, where one XREADGROUP cannot name streams of several slots, it pauses instead,
+  doubling the pause up to ``read_idle_ms``.
   It checks the cancel marker (and, for reclaimed entries, the emitted marker) in the same round
   trip and delivers to the worker's inbox.
 - canceller: SSUBSCRIBE to the cancel channel; delivers Cancel ids to the inbox.
@@ -47,7 +48,7 @@ from redis.backoff import ExponentialBackoff
 
 from engine_service.service.metrics import NULL_METRICS, NullMetrics
 from sluice.wire import codec, contract, policy, registry, shards
-from sluice.wire.connection import TRANSIENT_ERRORS, connect, read_shard_message, refresh_topology
+from sluice.wire.connection import TRANSIENT_ERRORS, connect, is_cluster, read_shard_message, refresh_topology
 from sluice.wire.messages_pb2 import Cancel, Event, GenerateRequest
 
 log = logging.getLogger("sluice.engine.io")
@@ -230,6 +231,9 @@ class RedisIO:
         self.card = card
         self.load = load  # the worker's latest load snapshot, for the heartbeat
         self.redis = connect(settings.redis_url, socket_timeout=max(5.0, settings.read_block_ms / 1000 + 2.0))
+        # One server: an idle reader BLOCKs on its shards in one XREADGROUP. A cluster cannot
+        # (CROSSSLOT: the shards' streams are in different slots), so its reader polls.
+        self._can_block = not is_cluster(self.redis)
         # request id -> reply_to of the requests delivered to the worker and not acknowledged yet:
         # where their events go (the worker's events name the request only).
         self._reply_to: dict[str, str] = {}
@@ -364,6 +368,8 @@ class RedisIO:
                 continue
             try:
                 entries = self.read(min(credit, self.settings.max_read_batch))
+                if not entries and self._can_block:
+                    entries = self._wait_for_entries()
                 backoff.ok()
                 self.connected.set()
             except _REDIS_ERRORS as exc:
@@ -381,9 +387,32 @@ class RedisIO:
             if entries:
                 idle_s = 0.001
                 self._deliver(entries)
-            else:  # an idle queue: pause a little, a little longer each time
+            elif not self._can_block:  # an idle queue on a cluster: pause a little, longer each time
                 self._stop.wait(idle_s)
                 idle_s = min(idle_s * 2, self.settings.read_idle_ms / 1000)
+
+    def _wait_for_entries(self) -> list[Entry]:
+        """One Redis server: after an empty read, BLOCK on the owned shards' streams in ONE
+        XREADGROUP (COUNT 1 each) until an entry comes, or until the next look at other shards is
+        due (``steal_probe_ms``; ``read_block_ms`` when there are none). An idle engine so costs
+        nothing and a new entry is read at once. Only an entry that lands between the empty read
+        and this one can make the read return more than one (one per shard at most)."""
+        view = self.view
+        owned = [self.streams[i] for i in view.owned if i < len(self.streams)]
+        others = view.count > len(owned)
+        if not owned:
+            self._stop.wait(self.settings.steal_probe_ms / 1000)
+            return []
+        reply = self.redis.xreadgroup(contract.CONSUMER_GROUP, self.consumer, {s: ">" for s in owned}, count=1,
+                                      block=self.settings.steal_probe_ms if others else self.settings.read_block_ms)
+        entries = []
+        for name, messages in reply or []:
+            stream = _str(name)
+            for eid, fields in messages:
+                entry = parse_entry(EntryRef(stream, eid), fields)
+                entry.shard = self._shard_of.get(stream, 0)
+                entries.append(entry)
+        return entries
 
     def _show_room(self, room: bool) -> None:
         """Tell peers at once whether this engine can take more (``contract.room_key``): while it
