@@ -111,7 +111,8 @@ class EngineService:
             self.metrics = EngineMetrics(self.model, settings.engine_id)
             self.metrics.serve(settings.metrics_port, settings.metrics_host)
         if self.metrics is not None:
-            self.metrics.bind(self.worker.snapshot, io_stats=self.io.stats, worker_counters=self.worker.counters)
+            self.metrics.bind(self.worker.snapshot, io_stats=self.io.stats, worker_counters=self.worker.counters,
+                              spec_decode=lambda: getattr(getattr(engine, "scheduler", None), "spec_stats", None))
             self.worker.metrics = self.io.metrics = self.metrics
         self._thread: threading.Thread | None = None
 

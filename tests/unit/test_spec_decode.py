@@ -289,3 +289,29 @@ def test_a_bad_verification_result_ends_the_request_with_an_error():
     assert req.finish_reason is FinishReason.ERROR
     sched.check_invariants()
     assert sched.block_pool.num_free_blocks == sched.block_pool.num_total_blocks
+
+
+# --- metrics ---
+def test_spec_decode_counters_are_exported_with_vllms_names():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine_service.service.metrics import EngineMetrics
+
+    sched, runner = make()
+    run(sched, runner, requests(3, 6))
+    stats = sched.spec_stats
+    m = EngineMetrics("smol", "e1", process_metrics=False)
+    unbound = {s.name: s.value for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
+    assert unbound["sluice:spec_decode_num_drafts_total"] == 0  # exported at 0 when nothing speculates
+    m.bind(lambda: None, spec_decode=lambda: stats)
+    got: dict[tuple, float] = {}
+    for family in text_string_to_metric_families(m.render().decode()):
+        for s in family.samples:
+            if s.name.startswith("sluice:spec_decode"):
+                assert s.labels["model"] == "smol" and s.labels["engine_id"] == "e1"
+                got[s.name, s.labels.get("position")] = s.value
+    assert got["sluice:spec_decode_num_drafts_total", None] == stats.num_drafts > 0
+    assert got["sluice:spec_decode_num_draft_tokens_total", None] == stats.num_draft_tokens
+    assert got["sluice:spec_decode_num_accepted_tokens_total", None] == stats.num_accepted_tokens > 0
+    per_pos = [got["sluice:spec_decode_num_accepted_tokens_per_pos_total", str(p)] for p in range(4)]
+    assert per_pos == stats.num_accepted_tokens_per_pos and per_pos[0] >= per_pos[1] >= per_pos[2]
