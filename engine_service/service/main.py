@@ -175,6 +175,15 @@ def run(args: argparse.Namespace) -> int:
     except RedisURLError as exc:
         log.error("%s", exc)
         return 2
+    from engine_service.config import SpeculativeConfig
+
+    try:  # a speculative configuration that cannot work stops the engine now, naming the knob
+        spec = SpeculativeConfig.parse(getattr(args, "speculative_config", None))
+        if spec is not None:
+            spec.check(args.max_num_batched_tokens)
+    except ValueError as exc:
+        log.error("--speculative-config: %s", exc)
+        return 2
     try:
         if settings.metrics_port:  # fail now, not after loading the model
             check_port_free(settings.metrics_port, settings.metrics_host)

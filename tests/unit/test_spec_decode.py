@@ -315,3 +315,12 @@ def test_spec_decode_counters_are_exported_with_vllms_names():
     assert got["sluice:spec_decode_num_accepted_tokens_total", None] == stats.num_accepted_tokens > 0
     per_pos = [got["sluice:spec_decode_num_accepted_tokens_per_pos_total", str(p)] for p in range(4)]
     assert per_pos == stats.num_accepted_tokens_per_pos and per_pos[0] >= per_pos[1] >= per_pos[2]
+
+
+def test_sluice_engine_refuses_a_bad_speculative_config_before_loading_the_model(caplog):
+    from sluice_cli.cli import main
+
+    rc = main(["engine", "--redis-url", "redis://127.0.0.1:1", "--max-num-batched-tokens", "8",
+               "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 8}'])
+    assert rc == 2
+    assert "--speculative-config" in caplog.text and "max_num_batched_tokens (8)" in caplog.text
