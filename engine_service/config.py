@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import typing
 from dataclasses import dataclass, field
@@ -87,6 +88,11 @@ class EngineConfig:
     reasoning_parser: str | None = knob(None, "how gateways split <think> reasoning into reasoning_content (default: "
                                         "detected from the chat template; none: never)",
                                         choices=[*dialects.REASONING_PARSERS, dialects.NO_REASONING])
+    speculative_config: str | dict | None = knob(
+        None, "speculative decoding, as JSON (vLLM's shape): {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
+        "\"prompt_lookup_max\": n, \"prompt_lookup_min\": m}: each decode drafts up to k tokens from the request's "
+        "own prompt and output and verifies them in one forward (docs/scheduler.md); default: none",
+        metavar="JSON")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -143,6 +149,8 @@ def engine_cli_args(config: EngineConfig) -> list[str]:
             continue
         if isinstance(value, bool):
             out.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, dict):
+            out += [_flag(f.name), json.dumps(value)]
         else:
             out += [_flag(f.name), str(value)]
     return out
@@ -163,8 +171,92 @@ class SchedulerConfig:
     # query-key pairs a step's prefill chunks may attend to (scheduler.py, point 4); None: what a
     # fresh prefill of the whole budget attends to, B * (B + 1) / 2; 0: no limit
     max_num_batched_pairs: int | None = None
+    speculative_config: SpeculativeConfig | None = None  # n-gram speculation (engine_service.core.spec_decode)
 
     def resolved_watermark_blocks(self) -> int:
         if self.watermark_blocks is not None:
             return self.watermark_blocks
         return int(DEFAULT_WATERMARK_SHARE * self.num_blocks)
+
+
+# The n-gram index keeps one entry per position and size: sizes are bounded so a token costs a
+# bounded number of dictionary updates.
+MAX_PROMPT_LOOKUP = 32
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
+    "prompt_lookup_min": m}`` (vLLM's keys). A missing ``prompt_lookup_min`` / ``_max`` takes the
+    other's value; both missing: 5 (vLLM's defaults)."""
+
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
+    method: str = "ngram"
+
+    @classmethod
+    def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From a dict or its JSON text (``--speculative-config``); None or {} stays None. Raises
+        ValueError naming the knob that is wrong."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON ({exc.msg}): {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, not {type(value).__name__}")
+        if not value:
+            return None
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
+                             f"it takes {', '.join(sorted(known))}")
+        method = value.get("method", "ngram")
+        if method != "ngram":
+            raise ValueError(f"speculative_config.method {method!r} is not supported; the only method is "
+                             "'ngram' (prompt lookup, no draft model)")
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            v = value.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"speculative_config.{key} must be an integer, got {v!r}")
+        k = value.get("num_speculative_tokens")
+        if k is None:
+            raise ValueError("speculative_config.num_speculative_tokens is required (the draft length k)")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo = hi = 5
+        elif lo is None:
+            lo = hi
+        elif hi is None:
+            hi = lo
+        config = cls(num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo, method=method)
+        config.check()
+        return config
+
+    def check(self, max_num_batched_tokens: int | None = None) -> None:
+        """Raise ValueError naming the knob when this configuration cannot work."""
+        k = self.num_speculative_tokens
+        if k < 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be at least 1, got {k}")
+        if max_num_batched_tokens is not None and k + 1 > max_num_batched_tokens:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens ({k}) does not fit the step's token budget: a "
+                f"request with k drafts forwards k + 1 = {k + 1} tokens, more than max_num_batched_tokens "
+                f"({max_num_batched_tokens})")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo < 1:
+            raise ValueError(f"speculative_config.prompt_lookup_min must be at least 1, got {lo}")
+        if hi < lo:
+            raise ValueError(f"speculative_config.prompt_lookup_max ({hi}) is below prompt_lookup_min ({lo})")
+        if hi > MAX_PROMPT_LOOKUP:
+            raise ValueError(f"speculative_config.prompt_lookup_max must be at most {MAX_PROMPT_LOOKUP}, got {hi}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+                "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min}

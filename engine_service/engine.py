@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine_service.config import EngineConfig, SchedulerConfig
+from engine_service.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine_service.core.outputs import EngineOutput, RequestMetrics
 from engine_service.core.request import Request
 from engine_service.core.sampling_params import SamplingParams
@@ -32,6 +32,7 @@ from engine_service.model.quantization import parse_quantization
 from engine_service.model.runner import ModelRunner
 from engine_service.sampling.grammar import GrammarManager
 from engine_service.sampling.sampler import Sampler, compute_logprobs
+from engine_service.sampling.speculative import expand_rows, num_accepted
 from sluice.text.tokenizer import Tokenizer
 from sluice.wire import limits
 from sluice.wire.card import sampling_defaults
@@ -86,6 +87,11 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > context:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {context}")
         self.max_model_len = config.max_model_len or context
+        # refused before the model loads, naming the knob
+        self.speculative_config = SpeculativeConfig.parse(config.speculative_config)
+        if self.speculative_config is not None:
+            self.speculative_config.check(config.max_num_batched_tokens)
+            logger.info("speculative decoding: %s", self.speculative_config.as_dict())
 
         started = time.perf_counter()
         model = load_model(self.model_dir, self.dtype, self.device, self.quantization)
@@ -122,6 +128,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             watermark_blocks=config.watermark_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
+            speculative_config=self.speculative_config,
         ))
         self.vocab_size = self.model_config.vocab_size
         self.sampler = Sampler(self.vocab_size, self.device, seed=config.seed)
@@ -268,7 +275,10 @@ class LLMEngine:
                 )
         sampled: dict[str, int] = {}
         new_logprobs: dict[str, dict] = {}
-        if result.sample_requests:
+        drafted: dict[str, tuple[int, list]] = {}  # verified drafts: outputs before, logprobs per token
+        if result.sample_counts is not None:
+            self._verify(scheduled, result, sampled, new_logprobs, drafted)
+        elif result.sample_requests:
             # grammar bitmasks on the constrained rows only, before any sampling stage
             self.grammars.apply_bitmask(result.sample_logits, result.sample_requests)
             out = self.sampler(result.sample_logits, result.sample_requests)
@@ -287,6 +297,18 @@ class LLMEngine:
         self._generation_tokens_total += len(sampled)
         outputs = []
         for req in self.scheduler.update_from_output(scheduled, sampled):
+            if drafted and req.request_id in drafted:
+                before, lps = drafted[req.request_id]
+                new_tokens = req.output_token_ids[before:]  # the stopping rules may end it early
+                self._generation_tokens_total += len(new_tokens) - 1
+                lps = lps[: len(new_tokens)] if lps else None
+                if lps:
+                    req.logprobs.extend(lps)
+                    req.cumulative_logprob += sum(d[t].logprob for d, t in zip(lps, new_tokens, strict=True))
+                outputs.append(self._output(req, new_tokens, lps))
+                if req.is_finished:
+                    self._release(req)
+                continue
             new_tokens = [sampled[req.request_id]] if req.request_id in sampled else []
             lp = new_logprobs.get(req.request_id)
             if lp is not None:
@@ -296,6 +318,35 @@ class LLMEngine:
             if req.is_finished:
                 self._release(req)
         return outputs
+
+    def _verify(self, scheduled, result, sampled: dict, new_logprobs: dict, drafted: dict) -> None:
+        """Sample a step with draft chunks: every row of a draft chunk as its own output position
+        (``engine_service.sampling.speculative``), then keep each request's drafts while they equal
+        the tokens sampled before them, plus the token sampled after the last kept one. A request
+        without drafts is sampled as in ``step``."""
+        drafts = {c.request.request_id: c.draft_token_ids for c in scheduled.chunks if c.draft_token_ids}
+        requests, counts = result.sample_requests, result.sample_counts
+        rows = expand_rows(requests, counts, drafts)
+        self.grammars.apply_bitmask(result.sample_logits, rows)
+        out = self.sampler(result.sample_logits, rows)
+        r = 0
+        for req, count in zip(requests, counts, strict=True):
+            rid = req.request_id
+            if count == 1:
+                token, lp = out.token_ids[r], out.logprobs[r]
+                kept = self.grammars.accept(req, token)  # the token budget may replace it
+                if kept != token and lp is not None:
+                    lp = compute_logprobs(result.sample_logits[r : r + 1], [kept], req.sampling_params.logprobs)[0]
+                sampled[rid] = kept
+                if lp is not None:
+                    new_logprobs[rid] = lp
+            else:
+                tokens = out.token_ids[r : r + count]
+                keep = num_accepted(tokens, drafts[rid]) + 1
+                sampled[rid] = tokens[:keep]
+                lps = out.logprobs[r : r + keep]
+                drafted[rid] = (req.num_output_tokens, lps if lps[0] is not None else [])
+            r += count
 
     def _output(self, req: Request, new_tokens: list[int], new_logprobs=None) -> EngineOutput:
         group, index = self._child_index[req.request_id]

@@ -164,14 +164,26 @@ class _CompletionCollector:
             self.result.metrics = delta.metrics  # the first completion's timings stand for the request
         if completion.finish_reason is not None:
             return False  # already ended by a stop string; this is the engine's confirmation
-        completion.token_ids.extend(delta.new_token_ids)
-        if delta.new_logprobs:
-            completion.logprobs = (completion.logprobs or []) + delta.new_logprobs
+        tokens, logprobs = delta.new_token_ids, delta.new_logprobs
+        found = None
+        if self.stream is not None:
+            if len(tokens) > 1:
+                # several tokens in one step (accepted speculative drafts): a stop string ends the
+                # completion at the token that completes it, as when they come one by one
+                for i, token in enumerate(tokens):
+                    found = self.stream.add(token)
+                    if found.stopped:
+                        tokens, logprobs = tokens[: i + 1], logprobs[: i + 1] if logprobs else logprobs
+                        break
+            else:
+                found = self.stream.add_many(tokens)
+        completion.token_ids.extend(tokens)
+        if logprobs:
+            completion.logprobs = (completion.logprobs or []) + logprobs
         if delta.prompt_logprobs is not None:
             self.result.prompt_logprobs = delta.prompt_logprobs
         self.result.num_cached_tokens = max(self.result.num_cached_tokens, delta.num_cached_tokens)
-        if self.stream is not None:
-            found = self.stream.add_many(delta.new_token_ids)
+        if found is not None:
             if not found.stopped and delta.finished:
                 found = self.stream.finish()
             completion.text = self.stream.text

@@ -22,6 +22,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "structured"): ("engine_service.bench.structured",
                               "constrained outputs that validate, with and without the token-budget steering"),
     ("bench", "quality"): ("engine_service.bench.quality", "quantized modes against float32: greedy agreement, perplexity"),
+    ("bench", "spec"): ("engine_service.bench.spec", "one stream with and without n-gram speculative decoding"),
     ("bench", "scheduler"): ("engine_service.bench.scheduler", "model-free scheduler benchmark (batchbench)"),
     ("bench", "serve"): ("sluice_cli.bench_serve", "serving benchmark against a running gateway"),
     ("bench", "plot"): ("sluice.plots", "charts of saved bench results (JSON), as the benches draw them"),

@@ -54,32 +54,47 @@ class FakeKVRunner:
     token is a function of the context read back, so outputs depend on the cache being right.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 1000) -> None:
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 1000,
+                 next_token: Callable[[list[int]], int] | None = None) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
+        # the "model": the token after a context (default: a hash of the whole context)
+        self.next_token = next_token or (lambda context: hash(tuple(context)) % vocab_size)
 
     def slot(self, request: Request, pos: int) -> int:
         bs = self.block_size
         return request.block_ids[pos // bs] * bs + pos % bs
 
-    def step(self, out: SchedulerOutput) -> dict[str, int]:
+    def step(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
+        """The sampled token per sampling chunk; for a chunk with drafts (speculative decoding), the
+        drafts kept while each equals the model's token before it, then the model's next token."""
         for c in out.chunks:
             req = c.request
-            tokens = req.all_token_ids
-            for pos in range(c.start, c.start + c.num_tokens):
-                self.slots[self.slot(req, pos)] = tokens[pos]
-        sampled: dict[str, int] = {}
+            for pos, token in enumerate(c.token_ids, start=c.start):
+                self.slots[self.slot(req, pos)] = token
+        sampled: dict[str, int | list[int]] = {}
         for c in out.chunks:
             req = c.request
+            drafts = c.draft_token_ids or []
             end = c.start + c.num_tokens
             context = [self.slots[self.slot(req, pos)] for pos in range(end)]
-            if context != req.all_token_ids[:end]:
+            if context != (req.all_token_ids + drafts)[:end]:
                 raise AssertionError(
                     f"request {req.request_id!r} reads a wrong KV context through its block table"
                 )
-            if c.samples:
-                sampled[req.request_id] = hash(tuple(context)) % self.vocab_size
+            if not c.samples:
+                continue
+            if c.draft_token_ids is None:
+                sampled[req.request_id] = self.next_token(context)
+                continue
+            known = end - len(drafts)
+            tokens = []
+            for j in range(len(drafts) + 1):
+                tokens.append(self.next_token(context[: known + j]))
+                if j == len(drafts) or tokens[-1] != drafts[j]:
+                    break
+            sampled[req.request_id] = tokens
         return sampled
 
 

@@ -50,6 +50,7 @@ from engine_service.config import SchedulerConfig
 from engine_service.core.block_pool import ROOT_HASH, BlockPool, blocks_for_length, hash_block_tokens
 from engine_service.core.request import FinishReason, Request, RequestStatus
 from engine_service.core.scheduler_stats import SchedulerStats
+from engine_service.core.spec_decode import NgramDrafter, SpecDecodeStats
 from engine_service.core.stopping import check_stop
 from sluice.wire import limits
 from sluice.wire.error_codes import Code
@@ -90,16 +91,25 @@ class ScheduledChunk:
     # request.num_tokens when scheduled (-1: read it live), so ``samples`` keeps its answer after
     # update_from_output has appended the sampled token
     num_known_tokens: int = -1
+    # speculative decoding: the tokens drafted after the request's last one (``num_tokens`` counts
+    # them); the engine samples every position of the chunk (``num_sample_rows``) and keeps the
+    # drafts up to the first the model would not have produced
+    draft_token_ids: list[int] | None = None
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids) if self.draft_token_ids else 0
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the end of the known tokens: the engine samples one token for it."""
+        """The chunk reaches the end of the known tokens: the engine samples for it."""
         known = self.num_known_tokens if self.num_known_tokens >= 0 else self.request.num_tokens
-        return self.start + self.num_tokens == known
+        return self.start + self.num_tokens - self.num_draft_tokens == known
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start : self.start + self.num_tokens]
+        known = self.request.all_token_ids[self.start : self.start + self.num_tokens - self.num_draft_tokens]
+        return known + self.draft_token_ids if self.draft_token_ids else known
 
 
 @dataclass
@@ -116,14 +126,17 @@ class SchedulerOutput:
 class _State:
     """The scheduler's private bookkeeping for one unfinished request."""
 
-    __slots__ = ("block_hashes", "num_registered", "high_water", "thrash_target", "max_kv_tokens")
+    __slots__ = ("block_hashes", "num_registered", "high_water", "thrash_target", "max_kv_tokens", "drafter",
+                 "drafts_in_flight")
 
-    def __init__(self, max_kv_tokens: int) -> None:
+    def __init__(self, max_kv_tokens: int, drafter: NgramDrafter | None = None) -> None:
         self.block_hashes: list[int] = []  # chained hashes of the request's full blocks, computed lazily
         self.num_registered = 0  # leading blocks of block_ids already offered to the prefix cache
         self.high_water = 0  # most tokens ever computed (re-forwarding below it is recompute)
         self.thrash_target = 0  # an eviction before num_computed_tokens reaches this is a thrash
         self.max_kv_tokens = max_kv_tokens  # the most tokens it will ever forward (the door's figure)
+        self.drafter = drafter  # n-gram speculation, for the requests that speculate
+        self.drafts_in_flight = 0  # drafts scheduled and not yet verified (computed beyond the tokens)
 
 
 class Scheduler:
@@ -162,6 +175,12 @@ class Scheduler:
         self._stats = SchedulerStats()
         self._num_preempted_waiting = 0  # waiting requests that were preempted (a subset of _waiting)
         self._idle_violation: str | None = None
+        spec = config.speculative_config
+        if spec is not None:
+            spec.check(config.max_num_batched_tokens)
+        self.speculative_config = spec
+        self.spec_stats = SpecDecodeStats(
+            num_accepted_tokens_per_pos=[0] * (spec.num_speculative_tokens if spec is not None else 0))
 
     # --- views ---
     @property
@@ -214,7 +233,11 @@ class Scheduler:
             self._stats.requests_rejected += 1
             raise
         self._requests[request.request_id] = request
-        self._state[request.request_id] = _State(max_kv_tokens)
+        drafter = None
+        if self.speculative_config is not None and request.sampling_params.structured_outputs is None:
+            # a grammar's state would have to advance through every draft: such requests decode plainly
+            drafter = NgramDrafter(self.speculative_config)
+        self._state[request.request_id] = _State(max_kv_tokens, drafter)
         request.status = RequestStatus.WAITING
         self._waiting.append(request)
 
@@ -325,6 +348,15 @@ class Scheduler:
                     continue
             elif budget < 1:
                 continue
+            drafts = None
+            if self.speculative_config is not None:
+                drafter = states[req.request_id].drafter
+                if drafter is not None and num_new == 1:
+                    drafts = self._draft(req, drafter, start, known, budget, pairs, len(running) - i - 1)
+                    if drafts:
+                        num_new = cost = 1 + len(drafts)
+                    else:
+                        drafts = None
             end = start + num_new
             need = -(-end // bs) - len(req.block_ids)
             if need > 0:
@@ -346,14 +378,21 @@ class Scheduler:
                     break  # req itself was the youngest; everything after it is gone too
                 req.block_ids.extend(pool.allocate(need))
             st = states[req.request_id]
-            if start >= st.high_water and (not caching or end // bs <= st.num_registered):
+            if drafts is not None:
+                # the known token is accounted as a decode; the drafts' KV counts as computed until
+                # update_from_output keeps the accepted ones (their blocks are registered then)
+                self._advance(req, st, start, 1)
+                req.num_computed_tokens = end
+                st.drafts_in_flight = num_new - 1
+                forwarded += num_new - 1
+            elif start >= st.high_water and (not caching or end // bs <= st.num_registered):
                 # fast path (a plain decode): no recompute, no block filled
                 req.num_computed_tokens = end
                 st.high_water = end
                 forwarded += num_new
             else:
                 self._advance(req, st, start, num_new)
-            chunks.append(ScheduledChunk(req, start, num_new, known))
+            chunks.append(ScheduledChunk(req, start, num_new, known, drafts))
             budget -= cost
             if num_new > 1:
                 pairs -= attention_pairs(start, num_new)
@@ -448,6 +487,37 @@ class Scheduler:
             c = 1
         return c, c * weight
 
+    def _draft(self, req: Request, drafter: NgramDrafter, start: int, known: int, budget: int, pairs: int,
+               num_after: int) -> list[int]:
+        """The drafts of a decoding request this step: what its n-gram drafter proposes, within
+
+        - the token budget, keeping one token for each of the ``num_after`` running requests after it
+          (speculation never pushes a running request out of a step);
+        - ``max_tokens`` and the context: with every draft accepted plus the model's own token the
+          request holds at most ``max_tokens`` outputs and ``max_model_len`` tokens (so its KV stays
+          within what the door promised);
+        - the free blocks, beyond one per later running request and the watermark: drafts never
+          preempt anyone, they shrink or vanish instead;
+        - the step's attention pairs (a draft chunk attends like a prefill chunk)."""
+        limit = budget - 1 - num_after
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - (known - req.num_prompt_tokens) - 1)
+        limit = min(limit, self.max_model_len - known - 1)
+        if limit <= 0:
+            return []
+        bs = self.block_size
+        have = len(req.block_ids)
+        base = max(have, -(-(start + 1) // bs))  # the blocks a plain decode needs
+        spare = self.block_pool.num_free_blocks - (base - have) - num_after - self.watermark_blocks
+        limit = min(limit, (base + max(0, spare)) * bs - start - 1)
+        if limit <= 0:
+            return []
+        drafts = drafter.propose(req.all_token_ids, limit)
+        while drafts and attention_pairs(start, 1 + len(drafts)) > pairs:
+            drafts.pop()
+        return drafts
+
     def _advance(self, req: Request, st: _State, start: int, num_new: int) -> None:
         """Account a scheduled chunk: computed tokens, recompute, and the blocks it fills."""
         end = start + num_new
@@ -458,6 +528,10 @@ class Scheduler:
             stats.recomputed_tokens += min(end, st.high_water) - start
         if end > st.high_water:
             st.high_water = end
+        self._register_full_blocks(req, st, end)
+
+    def _register_full_blocks(self, req: Request, st: _State, end: int) -> None:
+        """Offer the prefix cache every block the first ``end`` tokens fill."""
         if self.enable_prefix_caching:
             full = end // self.block_size
             if full > st.num_registered:
@@ -512,9 +586,14 @@ class Scheduler:
             known = chunk.num_known_tokens
             if known < 0:
                 known = req.num_tokens
-            if chunk.start + chunk.num_tokens != known:
+            if chunk.start + chunk.num_tokens != known and not chunk.draft_token_ids:
                 continue  # a prefill chunk that does not reach the end: nothing sampled
             token = sampled.get(req.request_id)
+            if chunk.draft_token_ids is not None or (token is not None and type(token) is not int):
+                if self._update_speculative(req, chunk, token):
+                    any_finished = True
+                result.append(req)
+                continue
             if token is None:
                 # the engine must sample every chunk that samples; without a token the request
                 # could never move again, so it ends with an error instead of hanging
@@ -537,6 +616,52 @@ class Scheduler:
         self._idle_violation = None
         return result
 
+    def _update_speculative(self, req: Request, chunk: ScheduledChunk, tokens: int | list[int] | None) -> bool:
+        """Append a verification chunk's tokens (the accepted drafts, then the model's own token),
+        stopping at the first that ends the request; roll the KV back to the accepted tokens:
+        ``num_computed_tokens`` and the block table shrink, the rejected drafts' blocks go back to
+        the pool, and the blocks the accepted tokens fill join the prefix cache. Returns whether
+        the request finished."""
+        if tokens is None:
+            tokens = []
+        elif type(tokens) is int:
+            tokens = [tokens]
+        drafts = chunk.draft_token_ids or []
+        accepted = len(tokens) - 1
+        if not tokens or accepted > len(drafts) or tokens[:accepted] != drafts[:accepted]:
+            self._release(req)
+            req.finish(FinishReason.ERROR, error=f"the engine returned {tokens} for the drafts {drafts}: "
+                       "not the accepted drafts followed by one token")
+            return True
+        st = self._state[req.request_id]
+        st.drafts_in_flight = 0
+        if drafts:
+            self.spec_stats.observe(len(drafts), accepted)
+            if st.drafter is not None:
+                st.drafter.observe(len(drafts), accepted)
+        max_len = self.max_model_len
+        for token in tokens:
+            first = req.first_token_time is None
+            req.append_output_token(token)
+            if first:
+                req.first_token_time = self.clock()
+            if check_stop(req, max_len):
+                self._release(req)
+                self._stats.requests_finished += 1
+                return True
+        if not drafts:
+            return False
+        computed = chunk.start + len(tokens)  # the last token and the accepted drafts have KV
+        req.num_computed_tokens = computed
+        keep = blocks_for_length(computed, self.block_size)
+        if len(req.block_ids) > keep:
+            self.block_pool.free(reversed(req.block_ids[keep:]))
+            del req.block_ids[keep:]
+        if computed > st.high_water:
+            st.high_water = computed
+        self._register_full_blocks(req, st, computed)
+        return False
+
     # --- checks ---
     def check_invariants(self) -> None:
         """Raise AssertionError describing the first violated invariant."""
@@ -553,8 +678,10 @@ class Scheduler:
             seen.add(rid)
             assert req.status is RequestStatus.RUNNING, f"running request {rid!r} has status {req.status}"
             assert self._requests.get(rid) is req, f"running request {rid!r} is not registered"
-            assert 0 < req.num_computed_tokens <= req.num_tokens, (
+            in_flight = self._state[rid].drafts_in_flight  # between schedule() and update_from_output()
+            assert 0 < req.num_computed_tokens <= req.num_tokens + in_flight, (
                 f"running request {rid!r}: {req.num_computed_tokens} computed of {req.num_tokens} tokens"
+                + (f" and {in_flight} drafts" if in_flight else "")
             )
             want = blocks_for_length(req.num_computed_tokens, bs)
             assert len(req.block_ids) == want, (

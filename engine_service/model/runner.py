@@ -30,6 +30,13 @@ class Chunk(Protocol):
     @property
     def samples(self) -> bool: ...
 
+    # speculative decoding (``ScheduledChunk.draft_token_ids``): drafted tokens after the request's
+    # known ones, counted in ``num_tokens``; every position of such a chunk is sampled
+
+
+def _drafts(chunk: Chunk) -> list[int] | None:
+    return getattr(chunk, "draft_token_ids", None)
+
 
 @dataclass
 class PromptLogits:
@@ -44,6 +51,9 @@ class RunnerOutput:
     sample_logits: torch.Tensor  # [requests that sample, vocab] float32, in chunk order
     sample_requests: list[Request]
     prompt_logits: list[PromptLogits] = field(default_factory=list)
+    # rows of ``sample_logits`` per request, in order, when a chunk carries drafts (1 + its drafts:
+    # row j predicts the token after its j-th draft); None: one row each
+    sample_counts: list[int] | None = None
 
 
 class ModelRunner:
@@ -79,9 +89,14 @@ class ModelRunner:
         nblocks = -(-ctx // bs)
         token_ids: list[int] = []
         block_ids: list[int] = []
+        any_drafts = False
         for chunk, s, e, nb in zip(chunks, starts.tolist(), ctx.tolist(), nblocks.tolist(), strict=True):
             req = chunk.request
-            token_ids.extend(req.all_token_ids[s:e])
+            token_ids.extend(req.all_token_ids[s:e])  # a draft chunk's slice stops at its known tokens
+            drafts = _drafts(chunk)
+            if drafts:
+                token_ids.extend(drafts)
+                any_drafts = True
             block_ids.extend(req.block_ids[:nb])
         # Row r of `tables` is chunk r's block table, padded with 0.
         width = int(nblocks.max())
@@ -96,6 +111,10 @@ class ModelRunner:
         self.model.rotary.ensure_positions(int(ctx.max()))
 
         is_decode = lens == 1
+        if any_drafts:
+            # every position of a draft chunk attends as a decode of its own length: the same
+            # attention, and the same kernel, as decoding those tokens one by one
+            is_decode |= np.fromiter((bool(_drafts(c)) for c in chunks), dtype=bool, count=n)
         prefills: list[PrefillSequence] = []
         for r in np.flatnonzero(~is_decode).tolist():
             start, ctx_r, off = int(starts[r]), int(ctx[r]), int(offsets[r])
@@ -105,15 +124,22 @@ class ModelRunner:
             prefills.append(PrefillSequence(off, int(lens[r]), ctx_r, self._tensor(tables[r, : nblocks[r]]), mask))
 
         decode_index = decode_tables = decode_lens = None
-        decode_rows = np.flatnonzero(is_decode)
+        decode_rows = np.flatnonzero(is_decode)  # chunks
         if decode_rows.size:
+            if any_drafts:  # one decode per token of the decode and draft chunks
+                token_index = np.flatnonzero(np.repeat(is_decode, lens))
+                decode_rows = row_of_token[token_index]
+                decode_ctx = positions[token_index] + 1
+            else:
+                token_index = offsets[decode_rows]
+                decode_ctx = ctx[decode_rows]
             dwidth = max(int(nblocks[decode_rows].max()), self.min_decode_width)
             dtables = np.zeros((decode_rows.size, dwidth), dtype=np.int64)
             dtables[:, : min(dwidth, width)] = tables[decode_rows, :dwidth]
             decode_tables = self._tensor(dtables)
-            decode_lens = self._tensor(ctx[decode_rows])
+            decode_lens = self._tensor(decode_ctx)
             if prefills:
-                decode_index = self._tensor(offsets[decode_rows])
+                decode_index = self._tensor(token_index)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             prefills=prefills,
@@ -123,6 +149,12 @@ class ModelRunner:
             decode_kernel=self.decode_kernel,
         )
         sample_rows = (ends - 1)[np.fromiter((c.samples for c in chunks), dtype=bool, count=n)].tolist()
+        if any_drafts:  # every position of a draft chunk: its known token's and each draft's
+            sample_rows = []
+            for chunk, end in zip(chunks, ends.tolist(), strict=True):
+                if chunk.samples:
+                    d = len(_drafts(chunk) or ())
+                    sample_rows.extend(range(end - 1 - d, end))
         input_ids = self._tensor(np.asarray(token_ids, dtype=np.int64))
         return input_ids, self._tensor(positions), meta, sample_rows
 
@@ -152,6 +184,8 @@ class ModelRunner:
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         sample_logits = self.model.compute_logits(hidden[rows])
         out = RunnerOutput(sample_logits, [c.request for c in chunks if c.samples])
+        if len(sample_rows) != len(out.sample_requests):
+            out.sample_counts = [1 + len(_drafts(c) or ()) for c in chunks if c.samples]
         offset = 0
         for chunk in chunks:
             req = chunk.request

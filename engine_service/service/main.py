@@ -141,7 +141,8 @@ class EngineService:
             self.metrics.serve(settings.metrics_port, settings.metrics_host)
         if self.metrics is not None:
             self.metrics.bind(self.worker.snapshot, io_stats=self.io.stats, worker_counters=self.worker.counters,
-                              shard_depth=self.io.shard_depth)
+                              shard_depth=self.io.shard_depth,
+                              spec_decode=lambda: getattr(getattr(engine, "scheduler", None), "spec_stats", None))
             self.worker.metrics = self.io.metrics = self.metrics
         self._thread: threading.Thread | None = None
 
@@ -203,6 +204,15 @@ def run(args: argparse.Namespace) -> int:
             log.warning("Redis at %s does not answer yet; will keep trying", _redact(settings.redis_url))
     except RedisURLError as exc:
         log.error("%s", exc)
+        return 2
+    from engine_service.config import SpeculativeConfig
+
+    try:  # a speculative configuration that cannot work stops the engine now, naming the knob
+        spec = SpeculativeConfig.parse(getattr(args, "speculative_config", None))
+        if spec is not None:
+            spec.check(args.max_num_batched_tokens)
+    except ValueError as exc:
+        log.error("--speculative-config: %s", exc)
         return 2
     try:
         if settings.metrics_port:  # fail now, not after loading the model

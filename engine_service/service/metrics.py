@@ -223,6 +223,35 @@ class _CountersCollector:
         yield g
 
 
+class _SpecDecodeCollector:
+    """Speculative decoding's counters (vLLM's names), read from the scheduler's ``SpecDecodeStats``
+    at scrape time; zero when the engine does not speculate."""
+
+    def __init__(self, labels: tuple[str, str]) -> None:
+        self.labels = list(labels)
+        self.source: Callable[[], Any] = lambda: None
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        s = self.source()
+        for name, doc, attr in (
+            ("sluice:spec_decode_num_drafts", "Draft chunks verified (speculative decoding)", "num_drafts"),
+            ("sluice:spec_decode_num_draft_tokens", "Tokens drafted", "num_draft_tokens"),
+            ("sluice:spec_decode_num_accepted_tokens", "Drafted tokens accepted", "num_accepted_tokens"),
+        ):
+            c = CounterMetricFamily(name, doc, labels=LABELS)
+            c.add_metric(self.labels, float(getattr(s, attr, 0)))
+            yield c
+        c = CounterMetricFamily("sluice:spec_decode_num_accepted_tokens_per_pos",
+                                "Drafted tokens accepted, by position in the draft (0: the first)",
+                                labels=[*LABELS, "position"])
+        for pos, count in enumerate(getattr(s, "num_accepted_tokens_per_pos", ())):
+            c.add_metric([*self.labels, str(pos)], float(count))
+        yield c
+
+
 class _Live:
     __slots__ = ("arrival", "last_token", "n", "num_ended")
 
@@ -249,6 +278,8 @@ class EngineMetrics(NullMetrics):
         self.registry.register(_SnapshotCollector(lambda: self._snapshot(), (model, engine_id)))
         self._counters = _CountersCollector((model, engine_id))
         self.registry.register(self._counters)
+        self._spec = _SpecDecodeCollector((model, engine_id))
+        self.registry.register(self._spec)
         self._server = None
         self._live: dict[str, _Live] = {}
         r = self.registry
@@ -309,11 +340,15 @@ class EngineMetrics(NullMetrics):
     # ---------------------------------------------------------------- wiring
     def bind(self, snapshot: Callable[[], EngineStats | None], *, io_stats: dict[str, int] | None = None,
              worker_counters: dict[str, int] | None = None,
-             shard_depth: dict[int, int] | None = None) -> EngineMetrics:
+             shard_depth: dict[int, int] | None = None,
+             spec_decode: Callable[[], Any] | None = None) -> EngineMetrics:
         """Read gauges and scheduler counters from ``snapshot()`` (e.g. ``Worker.snapshot``), the
-        I/O and step-loop counters from ``RedisIO.stats`` and ``Worker.counters``, and the queue
-        shards' depths from ``RedisIO.shard_depth``."""
+        I/O and step-loop counters from ``RedisIO.stats`` and ``Worker.counters``, the queue
+        shards' depths from ``RedisIO.shard_depth``, and speculative decoding's from
+        ``spec_decode()`` (the scheduler's ``SpecDecodeStats``)."""
         self._snapshot = snapshot
+        if spec_decode is not None:
+            self._spec.source = spec_decode
         if io_stats is not None:
             self._counters.io_stats = io_stats
         if worker_counters is not None:

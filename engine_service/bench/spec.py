@@ -1,0 +1,200 @@
+"""``sluice bench spec``: one stream's tokens/s with and without n-gram speculative decoding, side
+by side in one run, on two workloads:
+
+- **grounded**: edit or extract from a passage or code file given in the prompt (rename an
+  identifier in a function, copy a paragraph, list a file's functions), rendered with the model's
+  chat template, greedy, one request at a time: the outputs repeat the input, so drafts are kept;
+- **random** (W1's shape, smaller): random-token prompts of ``--random-prompt-len`` tokens with
+  ``--random-output-len`` greedy tokens, EOS ignored, all submitted at once: drafts are rarely
+  right, and the back-off must keep speculation from costing anything.
+
+Two engines are loaded in the same process, the same but for ``speculative_config``; each
+request runs on both in turn (alternating which goes first), so drift in the machine's speed hits
+both. Greedy outputs are compared token by token. Prints a table and writes JSON (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+CODE = '''import json
+from dataclasses import dataclass
+
+
+@dataclass
+class Order:
+    order_id: str
+    items: list[dict]
+    discount: float = 0.0
+
+    def subtotal(self) -> float:
+        total = 0.0
+        for item in self.items:
+            total += item["price"] * item["quantity"]
+        return total
+
+    def total(self) -> float:
+        subtotal = self.subtotal()
+        return subtotal - subtotal * self.discount
+
+
+def load_orders(path: str) -> list[Order]:
+    with open(path) as f:
+        records = json.load(f)
+    return [Order(r["order_id"], r["items"], r.get("discount", 0.0)) for r in records]
+
+
+def revenue(orders: list[Order]) -> float:
+    return sum(order.total() for order in orders)
+'''
+
+PASSAGE = """The lighthouse stood at the end of a narrow spit of rock, a mile from the village. Every
+evening at dusk the keeper climbed the one hundred and twelve steps to the lamp room, trimmed the
+wick, polished the great lens and lit the lamp. Ships passing in the night saw its beam sweep across
+the water once every ten seconds, and they knew where the rocks were. In winter storms the waves
+broke over the gallery, and the keeper stayed awake until dawn, watching the light turn."""
+
+GROUNDED_TASKS = [
+    f"Rewrite this Python code with the class Order renamed to Invoice. Output only the code.\n\n{CODE}",
+    f"Rewrite this Python code with the variable subtotal renamed to base_amount everywhere. Output only "
+    f"the code.\n\n{CODE}",
+    f"Copy the following passage exactly, word for word.\n\n{PASSAGE}",
+    f"Repeat the function load_orders from this file, unchanged.\n\n{CODE}",
+]
+
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")
+    parser.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC), metavar="JSON",
+                        help="the speculating engine's speculative_config (default: %(default)s)")
+    parser.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto")
+    parser.add_argument("--output-len", type=int, default=128, help="grounded workload: max tokens per request")
+    parser.add_argument("--num-grounded", type=int, default=len(GROUNDED_TASKS),
+                        help=f"grounded requests (cycling through {len(GROUNDED_TASKS)} tasks)")
+    parser.add_argument("--num-random", type=int, default=8, help="random workload: requests (0: skip)")
+    parser.add_argument("--random-prompt-len", type=int, default=128)
+    parser.add_argument("--random-output-len", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=Path("bench-results/spec.json"))
+
+
+def _engines(args: argparse.Namespace):
+    from engine_service import LLM
+
+    common = {"dtype": args.dtype, "kv_cache_memory": 256 << 20}
+    plain = LLM(args.model, **common)
+    spec = LLM(args.model, speculative_config=args.speculative_config, **common)
+    return plain, spec
+
+
+def _timed(llm, prompts, params) -> tuple[float, list[list[int]]]:
+    llm.engine.scheduler.block_pool.reset_prefix_cache()  # every run prefills its prompts
+    started = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return time.perf_counter() - started, [o.outputs[0].token_ids for o in outs]
+
+
+def _side_by_side(plain, spec, batches, params) -> dict:
+    """Each batch on both engines in turn (alternating the order); seconds, tokens, identity."""
+    seconds = {"plain": 0.0, "spec": 0.0}
+    tokens = {"plain": 0, "spec": 0}
+    identical = 0
+    total = 0
+    stats = spec.engine.scheduler.spec_stats
+    before = stats.as_dict()
+    for i, prompts in enumerate(batches):
+        order = [("plain", plain), ("spec", spec)]
+        if i % 2:
+            order.reverse()
+        outs = {}
+        for name, llm in order:
+            s, out = _timed(llm, prompts, params)
+            seconds[name] += s
+            tokens[name] += sum(len(t) for t in out)
+            outs[name] = out
+        identical += sum(a == b for a, b in zip(outs["plain"], outs["spec"], strict=True))
+        total += len(prompts)
+    after = stats.as_dict()
+    drafts = after["num_drafts"] - before["num_drafts"]
+    drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    rate = {k: tokens[k] / seconds[k] if seconds[k] else 0.0 for k in seconds}
+    return {
+        "requests": total, "identical_outputs": identical,
+        "plain": {"seconds": seconds["plain"], "tokens": tokens["plain"], "tokens_per_s": rate["plain"]},
+        "spec": {"seconds": seconds["spec"], "tokens": tokens["spec"], "tokens_per_s": rate["spec"]},
+        "speedup": rate["spec"] / rate["plain"] if rate["plain"] else 0.0,
+        "num_drafts": drafts, "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    import random
+
+    from engine_service.config import SpeculativeConfig
+    from engine_service.core.sampling_params import SamplingParams
+
+    try:
+        SpeculativeConfig.parse(args.speculative_config)
+    except ValueError as exc:
+        print(f"sluice bench spec: {exc}")
+        return 2
+    plain, spec = _engines(args)
+    tok = plain.get_tokenizer()
+    grounded = [
+        tok.apply_chat_template([{"role": "user", "content": GROUNDED_TASKS[i % len(GROUNDED_TASKS)]}],
+                                add_generation_prompt=True)
+        for i in range(args.num_grounded)
+    ]
+    # warm-up: the first forward of each engine pays one-time costs (kernels, allocations)
+    for llm in (plain, spec):
+        llm.generate([grounded[0]], SamplingParams(temperature=0.0, max_tokens=4))
+    results = {}
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len)
+    results["grounded, 1 stream"] = _side_by_side(plain, spec, [[p] for p in grounded], greedy)
+    if args.num_random > 0:
+        rng = random.Random(args.seed)
+        vocab = plain.engine.vocab_size
+        prompts = [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(args.random_prompt_len)]}
+                   for _ in range(args.num_random)]
+        params = SamplingParams(temperature=0.0, max_tokens=args.random_output_len, ignore_eos=True)
+        results[f"random, {args.num_random} at once"] = _side_by_side(plain, spec, [prompts, prompts], params)
+
+    header = (f"{'workload':<22} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'accept':>7} "
+              f"{'tok/verify':>10} {'identical':>9}")
+    print(header)
+    print("-" * len(header))
+    for name, r in results.items():
+        print(f"{name:<22} {r['plain']['tokens_per_s']:>11.1f} {r['spec']['tokens_per_s']:>10.1f} "
+              f"{r['speedup']:>5.2f}x {r['acceptance_rate']:>7.0%} {r['mean_acceptance_length']:>10.2f} "
+              f"{r['identical_outputs']:>4}/{r['requests']:<4}")
+    report = {
+        "bench": "spec", "speculative_config": SpeculativeConfig.parse(args.speculative_config).as_dict(),
+        "dtype": str(plain.engine.dtype), "attention_backend": plain.engine.attention_backend,
+        "output_len": args.output_len, "random_prompt_len": args.random_prompt_len,
+        "random_output_len": args.random_output_len, "machine": platform.machine(),
+        "processor": platform.processor(), "results": results,
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sluice bench spec", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""Speculative decoding with the real model: greedy output is token-identical to decoding without
+it, over prompts whose drafts are accepted (input-grounded, repetitive) and prompts where they are
+not; a stop string or a stop token inside accepted drafts ends the request where plain decoding
+does; seeded sampling gives the same tokens (penalties and logprobs per position); preemption mid-
+speculation changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_service import LLM, SamplingParams
+
+pytestmark = pytest.mark.model
+
+CODE = """def area(width, height):
+    result = width * height
+    return result
+"""
+PROMPTS = [
+    f"Repeat this code exactly, renaming area to rect_area:\n\n{CODE}\n",
+    "Count: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+    "The cat sat on the mat. The cat sat on the mat. The cat sat on the",
+    "Water boils at",
+]
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
+
+
+# No prefix cache: a prompt run again is prefilled the same way (a cached prefix changes the
+# prefill's arithmetic, and this code prompt has a near-tie early on that rounding can flip).
+@pytest.fixture(scope="module")
+def plain(model_dir):
+    return LLM(str(model_dir), kv_cache_memory=64 << 20, max_num_batched_tokens=256, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def spec(model_dir):
+    return LLM(str(model_dir), kv_cache_memory=64 << 20, max_num_batched_tokens=256, enable_prefix_caching=False,
+               speculative_config=SPEC)
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(plain):
+    return [o.outputs[0] for o in plain.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def code_alone(plain):
+    """The code prompt by itself (a batch's other prefills may round a near-tie differently)."""
+    return plain.generate([PROMPTS[0]], GREEDY)[0].outputs[0]
+
+
+def test_greedy_is_token_identical_and_drafts_are_accepted(spec, plain_greedy):
+    stats = spec.engine.scheduler.spec_stats
+    before = stats.num_accepted_tokens
+    outs = [o.outputs[0] for o in spec.generate(PROMPTS, GREEDY)]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain_greedy]
+    assert [o.text for o in outs] == [o.text for o in plain_greedy]
+    assert stats.num_accepted_tokens - before >= 10, stats  # the grounded prompts' drafts were kept
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # and some were rejected
+    assert spec.engine.get_stats().free_blocks == spec.engine.get_stats().total_blocks
+
+
+def test_stop_string_and_stop_token_inside_drafts_end_where_plain_decoding_does(spec, plain, code_alone):
+    ref = code_alone  # the code prompt: long accepted drafts
+    tok = spec.get_tokenizer()
+    text = tok.decode(ref.token_ids[:18])
+    stop = text[-6:]  # ends inside the output
+    # a stop token that first appears after min_tokens (masked before it, it would change the text)
+    late = next(t for t in ref.token_ids[11:18] if t not in ref.token_ids[:11])
+    cases = [
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop]),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[ref.token_ids[12]]),
+        SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[late], min_tokens=11),
+    ]
+    for params in cases:
+        want = plain.generate([PROMPTS[0]], params)[0].outputs[0]
+        got = spec.generate([PROMPTS[0]], params)[0].outputs[0]
+        assert len(want.token_ids) < 20  # the stop did end it early
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+            want.token_ids, want.text, want.finish_reason, want.stop_reason)
+
+
+def test_max_tokens_inside_a_draft_stops_exactly(spec, code_alone):
+    for n in (1, 2, 5, 11):
+        out = spec.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0]
+        assert out.outputs[0].token_ids == code_alone.token_ids[:n]
+        assert out.outputs[0].finish_reason == "length"
+
+
+def test_seeded_sampling_with_penalties_and_logprobs_is_reproducible_and_unchanged(spec, plain):
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=77, max_tokens=16, ignore_eos=True,
+                            repetition_penalty=1.1, logprobs=2)
+    want = [o.outputs[0] for o in plain.generate(PROMPTS[:3], params)]
+    got = [o.outputs[0] for o in spec.generate(PROMPTS[:3], params)]
+    again = [o.outputs[0] for o in spec.generate(PROMPTS[:3], params)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want] == [o.token_ids for o in again]
+    for g, w in zip(got, want, strict=True):
+        assert len(g.logprobs) == len(g.token_ids)
+        for gd, wd, t in zip(g.logprobs, w.logprobs, g.token_ids, strict=True):
+            assert gd.keys() == wd.keys() and t in gd
+            assert gd[t].logprob == pytest.approx(wd[t].logprob, abs=1e-4)
+
+
+def test_preemption_mid_speculation_changes_nothing(model_dir, plain_greedy):
+    tight = LLM(str(model_dir), block_size=4, num_blocks=30, max_num_batched_tokens=64,
+                enable_prefix_caching=False, speculative_config=SPEC)
+    outs = tight.generate(PROMPTS, GREEDY)
+    stats = tight.engine.get_stats()
+    assert stats.preemptions > 0, "the pool was meant to force preemption"
+    assert tight.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.token_ids for o in plain_greedy]
+    assert stats.free_blocks == stats.total_blocks
