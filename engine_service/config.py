@@ -87,6 +87,10 @@ class EngineConfig:
     reasoning_parser: str | None = knob(None, "how gateways split <think> reasoning into reasoning_content (default: "
                                         "detected from the chat template; none: never)",
                                         choices=[*dialects.REASONING_PARSERS, dialects.NO_REASONING])
+    # Benchmarks of the serving path only (engine_service.model.stub): fixed logits, no weights read.
+    # Off the command line here: `sluice engine --stub-model` (hidden) sets it, and the engine
+    # refuses it unless $SLUICE_BENCH_STUB_MODEL=1.
+    stub_model: bool = knob(False, "bench only: a stub model that writes a fixed text", cli=False)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
