@@ -24,6 +24,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "quality"): ("engine_service.bench.quality", "quantized modes against float32: greedy agreement, perplexity"),
     ("bench", "scheduler"): ("engine_service.bench.scheduler", "model-free scheduler benchmark (batchbench)"),
     ("bench", "serve"): ("sluice_cli.bench_serve", "serving benchmark against a running gateway"),
+    ("bench", "serving-path"): ("sluice_cli.bench_serving_path",
+                                "the serving path's own CPU per token: real engine + gateway around a stub model"),
     ("bench", "plot"): ("sluice.plots", "charts of saved bench results (JSON), as the benches draw them"),
     ("bench", "gateway-memory"): ("sluice_cli.bench_gateway_memory",
                                   "gateway memory across requests naming random unknown models"),
