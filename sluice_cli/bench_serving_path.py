@@ -79,6 +79,7 @@ class Stack:
     label: str
     source: Path
     engine_args: list[str] = field(default_factory=list)
+    engine_env: dict[str, str] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     tmp: str = ""
     port: int = 0
@@ -101,7 +102,7 @@ class Stack:
         self.procs["engine"] = subprocess.Popen(
             [*cli, "engine", "--stub-model", "--redis-url", url, "--grpc-port", "0", "--metrics-port",
              str(self.metrics_port), "--log-level", "WARNING", *self.engine_args],
-            cwd=self.source, env=env, stdout=log, stderr=log, start_new_session=True)
+            cwd=self.source, env={**env, **self.engine_env}, stdout=log, stderr=log, start_new_session=True)
         self.procs["gateway"] = subprocess.Popen(
             [*cli, "gateway", "--redis-url", url, "--port", str(self.port), "--log-level", "warning"],
             cwd=self.source, env=env, stdout=log, stderr=log, start_new_session=True)
@@ -194,7 +195,22 @@ class Window:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
-    ratio: list[float] = field(default_factory=list)  # tokens per chunk of finished requests
+    seen: list[tuple[float, list[float], int | None]] = field(default_factory=list)
+    tokens_per_chunk: float = 1.0
+
+    def close(self, finished_ratio: list[float]) -> None:
+        """Tokens delivered inside the window (each request's tokens spread over its chunks),
+        requests finished in it, TTFT of those that started in it, ITL of its chunks."""
+        if finished_ratio:
+            self.tokens_per_chunk = statistics.fmean(finished_ratio)
+        for sent, times, tokens in self.seen:
+            per_chunk = tokens / len(times) if tokens is not None else self.tokens_per_chunk
+            self.tokens += per_chunk * sum(1 for t in times if self.start <= t < self.end)
+            if tokens is not None and self.start <= times[-1] < self.end:
+                self.requests += 1
+            if self.start <= times[0] < self.end:
+                self.ttft.append(times[0] - sent)
+            self.itl.extend(b - a for a, b in zip(times, times[1:], strict=False) if self.start <= b < self.end)
 
 
 class Client:
@@ -241,18 +257,13 @@ class Client:
 
     @staticmethod
     def _account(sent: float, times: list[float], tokens: int | None, windows: list[Window]) -> None:
+        """Keep what a request saw; ``Window.close`` turns it into figures (a request cut at the
+        end of the level has no usage: its chunks count at the level's tokens per chunk)."""
         if not times:
             return
         for w in windows:
-            inside = sum(1 for t in times if w.start <= t < w.end)
-            if tokens is not None:
-                w.ratio.append(tokens / len(times))
-                w.tokens += inside * tokens / len(times)
-            if w.start <= times[-1] < w.end and tokens is not None:
-                w.requests += 1
-            if w.start <= times[0] < w.end:
-                w.ttft.append(times[0] - sent)
-            w.itl.extend(b - a for a, b in zip(times, times[1:], strict=False) if w.start <= b < w.end)
+            if sent < w.end and times[-1] >= w.start:
+                w.seen.append((sent, times, tokens))
 
     async def _read(self, reader: asyncio.StreamReader) -> tuple[list[float], int | None, str]:
         head = await reader.readuntil(b"\r\n\r\n")
@@ -400,6 +411,9 @@ async def run_level(stack: Stack, streams: int, args: argparse.Namespace) -> dic
     for res in await asyncio.gather(*tasks, return_exceptions=True):
         if isinstance(res, BaseException) and not isinstance(res, asyncio.CancelledError):
             measured.errors.append(f"{type(res).__name__}: {res}")
+    ratios = [tokens / len(times) for w in windows for _, times, tokens in w.seen if tokens is not None]
+    for w in windows:
+        w.close(ratios)
     if profiled is not None:
         profiles = finish_profiles(running)
     await asyncio.sleep(2.0)  # the engine drops what the cut streams left (outside every window)
@@ -423,7 +437,7 @@ def summarize(streams: int, w: Window, cpu0: dict, cpu1: dict, m0: dict, m1: dic
         "streams": streams,
         "tokens_per_s": tokens / duration,
         "requests_completed": w.requests,
-        "tokens_per_chunk": statistics.fmean(w.ratio) if w.ratio else 0.0,
+        "tokens_per_chunk": w.tokens_per_chunk,
         "cpu_us_per_token": per_token,
         "cpu_share_of_window": {k: v / duration for k, v in cpu.items()},
         "engine": {
@@ -487,6 +501,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--label", action="append", default=None, help="a name per --source")
     parser.add_argument("--rounds", type=int, default=1, help="measure every level this many times, in turn")
     parser.add_argument("--engine-arg", action="append", default=[], help="extra `sluice engine` argument")
+    parser.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="an environment variable for the engine processes")
     parser.add_argument("--result-file", default=None, help="write the results as JSON here")
 
 
@@ -518,7 +534,8 @@ def run(args: argparse.Namespace) -> int:
     if args.profile and _py_spy() is None:
         print("--profile needs py-spy (pip install py-spy)", file=sys.stderr)
         return 2
-    stacks = [Stack(label, src, engine_args=list(args.engine_arg)) for label, src in zip(labels, sources, strict=False)]
+    engine_env = dict(kv.split("=", 1) for kv in args.engine_env)
+    stacks = [Stack(label, src, engine_args=list(args.engine_arg), engine_env=engine_env) for label, src in zip(labels, sources, strict=False)]
     results: list[dict] = []
     try:
         for s in stacks:
