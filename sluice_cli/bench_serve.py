@@ -349,7 +349,15 @@ def run(args: argparse.Namespace) -> int:
 
 def offline_baseline(args, requests: list[BenchRequest], served: dict) -> dict:
     """The same requests through the offline engine (one process, no HTTP, no Redis), all at once:
-    what the served run would reach without the gateway and Redis in between."""
+    what the served run would reach without the gateway and Redis in between. It runs under the
+    served engine's OpenMP wait policy (``sluice engine`` sets it; the same here unless
+    $OMP_WAIT_POLICY says otherwise), so that only the gateway and Redis differ."""
+    import os
+
+    from engine_service.service.main import OMP_WAIT_POLICY
+
+    if "torch" not in sys.modules:  # read once, when torch loads its OpenMP runtime
+        os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
     from engine_service import LLM, SamplingParams  # the engine extra; imported only here
 
     llm = LLM(args.offline_model)

@@ -160,7 +160,15 @@ class EngineService:
             self._thread.join(timeout)
 
 
+# OpenMP threads that wait for work sleep instead of spinning (set before torch loads its OpenMP
+# runtime; $OMP_WAIT_POLICY, when set, wins). A served engine shares the CPUs with the gateway,
+# Redis and whatever else runs there: a spinning thread burns the CPU they need, and a thread
+# preempted by them stalls its peers' spin at every barrier (docs/performance.md, the serving path).
+OMP_WAIT_POLICY = "PASSIVE"
+
+
 def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
