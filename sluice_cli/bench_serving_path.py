@@ -80,6 +80,7 @@ class Stack:
     source: Path
     engine_args: list[str] = field(default_factory=list)
     engine_env: dict[str, str] = field(default_factory=dict)
+    extra_path: str = ""  # appended to the processes' PYTHONPATH (e.g. optional packages to try)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     tmp: str = ""
     port: int = 0
@@ -92,7 +93,8 @@ class Stack:
         server = shutil.which("redis-server")
         if server is None:
             raise SystemExit("redis-server not found (apt-get install redis-server)")
-        env = {**os.environ, "PYTHONPATH": str(self.source), STUB_ENV: "1"}
+        path = os.pathsep.join(p for p in (str(self.source), self.extra_path) if p)
+        env = {**os.environ, "PYTHONPATH": path, STUB_ENV: "1"}
         log = open(Path(self.tmp) / "log.txt", "w")  # noqa: SIM115 - closed with the stack
         self.procs["redis"] = subprocess.Popen(
             [server, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
@@ -364,7 +366,9 @@ def start_profiles(stack: Stack, seconds: float, rate: int) -> list[tuple[str, s
     return out
 
 
-def finish_profiles(running: list[tuple[str, subprocess.Popen, Path]]) -> dict[str, dict[str, int]]:
+def finish_profiles(running: list[tuple[str, subprocess.Popen, Path]],
+                    keep: Path | None = None) -> dict[str, dict[str, int]]:
+    """Samples per component; ``keep``: copy py-spy's raw stacks there (``PREFIX-engine.raw``...)."""
     out = {}
     for name, p, path in running:
         try:
@@ -372,6 +376,9 @@ def finish_profiles(running: list[tuple[str, subprocess.Popen, Path]]) -> dict[s
         except subprocess.TimeoutExpired:
             p.kill()
         raw = path.read_text() if path.exists() else ""
+        if keep is not None:
+            keep.parent.mkdir(parents=True, exist_ok=True)
+            Path(f"{keep}-{name}.raw").write_text(raw)
         out[name] = classify(raw, ENGINE_RULES if name == "engine" else GATEWAY_RULES)
     return out
 
@@ -415,7 +422,8 @@ async def run_level(stack: Stack, streams: int, args: argparse.Namespace) -> dic
     for w in windows:
         w.close(ratios)
     if profiled is not None:
-        profiles = finish_profiles(running)
+        keep = Path(args.keep_profiles) / f"{stack.label}-{streams}" if args.keep_profiles else None
+        profiles = finish_profiles(running, keep)
     await asyncio.sleep(2.0)  # the engine drops what the cut streams left (outside every window)
     return summarize(streams, measured, cpu0, cpu1, m0, m1, c1 - c0, profiles, args.duration)
 
@@ -495,10 +503,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     parser.add_argument("--profile", action="store_true",
                         help="a second window per level under py-spy: CPU by component (needs py-spy)")
+    parser.add_argument("--keep-profiles", default=None, metavar="DIR",
+                        help="keep py-spy's raw stacks in DIR (LABEL-STREAMS-engine.raw, ...-gateway.raw)")
     parser.add_argument("--profile-rate", type=int, default=200, help="py-spy samples per second")
     parser.add_argument("--source", action="append", default=None, metavar="DIR",
                         help="run the engine and gateway from this checkout (repeatable; default: this one)")
     parser.add_argument("--label", action="append", default=None, help="a name per --source")
+    parser.add_argument("--extra-path", action="append", default=[], metavar="LABEL=DIR",
+                        help="append DIR to the PYTHONPATH of the stack labelled LABEL")
     parser.add_argument("--rounds", type=int, default=1, help="measure every level this many times, in turn")
     parser.add_argument("--engine-arg", action="append", default=[], help="extra `sluice engine` argument")
     parser.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
@@ -535,7 +547,9 @@ def run(args: argparse.Namespace) -> int:
         print("--profile needs py-spy (pip install py-spy)", file=sys.stderr)
         return 2
     engine_env = dict(kv.split("=", 1) for kv in args.engine_env)
-    stacks = [Stack(label, src, engine_args=list(args.engine_arg), engine_env=engine_env) for label, src in zip(labels, sources, strict=False)]
+    extra = dict(kv.split("=", 1) for kv in args.extra_path)
+    stacks = [Stack(label, src, engine_args=list(args.engine_arg), engine_env=engine_env,
+                    extra_path=extra.get(label, "")) for label, src in zip(labels, sources, strict=False)]
     results: list[dict] = []
     try:
         for s in stacks:
@@ -554,7 +568,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(results))
     doc = {"bench": "serving-path", "endpoint": args.endpoint, "max_tokens": args.max_tokens,
            "prompt_words": args.prompt_words, "duration_s": args.duration, "warmup_s": args.warmup,
-           "sources": {s.label: str(s.source) for s in stacks}, "cpus": os.cpu_count(), "results": results}
+           "sources": {s.label: str(s.source) + (f" + {s.extra_path}" if s.extra_path else "") for s in stacks}, "cpus": os.cpu_count(), "results": results}
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(doc, indent=2))
         print(f"results written to {args.result_file}")
