@@ -3,6 +3,8 @@ through the real engine, and never loaded outside a benchmark."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -33,12 +35,18 @@ def test_engine_command_refuses_it_without_the_bench_env(monkeypatch, caplog):
     from engine_service.service import main
 
     monkeypatch.delenv(BENCH_ENV, raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     parser = argparse.ArgumentParser()
     main.add_arguments(parser)
     assert "--stub-model" not in parser.format_help()  # not a user-facing option
     args = parser.parse_args(["--stub-model", "--redis-url", "redis://127.0.0.1:1/0", "--grpc-port", "0"])
     assert main.run(args) == 2
     assert any(BENCH_ENV in r.getMessage() for r in caplog.records)
+    # a served engine's OpenMP threads wait passively unless the environment says otherwise
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert main.run(args) == 2
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
 def test_no_config_can_name_it():
