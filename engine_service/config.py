@@ -93,6 +93,10 @@ class EngineConfig:
         "\"prompt_lookup_max\": n, \"prompt_lookup_min\": m}: each decode drafts up to k tokens from the request's "
         "own prompt and output and verifies them in one forward (docs/scheduler.md); default: none",
         metavar="JSON")
+    # Benchmarks of the serving path only (engine_service.model.stub): fixed logits, no weights read.
+    # Off the command line here: `sluice engine --stub-model` (hidden) sets it, and the engine
+    # refuses it unless $SLUICE_BENCH_STUB_MODEL=1.
+    stub_model: bool = knob(False, "bench only: a stub model that writes a fixed text", cli=False)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -69,18 +69,25 @@ class _Group:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
+        self.stub_model = config.stub_model
+        if self.stub_model:  # a benchmark's engine only (engine_service.model.stub)
+            from engine_service.model.stub import check_bench_mode
+
+            check_bench_mode()
         self.model_dir = resolve_model_dir(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
-        self.model_name = config.served_model_name or self.model_dir.name
+        self.model_name = config.served_model_name or self.model_dir.name + ("-stub" if self.stub_model else "")
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.device = torch.device(config.device)
         dtype = config.resolved_dtype()
-        if dtype == "auto":
+        if dtype == "auto" and self.stub_model:
+            self.dtype = torch.float32  # no weights: nothing to probe
+        elif dtype == "auto":
             self.dtype = resolve_auto_dtype(self.device, self.model_dir, self.model_config.hidden_size,
                                             self.model_config.intermediate_size)
         else:
             self.dtype = parse_dtype(dtype)
-        self.enforce_eager = config.resolved_enforce_eager()
+        self.enforce_eager = config.resolved_enforce_eager() or self.stub_model
         self.quantization = parse_quantization(config.quantization)
 
         context = self.model_config.context_length
@@ -94,14 +101,21 @@ class LLMEngine:
             logger.info("speculative decoding: %s", self.speculative_config.as_dict())
 
         started = time.perf_counter()
-        model = load_model(self.model_dir, self.dtype, self.device, self.quantization)
         num_blocks = config.num_blocks or num_blocks_for_budget(
             self.model_config, config.block_size, self.dtype, self.device, config.kv_cache_memory
         )
-        # One block more than the scheduler hands out: the compiled step's warm-up writes there.
-        kv = allocate_kv_cache(self.model_config, num_blocks + 1, config.block_size, self.dtype, self.device)
-        self.runner = ModelRunner(model, kv, config.block_size, self.device,
-                                  decode_kernel=self._decode_kernel(config.attention_backend))
+        if self.stub_model:
+            from engine_service.model.stub import StubModel, stub_kv_cache
+
+            model = StubModel.for_tokenizer(self.model_config.vocab_size, self.tokenizer)
+            kv = stub_kv_cache(num_blocks + 1)
+            decode_kernel = self._decode_kernel("torch")
+        else:
+            model = load_model(self.model_dir, self.dtype, self.device, self.quantization)
+            # One block more than the scheduler hands out: the compiled step's warm-up writes there.
+            kv = allocate_kv_cache(self.model_config, num_blocks + 1, config.block_size, self.dtype, self.device)
+            decode_kernel = self._decode_kernel(config.attention_backend)
+        self.runner = ModelRunner(model, kv, config.block_size, self.device, decode_kernel=decode_kernel)
         logger.info("loaded %s (%s%s, %s) with %d KV blocks of %d tokens in %.1fs", self.model_name,
                     self.dtype, f", {self.quantization}" if self.quantization else "", self.device, num_blocks,
                     config.block_size, time.perf_counter() - started)

@@ -34,6 +34,13 @@ LIVENESS_CHECK_S = policy.LIVENESS_CHECK_S
 NO_ENGINE_WAIT_S = policy.NO_ENGINE_WAIT_S
 
 
+class _Tick:
+    """Put on a generation's queue by its watchdog: nothing came for a while, or the deadline."""
+
+
+_TICK = _Tick()
+
+
 @dataclass
 class TokenInfo:
     """One generated (or prompt) position: the chosen token and its top alternatives."""
@@ -182,6 +189,8 @@ class Generation:
         self._last_token_time: float | None = None
         self.enqueue_time: float | None = None
         self._no_engine_since: float | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._last_event = 0.0  # loop time of the last event (the watchdog's reference)
 
     @property
     def prompt_tokens(self) -> int:
@@ -214,29 +223,65 @@ class Generation:
             await self.broker.enqueue(req)
 
     async def deltas(self) -> AsyncIterator[list[Delta]]:
-        """Yield the deltas of each engine event until every choice has finished."""
+        """Yield the deltas of the engine events at hand (every event already queued, in order)
+        until every choice has finished.
+
+        Waiting costs one ``Queue.get`` per wake-up: no timeout is armed per event. A watchdog
+        timer (re-armed only when it fires) puts ``_TICK`` on the queue when no event came for
+        ``LIVENESS_CHECK_S`` or the deadline is reached; the liveness check runs then."""
         ok = False
+        loop = asyncio.get_running_loop()
+        self._last_event = loop.time()
+        self._arm_watchdog(loop)
         try:
             while not all(c.finished for c in self.choices):
-                timeout = self.deadline - time.time()
-                if timeout <= 0:
-                    raise errors.deadline_exceeded()
                 try:
-                    check = LIVENESS_CHECK_S if self._no_engine_since is None else min(LIVENESS_CHECK_S, 1.0)
-                    data = await asyncio.wait_for(self._queue.get(), min(timeout, check))
-                except TimeoutError:
-                    if self.deadline - time.time() <= 0:
-                        raise errors.deadline_exceeded() from None
+                    data = self._queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    data = await self._queue.get()
+                if time.time() >= self.deadline:
+                    raise errors.deadline_exceeded()
+                if data is _TICK:
                     await self._check_engines()
+                    self._last_event = loop.time()  # the next check a whole period later, as before
+                    self._arm_watchdog(loop)
                     continue
-                if isinstance(data, Lost):
-                    raise errors.error(data.code, data.message, retry_after_s=self.broker.retry_after_s)
-                out = self._handle(data)
+                self._last_event = loop.time()
+                out: list[Delta] = []
+                while True:
+                    if isinstance(data, Lost):
+                        raise errors.error(data.code, data.message, retry_after_s=self.broker.retry_after_s)
+                    if data is _TICK:  # events are flowing: no check needed, the timer goes on
+                        self._arm_watchdog(loop)
+                    else:
+                        out += self._handle(data)
+                    if self._queue.empty() or all(c.finished for c in self.choices):
+                        break
+                    data = self._queue.get_nowait()
                 if out:
                     yield out
             ok = True
         finally:
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+                self._watchdog = None
             self._finish(ok)
+
+    def _arm_watchdog(self, loop: asyncio.AbstractEventLoop) -> None:
+        check = LIVENESS_CHECK_S if self._no_engine_since is None else min(LIVENESS_CHECK_S, 1.0)
+        due = min(self._last_event + check, loop.time() + max(0.0, self.deadline - time.time()))
+        self._watchdog = loop.call_at(due, self._on_watchdog, loop)
+
+    def _on_watchdog(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Events came since the timer was armed: arm it again from the last one. Else wake the
+        generator with ``_TICK`` (it re-arms the timer after its check)."""
+        check = LIVENESS_CHECK_S if self._no_engine_since is None else min(LIVENESS_CHECK_S, 1.0)
+        now = loop.time()
+        if now < self._last_event + check and time.time() < self.deadline:
+            self._arm_watchdog(loop)
+            return
+        self._watchdog = None
+        self._queue.put_nowait(_TICK)
 
     async def _check_engines(self) -> None:
         """Silence for a while: decide with ``policy.engine_lost`` whether the request is lost

@@ -29,6 +29,7 @@ from gateway.errors import OpenAIError
 from gateway.generation import Delta, Generation
 from gateway.metrics import METRICS
 from gateway.protocol import ResponseEnvelope, SamplingFields, UsageInfo
+from gateway.stream_chunks import sse_event
 from sluice.structured import StructuredOutputError, vocabulary_for
 from sluice.wire import codec, limits
 from sluice.wire.card import CardError
@@ -223,13 +224,14 @@ async def start(gen: Generation, broker: Broker, cfg: GatewayConfig, model: str)
 
 
 class StreamFormatter(Protocol):
-    """An endpoint's stream format: the chunks to send first, per delta, and last."""
+    """An endpoint's stream format: the chunks to send first, per delta, and last (models, or the
+    JSON text of one from ``gateway.stream_chunks``)."""
 
-    def start(self) -> list[BaseModel]: ...
+    def start(self) -> list[BaseModel | str]: ...
 
-    def on_delta(self, d: Delta) -> list[BaseModel]: ...
+    def on_delta(self, d: Delta) -> list[BaseModel | str]: ...
 
-    def end(self) -> list[BaseModel]: ...
+    def end(self) -> list[BaseModel | str]: ...
 
 
 async def respond(request: Request, gen: Generation, *, stream: StreamFormatter | None,
@@ -270,12 +272,14 @@ async def _collect(request: Request, gen: Generation, build: Callable[[], BaseMo
     return JSONResponse(to_json(build()))
 
 
-def _sse(data: BaseModel | dict | str) -> dict:
+def _sse(data: BaseModel | dict | str) -> bytes:
+    """One server-sent event: a model (its set fields), a dict, or JSON text already made
+    (``gateway.stream_chunks``; also ``[DONE]``)."""
     if isinstance(data, BaseModel):
-        return {"data": data.model_dump_json(exclude_unset=True)}
+        return sse_event(data.model_dump_json(exclude_unset=True))
     if isinstance(data, dict):
-        return {"data": json.dumps(data, separators=(",", ":"))}
-    return {"data": data}
+        return sse_event(json.dumps(data, separators=(",", ":")))
+    return sse_event(data)
 
 
 async def _stream(request: Request, gen: Generation, fmt: StreamFormatter) -> Response:
@@ -293,19 +297,21 @@ async def _stream(request: Request, gen: Generation, fmt: StreamFormatter) -> Re
         gen.close_nowait()
         raise
 
-    async def events() -> AsyncIterator[dict]:
+    async def events() -> AsyncIterator[bytes]:
+        # The chunks of the deltas at hand go out as one write (one ASGI send, not one per chunk).
         try:
-            for chunk in fmt.start():
-                yield _sse(chunk)
+            head = [_sse(chunk) for chunk in fmt.start()]
             for d in first:
-                for chunk in fmt.on_delta(d):
-                    yield _sse(chunk)
+                head += [_sse(chunk) for chunk in fmt.on_delta(d)]
+            if head:
+                yield b"".join(head)
             async for deltas in agen:
-                for d in deltas:
-                    for chunk in fmt.on_delta(d):
-                        yield _sse(chunk)
-            for chunk in fmt.end():
-                yield _sse(chunk)
+                out = [_sse(chunk) for d in deltas for chunk in fmt.on_delta(d)]
+                if out:
+                    yield out[0] if len(out) == 1 else b"".join(out)
+            tail = [_sse(chunk) for chunk in fmt.end()]
+            if tail:
+                yield b"".join(tail)
         except OpenAIError as exc:
             yield _sse(exc.body())
         finally:

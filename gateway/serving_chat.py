@@ -30,6 +30,7 @@ from gateway.protocol import (
     TopLogprob,
 )
 from gateway.serving import envelope, finite, usage
+from gateway.stream_chunks import ChunkTemplate
 from sluice.text.chat_template import template_variables
 
 
@@ -166,6 +167,10 @@ class ChatStreamFormatter:
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.outputs = ({c.index: ChatOutputStream(dialects, spec, prompt) for c in gen.choices}
                         if _parses(spec, dialects) else None)
+        # the plain chunks (no logprobs, nothing parsed) from a template: gateway.stream_chunks
+        self.template = ChunkTemplate(gen.id, ChatCompletionStreamResponse.model_fields["object"].default,
+                                      gen.created, gen.card.name, self.include_usage) \
+            if self.outputs is None and not body.logprobs else None
 
     def _chunk(self, index: int, delta: DeltaMessage, logprobs: ChatCompletionLogProbs | None = None,
                finish: str | None = None, stop_reason: int | str | None = None) -> ChatCompletionStreamResponse:
@@ -179,7 +184,12 @@ class ChatStreamFormatter:
     def start(self) -> list[ChatCompletionStreamResponse]:
         return [self._chunk(c.index, DeltaMessage(role="assistant", content="")) for c in self.gen.choices]
 
-    def on_delta(self, d: Delta) -> list[ChatCompletionStreamResponse]:
+    def on_delta(self, d: Delta) -> list[ChatCompletionStreamResponse | str]:
+        if self.template is not None:
+            out = [self.template.chat_content(d.index, d.text)] if d.text else []
+            if d.finish_reason:
+                out.append(self.template.chat_finish(d.index, d.finish_reason, d.stop_reason))
+            return out
         out = []
         lp = chat_logprobs(d.logprobs) if self.body.logprobs and d.logprobs else None
         if self.outputs is not None:

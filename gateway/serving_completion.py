@@ -19,6 +19,7 @@ from gateway.protocol import (
     CompletionStreamResponse,
 )
 from gateway.serving import envelope, finite, usage
+from gateway.stream_chunks import ChunkTemplate
 from sluice.wire import limits
 
 
@@ -115,6 +116,9 @@ class CompletionStreamFormatter:
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.builders: dict[int, LogprobsBuilder] = {}
         self.echoed: set[int] = set()
+        # the plain chunks (no logprobs) from a template: gateway.stream_chunks
+        self.template = ChunkTemplate(gen.id, CompletionStreamResponse.model_fields["object"].default, gen.created,
+                                      gen.card.name, self.include_usage) if body.logprobs is None else None
 
     def _chunk(self, choice: CompletionResponseChoice) -> CompletionStreamResponse:
         if self.include_usage:
@@ -124,7 +128,9 @@ class CompletionStreamFormatter:
     def start(self) -> list[CompletionStreamResponse]:
         return []
 
-    def on_delta(self, d: Delta) -> list[CompletionStreamResponse]:
+    def on_delta(self, d: Delta) -> list[CompletionStreamResponse | str]:
+        if self.template is not None and d.index in self.echoed:
+            return self._plain(d)
         choice = self.gen.choices[d.index]
         prefix = ""
         infos: list[TokenInfo] | None = d.logprobs
@@ -148,6 +154,15 @@ class CompletionStreamFormatter:
             out.append(self._chunk(CompletionResponseChoice(index=d.index, text="", logprobs=None,
                                                             finish_reason=d.finish_reason,
                                                             stop_reason=d.stop_reason)))
+        return out
+
+    def _plain(self, d: Delta) -> list[str]:
+        """``on_delta`` of a choice without logprobs, past its first delta (the echo)."""
+        out = []
+        if d.text or not d.finish_reason:
+            out.append(self.template.completion_text(d.index, d.text))
+        if d.finish_reason:
+            out.append(self.template.completion_finish(d.index, d.finish_reason, d.stop_reason))
         return out
 
     def end(self) -> list[CompletionStreamResponse]:

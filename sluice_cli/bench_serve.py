@@ -87,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(needs the engine extra) and report the gateway + Redis overhead")
     parser.add_argument("--offline-model", default=None,
                         help="model directory for --offline-baseline (default: the embedded model)")
+    parser.add_argument("--offline-dtype", default=None,
+                        help="dtype of the --offline-baseline engine; give the served engine's (dtype auto "
+                             "probes the CPU at start, and two probes under load may choose differently)")
 
 
 # --- dataset -----------------------------------------------------------------------------------
@@ -349,10 +352,18 @@ def run(args: argparse.Namespace) -> int:
 
 def offline_baseline(args, requests: list[BenchRequest], served: dict) -> dict:
     """The same requests through the offline engine (one process, no HTTP, no Redis), all at once:
-    what the served run would reach without the gateway and Redis in between."""
+    what the served run would reach without the gateway and Redis in between. It runs under the
+    served engine's OpenMP wait policy (``sluice engine`` sets it; the same here unless
+    $OMP_WAIT_POLICY says otherwise), so that only the gateway and Redis differ."""
+    import os
+
+    from engine_service.service.main import OMP_WAIT_POLICY
+
+    if "torch" not in sys.modules:  # read once, when torch loads its OpenMP runtime
+        os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
     from engine_service import LLM, SamplingParams  # the engine extra; imported only here
 
-    llm = LLM(args.offline_model)
+    llm = LLM(args.offline_model, **({"dtype": args.offline_dtype} if args.offline_dtype else {}))
     prompts = [r.prompt if isinstance(r.prompt, list) else {"prompt": r.prompt} for r in requests]
     params = [SamplingParams(temperature=args.temperature, max_tokens=r.output_len, ignore_eos=args.ignore_eos)
               for r in requests]
@@ -360,7 +371,7 @@ def offline_baseline(args, requests: list[BenchRequest], served: dict) -> dict:
     outs = llm.generate(prompts, params)
     duration = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    result = {"duration_s": duration, "total_output_tokens": tokens,
+    result = {"duration_s": duration, "total_output_tokens": tokens, "dtype": str(llm.engine.dtype).removeprefix("torch."),
               "output_throughput": tokens / duration if duration else 0.0}
     ratio = served["output_throughput"] / result["output_throughput"] if result["output_throughput"] else 0.0
     result["served_over_offline"] = ratio

@@ -25,6 +25,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "spec"): ("engine_service.bench.spec", "one stream with and without n-gram speculative decoding"),
     ("bench", "scheduler"): ("engine_service.bench.scheduler", "model-free scheduler benchmark (batchbench)"),
     ("bench", "serve"): ("sluice_cli.bench_serve", "serving benchmark against a running gateway"),
+    ("bench", "serving-path"): ("sluice_cli.bench_serving_path",
+                                "the serving path's own CPU per token: real engine + gateway around a stub model"),
     ("bench", "plot"): ("sluice.plots", "charts of saved bench results (JSON), as the benches draw them"),
     ("bench", "prefix-affinity"): ("engine_service.bench.prefix_affinity",
                                    "one request queue against a queue sharded by prompt prefix (3 engines)"),

@@ -67,6 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="take another shard's entries once the oldest has waited this long (ms), "
                              "when this engine has room")
     parser.add_argument("--log-level", default="INFO")
+    # Benchmarks only (engine_service.model.stub; refused unless $SLUICE_BENCH_STUB_MODEL=1): no --help line.
+    parser.add_argument("--stub-model", action="store_true", help=argparse.SUPPRESS)
     add_engine_arguments(parser)
 
 
@@ -158,6 +160,7 @@ class EngineService:
         self.io.start()
         if self.admin is not None:
             self.admin.start()
+        name_os_threads()
         try:
             self.worker.run()
         finally:
@@ -188,7 +191,15 @@ class EngineService:
             self._thread.join(timeout)
 
 
+# OpenMP threads that wait for work sleep instead of spinning (set before torch loads its OpenMP
+# runtime; $OMP_WAIT_POLICY, when set, wins). A served engine shares the CPUs with the gateway,
+# Redis and whatever else runs there: a spinning thread burns the CPU they need, and a thread
+# preempted by them stalls its peers' spin at every barrier (docs/performance.md, the serving path).
+OMP_WAIT_POLICY = "PASSIVE"
+
+
 def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -221,9 +232,18 @@ def run(args: argparse.Namespace) -> int:
 
             disable_created_metrics()  # no `_created` twin for every counter and histogram
         log.info("engine %s: loading the model", settings.engine_id)
-        engine = LLMEngine(engine_config_from_args(args))
+        config = engine_config_from_args(args)
+        config.stub_model = bool(getattr(args, "stub_model", False))
+        engine = LLMEngine(config)
         service = EngineService(engine, settings, args.served_model_name or engine.model_name)
     except MetricsPortInUse as exc:
+        log.error("%s", exc)
+        return 2
+    except RuntimeError as exc:
+        from engine_service.model.stub import StubModelRefused
+
+        if not isinstance(exc, StubModelRefused):
+            raise
         log.error("%s", exc)
         return 2
 
@@ -241,6 +261,21 @@ def run(args: argparse.Namespace) -> int:
     code = service.run()
     log.info("engine %s stopped", settings.engine_id)
     return code
+
+
+def name_os_threads() -> None:
+    """Give this process's Python threads their names at the OS level too (``top -H``, per-thread
+    CPU in ``/proc/PID/task/TID``: what ``sluice bench serving-path`` reads to split the engine's
+    CPU between the step loop and the Redis I/O threads). Linux only; a failure changes nothing."""
+    for thread in threading.enumerate():
+        tid = getattr(thread, "native_id", None)
+        if tid is None or thread is threading.main_thread():
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/comm", "w") as f:
+                f.write(thread.name[:15])
+        except OSError:
+            pass
 
 
 def _redact(url: str) -> str:
