@@ -41,6 +41,8 @@ MODES = {
     "int8-compiled": ("float32", "int8", False),
     "int4": ("float32", "int4", True),
     "int4-compiled": ("float32", "int4", False),
+    "bfloat16-int4": ("bfloat16", "int4", True),
+    "bfloat16-int4-compiled": ("bfloat16", "int4", False),
 }
 DEFAULT_MODES = "bfloat16,bfloat16-compiled,int4-compiled"
 
