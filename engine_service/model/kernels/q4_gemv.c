@@ -28,7 +28,7 @@
 #define NOCONTRACT __attribute__((optimize("fp-contract=off")))
 #define TASK_BLOCKS 4
 
-static int sizes_ok(int64_t rows, int64_t n_out, int64_t n_pad, int64_t k, int64_t group) {
+static inline int sizes_ok(int64_t rows, int64_t n_out, int64_t n_pad, int64_t k, int64_t group) {
     return rows > 0 && rows <= Q4_MAX_ROWS && n_out > 0 && n_pad % Q4_BLOCK_N == 0 && n_pad >= n_out &&
            n_pad - n_out < Q4_BLOCK_N && k > 0 && group > 0 && group % Q4_XBLOCK == 0 && k % group == 0;
 }
