@@ -84,33 +84,28 @@ def test_engines_sharing_a_compiled_graph_each_run_their_own_weights(model_dir):
     assert [o.outputs[0].token_ids for o in second.generate(prompts, GREEDY)] == want
 
 
-def test_compiled_int4_agrees_with_eager_int4_up_to_a_near_tie(model_dir):
+def test_the_int4_operator_in_a_compiled_graph_is_the_eager_operator():
     """int4's decode products in the compiled graph are the native operator (sluice::q4_linear) the
-    eager forward calls. Not token-identical by construction: the graph's fused norms round the
-    activations differently in the last bit, and the kernel quantizes activations to int8, which can
-    move a near-tie. So: the same tokens up to the first difference, and there the two candidates
-    were within a hair of each other in the eager run's own logprobs (batched: the batch >= 2 graph;
-    alone: batch 1)."""
+    eager forward calls, bit for bit, around the ops a layer fuses (a norm before, SiLU after)."""
+    import torch
+
     from engine_service.model.quantization import QuantizedLinear
 
-    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
-    config = dict(dtype="float32", quantization="int4", kv_cache_memory=64 << 20)
-    eager = LLM(str(model_dir), enforce_eager=True, **config)
-    head = eager.engine.runner.model.lm_head
-    assert isinstance(head, QuantizedLinear) and head.native_q4
-    want = [o.outputs[0] for o in eager.generate(prompts, params)]
-    del eager
-    compiled = LLM(str(model_dir), enforce_eager=False, **config)
-    assert compiled.engine.runner.compiled_decode is not None
-    got = [o.outputs[0].token_ids for o in compiled.generate(prompts, params)]
-    got.append(compiled.generate(prompts[1], params)[0].outputs[0].token_ids)
-    for tokens, ref in zip(got, [*want, want[1]], strict=True):
-        first = next((i for i, (a, b) in enumerate(zip(tokens, ref.token_ids, strict=True)) if a != b), None)
-        if first is None:
-            continue
-        top = ref.logprobs[first]
-        assert tokens[first] in top, (first, tokens[first], top)
-        gap = top[ref.token_ids[first]].logprob - top[tokens[first]].logprob
-        assert 0 <= gap < 0.05, (first, gap)
-    assert sum(t == r.token_ids for t, r in zip(got, [*want, want[1]], strict=True)) >= 2
+    gen = torch.Generator().manual_seed(0)
+    up = QuantizedLinear.from_float(torch.randn(960, 576, generator=gen) * 0.05, None, "int4", torch.bfloat16)
+    down = QuantizedLinear.from_float(torch.randn(576, 960, generator=gen) * 0.05, None, "int4", torch.bfloat16)
+    assert up.native_q4 and down.native_q4
+    norm = torch.randn(576, generator=gen)
+
+    def block(x):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm
+        return down(torch.nn.functional.silu(up(h))) + x
+
+    compiled = torch.compile(block, fullgraph=True)
+    with torch.inference_mode():
+        for rows in (1, 3):
+            x = torch.randn(rows, 576, generator=gen)
+            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm
+            assert torch.equal(torch.compile(up, fullgraph=True)(h), up(h))
+            got, want = compiled(x), block(x)
+            assert (got - want).abs().max() <= 1e-2 * want.abs().max()  # the fused norm may round differently
