@@ -2,6 +2,10 @@
 weight (kernels/packed_gemv.c) against oneDNN's own product on the same weight.
 `python scripts/bench_gemv.py [--repeats 15] [--json PATH]`.
 
+`--int4`: one row (`--rows N`: N rows) through the same projections quantized to int4, the native
+kernel on its own layout (kernels/q4_gemv.c) against torch's packed int4 kernel, both taking the
+row as the engine's int4 layers do.
+
 The 30 layers' four projections and the output projection (270 MB of bfloat16 weights, so they
 stream from memory as in a decode step, not from a cache) run back to back, the two paths
 alternating; the table gives the median milliseconds for all of them and the bandwidth that means.
@@ -29,11 +33,71 @@ LAYERS = 30
 LM_HEAD = ("lm_head", 49152, 576)
 
 
+def _alternate(paths: dict, repeats: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(repeats):
+        for name, fn in paths.items():
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    return times
+
+
+def int4_main(args: argparse.Namespace) -> None:
+    from engine_service.model import quantization
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [s for _ in range(LAYERS) for s in SHAPES] + [LM_HEAD]
+    weights = [torch.randn(n, k, generator=gen) * 0.05 for _, n, k in shapes]
+    native = [quantization.QuantizedLinear.from_float(w, None, "int4", torch.bfloat16) for w in weights]
+    if not all(layer.native_q4 for layer in native):
+        raise SystemExit("no native int4 kernel here (native operators unavailable, or no AVX512-VNNI)")
+    available = quantization._native_q4
+    quantization._native_q4 = lambda: False  # torch's packed layout and kernel, as without the native one
+    try:
+        packed = [quantization.QuantizedLinear.from_float(w, None, "int4", torch.bfloat16) for w in weights]
+    finally:
+        quantization._native_q4 = available
+    del weights
+    for layer in native + packed:
+        layer.dense_min_rows = None  # the kernels themselves, whatever the row count
+    xs = {k: torch.randn(args.rows, k, generator=gen) for _, _, k in shapes}  # float32, the default model dtype
+    nbytes = sum(b.numel() * b.element_size() for layer in native for b in layer.buffers())
+
+    def run(layers):
+        return lambda: [layer(xs[k]) for (_, _, k), layer in zip(shapes, layers, strict=True)]
+
+    times = _alternate({"native int4": run(native), "torch int4": run(packed)}, args.repeats)
+    print(f"{args.rows} float32 row(s) through {len(shapes)} int4 projections ({nbytes / 1e6:.0f} MB), torch "
+          f"threads {torch.get_num_threads()}, median of {args.repeats}")
+    rows = []
+    for name, samples in times.items():
+        ms = statistics.median(samples) * 1e3
+        rows.append({"path": name, "ms": round(ms, 3), "gb_per_s": round(nbytes / ms / 1e6, 2),
+                     "min_ms": round(min(samples) * 1e3, 3), "max_ms": round(max(samples) * 1e3, 3)})
+        print(f"{name:<12} {ms:>8.2f} ms {nbytes / ms / 1e6:>7.1f} GB/s  (range {min(samples) * 1e3:.2f}-"
+              f"{max(samples) * 1e3:.2f})")
+    ratio = rows[1]["ms"] / rows[0]["ms"]
+    print(f"torch / native: {ratio:.2f}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"bytes": nbytes, "rows_per_product": args.rows, "repeats": args.repeats,
+                                     "threads": torch.get_num_threads(), "rows": rows,
+                                     "torch_over_native": round(ratio, 3)}, indent=2) + "\n")
+    print(f"wrote {args.json}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--json", type=Path, default=Path("bench-results/gemv.json"))
+    p.add_argument("--int4", action="store_true", help="the int4 kernels instead of the bfloat16 GEMV")
+    p.add_argument("--rows", type=int, default=1, help="rows per product (--int4)")
+    p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
+    if args.json is None:
+        args.json = Path("bench-results/gemv-int4.json" if args.int4 else "bench-results/gemv.json")
+    if args.int4:
+        int4_main(args)
+        return
     if not _gemv_supported():
         raise SystemExit("no bfloat16 GEMV here (native operators unavailable, or no AVX512-BF16)")
     gen = torch.Generator().manual_seed(0)

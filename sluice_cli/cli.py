@@ -19,6 +19,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("model", "prepare"): ("engine_service.model.prepare", "convert the embedded default model to a HF directory"),
     ("bench", "offline"): ("engine_service.bench.offline", "offline throughput benchmark against transformers"),
     ("bench", "latency"): ("engine_service.bench.latency", "TTFT and TPOT of one batch against transformers"),
+    ("bench", "anchor"): ("engine_service.bench.anchor",
+                          "one decode stream of Sluice's modes side by side with llama.cpp (needs llama-cpp-python)"),
     ("bench", "structured"): ("engine_service.bench.structured",
                               "constrained outputs that validate, with and without the token-budget steering"),
     ("bench", "quality"): ("engine_service.bench.quality", "quantized modes against float32: greedy agreement, perplexity"),

@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from engine_service.bench.flops import ModelShape, gemm_peak_gflops
 from sluice import plots
 
 
@@ -178,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
     peak_cuda_mb = (torch.cuda.max_memory_allocated(engine.device) / 2**20
                     if engine.device.type == "cuda" else None)
     compile_warmup_s = getattr(engine, "compile_warmup_seconds", None)
+    shape = ModelShape.from_config(engine.runner.model.config)
     del llm
     hf_work = work[: args.hf_num_requests] if args.hf_num_requests else work
     for size in [int(s) for s in args.hf_batch_sizes.split(",") if s.strip()]:
@@ -190,6 +192,12 @@ def run(args: argparse.Namespace) -> int:
         sampler_ms = benchmark_sampler(batch_size=args.sampler_batch, vocab_size=engine.vocab_size)
     except ImportError:
         pass
+
+    # FLOP utilisation: the workload's useful FLOPs at Sluice's pace against a GEMM in the same run
+    workload_flops = sum(shape.request_flops(len(w.prompt_token_ids), w.output_len) for w in work)
+    sluice_gflops = workload_flops / rows[0].seconds / 1e9
+    gemm_dtype = torch.bfloat16 if engine.quantization else engine.dtype  # quantized: the dense prefill's
+    peak_gflops = gemm_peak_gflops(gemm_dtype) if engine.device.type == "cpu" else None
 
     base = rows[0].tokens_per_s
     print(f"\nsluice bench offline: {args.num_requests} requests, prompts {args.prompt_len}, "
@@ -212,6 +220,10 @@ def run(args: argparse.Namespace) -> int:
     if args.structured_share > 0:
         structured_cost = 1 - rows[1].tokens_per_s / rows[0].tokens_per_s
         print(f"structured outputs: {rows[1].system}: {100 * structured_cost:.1f}% below the unconstrained run")
+    if peak_gflops is not None:
+        print(f"FLOP utilisation: the workload's {workload_flops / 1e12:.2f} TFLOP at Sluice's pace are "
+              f"{sluice_gflops:.1f} GFLOP/s; a {str(gemm_dtype).removeprefix('torch.')} GEMM (2048^3, "
+              f"torch.mm) reaches {peak_gflops:.1f} GFLOP/s here: {sluice_gflops / peak_gflops:.1%}")
     if sampler_ms is not None:
         print(f"sampler cost per step at batch {args.sampler_batch}: {sampler_ms:.2f} ms")
     result = {
@@ -231,6 +243,11 @@ def run(args: argparse.Namespace) -> int:
         "sampler_batch": args.sampler_batch,
         "structured_share": args.structured_share,
         "structured_throughput_cost": structured_cost,
+        "workload_flops": workload_flops,
+        "sluice_gflops": sluice_gflops,
+        "gemm_dtype": str(gemm_dtype).removeprefix("torch."),
+        "gemm_peak_gflops": peak_gflops,
+        "flop_utilisation": sluice_gflops / peak_gflops if peak_gflops else None,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))

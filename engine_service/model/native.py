@@ -43,11 +43,12 @@ from sluice.paths import cache_dir
 logger = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
-C_SOURCES = [KERNELS / "paged_decode_attention.c", KERNELS / "dequantize.c", KERNELS / "packed_gemv.c"]
+C_SOURCES = [KERNELS / "paged_decode_attention.c", KERNELS / "dequantize.c", KERNELS / "packed_gemv.c",
+             KERNELS / "q4_gemv.c"]
 HEADERS = [KERNELS / "bf16.h", KERNELS / "paged_decode_attention.h", KERNELS / "dequantize.h",
-           KERNELS / "packed_gemv.h"]
+           KERNELS / "packed_gemv.h", KERNELS / "q4_gemv.h"]
 CXX_SOURCES = [KERNELS / "paged_decode_attention_op.cpp", KERNELS / "prepacked_linear_op.cpp",
-               KERNELS / "dequantize_op.cpp"]
+               KERNELS / "dequantize_op.cpp", KERNELS / "q4_linear_op.cpp"]
 LIBRARY_NAME = "sluice_ops"
 # The oldest torch whose stable C ABI has what the bindings call (torch::stable::contiguous and
 # torch_call_dispatcher are 2.10's). pyproject.toml states the same lower bound; the build targets
@@ -192,6 +193,23 @@ def _dequantize_int8_fake(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return scales.new_empty(q.shape)
 
 
+_library.define("q4_linear(Tensor x, Tensor codes, Tensor scales_zeros, int out_features) -> Tensor")
+_library.define("dequantize_q4(Tensor codes, Tensor scales_zeros, bool to_float32) -> Tensor")
+_library.define("q4_supported() -> bool")
+
+
+def _q4_linear_fake(x: torch.Tensor, codes: torch.Tensor, scales_zeros: torch.Tensor,
+                    out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _dequantize_q4_fake(codes: torch.Tensor, scales_zeros: torch.Tensor, to_float32: bool) -> torch.Tensor:
+    return scales_zeros.new_empty((codes.shape[0] * 16, codes.shape[1] * 8),
+                                  dtype=torch.float32 if to_float32 else torch.bfloat16)
+
+
+_library.impl("q4_linear", _q4_linear_fake, "Meta")
+_library.impl("dequantize_q4", _dequantize_q4_fake, "Meta")
 _library.impl("dequantize_int4", _dequantize_int4_fake, "Meta")
 _library.impl("dequantize_int8", _dequantize_int8_fake, "Meta")
 

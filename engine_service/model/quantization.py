@@ -63,6 +63,7 @@ INT4_CPU_BLOCK_N = 64  # the CPU packed layout's block of output rows (see unpac
 # 49,152 rows) pays again to read it back, and its crossing is about three times later.
 DENSE_MIN_ROWS = {"int4": 64, "int8": 32}
 DENSE_LARGE_BYTES = 16 << 20
+Q4_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)  # what sluice::q4_linear takes and returns
 DENSE_LARGE_FACTOR = 3
 
 
@@ -166,6 +167,48 @@ def dequantize_int8_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q.float() * scales.float()[:, None]).to(scales.dtype)
 
 
+Q4_BLOCK_N = 16  # output rows per block of the native int4 layout (kernels/q4_gemv.h)
+Q4_STEP_K = 8  # inputs per 64-byte step of a block
+
+
+def pack_q4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 codes ``q`` ([N, K] in [0, 15], N a multiple of 16) and their per-group ``scales`` and
+    ``zeros`` ([N, K/g]) in the layout of the native ``sluice::q4_linear`` (kernels/q4_gemv.h):
+    codes [N/16, K/8, 64] uint8, where byte 4r + j of a block's step holds row r's inputs j (low
+    nibble) and 4 + j (high nibble), so that each 32-bit lane is one row's four consecutive inputs;
+    scales_zeros [N/16, K/g, 2, 16] bfloat16 (scale, then zero, of the block's 16 rows)."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).view(n // Q4_BLOCK_N, Q4_BLOCK_N, k // Q4_STEP_K, Q4_STEP_K)
+    packed = blocks[..., :4] | (blocks[..., 4:] << 4)  # [N/16, 16, K/8, 4]
+    codes = packed.permute(0, 2, 1, 3).reshape(n // Q4_BLOCK_N, k // Q4_STEP_K, 4 * Q4_BLOCK_N).contiguous()
+    groups = scales.shape[1]
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:
+        return t.float().view(n // Q4_BLOCK_N, Q4_BLOCK_N, groups).transpose(1, 2)
+
+    scales_zeros = torch.stack([per_block(scales), per_block(zeros)], dim=2).to(torch.bfloat16).contiguous()
+    return codes, scales_zeros
+
+
+def unpack_q4(codes: torch.Tensor) -> torch.Tensor:
+    """The [N, K] uint8 codes held in ``pack_q4``'s layout."""
+    nb, steps, _ = codes.shape
+    c = codes.view(nb, steps, Q4_BLOCK_N, 4)
+    both = torch.cat([c & 15, c >> 4], dim=-1)  # [N/16, K/8, 16, 8]
+    return both.permute(0, 2, 1, 3).reshape(nb * Q4_BLOCK_N, steps * Q4_STEP_K)
+
+
+def dequantize_q4(codes: torch.Tensor, scales_zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The dense [N, K] weights of ``pack_q4``'s layout in ``dtype`` (float32 arithmetic, one rounding):
+    the torch reference of the native ``sluice::dequantize_q4``."""
+    q = unpack_q4(codes)
+    n, k = q.shape
+    groups = scales_zeros.shape[1]
+    scales = scales_zeros[:, :, 0, :].transpose(1, 2).reshape(n, groups, 1).float()
+    zeros = scales_zeros[:, :, 1, :].transpose(1, 2).reshape(n, groups, 1).float()
+    return ((q.view(n, groups, k // groups).float() - 8.0) * scales + zeros).view(n, k).to(dtype)
+
+
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_zeros: torch.Tensor) -> torch.Tensor:
     if _is_cuda(x.device):
         return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scales_zeros)
@@ -190,6 +233,8 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         # From how many rows a product dequantizes the weights (from_float; None: never).
         self.dense_min_rows: int | None = None
+        # int4 in the native layout (codes, scales_zeros: pack_q4), run by sluice::q4_linear
+        self.native_q4 = False
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, method: str,
@@ -208,9 +253,17 @@ class QuantizedLinear(nn.Module):
             if pad:
                 weight = torch.cat([weight, weight.new_zeros(pad, in_features)])
             q, scales, zeros = quantize_int4(weight, group_size)
-            mod.register_buffer("qweight", pack_int4(q, device))
-            mod.register_buffer("scales_zeros", int4_scales_and_zeros(scales, zeros, kernel_dtype).to(device))
-            dense_ok = _unpacks_exactly(mod.qweight, q, device)
+            if device.type == "cpu" and _native_q4():
+                # the native layout: decode rows multiplied in integers in place (kernels/q4_gemv.c)
+                codes, scales_zeros = pack_q4(q, scales, zeros)
+                mod.register_buffer("codes", codes)
+                mod.register_buffer("scales_zeros", scales_zeros)
+                mod.native_q4 = True
+                dense_ok = True
+            else:
+                mod.register_buffer("qweight", pack_int4(q, device))
+                mod.register_buffer("scales_zeros", int4_scales_and_zeros(scales, zeros, kernel_dtype).to(device))
+                dense_ok = _unpacks_exactly(mod.qweight, q, device)
         else:
             raise QuantizationError(f"unknown quantization method {method!r}")
         # Only the native one-pass kernel pays: the same dequantization in torch operations costs
@@ -227,12 +280,21 @@ class QuantizedLinear(nn.Module):
         has it); ``dequantize_int4_packed`` and ``dequantize_int8_rows`` are its torch reference."""
         if self.method == "int8":
             return torch.ops.sluice.dequantize_int8(self.qweight, self.scales)
+        if self.native_q4:
+            return torch.ops.sluice.dequantize_q4(self.codes, self.scales_zeros, self.kernel_dtype == torch.float32)
         return torch.ops.sluice.dequantize_int4(self.qweight, self.scales_zeros, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         out_dtype = x.dtype
         x2 = x.reshape(-1, self.in_features)
+        if (self.native_q4 and x2.dtype in Q4_ACTIVATION_DTYPES
+                and (self.dense_min_rows is None or x2.shape[0] < self.dense_min_rows)):
+            # the model's own dtype goes in and comes out: no casts around the product
+            y = torch.ops.sluice.q4_linear(x2, self.codes, self.scales_zeros, self.out_features)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.reshape(*shape[:-1], self.out_features)
         if x2.dtype != self.kernel_dtype:
             x2 = x2.to(self.kernel_dtype)
         if self.dense_min_rows is not None and x2.shape[0] >= self.dense_min_rows:
@@ -268,6 +330,12 @@ def _native_dequantize() -> bool:
         logger.warning("quantized layers run every product through the packed kernels (slower prefill: "
                        "no native dequantization): %s", why)
     return why is None
+
+
+def _native_q4() -> bool:
+    """Whether int4 layers can take the native layout here: the operators are loaded and the CPU
+    runs the VNNI kernel (else torch's packed int4 kernel, as before)."""
+    return _native_dequantize() and bool(torch.ops.sluice.q4_supported())
 
 
 def _unpacks_exactly(packed: torch.Tensor, codes: torch.Tensor, device: torch.device) -> bool:

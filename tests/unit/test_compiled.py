@@ -82,3 +82,30 @@ def test_engines_sharing_a_compiled_graph_each_run_their_own_weights(model_dir):
     second = LLM(str(model_dir), **config)
     assert second.engine.runner.compiled_decode is not None, "the second engine fell back to eager"
     assert [o.outputs[0].token_ids for o in second.generate(prompts, GREEDY)] == want
+
+
+def test_the_int4_operator_in_a_compiled_graph_is_the_eager_operator():
+    """int4's decode products in the compiled graph are the native operator (sluice::q4_linear) the
+    eager forward calls, bit for bit, around the ops a layer fuses (a norm before, SiLU after)."""
+    import torch
+
+    from engine_service.model.quantization import QuantizedLinear
+
+    gen = torch.Generator().manual_seed(0)
+    up = QuantizedLinear.from_float(torch.randn(960, 576, generator=gen) * 0.05, None, "int4", torch.bfloat16)
+    down = QuantizedLinear.from_float(torch.randn(576, 960, generator=gen) * 0.05, None, "int4", torch.bfloat16)
+    assert up.native_q4 and down.native_q4
+    norm = torch.randn(576, generator=gen)
+
+    def block(x):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm
+        return down(torch.nn.functional.silu(up(h))) + x
+
+    compiled = torch.compile(block, fullgraph=True)
+    with torch.inference_mode():
+        for rows in (1, 3):
+            x = torch.randn(rows, 576, generator=gen)
+            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm
+            assert torch.equal(torch.compile(up, fullgraph=True)(h), up(h))
+            got, want = compiled(x), block(x)
+            assert (got - want).abs().max() <= 1e-2 * want.abs().max()  # the fused norm may round differently

