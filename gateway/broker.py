@@ -438,7 +438,7 @@ class Broker:
         else:
             start = "(" + after if after != "0-0" else "-"
             entries = await self.redis.xrange(key, min=start, max="+", count=count)
-        return [(_s(entry_id), event_log.decode_entry(fields)) for entry_id, fields in entries]
+        return [(_s(entry_id), event_log.decode_entry(fields, request_id)) for entry_id, fields in entries]
 
     async def take_lease(self, request_ids: list[str], token: str) -> None:
         """Hold (or refresh) the leases of requests this gateway follows for a client."""

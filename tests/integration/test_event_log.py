@@ -29,7 +29,8 @@ def submit(client: WireClient, model: str, prompt: list[int], params: dict, **fl
 
 
 def log_events(r, request_id: str) -> list:
-    return [ev for _, fields in r.xrange(contract.log_key(request_id)) for ev in event_log.decode_entry(fields)]
+    return [ev for _, fields in r.xrange(contract.log_key(request_id))
+            for ev in event_log.decode_entry(fields, request_id)]
 
 
 # A cluster places every log on its own request's slot: the one module test that runs on both.
