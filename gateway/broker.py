@@ -42,9 +42,9 @@ so a request enqueued before the first beat is safe). When the process dies, its
 it and nobody will ever cancel their requests; the engines see the key stay gone and abort them.
 
 The event log (``sluice.wire.event_log``, issue 22): a logged request's record is written before its
-XADD; any gateway reads the record and the log (``read_log``: XRANGE, then XREAD BLOCK on the one
-log key: resumes are rare, one blocking read per resumed stream) and holds the request's lease while
-it follows it for a client, so that the engines' lost-gateway rule spares the request.
+XADD; any gateway reads the record and the log (``read_log``: LRANGE from an index; a follower polls
+it, resumes being rare) and holds the request's lease while it follows it for a client, so that the
+engines' lost-gateway rule spares the request.
 """
 
 from __future__ import annotations
@@ -427,18 +427,10 @@ class Broker:
             log.warning("record %s: %s", record_id, exc)
             return None
 
-    async def read_log(self, request_id: str, after: str = "0-0", block_ms: int = 0,
-                       count: int = 512) -> list[tuple[str, list[Event]]]:
-        """The log's entries after ``after`` as (entry id, events); with ``block_ms`` waits that
-        long for one when there is none yet (XREAD BLOCK on the log's key alone)."""
-        key = contract.log_key(request_id)
-        if block_ms:
-            reply = await self.redis.xread({key: after}, count=count, block=block_ms)
-            entries = [e for _, messages in (reply or []) for e in messages]
-        else:
-            start = "(" + after if after != "0-0" else "-"
-            entries = await self.redis.xrange(key, min=start, max="+", count=count)
-        return [(_s(entry_id), event_log.decode_entry(fields, request_id)) for entry_id, fields in entries]
+    async def read_log(self, request_id: str, start: int = 0, count: int = 512) -> list[list[Event]]:
+        """Up to ``count`` elements of the log from index ``start``, each as its events."""
+        raw = await self.redis.lrange(contract.log_key(request_id), start, start + count - 1)
+        return [event_log.decode_entry(element, request_id) for element in raw]
 
     async def take_lease(self, request_ids: list[str], token: str) -> None:
         """Hold (or refresh) the leases of requests this gateway follows for a client."""

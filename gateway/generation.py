@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from gateway import errors
 from gateway.broker import Broker, LoadedCard, Lost
 from gateway.metrics import METRICS
-from sluice.text.detokenizer import token_text
+from sluice.text.detokenizer import CONTEXT_TOKENS, token_text
 from sluice.text.stream import TextStream
 from sluice.wire import codec, contract, limits, policy
 from sluice.wire.event_log import StreamRecord
@@ -42,6 +42,8 @@ from sluice.wire.messages_pb2 import Event, SamplingParams
 # untouched work waits this long for one (the rule: ``sluice.wire.policy.engine_lost``).
 LIVENESS_CHECK_S = policy.LIVENESS_CHECK_S
 NO_ENGINE_WAIT_S = policy.NO_ENGINE_WAIT_S
+# A follower of a log (a resumed stream) that has read all of it reads again after this long.
+FOLLOW_POLL_S = 0.05
 
 
 @dataclass
@@ -148,6 +150,7 @@ class SubRequest:
     params: SamplingParams
     choices: list[Choice] = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)
+    prompt_len: int | None = None  # a resumed request's (its record keeps only the prompt's tail)
 
     @property
     def engine_active(self) -> bool:
@@ -209,7 +212,7 @@ class Generation:
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(s.prompt_ids) for s in self.subs)
+        return sum(len(s.prompt_ids) if s.prompt_len is None else s.prompt_len for s in self.subs)
 
     @property
     def completion_tokens(self) -> int:
@@ -228,8 +231,8 @@ class Generation:
                   endpoint=record.endpoint, id_prefix="", log_ttl_s=0, detached=record.detached,
                   render=record.render)
         gen.id, gen.created, gen.reply_to, gen.resumed = record.id, record.created, record.reply_to, True
-        for sub, rid in zip(gen.subs, record.request_ids, strict=True):
-            sub.request_id = rid
+        for sub, rid, length in zip(gen.subs, record.request_ids, record.prompt_tokens, strict=True):
+            sub.request_id, sub.prompt_len = rid, length
         gen._by_id = {s.request_id: s for s in gen.subs}
         return gen
 
@@ -237,7 +240,9 @@ class Generation:
         return StreamRecord(id=self.id, endpoint=self.endpoint, model=self.card.name, created=self.created,
                             reply_to=self.reply_to or self.broker.gateway_id,
                             request_ids=[s.request_id for s in self.subs],
-                            prompt_ids=[s.prompt_ids for s in self.subs], deadline=self.deadline,
+                            prompt_ids=[s.prompt_ids if self.render.get("whole_prompt") else s.prompt_ids[-CONTEXT_TOKENS:]
+                                        for s in self.subs],
+                            prompt_tokens=[len(s.prompt_ids) for s in self.subs], deadline=self.deadline,
                             detached=self.detached, render=self.render)
 
     def follow(self) -> None:
@@ -248,26 +253,25 @@ class Generation:
 
     async def _follow(self) -> None:
         rid = self.subs[0].request_id
-        after, caught_up, next_lease = "0-0", False, 0.0
+        index, next_lease = 0, 0.0
         while True:
             try:
                 now = time.monotonic()
                 if self._leasing and now >= next_lease:
                     await self.broker.take_lease([rid], self._lease_token)
                     next_lease = now + contract.LEASE_REFRESH_S
-                until_lease = max(next_lease - now, 0.05) if self._leasing else contract.LEASE_REFRESH_S
-                wait = int(min(contract.LEASE_REFRESH_S, until_lease) * 1000) if caught_up else 0
-                entries = await self.broker.read_log(rid, after, block_ms=wait)
+                elements = await self.broker.read_log(rid, index)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - Redis away: the deadline and liveness checks still bound the wait
                 await asyncio.sleep(0.2)
                 continue
-            caught_up = not entries or len(entries) < 512
-            for entry_id, events in entries:
-                after = entry_id
+            index += len(elements)
+            for events in elements:
                 for ev in events:
                     self._queue.put_nowait(ev)
+            if not elements:  # caught up: poll (a resumed stream adds at most this to its latency)
+                await asyncio.sleep(FOLLOW_POLL_S)
 
     async def start(self) -> None:
         """Register every request's queue with the broker, then enqueue (in that order: events of

@@ -54,7 +54,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     opts = {"stop": serving.stop_strings(body), "include_stop_str": body.include_stop_str_in_output,
             "skip_special_tokens": body.skip_special_tokens, "logprobs": body.logprobs}
     render = {"body": body.model_dump(mode="json", exclude_unset=True, exclude={"prompt"}), "opts": opts,
-              "n": params.n or 1}
+              "n": params.n or 1, "whole_prompt": echo}
     gen = Generation(broker, card, prompts, params, opts, deadline=arrival + cfg.request_timeout_s,
                      endpoint="completions", id_prefix="cmpl",
                      log_ttl_s=cfg.event_log_ttl_s if body.stream and cfg.resumable_streams else None,

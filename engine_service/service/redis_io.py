@@ -556,11 +556,11 @@ class RedisIO:
 
     def _append_logs(self, pipe: Any, by_log: dict[str, list[Event]], specs: dict[str, LogSpec | None],
                      first_writes: set[str], ended: set[str]) -> None:
-        """The event-log part of a step's pipeline (``sluice.wire.event_log``): one XADD per logged
+        """The event-log part of a step's pipeline (``sluice.wire.event_log``): one RPUSH per logged
         request with events in this step; an EXPIRE to (deadline + window) with its first write, and
         to the window alone for log and record when the request ends here. No extra round trip."""
         for rid, events in by_log.items():
-            pipe.xadd(contract.log_key(rid), event_log.encode_entry(events))
+            pipe.rpush(contract.log_key(rid), event_log.encode_entry(events))
             spec = specs[rid]
             if rid in first_writes and rid not in ended and spec is not None:
                 pipe.expire(contract.log_key(rid), event_log.ttl_until_end(spec.deadline, spec.ttl_s))

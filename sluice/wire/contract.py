@@ -40,7 +40,7 @@ four families:
 | sluice:{registry}:gateway:<gateway_id>| string with TTL       | gateway | liveness of the gateway process named in GenerateRequest.gateway_id: gone for GATEWAY_LOST_AFTER_S = its requests are aborted |
 | sluice:{registry}:model:<model>      | hash                   | engine  | model card (``sluice.wire.card``): tokenizer, chat template, limits |
 | sluice:{registry}:models             | set                    | engine  | names of models that have a card          |
-| sluice:{r:<rid>}:log                 | stream, field "e"      | engine  | the request's event log (GenerateRequest.log_events): one EventBatch entry per step |
+| sluice:{r:<rid>}:log                 | list                   | engine  | the request's event log (GenerateRequest.log_events): one EventBatch per publish |
 | sluice:{r:<rid>}:record              | string (JSON)          | gateway | what any gateway needs to render the log (``sluice.wire.event_log.StreamRecord``) |
 | sluice:{r:<rid>}:lease               | string with TTL        | gateway | a gateway follows the log for a resumed client: the engine's lost-gateway rule spares the request |
 
@@ -169,7 +169,6 @@ ERR_CONTRACT_MISMATCH = ErrorCode.ERROR_CODE_CONTRACT_MISMATCH
 # TTL; the engine EXPIREs the log the same way at its first write, and log and record to the log
 # TTL when the request ends, so both outlive any run and vanish a window after it.
 DEFAULT_LOG_TTL_S = 600
-LOG_FIELD = b"e"  # the log entry's field holding the EventBatch bytes (this request's events of one step)
 # A gateway that follows a log for a resumed client holds the request's lease; it refreshes it every
 # LEASE_REFRESH_S, and it lapses LEASE_TTL_S after the last refresh.
 LEASE_TTL_S = 5.0

@@ -1,9 +1,12 @@
 """The per-request event log's codecs (the ``{r:<rid>}`` family of ``sluice.wire.contract``).
 
-- The log (``contract.log_key``): a stream the engine appends to, one entry per engine step with the
-  request's events of that step (an ``EventBatch`` under ``contract.LOG_FIELD``), in the order the
-  engine published them. Replaying it gives a renderer the same events, in the same order and the
-  same grouping, as the live subscriber got, so the rendered chunks are the same.
+- The log (``contract.log_key``): a Redis list the engine RPUSHes to, one element per publish (one
+  engine step, or the few steps its publisher coalesced) with the request's events of it (an
+  ``EventBatch`` without the ids the key already names), in the order the engine published them.
+  Replaying it gives a renderer the same events in the same order as the live subscriber got, so
+  the rendered chunks are the same. A list, not a stream: Redis (7.0) gives every stream key a
+  preallocated 4 KB listpack, so a short request's log would cost some 4.7 KB instead of some
+  0.6 KB (scripts/bench_event_log.py); a follower polls it (LRANGE from its index; resumes are rare).
 - The record (``contract.record_key``): what a gateway that did not start the request needs to
   render the log: the ids, the creation time, the prompt, the endpoint's own rendering parameters
   (opaque here: ``render``), and ``reply_to`` (a cancel is keyed by it). JSON, versioned.
@@ -40,7 +43,10 @@ class StreamRecord:
     created: int
     reply_to: str  # the cancel's key (contract.cancelled_key) and the channel the events went to
     request_ids: list[str]
+    # Per engine request: its prompt's last tokens (the detokenizer's left context) or, where the
+    # renderer shows the prompt (an echo), all of them; and its length (usage.prompt_tokens).
     prompt_ids: list[list[int]]
+    prompt_tokens: list[int] = field(default_factory=list)
     deadline: float = 0.0  # unix seconds; 0: none
     detached: bool = False
     render: dict[str, Any] = field(default_factory=dict)  # the endpoint's rendering parameters (JSON)
@@ -72,9 +78,9 @@ def ttl_until_end(deadline: float, log_ttl_s: int, now: float | None = None) -> 
     return max(1, int(run) + 1 + (log_ttl_s or contract.DEFAULT_LOG_TTL_S))
 
 
-def encode_entry(events: Iterable[Event]) -> dict[bytes, bytes]:
-    """A log entry's fields for XADD: the request's events of one step, without their request and
-    engine ids (the key names the request; a decode puts its id back): a decode step's entry is a
+def encode_entry(events: Iterable[Event]) -> bytes:
+    """A log element (RPUSH): the request's events of one publish, without their request and
+    engine ids (the key names the request; a decode puts its id back): a decode step's element is a
     few bytes instead of some 70, which is most of a log's memory."""
     batch = EventBatch()
     for event in events:
@@ -82,15 +88,12 @@ def encode_entry(events: Iterable[Event]) -> dict[bytes, bytes]:
         copy.CopyFrom(event)
         copy.ClearField("request_id")
         copy.ClearField("engine_id")
-    return {contract.LOG_FIELD: batch.SerializeToString()}
+    return batch.SerializeToString()
 
 
-def decode_entry(fields: dict, request_id: str) -> list[Event]:
-    """The events of one entry of ``request_id``'s log (raises
-    ``google.protobuf.message.DecodeError``; an entry without the field has none)."""
-    raw = fields.get(contract.LOG_FIELD) if fields else None
-    if raw is None and fields:
-        raw = fields.get(contract.LOG_FIELD.decode())
+def decode_entry(raw: bytes, request_id: str) -> list[Event]:
+    """The events of one element of ``request_id``'s log (raises
+    ``google.protobuf.message.DecodeError``)."""
     events = list(EventBatch.FromString(raw).events) if raw else []
     for event in events:
         event.request_id = request_id
