@@ -112,3 +112,7 @@ def test_each_key_family_is_one_hash_slot() -> None:
     # and the families spread: different models' queues (and gateways' channels) land on many slots
     assert len(slots(*(contract.request_stream(f"model-{i}") for i in range(50)))) > 40
     assert len(slots(*(contract.events_channel(f"gw-{i}") for i in range(50)))) > 40
+    # a request's event log, record and lease share a slot; different requests' logs spread
+    for rid in ("chatcmpl-0123", "resp_abc", "cmpl-x-0"):
+        assert len(slots(contract.log_key(rid), contract.record_key(rid), contract.lease_key(rid))) == 1, rid
+    assert len(slots(*(contract.log_key(f"chatcmpl-{i}") for i in range(50)))) > 40
