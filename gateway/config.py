@@ -26,6 +26,9 @@ class GatewayConfig:
     # a request's own `chat_template` is rendered (vLLM's flag of the same name); else it is a 400.
     # Off by default: a template is a program, and one from a client runs on the gateway's CPU.
     trust_request_chat_template: bool = False
+    # How long a stored Responses API response (its object, input items and conversation) stays in
+    # Redis after it ended; a response still running is kept request_timeout_s (plus a minute).
+    responses_ttl_s: float = 24 * 3600.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

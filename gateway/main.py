@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="render a `chat_template` sent with a chat request (vLLM's flag; default: refuse "
                              "it with a 400, the model's template is used when none is sent)")
+    parser.add_argument("--responses-ttl-s", type=float, default=d.responses_ttl_s,
+                        help="how long Redis keeps a stored /v1/responses response after it ended "
+                             "(default: %(default)s)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -85,6 +88,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_body_bytes=args.max_body_bytes,
         retry_after_s=args.retry_after_s,
         trust_request_chat_template=args.trust_request_chat_template,
+        responses_ttl_s=args.responses_ttl_s,
     )
 
 

@@ -4,6 +4,7 @@ response or its stream chunks (vLLM's ``serving_chat``)."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -67,7 +68,33 @@ def request_chat_template(chat_template: str | None, cfg: GatewayConfig) -> str 
     return chat_template
 
 
+@dataclass
+class PreparedChat:
+    """A validated chat request turned into its (not yet started) :class:`Generation`, with what
+    parsing its output needs: the tool spec, the model's dialects and the rendered prompt."""
+
+    gen: Generation
+    card: LoadedCard
+    spec: tools.ToolSpec | None
+    dialects: Dialects
+    prompt: str
+
+
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    chat = await prepare_chat(body, request)
+    await serving.start(chat.gen, serving.broker_of(request), serving.config_of(request), body.model)
+    gen, card, spec, dialects, text = chat.gen, chat.card, chat.spec, chat.dialects, chat.prompt
+    return await serving.respond(
+        request, gen,
+        stream=ChatStreamFormatter(gen, card, body, spec, dialects, text) if body.stream else None,
+        build=lambda: chat_response(gen, body, spec, dialects, text),
+    )
+
+
+async def prepare_chat(body: ChatCompletionRequest, request: Request, *, id_prefix: str = "chatcmpl") -> PreparedChat:
+    """Everything a chat request needs before it is queued (every 400 is raised here): the
+    chat template, tools, constraints, sampling parameters. ``POST /v1/responses`` comes
+    through here too (``gateway.responses``), with a chat request converted from its own."""
     broker, cfg = serving.broker_of(request), serving.config_of(request)
     arrival = time.time()
     card = await serving.card_for(broker, body.model)
@@ -110,13 +137,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     opts = {"stop": serving.stop_strings(body), "include_stop_str": body.include_stop_str_in_output,
             "skip_special_tokens": body.skip_special_tokens, "logprobs": logprobs}
     gen = Generation(broker, card, [ids], params, opts, deadline=arrival + cfg.request_timeout_s,
-                     endpoint="chat", id_prefix="chatcmpl")
-    await serving.start(gen, broker, cfg, body.model)
-    return await serving.respond(
-        request, gen,
-        stream=ChatStreamFormatter(gen, card, body, spec, dialects, text) if body.stream else None,
-        build=lambda: chat_response(gen, body, spec, dialects, text),
-    )
+                     endpoint="chat", id_prefix=id_prefix)
+    return PreparedChat(gen, card, spec, dialects, text)
 
 
 def chat_logprobs(infos: list[TokenInfo]) -> ChatCompletionLogProbs:
