@@ -182,7 +182,7 @@ def _parse_tool(i: int, tool: Any) -> FunctionTool:
                                   {"i": i, "got": json_type(tool)})
     kind = tool.get("type")
     if kind != "function":
-        what = "a hosted tool OpenAI runs" if kind in HOSTED_TOOL_TYPES else "a tool type"
+        what = "a hosted tool OpenAI runs" if isinstance(kind, str) and kind in HOSTED_TOOL_TYPES else "a tool type"
         raise PydanticCustomError(
             "unsupported_tool",
             "tools[{i}] has type {kind}, {what} that Sluice does not run; only 'function' tools are supported",
