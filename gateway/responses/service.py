@@ -221,7 +221,11 @@ async def _collect(request: Request, prepared: PreparedResponse, renderer: Respo
 
 
 def _sse(event: BaseModel) -> dict[str, str]:
-    return {"event": event.type, "id": str(event.sequence_number), "data": event.model_dump_json()}
+    """One event: ``event:`` its type, ``data:`` the event. No ``id:`` line (the sequence number is in
+    the data): the openai SDK's SSE decoder keeps the last id, as the SSE spec says, and then turns
+    the blank line after each keep-alive comment (``: ping``) into an event with empty data, which it
+    fails to parse as JSON."""
+    return {"event": event.type, "data": event.model_dump_json()}
 
 
 async def _stream(request: Request, prepared: PreparedResponse, renderer: ResponseRenderer) -> Response:
