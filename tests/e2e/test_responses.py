@@ -47,11 +47,12 @@ def test_create_plain_and_streamed_agree(stack) -> None:
     plain = c.responses.create(**kwargs)
     assert plain.status in ("completed", "incomplete") and plain.output_text
     assert 0 < plain.usage.output_tokens <= 12 and plain.usage.input_tokens > 0
-    with c.responses.stream(**kwargs) as stream:
+    with c.responses.stream(**kwargs) as stream:  # (get_final_response() wants a `completed` one)
         events = list(stream)
-        streamed = stream.get_final_response()
+    streamed = events[-1].response
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    assert events[0].type == "response.created" and events[-1].type == f"response.{streamed.status}"
+    assert events[0].type == "response.created" and events[-1].type == f"response.{plain.status}"
+    assert streamed.status == plain.status and streamed.id != plain.id
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == streamed.output_text == plain.output_text  # greedy: the same text either way
     assert streamed.usage.output_tokens == plain.usage.output_tokens
@@ -104,6 +105,21 @@ def test_function_tool_two_turn_loop_with_previous_response_id(stack) -> None:
     assert second.output_text == explicit.output_text
     items = c.responses.input_items.list(second.id)
     assert [(i.type, i.call_id, i.output) for i in items.data] == [("function_call_output", call.call_id, result)]
+
+
+def test_streamed_forced_function_call(stack) -> None:
+    with client(stack.base_url).responses.stream(
+            model=stack.model_name, input="What is the weather like in Rome?", tools=[WEATHER_TOOL],
+            tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=MAX_TOKENS,
+            temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    [call] = final.output
+    assert call.type == "function_call" and done.name == call.name == "get_weather"
+    assert deltas == done.arguments == call.arguments
+    assert set(json.loads(call.arguments)) == {"city", "unit"}
 
 
 def test_openai_agents_default_responses_model_with_one_tool(stack) -> None:
