@@ -228,7 +228,7 @@ class TextConfig(BaseModel):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-Metadata = limited(dict[str, str], limits.Size("metadata", 16))
+Metadata = limited(dict[str, str], limits.RESPONSE_METADATA)
 
 
 class CreateResponseRequest(BaseModel):
@@ -283,9 +283,10 @@ class CreateResponseRequest(BaseModel):
     @classmethod
     def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
         for key, value in (v or {}).items():  # OpenAI's limits on metadata
-            if len(key) > 64 or len(value) > 512:
-                raise PydanticCustomError("invalid_metadata",
-                                          "metadata keys are at most 64 characters and values at most 512")
+            if len(key) > limits.RESPONSE_METADATA_KEY_CHARS or len(value) > limits.RESPONSE_METADATA_VALUE_CHARS:
+                raise PydanticCustomError(
+                    "invalid_metadata", "metadata keys are at most {k} characters and values at most {v}",
+                    {"k": limits.RESPONSE_METADATA_KEY_CHARS, "v": limits.RESPONSE_METADATA_VALUE_CHARS})
         return v
 
 

@@ -32,6 +32,7 @@ from gateway.responses.models import CreateResponseRequest, DeletedResponse, Inp
 from gateway.responses.render import ResponseRecord, ResponseRenderer
 from gateway.responses.store import ResponseStore, store_of
 from gateway.serving_chat import PreparedChat, prepare_chat
+from sluice.wire import limits
 from sluice.wire import stored_response as sr
 from sluice.wire.error_codes import Code
 
@@ -161,7 +162,7 @@ async def _forget(store: ResponseStore, prepared: PreparedResponse) -> None:
             pass
 
 
-async def _finalize(request: Request, prepared: PreparedResponse, renderer: ResponseRenderer) -> None:
+async def finalize(request: Request, prepared: PreparedResponse, renderer: ResponseRenderer) -> None:
     """Store the final response and the conversation it ends (full TTL)."""
     if not prepared.record.echo["store"]:
         return
@@ -173,8 +174,8 @@ async def _finalize(request: Request, prepared: PreparedResponse, renderer: Resp
            sr.F_CONVERSATION: prepared.history + prepared.items + output})
 
 
-def _finalize_later(request: Request, prepared: PreparedResponse, renderer: ResponseRenderer) -> None:
-    task = asyncio.ensure_future(_finalize(request, prepared, renderer))
+def finalize_later(request: Request, prepared: PreparedResponse, renderer: ResponseRenderer) -> None:
+    task = asyncio.ensure_future(finalize(request, prepared, renderer))
     _PENDING.add(task)
     task.add_done_callback(lambda t: (_PENDING.discard(t), t.cancelled() or t.exception()))
 
@@ -205,18 +206,18 @@ async def _collect(request: Request, prepared: PreparedResponse, renderer: Respo
         gen.close_nowait()
         renderer.fail("client_disconnected", "The client closed the connection before the response ended.",
                       gen.usage())
-        _finalize_later(request, prepared, renderer)
+        finalize_later(request, prepared, renderer)
         return Response(status_code=499)
     except OpenAIError as exc:
         _end(renderer, gen, exc)
-        await _finalize(request, prepared, renderer)
+        await finalize(request, prepared, renderer)
         raise convert.rename_error(exc) from None
     except asyncio.CancelledError:
         task.cancel()
         gen.close_nowait()
         raise
     _end(renderer, gen, None)
-    await _finalize(request, prepared, renderer)
+    await finalize(request, prepared, renderer)
     return JSONResponse(to_json(renderer.response))
 
 
@@ -240,7 +241,7 @@ async def _stream(request: Request, prepared: PreparedResponse, renderer: Respon
         first = await serving._watch(request, first_task)  # noqa: SLF001
     except serving.ClientGone:
         gen.close_nowait()
-        _finalize_later(request, prepared, renderer)
+        finalize_later(request, prepared, renderer)
         return Response(status_code=499)
     except StopAsyncIteration:
         pass
@@ -253,7 +254,7 @@ async def _stream(request: Request, prepared: PreparedResponse, renderer: Respon
     if early is not None:
         renderer.start()
         _end(renderer, gen, early)
-        await _finalize(request, prepared, renderer)
+        await finalize(request, prepared, renderer)
         raise convert.rename_error(early)
 
     async def events():
@@ -274,7 +275,7 @@ async def _stream(request: Request, prepared: PreparedResponse, renderer: Respon
                 failure = exc
             end = _end(renderer, gen, failure)
             done = True
-            await _finalize(request, prepared, renderer)
+            await finalize(request, prepared, renderer)
             for ev in end:
                 yield _sse(ev)
         finally:
@@ -282,7 +283,7 @@ async def _stream(request: Request, prepared: PreparedResponse, renderer: Respon
             if not done:  # the client went away mid-stream
                 renderer.fail("client_disconnected", "The client closed the connection before the response ended.",
                               gen.usage())
-                _finalize_later(request, prepared, renderer)
+                finalize_later(request, prepared, renderer)
 
     return EventSourceResponse(events(), sep="\n", ping=15)
 
@@ -323,14 +324,10 @@ async def cancel(request: Request, response_id: str) -> Response:
     return await cancel_background(stored, response_id, request)
 
 
-MAX_PAGE = 100
-
-
 async def list_input_items(request: Request, response_id: str, *, after: str | None, limit: int,
                            order: str) -> Response:
     """A page of the response's input items, newest first unless ``order`` is ``asc``."""
-    if not 1 <= limit <= MAX_PAGE:
-        raise errors.invalid(f"'limit' must be an integer in [1, {MAX_PAGE}], got {limit}.", param="limit")
+    serving.check(limits.INPUT_ITEMS_PAGE.check(limit))
     if order not in ("asc", "desc"):
         raise errors.invalid(f"'order' must be 'asc' or 'desc', got {order!r}.", param="order")
     items = list((await _stored(request, response_id)).input or [])

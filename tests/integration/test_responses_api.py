@@ -191,6 +191,10 @@ def test_history_items_in_the_input(gateway, fake_engine):
     page = httpx.get(f"{gateway.url}/v1/responses/{r.json()['id']}/input_items",
                      params={"order": "asc", "limit": 2, "after": "fc_1"}).json()
     assert [i["type"] for i in page["data"]] == ["reasoning", "function_call_output"] and page["has_more"] is True
+    url = f"{gateway.url}/v1/responses/{r.json()['id']}/input_items"
+    for params, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"order": "up"}, "order"),
+                          ({"after": "nope"}, "after"), ({"limit": "x"}, "limit")):
+        assert_error(httpx.get(url, params=params), 400, param=param)
 
 
 def test_structured_text_format_goes_through_the_constraint_path(gateway, fake_engine):
