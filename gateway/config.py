@@ -31,6 +31,9 @@ class GatewayConfig:
     # goes away then keeps its request running for contract.RESUME_WINDOW_S, waiting for a resume.
     resumable_streams: bool = True
     event_log_ttl_s: int = 600  # how long a log (and its record) is kept after its request ends
+    # How long a stored Responses API response (its object, input items and conversation) stays in
+    # Redis after it ended; a response still running is kept request_timeout_s (plus a minute).
+    responses_ttl_s: float = 24 * 3600.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--event-log-ttl-s", type=int, default=d.event_log_ttl_s,
                         help="how long a request's event log is kept after the request ends, for resumes "
                              "(default: %(default)s)")
+    parser.add_argument("--responses-ttl-s", type=float, default=d.responses_ttl_s,
+                        help="how long Redis keeps a stored /v1/responses response after it ended "
+                             "(default: %(default)s)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -93,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         trust_request_chat_template=args.trust_request_chat_template,
         resumable_streams=args.resumable_streams,
         event_log_ttl_s=args.event_log_ttl_s,
+        responses_ttl_s=args.responses_ttl_s,
     )
 
 

@@ -4,6 +4,7 @@ response or its stream chunks (vLLM's ``serving_chat``)."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -67,10 +68,39 @@ def request_chat_template(chat_template: str | None, cfg: GatewayConfig) -> str 
     return chat_template
 
 
+@dataclass
+class PreparedChat:
+    """A validated chat request turned into its (not yet started) :class:`Generation`, with what
+    parsing its output needs: the tool spec, the model's dialects and the rendered prompt."""
+
+    gen: Generation
+    card: LoadedCard
+    spec: tools.ToolSpec | None
+    dialects: Dialects
+    prompt: str
+
+
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    broker, cfg = serving.broker_of(request), serving.config_of(request)
     if (last_event_id := request.headers.get(serving.LAST_EVENT_ID)) is not None:
         return await resume_chat_completion(request, last_event_id)
+    chat = await prepare_chat(body, request)
+    await serving.start(chat.gen, serving.broker_of(request), serving.config_of(request), body.model)
+    gen, card, spec, dialects, text = chat.gen, chat.card, chat.spec, chat.dialects, chat.prompt
+    return await serving.respond(
+        request, gen,
+        stream=ChatStreamFormatter(gen, card, body, spec, dialects, text) if body.stream else None,
+        build=lambda: chat_response(gen, body, spec, dialects, text),
+    )
+
+
+async def prepare_chat(body: ChatCompletionRequest, request: Request, *, id_prefix: str = "chatcmpl",
+                       resumable: bool | None = None) -> PreparedChat:
+    """Everything a chat request needs before it is queued (every 400 is raised here): the
+    chat template, tools, constraints, sampling parameters. ``POST /v1/responses`` comes
+    through here too (``gateway.responses``), with a chat request converted from its own.
+    ``resumable``: log it as a resumable chat stream (None: when streamed and the gateway's
+    ``--resumable-streams`` is on)."""
+    broker, cfg = serving.broker_of(request), serving.config_of(request)
     arrival = time.time()
     card = await serving.card_for(broker, body.model)
     if body.top_logprobs is not None and not body.logprobs:
@@ -116,15 +146,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     render = {"body": body.model_dump(mode="json", exclude_unset=True, exclude={"messages"}),
               "prompt": text if dialects.reasoning is not None else "", "opts": opts, "n": params.n or 1}
     gen = Generation(broker, card, [ids], params, opts, deadline=arrival + cfg.request_timeout_s,
-                     endpoint="chat", id_prefix="chatcmpl",
-                     log_ttl_s=cfg.event_log_ttl_s if body.stream and cfg.resumable_streams else None,
+                     endpoint="chat", id_prefix=id_prefix,
+                     log_ttl_s=cfg.event_log_ttl_s if (body.stream and cfg.resumable_streams if resumable is None
+                                                       else resumable) else None,
                      render=render)
-    await serving.start(gen, broker, cfg, body.model)
-    return await serving.respond(
-        request, gen,
-        stream=ChatStreamFormatter(gen, card, body, spec, dialects, text) if body.stream else None,
-        build=lambda: chat_response(gen, body, spec, dialects, text),
-    )
+    return PreparedChat(gen, card, spec, dialects, text)
 
 
 async def resume_chat_completion(request: Request, last_event_id: str) -> Response:

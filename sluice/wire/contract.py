@@ -193,3 +193,36 @@ def record_key(request_id: str) -> str:
 
 def lease_key(request_id: str) -> str:
     return f"{PREFIX}:{request_tag(request_id)}:lease"
+# --- stored responses (the Responses API) ------------------------------------------------------
+# A fourth family, one per response: ``{resp:<response_id>}``. The response is one hash
+# (``sluice.wire.stored_response``: its record, its input items, the final object, the whole
+# conversation a ``previous_response_id`` continues), written with its TTL in one script
+# (RESPONSE_SAVE_SCRIPT), so a response is always stored whole or not at all and expires as one.
+# Anything else kept per response (an event log) belongs in the same family, under the same tag.
+#
+# | key                              | type            | writer  | purpose                              |
+# |----------------------------------|-----------------|---------|--------------------------------------|
+# | sluice:{resp:<response_id>}      | hash with TTL   | gateway | a stored response (fields: stored_response.F_*) |
+
+
+def response_tag(response_id: str) -> str:
+    """The hash tag of one stored response's family."""
+    return "{resp:" + response_id + "}"
+
+
+def response_key(response_id: str) -> str:
+    return f"{PREFIX}:{response_tag(response_id)}"
+
+
+# Write fields of a stored response and (re)set its TTL in one step. ARGV[2] "create" writes
+# unconditionally; "update" writes only while the hash exists (a response deleted, or expired,
+# while it ran is not brought back). Returns 1 when written, 0 when not.
+# KEYS: response_key; ARGV: TTL (ms), mode, then field, value pairs.
+RESPONSE_SAVE_SCRIPT = """
+if ARGV[2] == 'update' and redis.call('EXISTS', KEYS[1]) == 0 then
+  return 0
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
