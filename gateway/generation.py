@@ -188,6 +188,7 @@ class Generation:
         self.log_ttl_s = log_ttl_s or 0
         self.detached = detached and self.logged
         self.render = render or {}
+        self.opts = opts
         self.reply_to: str | None = None  # whose requests to cancel: None, ours; a record's when resumed
         self.resumed = False
         self._follower: asyncio.Task | None = None
@@ -221,6 +222,14 @@ class Generation:
     def usage(self) -> dict:
         p, c = self.prompt_tokens, self.completion_tokens
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def detach(self, log_ttl_s: int, endpoint: str, render: dict) -> None:
+        """Make this generation (not started, one engine request) a detached, logged one: a
+        background request no client or gateway loss stops, rendered from its log by any gateway."""
+        if self._started or len(self.subs) != 1:
+            raise ValueError("only a generation of one engine request, before its start, can be detached")
+        self.logged = self.detached = True
+        self.log_ttl_s, self.endpoint, self.render = log_ttl_s, endpoint, render
 
     @classmethod
     def resumed(cls, broker: Broker, card: LoadedCard, record: StreamRecord, params: SamplingParams,
@@ -340,6 +349,16 @@ class Generation:
         if policy.engine_lost(live_engines=alive, emitted=emitted, no_engine_for_s=now - self._no_engine_since,
                               wait_s=NO_ENGINE_WAIT_S):
             raise errors.engine_lost(self.card.name, self.broker.retry_after_s)
+
+    @property
+    def done(self) -> bool:
+        """Every choice has ended (as far as its client is concerned)."""
+        return all(c.finished for c in self.choices)
+
+    def feed(self, ev: Event) -> list[Delta]:
+        """The deltas of one event, outside :meth:`deltas` (a replay of a log read at once);
+        raises the request's OpenAIError for an error event."""
+        return self._handle(ev)
 
     def _handle(self, ev: Event) -> list[Delta]:
         sub = self._by_id.get(ev.request_id)

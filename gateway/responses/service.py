@@ -27,7 +27,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from gateway import errors, serving
 from gateway.errors import OpenAIError
-from gateway.responses import convert
+from gateway.responses import background, convert
 from gateway.responses.models import CreateResponseRequest, DeletedResponse, InputItemList, ResponseObject
 from gateway.responses.render import ResponseRecord, ResponseRenderer
 from gateway.responses.store import ResponseStore, store_of
@@ -137,18 +137,18 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
 
 
 async def start_background(prepared: PreparedResponse, request: Request) -> Response:
-    """``background: true``: a response that runs detached from this request and this gateway.
-    Not available yet: a clear 400, never a silent synchronous run. (The durable event log that
-    makes it survive its gateway replaces this function: store the record as ``queued``, start
-    the generation detached, answer the ``queued`` response object, or its stream.)"""
-    raise errors.invalid("'background': true is not supported by this gateway yet; send the request without "
-                         "it (a synchronous or streamed response).", param="background")
+    """``background: true``: a response that runs detached from this request and this gateway, on
+    the event log (``gateway.responses.background``)."""
+    cfg = serving.config_of(request)
+    try:
+        return await background.start(prepared, request, cfg.request_timeout_s + RUNNING_TTL_MARGIN_S)
+    except OpenAIError as exc:
+        raise convert.rename_error(exc) from None
 
 
 async def cancel_background(stored: sr.StoredResponse, response_id: str, request: Request) -> Response:
-    """``POST /v1/responses/{id}/cancel`` of a background response (see :func:`start_background`)."""
-    raise errors.invalid(f"Response '{response_id}' cannot be cancelled: background responses are not supported "
-                         "by this gateway yet.", param="response_id")
+    """``POST /v1/responses/{id}/cancel`` of a background response, from any gateway."""
+    return await background.cancel(request, stored, response_id)
 
 
 # --- running one response --------------------------------------------------------------------
@@ -307,8 +307,19 @@ def _current(stored: sr.StoredResponse) -> dict[str, Any]:
     return to_json(record.snapshot(stored.status or "in_progress", output=[]))
 
 
-async def retrieve(request: Request, response_id: str) -> Response:
-    return JSONResponse(_current(await _stored(request, response_id)))
+async def retrieve(request: Request, response_id: str, *, stream: bool = False,
+                   starting_after: int | None = None) -> Response:
+    """The response as it stands; a background one that still runs is caught up from its event log
+    (its creating gateway may be gone). ``stream``: its events after ``starting_after``, then the
+    live ones (background responses only)."""
+    if stream:
+        return await background.stream(request, response_id, starting_after)
+    if starting_after is not None:
+        raise errors.invalid("'starting_after' is only allowed with 'stream=true'.", param="starting_after")
+    stored = await _stored(request, response_id)
+    if stored.background and stored.running:
+        return JSONResponse(await background.catch_up(request, stored, response_id))
+    return JSONResponse(_current(stored))
 
 
 async def delete(request: Request, response_id: str) -> Response:
