@@ -220,7 +220,6 @@ BAD = [
     ({"input": "hi", "tools": [{"type": "image_generation"}]}, "tools", "'image_generation'"),
     ({"input": "hi", "tool_choice": {"type": "web_search_preview"}}, "tool_choice", "'web_search_preview'"),
     ({"input": "hi", "store": False, "background": True}, "background", "store"),
-    ({"input": "hi", "background": True}, "background", "background"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
      "'input_image'"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "'item_reference'"),
