@@ -368,7 +368,8 @@ class Generation:
         if ev.HasField("error"):
             for c in sub.choices:
                 c.engine_done = True
-            self.broker.settled(sub.request_id)
+            if not self.resumed:
+                self.broker.settled(sub.request_id)
             raise errors.from_engine(ev.error.code, ev.error.message, self.broker.retry_after_s)
         if ev.prompt_logprobs and not sub.prompt_logprobs:
             sub.prompt_logprobs = list(ev.prompt_logprobs)
@@ -384,7 +385,7 @@ class Generation:
                 METRICS.itl.observe(now - self._last_token_time)
             self._last_token_time = now
         d = sub.choices[ev.index].consume(ev)
-        if not sub.engine_active:
+        if not sub.engine_active and not self.resumed:
             self.broker.settled(sub.request_id)
         return [d] if d is not None else []
 
@@ -403,8 +404,7 @@ class Generation:
             self._stop_following()
             if active and not self.detached:
                 self.broker.cancel_nowait(active, give_up_at=self.deadline, reply_to=self.reply_to)
-            self.broker.release([s.request_id for s in self.subs])
-            self.broker.unregister([s.request_id for s in self.subs])
+            self._forget()
         if self.resumed:
             return
         METRICS.running.dec()
@@ -473,5 +473,11 @@ class Generation:
             self.broker.cancel_nowait(active, give_up_at=self.deadline, reply_to=self.reply_to)
         finally:
             self._stop_following()
+            self._forget()
+
+    def _forget(self) -> None:
+        """Stop tracking and routing our requests' events, unless this is a resumed generation: it
+        never registered them (the gateway that started them, maybe this one, still may)."""
+        if not self.resumed:
             self.broker.release([s.request_id for s in self.subs])
             self.broker.unregister([s.request_id for s in self.subs])

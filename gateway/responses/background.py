@@ -50,14 +50,16 @@ def _keep(task: asyncio.Task) -> None:
     task.add_done_callback(lambda t: (_TASKS.discard(t), t.cancelled() or t.exception()))
 
 
-def _end(renderer: ResponseRenderer, gen: Generation, failure: OpenAIError | None) -> list[Any]:
+def _end(renderer: ResponseRenderer, gen: Generation, failure: OpenAIError | None,
+         completed_at: int | None = None) -> list[Any]:
     """The closing events: cancelled (an abort: only a cancel aborts a detached request), failed, or
-    completed/incomplete."""
+    completed/incomplete (``completed_at``: the stored one, when a replay renders an ended response
+    again; else now)."""
     if failure is not None:
         return renderer.fail(failure.code or "server_error", failure.message, gen.usage())
     if any(c.finish_reason == "abort" for c in gen.choices):
         return renderer.cancelled()
-    return renderer.finish(gen.usage(), int(time.time()))
+    return renderer.finish(gen.usage(), completed_at or int(time.time()))
 
 
 async def _store_final(store: ResponseStore, ttl_s: float, response_id: str, renderer: ResponseRenderer,
@@ -229,7 +231,12 @@ async def stream(request: Request, response_id: str, after: int | None) -> Respo
                             yield ev
             except OpenAIError as exc:
                 failure = exc
-            for ev in fresh(_end(renderer, gen, failure)):
+            try:
+                final = await store_of(request).load(response_id)
+            except OpenAIError:
+                final = None
+            completed_at = ((final.response or {}).get("completed_at") if final is not None else None)
+            for ev in fresh(_end(renderer, gen, failure, completed_at)):
                 yield ev
             ended = True
         finally:
