@@ -76,6 +76,20 @@ def test_background_response_runs_detached_and_streams_again_anywhere(make_gatew
     assert 0 < redis_client.ttl(contract.record_key(request.request_id))
 
 
+def test_a_gateway_catches_up_from_the_log_when_the_creator_is_gone(make_gateway, fake_engine):
+    """The creating gateway stops before the response ends (its follower with it): a retrieve on
+    another renders the log, stores the ended response and answers it."""
+    fake_engine.token_delay = 0.05
+    gw1, gw2 = make_gateway(), make_gateway()
+    queued = client(gw1).responses.create(model=MODEL, input="Say hello", background=True)
+    gw1.stop()
+    running = client(gw2).responses.retrieve(queued.id)
+    assert running.status in ("queued", "in_progress")
+    done = wait_ended(client(gw2), queued.id)
+    assert done.status == "completed" and done.output_text == REPLY, done
+    assert fake_engine.requests[0].request_id not in fake_engine.cancels
+
+
 def test_background_response_cancelled_from_another_gateway(make_gateway, fake_engine):
     fake_engine.token_delay = 0.5  # some 10 s for the reply: still running when cancelled
     gw1, gw2 = make_gateway(), make_gateway()
