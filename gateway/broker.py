@@ -329,6 +329,10 @@ class Broker:
         for rid in request_ids:
             self._queues.pop(rid, None)
 
+    def spawn(self, coro) -> None:
+        """Run ``coro`` as a task the broker keeps (and awaits a moment at close)."""
+        self._spawn(coro)
+
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)

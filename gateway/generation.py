@@ -399,7 +399,7 @@ class Generation:
         active = [s.request_id for s in self.subs if s.engine_active]
         if active and client_gone and self.logged and not self.detached:
             # It may be resumed (Last-Event-ID), on any gateway: see _orphaned.
-            self.broker._spawn(self._orphaned(active))
+            self.broker.spawn(self._orphaned(active))
         else:
             self._stop_following()
             if active and not self.detached:
@@ -426,7 +426,7 @@ class Generation:
             self._follower = None
         if self._leasing:
             self._leasing = False
-            self.broker._spawn(self._drop_lease())
+            self.broker.spawn(self._drop_lease())
 
     async def _drop_lease(self) -> None:
         try:
