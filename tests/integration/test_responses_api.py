@@ -152,8 +152,9 @@ def test_forced_function_call_then_previous_response_id_continues_with_calls(gat
     # a third turn sees the second's answer too (the chain is stored whole)
     c.responses.create(model=MODEL, previous_response_id=second.id, input="And tomorrow?")
     prompt = prompt_of(fake_engine)
-    assert prompt.index("Weather in Paris?") < prompt.index("SUNNY-21C") < prompt.index("And tomorrow?")
-    assert prompt.count(REPLY) >= 1
+    result_at = prompt.index("SUNNY-21C")
+    # the second turn's answer sits between the tool result and the new question
+    assert prompt.index("Weather in Paris?") < result_at < prompt.index(REPLY, result_at) < prompt.index("And tomorrow?")
 
 
 def test_streamed_function_call_events(gateway, fake_engine):
