@@ -313,3 +313,27 @@ def test_openapi_documents_the_responses_routes(gateway):
     assert {"CreateResponseRequest", "ResponseObject", "FunctionTool", "InputItemList", "OutputItemEvent",
             "TextDeltaEvent", "ResponseLifecycleEvent"} <= set(components)
     assert "422" not in paths["/v1/responses"]["post"]["responses"]
+
+
+def test_openai_agents_streamed_run_reads_the_event_stream(gateway, fake_engine):
+    """The Agents SDK's default model, streamed (``Runner.run_streamed``): it builds its result from
+    our events alone (the real model's tool loop is in tests/e2e/test_responses.py)."""
+    import asyncio
+
+    from agents import Agent, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    agent = Agent(name="echo", instructions="Answer.", model=OpenAIResponsesModel(
+        model=MODEL, openai_client=AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)))
+
+    async def run():
+        result = Runner.run_streamed(agent, "Say hello")
+        kinds = [event.type async for event in result.stream_events()]
+        return result, kinds
+
+    result, kinds = asyncio.run(run())
+    assert result.final_output == REPLY
+    assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
+    [raw] = result.raw_responses
+    assert client(gateway).responses.retrieve(raw.response_id).output_text == REPLY
