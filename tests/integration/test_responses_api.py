@@ -337,3 +337,16 @@ def test_openai_agents_streamed_run_reads_the_event_stream(gateway, fake_engine)
     assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
     [raw] = result.raw_responses
     assert client(gateway).responses.retrieve(raw.response_id).output_text == REPLY
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_error_is_the_http_error_and_a_failed_stored_response(gateway, fake_engine, redis_client, stream):
+    fake_engine.error = ("kv_cache_too_small", "needs more KV cache")
+    err = assert_error(post(gateway, {"model": MODEL, "input": "hi", "stream": stream}), 400,
+                       code="kv_cache_too_small")
+    assert "KV cache" in err["message"]
+    [key] = redis_client.keys("sluice:{resp:*")
+    rid = key.decode().split("{resp:")[1].rstrip("}")
+    stored = httpx.get(f"{gateway.url}/v1/responses/{rid}").json()
+    assert stored["status"] == "failed" and stored["error"] == {"code": "kv_cache_too_small",
+                                                                 "message": "needs more KV cache"}
