@@ -40,9 +40,15 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
     return await service.create_response(body, request)
 
 
-@router.get("/v1/responses/{response_id}", responses={200: {"model": ResponseObject}, **_ERRORS})
-async def retrieve_response(response_id: str, request: Request) -> Response:
-    return await service.retrieve(request, response_id)
+@router.get("/v1/responses/{response_id}", responses={
+    200: {"model": ResponseObject,
+          "description": "the Response; with `stream=true` (a background response) its events after "
+                         "`starting_after`",
+          "content": {"text/event-stream": {"schema": _EVENTS}}},
+    **_ERRORS})
+async def retrieve_response(response_id: str, request: Request, stream: bool = False,
+                            starting_after: int | None = None) -> Response:
+    return await service.retrieve(request, response_id, stream=stream, starting_after=starting_after)
 
 
 @router.delete("/v1/responses/{response_id}", responses={200: {"model": DeletedResponse}, **_ERRORS})

@@ -309,8 +309,23 @@ def _current(stored: sr.StoredResponse) -> dict[str, Any]:
     return to_json(record.snapshot(stored.status or "in_progress", output=[]))
 
 
-async def retrieve(request: Request, response_id: str) -> Response:
-    return JSONResponse(_current(await _stored(request, response_id)))
+async def retrieve(request: Request, response_id: str, *, stream: bool = False,
+                   starting_after: int | None = None) -> Response:
+    stored = await _stored(request, response_id)
+    if stream:
+        return await stream_background(stored, response_id, starting_after, request)
+    if starting_after is not None:
+        raise errors.invalid("'starting_after' needs 'stream=true'.", param="starting_after")
+    return JSONResponse(_current(stored))
+
+
+async def stream_background(stored: sr.StoredResponse, response_id: str, starting_after: int | None,
+                            request: Request) -> Response:
+    """``GET /v1/responses/{id}?stream=true&starting_after=N``: the events of a background response
+    after sequence number N, then the live ones (replayed from its event log through a
+    :class:`ResponseRenderer` over its stored record; see :func:`start_background`). Until then a 400."""
+    raise errors.invalid(f"Response '{response_id}' cannot be streamed: only background responses can be, and "
+                         "this gateway does not run background responses yet.", param="stream")
 
 
 async def delete(request: Request, response_id: str) -> Response:

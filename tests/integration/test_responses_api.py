@@ -62,6 +62,10 @@ def test_create_retrieve_list_delete_across_gateways(make_gateway, fake_engine, 
     assert 0 < redis_client.ttl(key) <= 24 * 3600
     again = client(gw2).responses.retrieve(resp.id)
     assert again.model_dump() == resp.model_dump()
+    # streaming a stored response is for background ones (not served yet): a 400, not a JSON body
+    assert_error(httpx.get(f"{gw2.url}/v1/responses/{resp.id}", params={"stream": "true"}), 400, param="stream")
+    assert_error(httpx.get(f"{gw2.url}/v1/responses/{resp.id}", params={"starting_after": 3}), 400,
+                 param="starting_after")
     items = client(gw2).responses.input_items.list(resp.id)
     assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", "Say hello")]
     assert items.data[0].id.startswith("msg_") and items.has_more is False
