@@ -31,7 +31,7 @@ from gateway.responses.models import (
     ReasoningInput,
     TextFormatJSONObject,
     TextFormatJSONSchema,
-    _parse_input_item,
+    parse_input_item,
 )
 
 
@@ -62,7 +62,7 @@ def input_items(body: CreateResponseRequest) -> list[dict[str, Any]]:
 
 def parse_items(items: list[dict[str, Any]]) -> list[BaseModel]:
     """Stored item dicts (a previous conversation, this input) as the request's item models."""
-    return [_parse_input_item(i, item) for i, item in enumerate(items)]
+    return [parse_input_item(i, item) for i, item in enumerate(items)]
 
 
 def chat_messages(items: list[InputItem], instructions: str | None) -> list[dict[str, Any]]:

@@ -132,7 +132,7 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where.lstrip('.') or 'the item'}: {err['msg']}"
 
 
-def _parse_input_item(i: int, item: Any) -> BaseModel:
+def parse_input_item(i: int, item: Any) -> BaseModel:
     if isinstance(item, BaseModel):
         return item
     if not isinstance(item, dict):
@@ -258,7 +258,7 @@ class CreateResponseRequest(BaseModel):
     @classmethod
     def _input_items(cls, v: Any) -> Any:
         if isinstance(v, list):
-            return [_parse_input_item(i, item) for i, item in enumerate(v)]
+            return [parse_input_item(i, item) for i, item in enumerate(v)]
         return v
 
     @field_validator("tools", mode="before")

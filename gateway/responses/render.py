@@ -61,7 +61,8 @@ class ResponseRecord:
     ``echo`` holds the ``Response`` fields that repeat the request (instructions, tools,
     tool_choice, text, temperature, ...); ``chat_tools`` / ``chat_tool_choice`` /
     ``parallel_tool_calls`` the converted chat tool fields the output parser follows; ``prompt``
-    the rendered prompt (whether it opened a reasoning block); the parsers are the model card's."""
+    the end of the rendered prompt (whether it opened a reasoning block); the parsers are the
+    model card's."""
 
     id: str
     request_id: str  # the engine request's id (the event log's key)

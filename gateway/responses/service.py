@@ -38,6 +38,9 @@ from sluice.wire.error_codes import Code
 
 # A response still running is stored for its deadline plus this (its gateway may die).
 RUNNING_TTL_MARGIN_S = 60.0
+# The end of the rendered prompt a record keeps: what the reasoning parser reads (whether the
+# template opened a reasoning block), not the whole prompt (the conversation is stored apart).
+PROMPT_TAIL_CHARS = 256
 # Kept so that a store write scheduled from a cancelled stream is not garbage-collected.
 _PENDING: set[asyncio.Task] = set()
 
@@ -110,7 +113,7 @@ async def prepare_response(body: CreateResponseRequest, request: Request) -> Pre
     chat_body_tools, chat_tool_choice = convert.chat_tools(body)
     record = ResponseRecord(
         id="resp_" + chat.gen.id.split("-", 1)[1], request_id=chat.gen.id, created_at=chat.gen.created,
-        model=body.model, prompt=chat.prompt, tool_parser=chat.card.card.tool_call_parser,
+        model=body.model, prompt=chat.prompt[-PROMPT_TAIL_CHARS:], tool_parser=chat.card.card.tool_call_parser,
         reasoning_parser=chat.card.card.reasoning_parser, chat_tools=chat_body_tools,
         chat_tool_choice=chat_tool_choice, parallel_tool_calls=body.parallel_tool_calls, echo=_echo(body))
     return PreparedResponse(body, record, chat, items, history)

@@ -62,6 +62,10 @@ def test_create_retrieve_list_delete_across_gateways(make_gateway, fake_engine, 
     assert 0 < redis_client.ttl(key) <= 24 * 3600
     again = client(gw2).responses.retrieve(resp.id)
     assert again.model_dump() == resp.model_dump()
+    # streaming a stored response again is for background ones: a 400 for this one, not a JSON body
+    assert_error(httpx.get(f"{gw2.url}/v1/responses/{resp.id}", params={"stream": "true"}), 400, param="stream")
+    assert_error(httpx.get(f"{gw2.url}/v1/responses/{resp.id}", params={"starting_after": 3}), 400,
+                 param="starting_after")
     items = client(gw2).responses.input_items.list(resp.id)
     assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", "Say hello")]
     assert items.data[0].id.startswith("msg_") and items.has_more is False
@@ -152,8 +156,9 @@ def test_forced_function_call_then_previous_response_id_continues_with_calls(gat
     # a third turn sees the second's answer too (the chain is stored whole)
     c.responses.create(model=MODEL, previous_response_id=second.id, input="And tomorrow?")
     prompt = prompt_of(fake_engine)
-    assert prompt.index("Weather in Paris?") < prompt.index("SUNNY-21C") < prompt.index("And tomorrow?")
-    assert prompt.count(REPLY) >= 1
+    result_at = prompt.index("SUNNY-21C")
+    # the second turn's answer sits between the tool result and the new question
+    assert prompt.index("Weather in Paris?") < result_at < prompt.index(REPLY, result_at) < prompt.index("And tomorrow?")
 
 
 def test_streamed_function_call_events(gateway, fake_engine):
@@ -311,3 +316,40 @@ def test_openapi_documents_the_responses_routes(gateway):
     assert {"CreateResponseRequest", "ResponseObject", "FunctionTool", "InputItemList", "OutputItemEvent",
             "TextDeltaEvent", "ResponseLifecycleEvent"} <= set(components)
     assert "422" not in paths["/v1/responses"]["post"]["responses"]
+
+
+def test_openai_agents_streamed_run_reads_the_event_stream(gateway, fake_engine):
+    """The Agents SDK's default model, streamed (``Runner.run_streamed``): it builds its result from
+    our events alone (the real model's tool loop is in tests/e2e/test_responses.py)."""
+    import asyncio
+
+    from agents import Agent, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    agent = Agent(name="echo", instructions="Answer.", model=OpenAIResponsesModel(
+        model=MODEL, openai_client=AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)))
+
+    async def run():
+        result = Runner.run_streamed(agent, "Say hello")
+        kinds = [event.type async for event in result.stream_events()]
+        return result, kinds
+
+    result, kinds = asyncio.run(run())
+    assert result.final_output == REPLY
+    assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
+    [raw] = result.raw_responses
+    assert client(gateway).responses.retrieve(raw.response_id).output_text == REPLY
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_error_is_the_http_error_and_a_failed_stored_response(gateway, fake_engine, redis_client, stream):
+    fake_engine.error = ("kv_cache_too_small", "needs more KV cache")
+    err = assert_error(post(gateway, {"model": MODEL, "input": "hi", "stream": stream}), 400,
+                       code="kv_cache_too_small")
+    assert "KV cache" in err["message"]
+    [key] = redis_client.keys("sluice:{resp:*")
+    rid = key.decode().split("{resp:")[1].rstrip("}")
+    stored = httpx.get(f"{gateway.url}/v1/responses/{rid}").json()
+    assert stored["status"] == "failed" and stored["error"] == {"code": "kv_cache_too_small",
+                                                                 "message": "needs more KV cache"}
