@@ -14,6 +14,8 @@ from gateway.body_checks import check_body, check_content_type
 from gateway.broker import Broker
 from gateway.config import GatewayConfig
 from gateway.metrics import METRICS
+from gateway.responses.models import STREAM_EVENT_MODELS
+from gateway.responses.routes import router as responses_router
 from gateway.routes import STREAM_CHUNK_MODELS, router
 
 log = logging.getLogger("sluice.gateway")
@@ -34,6 +36,10 @@ def _endpoint_label(path: str) -> str:
         return path
     if path.startswith("/v1/models/"):
         return "/v1/models/{id}"
+    if path == "/v1/responses":
+        return path
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}"
     return "other"
 
 
@@ -131,7 +137,7 @@ def _openapi_with_stream_chunks(app: FastAPI) -> dict:
         return app.openapi_schema
     schema = FastAPI.openapi(app)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    for model in STREAM_CHUNK_MODELS:
+    for model in (*STREAM_CHUNK_MODELS, *STREAM_EVENT_MODELS):
         js = model.model_json_schema(mode="serialization", ref_template="#/components/schemas/{model}")
         for name, definition in js.pop("$defs", {}).items():
             components.setdefault(name, definition)
@@ -173,6 +179,7 @@ def create_app(config: GatewayConfig | None = None, *, broker: Broker | None = N
     app.openapi = lambda: _openapi_with_stream_chunks(app)  # type: ignore[method-assign]
     errors.install_handlers(app)
     app.include_router(router)
+    app.include_router(responses_router)
     app.add_middleware(GatewayMiddleware, config=config)
     return app
 

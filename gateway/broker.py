@@ -43,6 +43,11 @@ Gateway liveness: every request carries this process's ``gateway_id``, and the b
 from the housekeeper; an engine waits ``GATEWAY_LOST_AFTER_S`` of missing key before it gives up,
 so a request enqueued before the first beat is safe). When the process dies, its clients' connections go with
 it and nobody will ever cancel their requests; the engines see the key stay gone and abort them.
+
+The event log (``sluice.wire.event_log``, issue 22): a logged request's record is written before its
+XADD; any gateway reads the record and the log (``read_log``: LRANGE from an index; a follower polls
+it, resumes being rare) and holds the request's lease while it follows it for a client, so that the
+engines' lost-gateway rule spares the request.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from gateway.metrics import METRICS
 from sluice.wire import card as wire_card
-from sluice.wire import codec, contract, registry, shards
+from sluice.wire import codec, contract, event_log, registry, shards
 from sluice.wire.card import ModelCard
 from sluice.wire.connection import (
     TRANSIENT_ERRORS,
@@ -73,7 +78,8 @@ from sluice.wire.connection import (
     shard_subscribers_async,
 )
 from sluice.wire.error_codes import Code
-from sluice.wire.messages_pb2 import GenerateRequest
+from sluice.wire.event_log import StreamRecord
+from sluice.wire.messages_pb2 import Event, GenerateRequest
 
 log = logging.getLogger("sluice.gateway.broker")
 
@@ -218,7 +224,7 @@ class Broker:
         self.ready = asyncio.Event()
         self._tracked: dict[str, _Tracked] = {}
         self._forget: list[tuple[str, int, str]] = []  # (model, shard, request id): in-flight markers to delete
-        self._pending_cancels: dict[str, float] = {}  # request id -> give up at (unix seconds)
+        self._pending_cancels: dict[str, tuple[float, str]] = {}  # request id -> (give up at (unix s), reply_to)
         self._down_since: float | None = None  # monotonic time the pub/sub connection was found failing
         self.stats = {"reconnects": 0, "audits": 0, "lost": 0}
 
@@ -346,6 +352,10 @@ class Broker:
         for rid in request_ids:
             self._queues.pop(rid, None)
 
+    def spawn(self, coro) -> None:
+        """Run ``coro`` as a task the broker keeps (and awaits a moment at close)."""
+        self._spawn(coro)
+
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
@@ -353,14 +363,15 @@ class Broker:
 
     # --- requests and cancels ----------------------------------------------------------------
 
-    async def enqueue(self, req: GenerateRequest) -> bytes:
+    async def enqueue(self, req: GenerateRequest, record: StreamRecord | None = None) -> bytes:
         """XADD the request with its in-flight marker (one MULTI); track it until ``release``.
 
         The request is stamped with this gateway's id: engines abort it if this process dies (its
         liveness key, kept by the housekeeper, stays gone).
 
         Call after ``register`` of its id (whose queue receives a :class:`Lost` if the request
-        cannot complete). Returns the stream entry id.
+        cannot complete). A logged request's ``record`` is written first (its ``reply_to`` set
+        here). Returns the stream entry id.
         """
         if not self.ready.is_set():  # the answer could not be heard yet
             await asyncio.wait_for(self.ready.wait(), REDIS_DOWN_FAIL_S)
@@ -368,6 +379,10 @@ class Broker:
         req.gateway_id = req.reply_to = self.gateway_id
         card = await self.card(req.model)  # cached: the caller has just read it
         shard = card.shard_of(list(req.prompt_token_ids), rid) if card is not None else 0
+        if record is not None:  # before the XADD: whoever reads the log finds its record
+            record.reply_to = self.gateway_id
+            await self.redis.set(contract.record_key(record.id), record.encode(),
+                                 ex=event_log.ttl_until_end(req.deadline, req.log_ttl_s))
         queue = self._queues.get(rid)
         tracked = None
         if queue is not None:
@@ -404,26 +419,67 @@ class Broker:
         log.warning("request %s: %s", t.request_id, message)
         t.queue.put_nowait(Lost(code, message))
 
-    async def cancel(self, request_ids: list[str]) -> None:
-        """Publish a Cancel and leave a marker for requests still in the queue (idempotent)."""
+    async def cancel(self, request_ids: list[str], reply_to: str | None = None) -> None:
+        """Publish a Cancel and leave a marker for requests still in the queue (idempotent).
+        ``reply_to``: whose requests (another gateway's, for a resumed or background request)."""
         if not request_ids:
             return
-        await codec.cancel(self.redis.pipeline(transaction=False), self.gateway_id, request_ids).execute()
+        await codec.cancel(self.redis.pipeline(transaction=False), reply_to or self.gateway_id, request_ids).execute()
 
-    def cancel_nowait(self, request_ids: list[str], give_up_at: float | None = None) -> None:
+    def cancel_nowait(self, request_ids: list[str], give_up_at: float | None = None,
+                      reply_to: str | None = None) -> None:
         """Cancel from a context that must not await (a cancelled task's cleanup). A cancel that
         fails (Redis away) is retried by the housekeeper until it lands or ``give_up_at``."""
         if request_ids:
             until = give_up_at if give_up_at else time.time() + contract.CANCEL_MARKER_TTL_S
-            self._spawn(self._cancel_quietly(list(request_ids), until))
+            self._spawn(self._cancel_quietly(list(request_ids), until, reply_to or self.gateway_id))
 
-    async def _cancel_quietly(self, request_ids: list[str], until: float) -> None:
+    async def _cancel_quietly(self, request_ids: list[str], until: float, reply_to: str | None = None) -> None:
+        reply_to = reply_to or self.gateway_id
         try:
-            await self.cancel(request_ids)
+            await self.cancel(request_ids, reply_to)
         except Exception as exc:  # noqa: BLE001
             log.warning("cancel of %s failed (%s); will retry", request_ids, exc)
             for rid in request_ids:
-                self._pending_cancels[rid] = until
+                self._pending_cancels[rid] = (until, reply_to)
+
+    # --- the event log: records, logs, leases (sluice.wire.event_log) ----------------------------
+
+    async def load_record(self, record_id: str) -> StreamRecord | None:
+        """A logged request's record; None when unknown or expired (or unreadable)."""
+        raw = await self.redis.get(contract.record_key(record_id))
+        if raw is None:
+            return None
+        try:
+            return StreamRecord.decode(raw)
+        except ValueError as exc:
+            log.warning("record %s: %s", record_id, exc)
+            return None
+
+    async def read_log(self, request_id: str, start: int = 0, count: int = 512) -> list[list[Event]]:
+        """Up to ``count`` elements of the log from index ``start``, each as its events."""
+        raw = await self.redis.lrange(contract.log_key(request_id), start, start + count - 1)
+        return [event_log.decode_entry(element, request_id) for element in raw]
+
+    async def take_lease(self, request_ids: list[str], token: str) -> None:
+        """Hold (or refresh) the leases of requests this gateway follows for a client."""
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in request_ids:
+            pipe.set(contract.lease_key(rid), token.encode(), px=int(contract.LEASE_TTL_S * 1000))
+        await pipe.execute()
+
+    async def drop_lease(self, request_ids: list[str]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in request_ids:
+            pipe.delete(contract.lease_key(rid))
+        await pipe.execute()
+
+    async def leased(self, request_ids: list[str]) -> bool:
+        """Whether a gateway holds the lease of any of these requests (a client resumed it)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in request_ids:
+            pipe.exists(contract.lease_key(rid))
+        return any(await pipe.execute())
 
     # --- housekeeping: markers, the watchdog, cancels, the audit -------------------------------
 
@@ -464,10 +520,13 @@ class Broker:
         await self._flush_forget()
         if self._pending_cancels:
             now = time.time()
-            ids = [rid for rid, until in self._pending_cancels.items() if until > now]
+            by_reply: dict[str, list[str]] = {}
+            for rid, (until, reply_to) in self._pending_cancels.items():
+                if until > now:
+                    by_reply.setdefault(reply_to, []).append(rid)
             self._pending_cancels.clear()
-            if ids:
-                await self._cancel_quietly(ids, now + contract.CANCEL_MARKER_TTL_S)
+            for reply_to, ids in by_reply.items():
+                await self._cancel_quietly(ids, now + contract.CANCEL_MARKER_TTL_S, reply_to)
         if check and self._down_since is None:
             await self._check_subscription()
             await self._check_markers([t for t in self._tracked.values() if t.entry_id is not None])

@@ -26,6 +26,14 @@ class GatewayConfig:
     # a request's own `chat_template` is rendered (vLLM's flag of the same name); else it is a 400.
     # Off by default: a template is a program, and one from a client runs on the gateway's CPU.
     trust_request_chat_template: bool = False
+    # Streamed chat/completions requests are logged by the engine (sluice.wire.event_log), so their
+    # SSE events carry `id:` and a client may resume on any gateway with Last-Event-ID; a client that
+    # goes away then keeps its request running for contract.RESUME_WINDOW_S, waiting for a resume.
+    resumable_streams: bool = True
+    event_log_ttl_s: int = 600  # how long a log (and its record) is kept after its request ends
+    # How long a stored Responses API response (its object, input items and conversation) stays in
+    # Redis after it ended; a response still running is kept request_timeout_s (plus a minute).
+    responses_ttl_s: float = 24 * 3600.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

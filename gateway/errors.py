@@ -131,7 +131,9 @@ def from_card_error(model: str, exc: CardError) -> OpenAIError:
 
 
 def _param_of(loc: tuple | list) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body",)]
+    if loc and loc[0] in ("body", "query", "path"):  # where FastAPI found it, not part of the name
+        loc = loc[1:]
+    parts = [str(p) for p in loc]
     # drop pydantic's union-branch tags (e.g. "str", "list[int]", "function-after[...]")
     parts = [p for p in parts if not any(c in p for c in "[]") and p not in ("str", "int", "float", "list")]
     if not parts:

@@ -10,6 +10,15 @@ Cancellation: when a stop string ends a choice the engine keeps generating it, s
 choice of an engine request is done at the gateway while the engine has not finished it, a
 ``Cancel`` is published. A generator closed early (client gone, deadline) cancels whatever the
 engine still runs.
+
+Resumable generations (issue 22, ``sluice.wire.event_log``): a logged generation's engine request
+also goes to its event log, with a record any gateway can render it from. A generation can be
+rebuilt from that record (:meth:`Generation.resumed`) and fed from the log instead of the broker's
+channel (:meth:`Generation.follow`, holding the request's lease); the same events make the same
+deltas, so the stream's chunks and their numbers are the same on any gateway. When the client of a
+logged (not detached) generation goes away, the request is not cancelled at once: it keeps running
+while someone holds its lease (a resumed client), and is cancelled once nobody has held it for
+``contract.RESUME_WINDOW_S`` (:meth:`Generation._orphaned`).
 """
 
 from __future__ import annotations
@@ -23,15 +32,18 @@ from dataclasses import dataclass, field
 from gateway import errors
 from gateway.broker import Broker, LoadedCard, Lost
 from gateway.metrics import METRICS
-from sluice.text.detokenizer import token_text
+from sluice.text.detokenizer import CONTEXT_TOKENS, token_text
 from sluice.text.stream import TextStream
-from sluice.wire import codec, limits, policy
+from sluice.wire import codec, contract, limits, policy
+from sluice.wire.event_log import StreamRecord
 from sluice.wire.messages_pb2 import Event, SamplingParams
 
 # With no event for this long, check that an engine for the model is still alive; with none alive,
 # untouched work waits this long for one (the rule: ``sluice.wire.policy.engine_lost``).
 LIVENESS_CHECK_S = policy.LIVENESS_CHECK_S
 NO_ENGINE_WAIT_S = policy.NO_ENGINE_WAIT_S
+# A follower of a log (a resumed stream) that has read all of it reads again after this long.
+FOLLOW_POLL_S = 0.05
 
 
 class _Tick:
@@ -145,6 +157,7 @@ class SubRequest:
     params: SamplingParams
     choices: list[Choice] = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)
+    prompt_len: int | None = None  # a resumed request's (its record keeps only the prompt's tail)
 
     @property
     def engine_active(self) -> bool:
@@ -165,6 +178,9 @@ class Generation:
         deadline: float,
         endpoint: str,
         id_prefix: str,
+        log_ttl_s: int | None = None,
+        detached: bool = False,
+        render: dict | None = None,
     ) -> None:
         self.broker = broker
         self.card = card
@@ -173,6 +189,18 @@ class Generation:
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.arrival = time.monotonic()
+        # Logged (resumable): ``log_ttl_s`` given and one engine request (the log of several would
+        # interleave differently than their live events did). Detached requests are always logged.
+        self.logged = (log_ttl_s is not None or detached) and len(prompts) == 1
+        self.log_ttl_s = log_ttl_s or 0
+        self.detached = detached and self.logged
+        self.render = render or {}
+        self.opts = opts
+        self.reply_to: str | None = None  # whose requests to cancel: None, ours; a record's when resumed
+        self.resumed = False
+        self._follower: asyncio.Task | None = None
+        self._lease_token = uuid.uuid4().hex
+        self._leasing = False
         self.subs: list[SubRequest] = []
         n = params.n or 1
         for p_idx, ids in enumerate(prompts):
@@ -194,7 +222,7 @@ class Generation:
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(s.prompt_ids) for s in self.subs)
+        return sum(len(s.prompt_ids) if s.prompt_len is None else s.prompt_len for s in self.subs)
 
     @property
     def completion_tokens(self) -> int:
@@ -204,13 +232,73 @@ class Generation:
         p, c = self.prompt_tokens, self.completion_tokens
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
+    def detach(self, log_ttl_s: int, endpoint: str, render: dict) -> None:
+        """Make this generation (not started, one engine request) a detached, logged one: a
+        background request no client or gateway loss stops, rendered from its log by any gateway."""
+        if self._started or len(self.subs) != 1:
+            raise ValueError("only a generation of one engine request, before its start, can be detached")
+        self.logged = self.detached = True
+        self.log_ttl_s, self.endpoint, self.render = log_ttl_s, endpoint, render
+
+    @classmethod
+    def resumed(cls, broker: Broker, card: LoadedCard, record: StreamRecord, params: SamplingParams,
+                opts: dict) -> Generation:
+        """A logged generation rebuilt from its record, on any gateway: call :meth:`follow` to feed
+        it from the log."""
+        gen = cls(broker, card, record.prompt_ids, params, opts, deadline=record.deadline or time.time() + 3600,
+                  endpoint=record.endpoint, id_prefix="", log_ttl_s=0, detached=record.detached,
+                  render=record.render)
+        gen.id, gen.created, gen.reply_to, gen.resumed = record.id, record.created, record.reply_to, True
+        for sub, rid, length in zip(gen.subs, record.request_ids, record.prompt_tokens, strict=True):
+            sub.request_id, sub.prompt_len = rid, length
+        gen._by_id = {s.request_id: s for s in gen.subs}
+        return gen
+
+    def record(self) -> StreamRecord:
+        return StreamRecord(id=self.id, endpoint=self.endpoint, model=self.card.name, created=self.created,
+                            reply_to=self.reply_to or self.broker.gateway_id,
+                            request_ids=[s.request_id for s in self.subs],
+                            prompt_ids=[s.prompt_ids if self.render.get("whole_prompt") else s.prompt_ids[-CONTEXT_TOKENS:]
+                                        for s in self.subs],
+                            prompt_tokens=[len(s.prompt_ids) for s in self.subs], deadline=self.deadline,
+                            detached=self.detached, render=self.render)
+
+    def follow(self) -> None:
+        """Feed this (resumed) generation from its log, holding the request's lease meanwhile."""
+        self._started = True
+        self._leasing = True
+        self._follower = asyncio.get_running_loop().create_task(self._follow(), name=f"sluice-follow-{self.id}")
+
+    async def _follow(self) -> None:
+        rid = self.subs[0].request_id
+        index, next_lease = 0, 0.0
+        while True:
+            try:
+                now = time.monotonic()
+                if self._leasing and now >= next_lease:
+                    await self.broker.take_lease([rid], self._lease_token)
+                    next_lease = now + contract.LEASE_REFRESH_S
+                elements = await self.broker.read_log(rid, index)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - Redis away: the deadline and liveness checks still bound the wait
+                await asyncio.sleep(0.2)
+                continue
+            index += len(elements)
+            for events in elements:
+                for ev in events:
+                    self._queue.put_nowait(ev)
+            if not elements:  # caught up: poll (a resumed stream adds at most this to its latency)
+                await asyncio.sleep(FOLLOW_POLL_S)
+
     async def start(self) -> None:
         """Register every request's queue with the broker, then enqueue (in that order: events of
         an unregistered request are dropped)."""
         now = time.time()
         reqs = [codec.make_request(sub.request_id, self.card.name, sub.prompt_ids, sub.params,
                                    deadline=self.deadline, enqueue_time=now, reply_to=self.broker.gateway_id,
-                                   gateway_id=self.broker.gateway_id) for sub in self.subs]
+                                   gateway_id=self.broker.gateway_id, log_events=self.logged,
+                                   detached=self.detached, log_ttl_s=self.log_ttl_s) for sub in self.subs]
         for req in reqs:  # the limits the engine enforces too (sluice.wire.limits): a 400 here, not there
             problem = limits.check_request(req, vocab_size=self.card.vocab_size, max_model_len=self.card.max_model_len)
             if problem is not None:
@@ -219,8 +307,9 @@ class Generation:
         self._started = True
         METRICS.running.inc()
         self.enqueue_time = time.monotonic()
+        record = self.record() if self.logged else None
         for req in reqs:
-            await self.broker.enqueue(req)
+            await self.broker.enqueue(req, record)
 
     async def deltas(self) -> AsyncIterator[list[Delta]]:
         """Yield the deltas of the engine events at hand (every event already queued, in order)
@@ -229,7 +318,7 @@ class Generation:
         Waiting costs one ``Queue.get`` per wake-up: no timeout is armed per event. A watchdog
         timer (re-armed only when it fires) puts ``_TICK`` on the queue when no event came for
         ``LIVENESS_CHECK_S`` or the deadline is reached; the liveness check runs then."""
-        ok = False
+        ok = gone = False
         loop = asyncio.get_running_loop()
         self._last_event = loop.time()
         self._arm_watchdog(loop)
@@ -261,11 +350,14 @@ class Generation:
                 if out:
                     yield out
             ok = True
+        except (asyncio.CancelledError, GeneratorExit):  # the consumer went away (its client did)
+            gone = True
+            raise
         finally:
             if self._watchdog is not None:
                 self._watchdog.cancel()
                 self._watchdog = None
-            self._finish(ok)
+            self._finish(ok, client_gone=gone)
 
     def _arm_watchdog(self, loop: asyncio.AbstractEventLoop) -> None:
         check = LIVENESS_CHECK_S if self._no_engine_since is None else min(LIVENESS_CHECK_S, 1.0)
@@ -303,6 +395,16 @@ class Generation:
                               wait_s=NO_ENGINE_WAIT_S):
             raise errors.engine_lost(self.card.name, self.broker.retry_after_s)
 
+    @property
+    def done(self) -> bool:
+        """Every choice has ended (as far as its client is concerned)."""
+        return all(c.finished for c in self.choices)
+
+    def feed(self, ev: Event) -> list[Delta]:
+        """The deltas of one event, outside :meth:`deltas` (a replay of a log read at once);
+        raises the request's OpenAIError for an error event."""
+        return self._handle(ev)
+
     def _handle(self, ev: Event) -> list[Delta]:
         sub = self._by_id.get(ev.request_id)
         if sub is None:
@@ -311,13 +413,14 @@ class Generation:
         if ev.HasField("error"):
             for c in sub.choices:
                 c.engine_done = True
-            self.broker.settled(sub.request_id)
+            if not self.resumed:
+                self.broker.settled(sub.request_id)
             raise errors.from_engine(ev.error.code, ev.error.message, self.broker.retry_after_s)
         if ev.prompt_logprobs and not sub.prompt_logprobs:
             sub.prompt_logprobs = list(ev.prompt_logprobs)
         if not 0 <= ev.index < len(sub.choices):
             return []
-        if ev.token_ids:
+        if ev.token_ids and not self.resumed:  # latencies: observed by the gateway that started it
             if self.first_token_time is None:
                 self.first_token_time = now
                 METRICS.ttft.observe(now - self.arrival)
@@ -327,23 +430,29 @@ class Generation:
                 METRICS.itl.observe(now - self._last_token_time)
             self._last_token_time = now
         d = sub.choices[ev.index].consume(ev)
-        if not sub.engine_active:
+        if not sub.engine_active and not self.resumed:
             self.broker.settled(sub.request_id)
         return [d] if d is not None else []
 
-    def _finish(self, ok: bool) -> None:
+    def _finish(self, ok: bool, client_gone: bool = False) -> None:
         if self._closed:
             return
         self._closed = True
         if not self._started:
             self.broker.unregister([s.request_id for s in self.subs])
             return
-        METRICS.running.dec()
         active = [s.request_id for s in self.subs if s.engine_active]
-        if active:
-            self.broker.cancel_nowait(active, give_up_at=self.deadline)
-        self.broker.release([s.request_id for s in self.subs])
-        self.broker.unregister([s.request_id for s in self.subs])
+        if active and client_gone and self.logged and not self.detached:
+            # It may be resumed (Last-Event-ID), on any gateway: see _orphaned.
+            self.broker.spawn(self._orphaned(active))
+        else:
+            self._stop_following()
+            if active and not self.detached:
+                self.broker.cancel_nowait(active, give_up_at=self.deadline, reply_to=self.reply_to)
+            self._forget()
+        if self.resumed:
+            return
+        METRICS.running.dec()
         if ok:
             METRICS.e2e.observe(time.monotonic() - self.arrival)
             for c in self.choices:
@@ -351,6 +460,69 @@ class Generation:
         METRICS.prompt_tokens.inc(self.prompt_tokens)
         METRICS.generation_tokens.inc(self.completion_tokens)
 
-    def close_nowait(self) -> None:
-        """Abandon the generation (client gone before the generator ran): cancel at the engine."""
-        self._finish(False)
+    def close_nowait(self, client_gone: bool = False) -> None:
+        """Abandon the generation: cancel at the engine (``client_gone`` and logged: once nobody
+        resumed it within the window)."""
+        self._finish(False, client_gone)
+
+    def _stop_following(self) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            self._follower = None
+        if self._leasing:
+            self._leasing = False
+            self.broker.spawn(self._drop_lease())
+
+    async def _drop_lease(self) -> None:
+        try:
+            await self.broker.drop_lease([s.request_id for s in self.subs])
+        except Exception:  # noqa: BLE001 - it lapses after contract.LEASE_TTL_S anyway
+            pass
+
+    async def _orphaned(self, active: list[str]) -> None:
+        """The client of a logged request went away: keep the request while a resumed client's
+        gateway holds its lease; cancel it once nobody has held it for ``RESUME_WINDOW_S`` (the
+        lost-gateway rule's window), or at its deadline. Its events keep coming (our channel, or
+        the log we follow) and tell when the engine ends it."""
+        if self._leasing:  # our own lease must not count as someone else's
+            self._leasing = False
+            await self._drop_lease()
+        missing_since = time.monotonic()
+        try:
+            while time.time() < self.deadline:
+                while not self._queue.empty():
+                    item = self._queue.get_nowait()
+                    if isinstance(item, Lost):
+                        return
+                    sub = self._by_id.get(item.request_id)
+                    if sub is None:
+                        continue
+                    if item.HasField("error"):
+                        for c in sub.choices:
+                            c.engine_done = True
+                    elif item.HasField("finished") and 0 <= item.index < len(sub.choices):
+                        sub.choices[item.index].engine_done = True
+                active = [s.request_id for s in self.subs if s.engine_active]
+                if not active:
+                    return
+                now = time.monotonic()
+                try:
+                    leased = await self.broker.leased(active)
+                except Exception:  # noqa: BLE001 - Redis away: count it as not leased
+                    leased = False
+                if leased:
+                    missing_since = now
+                elif now - missing_since >= contract.RESUME_WINDOW_S:
+                    break
+                await asyncio.sleep(contract.LEASE_REFRESH_S)
+            self.broker.cancel_nowait(active, give_up_at=self.deadline, reply_to=self.reply_to)
+        finally:
+            self._stop_following()
+            self._forget()
+
+    def _forget(self) -> None:
+        """Stop tracking and routing our requests' events, unless this is a resumed generation: it
+        never registered them (the gateway that started them, maybe this one, still may)."""
+        if not self.resumed:
+            self.broker.release([s.request_id for s in self.subs])
+            self.broker.unregister([s.request_id for s in self.subs])

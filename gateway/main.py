@@ -70,6 +70,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="render a `chat_template` sent with a chat request (vLLM's flag; default: refuse "
                              "it with a 400, the model's template is used when none is sent)")
+    parser.add_argument("--resumable-streams", action=argparse.BooleanOptionalAction, default=d.resumable_streams,
+                        help="log streamed chat/completions requests in Redis so that their SSE events carry "
+                             "`id:` and a client resumes on any gateway with Last-Event-ID (default: on)")
+    parser.add_argument("--event-log-ttl-s", type=int, default=d.event_log_ttl_s,
+                        help="how long a request's event log is kept after the request ends, for resumes "
+                             "(default: %(default)s)")
+    parser.add_argument("--responses-ttl-s", type=float, default=d.responses_ttl_s,
+                        help="how long Redis keeps a stored /v1/responses response after it ended "
+                             "(default: %(default)s)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -85,6 +94,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_body_bytes=args.max_body_bytes,
         retry_after_s=args.retry_after_s,
         trust_request_chat_template=args.trust_request_chat_template,
+        resumable_streams=args.resumable_streams,
+        event_log_ttl_s=args.event_log_ttl_s,
+        responses_ttl_s=args.responses_ttl_s,
     )
 
 

@@ -29,10 +29,12 @@ from gateway.errors import OpenAIError
 from gateway.generation import Delta, Generation
 from gateway.metrics import METRICS
 from gateway.protocol import ResponseEnvelope, SamplingFields, UsageInfo
-from gateway.stream_chunks import sse_event
+from gateway.stream_chunks import keep_alive, sse_event
 from sluice.structured import StructuredOutputError, vocabulary_for
-from sluice.wire import codec, limits
+from sluice.wire import codec, event_log, limits
 from sluice.wire.card import CardError
+from sluice.wire.error_codes import Code
+from sluice.wire.event_log import StreamRecord
 from sluice.wire.messages_pb2 import SamplingParams
 
 DISCONNECT_POLL_S = 0.2
@@ -272,50 +274,112 @@ async def _collect(request: Request, gen: Generation, build: Callable[[], BaseMo
     return JSONResponse(to_json(build()))
 
 
-def _sse(data: BaseModel | dict | str) -> bytes:
+def _sse(data: BaseModel | dict | str, event_id: str | None = None) -> bytes:
     """One server-sent event: a model (its set fields), a dict, or JSON text already made
-    (``gateway.stream_chunks``; also ``[DONE]``)."""
+    (``gateway.stream_chunks``; also ``[DONE]``), with its ``id:`` when given."""
     if isinstance(data, BaseModel):
-        return sse_event(data.model_dump_json(exclude_unset=True))
+        return sse_event(data.model_dump_json(exclude_unset=True), event_id)
     if isinstance(data, dict):
-        return sse_event(json.dumps(data, separators=(",", ":")))
-    return sse_event(data)
+        return sse_event(json.dumps(data, separators=(",", ":")), event_id)
+    return sse_event(data, event_id)
 
 
-async def _stream(request: Request, gen: Generation, fmt: StreamFormatter) -> Response:
+async def _stream(request: Request, gen: Generation, fmt: StreamFormatter, resume_after: int | None = None) -> Response:
+    """The SSE stream of ``gen``. A logged generation's chunks carry ``id: <id>:<n>`` (n counts
+    them from 1: the same chunks in the same order on every gateway, ``sluice.wire.event_log``);
+    ``resume_after``: leave out chunks up to that number (a client resuming with Last-Event-ID)."""
     agen = gen.deltas()
     first_task = asyncio.ensure_future(agen.__anext__())
     try:
         first = await _watch(request, first_task)
     except ClientGone:
-        gen.close_nowait()
+        gen.close_nowait(client_gone=True)
         return Response(status_code=499)
     except StopAsyncIteration:
         first = []
     except asyncio.CancelledError:
         first_task.cancel()
-        gen.close_nowait()
+        gen.close_nowait(client_gone=True)
         raise
+
+    seq = 0
+
+    def numbered(chunks: list) -> list[bytes]:
+        nonlocal seq
+        out = []
+        for chunk in chunks:
+            seq += 1
+            if resume_after is not None and seq <= resume_after:
+                continue
+            out.append(_sse(chunk, event_log.event_id(gen.id, seq) if gen.logged else None))
+        return out
 
     async def events() -> AsyncIterator[bytes]:
         # The chunks of the deltas at hand go out as one write (one ASGI send, not one per chunk).
+        ended = False  # the stream ran to its end (or an error): not a client that went away
         try:
-            head = [_sse(chunk) for chunk in fmt.start()]
+            head = numbered(fmt.start())
             for d in first:
-                head += [_sse(chunk) for chunk in fmt.on_delta(d)]
+                head += numbered(fmt.on_delta(d))
             if head:
                 yield b"".join(head)
             async for deltas in agen:
-                out = [_sse(chunk) for d in deltas for chunk in fmt.on_delta(d)]
+                out = [event for d in deltas for event in numbered(fmt.on_delta(d))]
                 if out:
                     yield out[0] if len(out) == 1 else b"".join(out)
-            tail = [_sse(chunk) for chunk in fmt.end()]
+            tail = numbered(fmt.end())
             if tail:
                 yield b"".join(tail)
+            ended = True
         except OpenAIError as exc:
+            ended = True
             yield _sse(exc.body())
         finally:
-            gen.close_nowait()
+            gen.close_nowait(client_gone=not ended)
         yield _sse("[DONE]")
 
-    return EventSourceResponse(events(), sep="\n", ping=15)
+    return EventSourceResponse(events(), sep="\n", ping=15, ping_message_factory=keep_alive)
+
+
+# --- resumed streams (Last-Event-ID) -------------------------------------------------------------
+
+LAST_EVENT_ID = "last-event-id"
+
+
+def stream_not_found(record_id: str) -> OpenAIError:
+    return errors.error(Code.NOT_FOUND, f"No stream '{record_id}' to resume: the id is unknown, or its event log "
+                        "has expired.", param="Last-Event-ID")
+
+
+async def resumable_record(broker: Broker, last_event_id: str, endpoint: str) -> tuple[StreamRecord, int]:
+    """The record a ``Last-Event-ID`` names and the number of the last chunk the client has: a 400
+    for a malformed id, a 404 for one unknown (or expired, or another endpoint's)."""
+    try:
+        record_id, seq = event_log.parse_event_id(last_event_id)
+    except ValueError as exc:
+        raise errors.invalid(f"Invalid 'Last-Event-ID' header: {exc}.", param="Last-Event-ID") from None
+    try:
+        record = await broker.load_record(record_id)
+    except (RedisError, OSError) as exc:
+        raise redis_down(exc) from exc
+    if record is None or record.endpoint != endpoint:
+        raise stream_not_found(record_id)
+    return record, seq
+
+
+async def resume(request: Request, broker: Broker, record: StreamRecord, after: int,
+                 formatter: Callable[[Generation, LoadedCard], StreamFormatter], opts: dict, n: int) -> Response:
+    """Replay a logged request's stream from its log through ``formatter`` (rebuilt from the record),
+    leave out the chunks up to ``after``, then follow the live entries (holding its lease)."""
+    try:
+        card = await broker.card(record.model)
+    except (RedisError, OSError) as exc:
+        raise redis_down(exc) from exc
+    except CardError as exc:
+        raise errors.from_card_error(record.model, exc) from exc
+    if card is None:
+        raise stream_not_found(record.id)
+    gen = Generation.resumed(broker, card, record, SamplingParams(n=n), opts)
+    fmt = formatter(gen, card)
+    gen.follow()
+    return await _stream(request, gen, fmt, resume_after=after)

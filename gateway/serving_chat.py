@@ -4,6 +4,7 @@ response or its stream chunks (vLLM's ``serving_chat``)."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -68,7 +69,38 @@ def request_chat_template(chat_template: str | None, cfg: GatewayConfig) -> str 
     return chat_template
 
 
+@dataclass
+class PreparedChat:
+    """A validated chat request turned into its (not yet started) :class:`Generation`, with what
+    parsing its output needs: the tool spec, the model's dialects and the rendered prompt."""
+
+    gen: Generation
+    card: LoadedCard
+    spec: tools.ToolSpec | None
+    dialects: Dialects
+    prompt: str
+
+
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    if (last_event_id := request.headers.get(serving.LAST_EVENT_ID)) is not None:
+        return await resume_chat_completion(request, last_event_id)
+    chat = await prepare_chat(body, request)
+    await serving.start(chat.gen, serving.broker_of(request), serving.config_of(request), body.model)
+    gen, card, spec, dialects, text = chat.gen, chat.card, chat.spec, chat.dialects, chat.prompt
+    return await serving.respond(
+        request, gen,
+        stream=ChatStreamFormatter(gen, card, body, spec, dialects, text) if body.stream else None,
+        build=lambda: chat_response(gen, body, spec, dialects, text),
+    )
+
+
+async def prepare_chat(body: ChatCompletionRequest, request: Request, *, id_prefix: str = "chatcmpl",
+                       resumable: bool | None = None) -> PreparedChat:
+    """Everything a chat request needs before it is queued (every 400 is raised here): the
+    chat template, tools, constraints, sampling parameters. ``POST /v1/responses`` comes
+    through here too (``gateway.responses``), with a chat request converted from its own.
+    ``resumable``: log it as a resumable chat stream (None: when streamed and the gateway's
+    ``--resumable-streams`` is on)."""
     broker, cfg = serving.broker_of(request), serving.config_of(request)
     arrival = time.time()
     card = await serving.card_for(broker, body.model)
@@ -110,14 +142,31 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                             else serving.constraint_param(body.response_format))
     opts = {"stop": serving.stop_strings(body), "include_stop_str": body.include_stop_str_in_output,
             "skip_special_tokens": body.skip_special_tokens, "logprobs": logprobs}
+    # What a gateway that resumes the stream needs to render it (the record, sluice.wire.event_log):
+    # the body less its messages, the prompt text only where the reasoning parser reads it.
+    render = {"body": body.model_dump(mode="json", exclude_unset=True, exclude={"messages"}),
+              "prompt": text if dialects.reasoning is not None else "", "opts": opts, "n": params.n or 1}
     gen = Generation(broker, card, [ids], params, opts, deadline=arrival + cfg.request_timeout_s,
-                     endpoint="chat", id_prefix="chatcmpl")
-    await serving.start(gen, broker, cfg, body.model)
-    return await serving.respond(
-        request, gen,
-        stream=ChatStreamFormatter(gen, card, body, spec, dialects, text) if body.stream else None,
-        build=lambda: chat_response(gen, body, spec, dialects, text),
-    )
+                     endpoint="chat", id_prefix=id_prefix,
+                     log_ttl_s=cfg.event_log_ttl_s if (body.stream and cfg.resumable_streams if resumable is None
+                                                       else resumable) else None,
+                     render=render)
+    return PreparedChat(gen, card, spec, dialects, text)
+
+
+async def resume_chat_completion(request: Request, last_event_id: str) -> Response:
+    """A client resuming a chat completion stream (any gateway): the chunks after its
+    Last-Event-ID, rendered from the request's record and event log."""
+    broker = serving.broker_of(request)
+    record, after = await serving.resumable_record(broker, last_event_id, "chat")
+    render = record.render
+    body = ChatCompletionRequest.model_validate({**render["body"], "messages": [{"role": "user", "content": ""}]})
+
+    def formatter(gen: Generation, card: LoadedCard) -> ChatStreamFormatter:
+        spec = tools.parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        return ChatStreamFormatter(gen, card, body, spec, Dialects.of(card.card), render.get("prompt", ""))
+
+    return await serving.resume(request, broker, record, after, formatter, render["opts"], render["n"])
 
 
 def chat_logprobs(infos: list[TokenInfo]) -> ChatCompletionLogProbs:

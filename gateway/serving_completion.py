@@ -25,6 +25,8 @@ from sluice.wire import limits
 
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     broker, cfg = serving.broker_of(request), serving.config_of(request)
+    if (last_event_id := request.headers.get(serving.LAST_EVENT_ID)) is not None:
+        return await resume_completion(request, last_event_id)
     arrival = time.time()
     card = await serving.card_for(broker, body.model)
     tok = card.tokenizer
@@ -52,8 +54,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         params.prompt_logprobs = body.logprobs
     opts = {"stop": serving.stop_strings(body), "include_stop_str": body.include_stop_str_in_output,
             "skip_special_tokens": body.skip_special_tokens, "logprobs": body.logprobs}
+    render = {"body": body.model_dump(mode="json", exclude_unset=True, exclude={"prompt"}), "opts": opts,
+              "n": params.n or 1, "whole_prompt": echo}
     gen = Generation(broker, card, prompts, params, opts, deadline=arrival + cfg.request_timeout_s,
-                     endpoint="completions", id_prefix="cmpl")
+                     endpoint="completions", id_prefix="cmpl",
+                     log_ttl_s=cfg.event_log_ttl_s if body.stream and cfg.resumable_streams else None,
+                     render=render)
     await serving.start(gen, broker, cfg, body.model)
     echo_text = {s.request_id: tok.decode(s.prompt_ids, skip_special_tokens=False) for s in gen.subs} if echo else {}
     return await serving.respond(
@@ -61,6 +67,22 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         stream=CompletionStreamFormatter(gen, card, body, echo_text) if body.stream else None,
         build=lambda: completion_response(gen, card, body, echo_text),
     )
+
+
+async def resume_completion(request: Request, last_event_id: str) -> Response:
+    """A client resuming a completion stream (any gateway): the chunks after its Last-Event-ID,
+    rendered from the request's record and event log."""
+    broker = serving.broker_of(request)
+    record, after = await serving.resumable_record(broker, last_event_id, "completions")
+    render = record.render
+    body = CompletionRequest.model_validate({**render["body"], "prompt": ""})
+
+    def formatter(gen: Generation, card: LoadedCard) -> CompletionStreamFormatter:
+        echo_text = ({s.request_id: card.tokenizer.decode(s.prompt_ids, skip_special_tokens=False)
+                      for s in gen.subs} if body.echo else {})
+        return CompletionStreamFormatter(gen, card, body, echo_text)
+
+    return await serving.resume(request, broker, record, after, formatter, render["opts"], render["n"])
 
 
 class LogprobsBuilder:

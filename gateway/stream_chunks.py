@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 
+from sse_starlette import ServerSentEvent
+
 _encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
@@ -21,9 +23,26 @@ def dumps(value: object) -> str:
     return _encode(value)
 
 
-def sse_event(data: str) -> bytes:
-    """One server-sent event carrying ``data`` (a single line)."""
-    return b"data: " + data.encode() + b"\n\n"
+def sse_event(data: str, event_id: str | None = None) -> bytes:
+    """One server-sent event carrying ``data`` (a single line), and ``id:`` when given."""
+    if event_id is None:
+        return b"data: " + data.encode() + b"\n\n"
+    return b"id: " + event_id.encode() + b"\ndata: " + data.encode() + b"\n\n"
+
+
+class _KeepAlive(ServerSentEvent):
+    """A keep-alive comment line WITHOUT the blank line that ends an event. A blank line after a
+    stream's ``id:`` would be an event of its own to clients that keep the last id for the next
+    dispatch, as the openai SDK's decoder does (it then fails to parse the empty data as JSON); a
+    lone comment line is ignored by every SSE parser, and the next event's blank line ends it."""
+
+    def encode(self) -> bytes:
+        return b": ping\n"
+
+
+def keep_alive() -> ServerSentEvent:
+    """sse-starlette's ``ping_message_factory`` for every Sluice stream."""
+    return _KeepAlive()
 
 
 class ChunkTemplate:

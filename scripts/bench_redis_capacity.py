@@ -84,6 +84,9 @@ class BenchConfig:
     # sys.setswitchinterval in the engine processes (None: Python's 5 ms). A diagnostic: the step
     # loop of a model-free engine never blocks, so its I/O threads wait for the GIL.
     engine_switch_interval_ms: float | None = None
+    # Every request logged (GenerateRequest.log_events, its record written before the XADD), as a
+    # resumable stream is: scripts/bench_event_log.py compares both.
+    log_events: bool = False
 
     def model(self, i: int) -> str:
         return f"bench-{i % self.models}"
@@ -284,6 +287,7 @@ def _loadgen_main(url: str, cfg: BenchConfig, index: int, ready: Any, stop: Any,
 async def _load(url: str, cfg: BenchConfig, index: int, ready: Any, stop: Any, counters: Any, row: int) -> None:
     from gateway.broker import Broker, Lost
     from sluice.wire import codec
+    from sluice.wire.event_log import StreamRecord
 
     base = row * N_COUNTERS
     broker = Broker(url)
@@ -302,9 +306,14 @@ async def _load(url: str, cfg: BenchConfig, index: int, ready: Any, stop: Any, c
             req = codec.make_request(rid, cfg.model(index * cfg.concurrency + slot + n), [1, 2, 3],
                                      {"max_tokens": cfg.tokens, "temperature": 0.0},
                                      deadline=time.time() + 120, reply_to=broker.gateway_id,
-                                     gateway_id=broker.gateway_id)
+                                     gateway_id=broker.gateway_id, log_events=cfg.log_events, log_ttl_s=60)
             n += 1
-            await broker.enqueue(req)
+            record = None
+            if cfg.log_events:
+                record = StreamRecord(id=rid, endpoint="chat", model=req.model, created=int(time.time()),
+                                      reply_to="", request_ids=[rid], prompt_ids=[[1, 2, 3]], prompt_tokens=[3],
+                                      deadline=req.deadline)
+            await broker.enqueue(req, record)
             events, ok = 0, True
             while True:
                 try:

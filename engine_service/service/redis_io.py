@@ -12,7 +12,7 @@
 - canceller: SSUBSCRIBE to the cancel channel; delivers Cancel ids to the inbox.
 - publisher: takes the worker's per-step ``Batch`` from the outbox and sends it in ONE pipelined
   round trip (emitted markers, then one SPUBLISH per reply_to carrying all its events of the step,
-  then the XACKs), retrying while Redis is away. Hand-backs go with their XACKs in one MULTI (both
+  the event-log appends of logged requests, then the XACKs), retrying while Redis is away. Hand-backs go with their XACKs in one MULTI (both
   in the queue's slot), so a hand-back can never leave the entry twice in the queue.
 
 Redis may be one server or a Redis Cluster (``sluice.wire.connection``): every multi-key step above
@@ -47,7 +47,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 
 from engine_service.service.metrics import NULL_METRICS, NullMetrics
-from sluice.wire import codec, contract, policy, registry, shards
+from sluice.wire import codec, contract, event_log, policy, registry, shards
 from sluice.wire.connection import TRANSIENT_ERRORS, connect, is_cluster, read_shard_message, refresh_topology
 from sluice.wire.messages_pb2 import Cancel, Event, GenerateRequest
 
@@ -94,6 +94,23 @@ class Entry:
     stolen: bool = False  # read from a shard this engine does not own
 
 
+@dataclass(frozen=True)
+class LogSpec:
+    """What the publisher and the lost-gateway check need of a request's event-log flags."""
+
+    logged: bool
+    detached: bool
+    ttl_s: int
+    deadline: float
+
+    @classmethod
+    def of(cls, request: GenerateRequest) -> LogSpec | None:
+        if not (request.log_events or request.detached):
+            return None
+        return cls(request.log_events, request.detached, request.log_ttl_s or contract.DEFAULT_LOG_TTL_S,
+                   request.deadline)
+
+
 @dataclass
 class CancelNote:
     request_ids: list[str]
@@ -110,6 +127,7 @@ class Batch:
     acks: list[EntryRef] = field(default_factory=list)
     # request id -> reply_to for events of entries the worker never held (answered by the I/O thread)
     reply_to: dict[str, str] = field(default_factory=dict)
+    logs: dict[str, LogSpec] = field(default_factory=dict)  # the same, for their event-log flags
 
     def __bool__(self) -> bool:
         return bool(self.events or self.emitted or self.requeue or self.acks)
@@ -120,6 +138,7 @@ class Batch:
         self.requeue += other.requeue
         self.acks += other.acks
         self.reply_to.update(other.reply_to)
+        self.logs.update(other.logs)
 
 
 def next_id(entry_id: str) -> str:
@@ -237,6 +256,10 @@ class RedisIO:
         # request id -> reply_to of the requests delivered to the worker and not acknowledged yet:
         # where their events go (the worker's events name the request only).
         self._reply_to: dict[str, str] = {}
+        # request id -> event-log flags of those of them that log or are detached (same lifetime);
+        # and the logged ones whose log has had its first write (and TTL) already.
+        self._logs: dict[str, LogSpec] = {}
+        self._log_started: set[str] = set()
         self.outbox: queue.Queue[Batch | None] = queue.Queue()
         self._stop = threading.Event()
         self._carry_acks: list[bytes] = []  # XACKs of batches dropped after a long outage
@@ -563,7 +586,7 @@ class RedisIO:
         with self._gateways_lock:
             if self._gateways_lost:
                 for e in entries:
-                    if e.request is not None and e.request.gateway_id in self._gateways_lost:
+                    if e.request is not None and e.request.gateway_id in self._gateways_lost and not e.request.detached:
                         e.gateway_lost = True
         with self._held_lock:
             for e in entries:
@@ -571,6 +594,8 @@ class RedisIO:
                 self._held[e.entry_id] = (rid, gid)
                 if e.request is not None:
                     self._reply_to[rid] = e.request.reply_to
+                    if (spec := LogSpec.of(e.request)) is not None:
+                        self._logs[rid] = spec
         with self._credit_lock:
             self._delivered += len(entries)
         for e in entries:
@@ -595,6 +620,8 @@ class RedisIO:
             reason = reasons[id(e)]
             batch.events.append(codec.error_event(e.request.request_id, contract.ERR_ENGINE_LOST, reason, self.consumer))
             batch.reply_to[e.request.request_id] = e.request.reply_to
+            if (spec := LogSpec.of(e.request)) is not None:
+                batch.logs[e.request.request_id] = spec
             batch.acks.append(e.entry_id)
             log.warning("reclaimed %s: %s", e.request.request_id, reason)
         self.metrics.events(batch.events)
@@ -674,6 +701,10 @@ class RedisIO:
                         for entry_id in batch.acks:
                             rid, _ = self._held.pop(entry_id, ("", ""))
                             self._reply_to.pop(rid, None)
+                            self._logs.pop(rid, None)
+                            self._log_started.discard(rid)
+                        for rid in batch.logs:
+                            self._log_started.discard(rid)
                 backoff.ok()
                 return
             except _REDIS_ERRORS as exc:
@@ -697,6 +728,7 @@ class RedisIO:
         channel, then the XACKs (one pipeline, not a transaction: it spans slot families). With
         hand-backs, their XADDs and the XACKs go in one MULTI of the queue's slot instead."""
         by_reply: dict[str, list[Event]] = {}
+        by_log: dict[str, list[Event]] = {}
         with self._held_lock:
             for event in batch.events:
                 reply_to = batch.reply_to.get(event.request_id) or self._reply_to.get(event.request_id)
@@ -704,14 +736,22 @@ class RedisIO:
                     log.error("publish: no reply_to known for request %s; event dropped", event.request_id)
                     continue
                 by_reply.setdefault(reply_to, []).append(event)
+                if (spec := batch.logs.get(event.request_id) or self._logs.get(event.request_id)) and spec.logged:
+                    by_log.setdefault(event.request_id, []).append(event)
             replies = {rid: self._reply_to.get(rid) for rid in batch.emitted}
             acks, requeues = self._queue_writes(batch)
+            requeued = {request.request_id for request in batch.requeue}  # handed back: not ended
+            ended = {self._held[a][0] for a in batch.acks if a in self._held} - requeued
+            ended |= set(batch.logs)
+            log_specs = {rid: batch.logs.get(rid) or self._logs.get(rid) for rid in by_log.keys() | ended}
+            first_writes = {rid for rid in by_log if rid not in self._log_started}
         pipe = self.redis.pipeline(transaction=False)
         for rid, reply_to in replies.items():
             if reply_to:
                 pipe.set(contract.emitted_key(reply_to, rid), self.consumer, ex=contract.EMITTED_TTL_S)
         for reply_to, events in by_reply.items():
             pipe.spublish(contract.events_channel(reply_to), codec.encode_events(events))
+        self._append_logs(pipe, by_log, log_specs, first_writes, ended)
         for stream, ids in acks.items():
             if stream not in requeues:
                 pipe.xack(stream, contract.CONSUMER_GROUP, *ids)
@@ -741,6 +781,23 @@ class RedisIO:
             stream = shard_of_request.get(request.request_id, self.streams[0])
             requeues.setdefault(stream, []).append(request)
         return acks, requeues
+
+    def _append_logs(self, pipe: Any, by_log: dict[str, list[Event]], specs: dict[str, LogSpec | None],
+                     first_writes: set[str], ended: set[str]) -> None:
+        """The event-log part of a step's pipeline (``sluice.wire.event_log``): one RPUSH per logged
+        request with events in this step; an EXPIRE to (deadline + window) with its first write, and
+        to the window alone for log and record when the request ends here. No extra round trip."""
+        for rid, events in by_log.items():
+            pipe.rpush(contract.log_key(rid), event_log.encode_entry(events))
+            spec = specs[rid]
+            if rid in first_writes and rid not in ended and spec is not None:
+                pipe.expire(contract.log_key(rid), event_log.ttl_until_end(spec.deadline, spec.ttl_s))
+        for rid in ended:
+            spec = specs.get(rid)
+            if spec is not None and spec.logged:
+                pipe.expire(contract.log_key(rid), spec.ttl_s)
+                pipe.expire(contract.record_key(rid), spec.ttl_s)
+        self._log_started.update(first_writes - ended)
 
     # --- housekeeper: heartbeat, model card, reclaim ---
     def publish_card(self) -> None:
@@ -873,7 +930,8 @@ class RedisIO:
         with self._held_lock:
             by_gateway: dict[str, list[str]] = {}
             for rid, gid in self._held.values():
-                if gid and rid:
+                spec = self._logs.get(rid)
+                if gid and rid and not (spec is not None and spec.detached):  # detached: never for gateway loss
                     by_gateway.setdefault(gid, []).append(rid)
         now = time.monotonic() if now is None else now
         with self._gateways_lock:
@@ -907,10 +965,24 @@ class RedisIO:
             self.stats["gateways_lost"] += 1
             log.warning("gateway %s is gone (no liveness key for %.1fs): aborting its %d request(s)",
                         gid, self.settings.gateway_lost_after_s, len(by_gateway[gid]))
-        orphaned = [rid for gid in [*lost, *known_lost] for rid in by_gateway.get(gid, ())]
+        orphaned = self._unleased([rid for gid in [*lost, *known_lost] for rid in by_gateway.get(gid, ())])
         if orphaned:
             self.inbox.put(CancelNote(orphaned, cause="gateway_lost"))
         return lost
+
+    def _unleased(self, request_ids: list[str]) -> list[str]:
+        """Those of a lost gateway's requests that nobody follows: a logged request whose lease
+        (``contract.lease_key``) a resuming gateway holds is spared, while the lease lasts (checked
+        again at every check; one pipelined EXISTS per logged request of a lost gateway)."""
+        with self._held_lock:
+            logged = [rid for rid in request_ids if (spec := self._logs.get(rid)) is not None and spec.logged]
+        if not logged:
+            return request_ids
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in logged:
+            pipe.exists(contract.lease_key(rid))
+        leased = {rid for rid, held in zip(logged, pipe.execute(), strict=True) if held}
+        return [rid for rid in request_ids if rid not in leased]
 
     def reclaim_orphans(self) -> int:
         """Take back our own pending entries that the worker does not hold: their XACK was lost

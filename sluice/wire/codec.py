@@ -144,12 +144,17 @@ def make_request(
     attempt: int = 0,
     reply_to: str,
     gateway_id: str = "",
+    log_events: bool = False,
+    detached: bool = False,
+    log_ttl_s: int = 0,
 ) -> GenerateRequest:
     """THE request builder: a ``GenerateRequest`` of this contract version. ``params`` is a wire
     ``SamplingParams``, or anything ``sampling_params_to_proto`` takes (the engine's
     ``SamplingParams``, a mapping of its field names). ``reply_to``: whose channel
     (``contract.events_channel``) the events go to. ``gateway_id``: the process whose liveness
-    key (``contract.gateway_key``) engines watch for this request; empty: none."""
+    key (``contract.gateway_key``) engines watch for this request; empty: none. ``log_events``: the
+    engine also appends its events to ``contract.log_key(request_id)`` (kept ``log_ttl_s`` after the
+    end); ``detached``: never aborted because its gateway is gone (``sluice.wire.event_log``)."""
     if not reply_to:
         raise ValueError("a request needs reply_to: the id whose events channel its answer goes to")
     return GenerateRequest(
@@ -163,6 +168,9 @@ def make_request(
         attempt=attempt,
         gateway_id=gateway_id,
         reply_to=reply_to,
+        log_events=log_events,
+        detached=detached,
+        log_ttl_s=log_ttl_s,
     )
 
 

@@ -7,7 +7,8 @@ Cluster safety is a property of these names. Every name carries a hash tag (the 
 and Redis Cluster places a key by its tag alone, so keys of one family share a hash slot and any
 MULTI, multi-key command or ordered pipeline that stays inside one family works on a cluster as on
 a single Redis. Nothing in Sluice touches keys of two families in one atomic operation. There are
-three families:
+five families (the fifth, ``{resp:<response_id>}``, stored responses, is described with its keys
+at the end of this module):
 
 - ``{registry}``: the control plane (a few writes a second per process, never per token): the
   engine registry, liveness keys, model cards, the cancel channel. One slot, so a card and the
@@ -24,6 +25,11 @@ three families:
   slot's node only, instead of broadcasting every token to every node), batched per engine step;
   the emitted and cancelled markers of its requests live in the same slot, so the engine's
   "emitted" marker and the event it guards travel over one connection, in order.
+- ``{r:<rid>}``: one request's event log, its record and its lease (issue 22: resumable streams and
+  background responses), keyed by the request id (an engine request id, which for a single-prompt
+  request is the OpenAI id the client sees). One tag per request spreads logs over a cluster's
+  nodes; the engine appends to the log in its per-step pipeline (the pipeline spans families, the
+  log's own commands stay in its slot).
 
 | key / channel                        | type                   | writer  | purpose                                   |
 |--------------------------------------|------------------------|---------|-------------------------------------------|
@@ -40,6 +46,9 @@ three families:
 | sluice:{registry}:model:<model>      | hash                   | engine  | model card (``sluice.wire.card``): tokenizer, chat template, limits |
 | sluice:{registry}:models             | set                    | engine  | names of models that have a card          |
 | sluice:{registry}:queue_shards:<model>| set of ints           | engine  | every shard count an engine of the model has published: engines serve the shards of the largest, so a rolling change of the count strands nothing |
+| sluice:{r:<rid>}:log                 | list                   | engine  | the request's event log (GenerateRequest.log_events): one EventBatch per publish |
+| sluice:{r:<rid>}:record              | string (JSON)          | gateway | what any gateway needs to render the log (``sluice.wire.event_log.StreamRecord``) |
+| sluice:{r:<rid>}:lease               | string with TTL        | gateway | a gateway follows the log for a resumed client: the engine's lost-gateway rule spares the request |
 
 A model name or reply id is used as it is inside the tag; Redis takes the tag up to the first
 ``}``, so a name containing ``}`` still maps all its keys to one slot (a shorter tag, the same for
@@ -56,7 +65,8 @@ from sluice.wire.messages_pb2 import ErrorCode
 # 3: hash-tagged names (Redis Cluster), GenerateRequest.reply_to, events batched per reply_to on a
 #    sharded channel (EventBatch), the registry entry as a typed codec.
 # 4: the queue is sharded (``{q:<model>:<shard>}``, shard chosen from the prompt's prefix; the card
-#    carries the shard count, block size and prefix blocks; the registry the shard counts published).
+#    carries the shard count, block size and prefix blocks; the registry the shard counts published);
+#    the per-request event log (GenerateRequest.log_events, detached, log_ttl_s; the {r:<rid>} family).
 CONTRACT_VERSION = 4
 PREFIX = "sluice"
 
@@ -184,3 +194,68 @@ ERR_ENGINE_LOST = ErrorCode.ERROR_CODE_ENGINE_LOST
 ERR_DRAINING = ErrorCode.ERROR_CODE_DRAINING
 ERR_INTERNAL = ErrorCode.ERROR_CODE_INTERNAL
 ERR_CONTRACT_MISMATCH = ErrorCode.ERROR_CODE_CONTRACT_MISMATCH
+
+
+# --- the per-request event log: resumable streams, background requests (the {r:<rid>} family) ---
+# Written by the engine for a request with GenerateRequest.log_events (sluice.wire.event_log holds
+# the codecs). Lifetimes: the gateway writes the record with TTL (time to the deadline) + the log
+# TTL; the engine EXPIREs the log the same way at its first write, and log and record to the log
+# TTL when the request ends, so both outlive any run and vanish a window after it.
+DEFAULT_LOG_TTL_S = 600
+# A gateway that follows a log for a resumed client holds the request's lease; it refreshes it every
+# LEASE_REFRESH_S, and it lapses LEASE_TTL_S after the last refresh.
+LEASE_TTL_S = 5.0
+LEASE_REFRESH_S = 1.0
+# How long a logged, not detached request whose client (or gateway) went away keeps running, waiting
+# for a resume (a lease): the window of the lost-gateway rule (key TTL + the engine's wait).
+RESUME_WINDOW_S = GATEWAY_HEARTBEAT_TTL_S + GATEWAY_LOST_AFTER_S
+
+
+def request_tag(request_id: str) -> str:
+    """The hash tag of one request's event-log family."""
+    return "{r:" + request_id + "}"
+
+
+def log_key(request_id: str) -> str:
+    return f"{PREFIX}:{request_tag(request_id)}:log"
+
+
+def record_key(request_id: str) -> str:
+    return f"{PREFIX}:{request_tag(request_id)}:record"
+
+
+def lease_key(request_id: str) -> str:
+    return f"{PREFIX}:{request_tag(request_id)}:lease"
+# --- stored responses (the Responses API) ------------------------------------------------------
+# The fifth family, one per response: ``{resp:<response_id>}``. The response is one hash
+# (``sluice.wire.stored_response``: its record, its input items, the final object, the whole
+# conversation a ``previous_response_id`` continues), written with its TTL in one script
+# (RESPONSE_SAVE_SCRIPT), so a response is always stored whole or not at all and expires as one.
+# Anything else kept per response (an event log) belongs in the same family, under the same tag.
+#
+# | key                              | type            | writer  | purpose                              |
+# |----------------------------------|-----------------|---------|--------------------------------------|
+# | sluice:{resp:<response_id>}      | hash with TTL   | gateway | a stored response (fields: stored_response.F_*) |
+
+
+def response_tag(response_id: str) -> str:
+    """The hash tag of one stored response's family."""
+    return "{resp:" + response_id + "}"
+
+
+def response_key(response_id: str) -> str:
+    return f"{PREFIX}:{response_tag(response_id)}"
+
+
+# Write fields of a stored response and (re)set its TTL in one step. ARGV[2] "create" writes
+# unconditionally; "update" writes only while the hash exists (a response deleted, or expired,
+# while it ran is not brought back). Returns 1 when written, 0 when not.
+# KEYS: response_key; ARGV: TTL (ms), mode, then field, value pairs.
+RESPONSE_SAVE_SCRIPT = """
+if ARGV[2] == 'update' and redis.call('EXISTS', KEYS[1]) == 0 then
+  return 0
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+"""

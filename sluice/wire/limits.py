@@ -139,6 +139,13 @@ TABLE: tuple[Bound | Size, ...] = (
     PROMPTS, REQUEST_ID,
 )
 
+# The Responses API's own limits (OpenAI's): ``metadata`` pairs and their lengths, the page of
+# ``GET /v1/responses/{id}/input_items``. Not in TABLE: no sampling parameter, HTTP only.
+RESPONSE_METADATA = Size("metadata", 16, layers=frozenset({HTTP}))
+RESPONSE_METADATA_KEY_CHARS = 64
+RESPONSE_METADATA_VALUE_CHARS = 512
+INPUT_ITEMS_PAGE = Bound("limit", 1, 100, integer=True, layers=frozenset({HTTP}))
+
 # The scalar sampling parameters and their bounds, by name (logit_bias's values are checked apart).
 SCALARS: dict[str, Bound] = {
     b.param: b for b in TABLE if isinstance(b, Bound) and b is not LOGIT_BIAS_VALUE

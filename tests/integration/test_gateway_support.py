@@ -22,7 +22,7 @@ import pytest
 import redis
 import uvicorn
 
-from sluice.wire import codec, contract
+from sluice.wire import codec, contract, event_log
 from sluice.wire.card import ModelCard
 from sluice.wire.connection import connect, read_shard_message_async
 from sluice.wire.messages_pb2 import Cancel, Event, GenerateRequest, PositionLogprobs, TokenLogprob
@@ -226,6 +226,11 @@ class FakeEngine:
             streams = [self.reply_ids[i:] + self.reply_ids[:i] for i in range(n)]
             for step in range(max_tokens):
                 if self._cancelled(req.request_id):
+                    if req.log_events:  # as the engine: an abort for each completion, logged too
+                        for i in range(n):
+                            ev = codec.finished_event(req.request_id, i, "abort", engine_id=self.engine_id)
+                            await self.r.spublish(channel, codec.encode_events([ev]))
+                            await self.r.rpush(contract.log_key(req.request_id), event_log.encode_entry([ev]))
                     return
                 for i in range(n):
                     ids = streams[i]
@@ -248,6 +253,8 @@ class FakeEngine:
                         ev.finished.usage.prompt_tokens = len(req.prompt_token_ids)
                         ev.finished.usage.completion_tokens = min(step + 1, len(ids))
                     await self.r.spublish(channel, codec.encode_events([ev]))
+                    if req.log_events:  # the engine's event log (sluice.wire.event_log), one element a step
+                        await self.r.rpush(contract.log_key(req.request_id), event_log.encode_entry([ev]))
                 if step >= max(len(s) for s in streams):
                     break
                 await asyncio.sleep(self.token_delay)

@@ -115,3 +115,7 @@ def test_each_key_family_is_one_hash_slot() -> None:
     # and one model's shards spread too: a cluster serves a model's queue from several nodes
     assert len(slots(*contract.request_streams("m", contract.DEFAULT_QUEUE_SHARDS))) == contract.DEFAULT_QUEUE_SHARDS
     assert len(slots(*(contract.events_channel(f"gw-{i}") for i in range(50)))) > 40
+    # a request's event log, record and lease share a slot; different requests' logs spread
+    for rid in ("chatcmpl-0123", "resp_abc", "cmpl-x-0"):
+        assert len(slots(contract.log_key(rid), contract.record_key(rid), contract.lease_key(rid))) == 1, rid
+    assert len(slots(*(contract.log_key(f"chatcmpl-{i}") for i in range(50)))) > 40

@@ -1,0 +1,96 @@
+"""Background responses with real processes (Redis, one engine, gateways): one whose creating
+gateway is kill -9'd runs on (detached: the engine's lost-gateway rule leaves it alone), is finished
+and retrieved through another gateway, and streamed again from its event log after any sequence
+number; another is cancelled from a gateway that did not create it."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.e2e.conftest import start_gateway, wait_healthy
+
+pytestmark = [pytest.mark.model, pytest.mark.docker]
+
+RUNNING = ("queued", "in_progress")
+
+
+def client(url: str) -> OpenAI:
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def wait_ended(c: OpenAI, response_id: str, timeout: float = 300.0):
+    end = time.monotonic() + timeout
+    while True:
+        resp = c.responses.retrieve(response_id)
+        if resp.status not in RUNNING or time.monotonic() > end:
+            return resp
+        time.sleep(0.5)
+
+
+def stream_events(url: str, response_id: str, after: int | None = None) -> list[dict]:
+    params = {"stream": "true"} | ({"starting_after": str(after)} if after is not None else {})
+    with httpx.stream("GET", f"{url}/v1/responses/{response_id}", params=params, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+
+
+def test_background_response_outlives_its_gateway_kill9(stack, tmp_path):
+    proc, url = start_gateway(stack.redis_url, tmp_path / "doomed-gateway.log")
+    try:
+        wait_healthy(url, [proc])
+        queued = client(url).responses.create(model=stack.model_name, input="Write a long story about the sea.",
+                                              background=True, max_output_tokens=24, temperature=0)
+        assert queued.status == "queued" and queued.background
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        killed = time.monotonic()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+    other = client(stack.gateway_urls[0])
+    done = wait_ended(other, queued.id)
+    took = time.monotonic() - killed
+    # not aborted (an abort would make it "cancelled"): ended by max_output_tokens or the model
+    assert done.status in ("completed", "incomplete"), (done.status, done.error, stack.dump_logs())
+    assert done.output_text and done.usage.output_tokens > 0
+    if done.status == "incomplete":
+        assert done.usage.output_tokens == 24
+    assert took > 0
+    # streamed again from its log on either gateway: every event, then exactly those after any number
+    events = stream_events(stack.gateway_urls[1], queued.id)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == f"response.{done.status}"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == done.output_text
+    assert [e["sequence_number"] for e in stream_events(stack.gateway_urls[0], queued.id, after=4)] == \
+        list(range(5, len(events)))
+
+
+def test_background_response_cancelled_from_another_gateway(stack):
+    creator, canceller = client(stack.gateway_urls[1]), client(stack.gateway_urls[0])
+    queued = creator.responses.create(model=stack.model_name, input="Tell me a very long story.", background=True,
+                                      max_output_tokens=1500)
+    end = time.monotonic() + 120
+    while stack.engine_stats().running == 0 and time.monotonic() < end:
+        time.sleep(0.1)
+    assert stack.engine_stats().running == 1
+    cancelled = canceller.responses.cancel(queued.id)
+    assert cancelled.status == "cancelled"
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        stats = stack.engine_stats()
+        if stats.running == 0 and stats.free_blocks == stats.total_blocks:
+            break
+        time.sleep(0.1)
+    assert stats.running == 0 and stats.free_blocks == stats.total_blocks, stats
+    assert creator.responses.retrieve(queued.id).status == "cancelled"
