@@ -115,3 +115,28 @@ def test_chat_formatter_same_stream_with_and_without_templates(usage: bool) -> N
     assert _stream(fast, DELTAS) == _stream(slow, DELTAS)
     # with logprobs the models are used
     assert ChatStreamFormatter(gen, gen.card, body.model_copy(update={"logprobs": True})).template is None
+
+
+def _decoded(stream: bytes) -> list:
+    from openai._streaming import SSEDecoder  # the SDK's own parser: what its clients see
+
+    return list(SSEDecoder().iter_bytes(iter([stream])))
+
+
+def test_keep_alive_between_numbered_events_is_no_event_to_the_openai_sdk() -> None:
+    """A resumable stream's events carry ``id:``; the openai SDK's decoder keeps the last id and
+    dispatches an event at every later blank line, so a keep-alive that ends with a blank line
+    reaches the SDK as an event with empty data, which it fails to parse as JSON."""
+    from sse_starlette import ServerSentEvent
+
+    from gateway.stream_chunks import keep_alive
+
+    first, second = '{"n":1}', '{"n":2}'
+    stream = (sse_event(first, "chatcmpl-x:1") + ensure_bytes(keep_alive(), "\n")
+              + sse_event(second, "chatcmpl-x:2") + ensure_bytes(keep_alive(), "\n") + sse_event("[DONE]"))
+    events = _decoded(stream)
+    assert [e.data for e in events] == [first, second, "[DONE]"]
+    assert [e.id for e in events][:2] == ["chatcmpl-x:1", "chatcmpl-x:2"]
+    # sse-starlette's default ping (a comment and a blank line) is the case this guards against
+    default_ping = ServerSentEvent(comment="ping", sep="\n").encode()
+    assert "" in [e.data for e in _decoded(sse_event(first, "chatcmpl-x:1") + default_ping + sse_event("[DONE]"))]
