@@ -149,17 +149,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     plain, spec = _engines(args)
     tok = plain.get_tokenizer()
-    grounded = [
-        tok.apply_chat_template([{"role": "user", "content": GROUNDED_TASKS[i % len(GROUNDED_TASKS)]}],
-                                add_generation_prompt=True)
-        for i in range(args.num_grounded)
+    rendered = [
+        tok.apply_chat_template([{"role": "user", "content": task}], add_generation_prompt=True)
+        for task in GROUNDED_TASKS
     ]
+    grounded = [rendered[i % len(rendered)] for i in range(args.num_grounded)]
     # warm-up: the first forward of each engine pays one-time costs (kernels, allocations)
     for llm in (plain, spec):
-        llm.generate([grounded[0]], SamplingParams(temperature=0.0, max_tokens=4))
+        llm.generate([rendered[0]], SamplingParams(temperature=0.0, max_tokens=4))
     results = {}
-    greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len)
-    results["grounded, 1 stream"] = _side_by_side(plain, spec, [[p] for p in grounded], greedy)
+    if grounded:  # --num-grounded 0: the random workload only
+        greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len)
+        results["grounded, 1 stream"] = _side_by_side(plain, spec, [[p] for p in grounded], greedy)
     if args.num_random > 0:
         rng = random.Random(args.seed)
         vocab = plain.engine.vocab_size
