@@ -17,6 +17,7 @@ from sluice.wire import contract
 from tests.integration import test_gateway_support as support
 from tests.integration.test_gateway_api import assert_error
 from tests.integration.test_gateway_support import MODEL, REPLY
+from tests.waiting import wait_until
 
 fake_engine = support.fake_engine
 make_gateway = support.make_gateway
@@ -56,7 +57,8 @@ def test_background_response_runs_detached_and_streams_again_anywhere(make_gatew
     gw1, gw2 = make_gateway(), make_gateway()
     queued = client(gw1).responses.create(model=MODEL, input="Say hello", background=True, max_output_tokens=64)
     assert queued.status == "queued" and queued.background is True and queued.output == []
-    [request] = fake_engine.requests
+    # answered at enqueue: the engine reads the entry in its own time
+    [request] = wait_until(lambda: list(fake_engine.requests), 10, "the engine reads the background request")
     assert request.log_events and request.detached  # logged, and never aborted for its gateway's loss
     done = wait_ended(client(gw2), queued.id)
     assert done.status == "completed" and done.output_text == REPLY and done.background is True
