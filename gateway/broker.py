@@ -56,7 +56,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,7 +107,7 @@ class LoadedCard:
     created: int = field(default_factory=lambda: int(time.time()))
     header_tokens: int = 0  # tokens every chat prompt starts with (the template's header): no shard key
 
-    def shard_of(self, prompt_token_ids: list[int], request_id: str) -> int:
+    def shard_of(self, prompt_token_ids: Sequence[int], request_id: str) -> int:
         """The queue shard of a request (``sluice.wire.shards``, with this card's settings)."""
         c = self.card
         return shards.choose_shard(prompt_token_ids, shards=c.queue_shards, block_size=c.block_size,
@@ -378,7 +378,7 @@ class Broker:
         rid = req.request_id
         req.gateway_id = req.reply_to = self.gateway_id
         card = await self.card(req.model)  # cached: the caller has just read it
-        shard = card.shard_of(list(req.prompt_token_ids), rid) if card is not None else 0
+        shard = card.shard_of(req.prompt_token_ids, rid) if card is not None else 0
         if record is not None:  # before the XADD: whoever reads the log finds its record
             record.reply_to = self.gateway_id
             await self.redis.set(contract.record_key(record.id), record.encode(),

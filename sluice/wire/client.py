@@ -206,7 +206,7 @@ class WireClient:
             count, block, blocks = (int(v) for v in raw)
         except (TypeError, ValueError):
             return 0
-        return shards.choose_shard(list(request.prompt_token_ids), shards=count, block_size=block,
+        return shards.choose_shard(request.prompt_token_ids, shards=count, block_size=block,
                                    prefix_blocks=blocks, request_id=request.request_id)
 
     def enqueue(self, request: Any, shard: int | None = None) -> bytes:

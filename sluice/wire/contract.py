@@ -226,12 +226,15 @@ def record_key(request_id: str) -> str:
 
 def lease_key(request_id: str) -> str:
     return f"{PREFIX}:{request_tag(request_id)}:lease"
+
+
 # --- stored responses (the Responses API) ------------------------------------------------------
 # The fifth family, one per response: ``{resp:<response_id>}``. The response is one hash
 # (``sluice.wire.stored_response``: its record, its input items, the final object, the whole
 # conversation a ``previous_response_id`` continues), written with its TTL in one script
 # (RESPONSE_SAVE_SCRIPT), so a response is always stored whole or not at all and expires as one.
-# Anything else kept per response (an event log) belongs in the same family, under the same tag.
+# A background response's events are not kept here: the engine writes them to its request's log
+# (the ``{r:<rid>}`` family above), which the stored record names.
 #
 # | key                              | type            | writer  | purpose                              |
 # |----------------------------------|-----------------|---------|--------------------------------------|
