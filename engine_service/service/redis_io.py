@@ -823,6 +823,9 @@ class RedisIO:
                  px=int(self.settings.heartbeat_ttl_s * 1000))
         pipe.hset(contract.ENGINES_KEY, self.consumer, entry.encode())
         pipe.execute()
+        # What the room key says now: the reader compares its credit with this, so a "0" written
+        # here at an instant without credit is put right as soon as credit is back (not a beat later).
+        self._room_shown = load["free_slots"] > 0
 
     def _housekeeper_loop(self) -> None:
         backoff = self._backoff("housekeeper")
