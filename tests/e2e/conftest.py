@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +63,24 @@ def start_gateway(redis: str, log: Path, extra_flags: list[str] | None = None) -
 
 def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
     wait_http(f"{url}/health", timeout=timeout, procs=procs)
+
+
+@contextmanager
+def extra_gateway(redis: str, log: Path, extra_flags: list[str] | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A gateway of the test's own beside the stack (one it may ``kill -9``), healthy when yielded;
+    stopped (SIGTERM, then SIGKILL after 10 s) and reaped on the way out, whatever happened."""
+    proc, url = start_gateway(redis, log, extra_flags)
+    try:
+        wait_healthy(url, [proc])
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def start_stack(redis: str, model_dir: Path, log_dir: Path, num_gateways: int = 2,

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 
 import httpx
 import pytest
 from openai import OpenAI
 
-from tests.e2e.conftest import start_gateway, wait_healthy
+from tests.e2e.conftest import extra_gateway
 
 pytestmark = [pytest.mark.model, pytest.mark.docker]
 
@@ -42,22 +41,13 @@ def stream_events(url: str, response_id: str, after: int | None = None) -> list[
 
 
 def test_background_response_outlives_its_gateway_kill9(stack, tmp_path):
-    proc, url = start_gateway(stack.redis_url, tmp_path / "doomed-gateway.log")
-    try:
-        wait_healthy(url, [proc])
+    with extra_gateway(stack.redis_url, tmp_path / "doomed-gateway.log") as (proc, url):
         queued = client(url).responses.create(model=stack.model_name, input="Write a long story about the sea.",
                                               background=True, max_output_tokens=24, temperature=0)
         assert queued.status == "queued" and queued.background
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         killed = time.monotonic()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
     other = client(stack.gateway_urls[0])
     done = wait_ended(other, queued.id)
     took = time.monotonic() - killed

@@ -129,17 +129,13 @@ def test_gateway_kill9_mid_stream_aborts_its_requests(stack, tmp_path):
     """A gateway that dies takes its clients' connections with it, and nobody is left to cancel
     their requests: the engine sees the gateway's liveness key stay gone and aborts them."""
     import signal
-    import subprocess
 
     import httpx
 
     from sluice.wire import contract
-    from tests.e2e.conftest import start_gateway, wait_healthy
+    from tests.e2e.conftest import extra_gateway
 
-    log = tmp_path / "doomed-gateway.log"
-    proc, url = start_gateway(stack.redis_url, log)
-    try:
-        wait_healthy(url, [proc])
+    with extra_gateway(stack.redis_url, tmp_path / "doomed-gateway.log") as (proc, url):
         body = {"model": stack.model_name, "prompt": "Tell me a very long story.", "max_tokens": 1800,
                 "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=60) as http:
@@ -164,13 +160,6 @@ def test_gateway_kill9_mid_stream_aborts_its_requests(stack, tmp_path):
                 time.sleep(0.2)
             took = time.monotonic() - killed
             r.close()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
     assert stats.running == 0 and stats.free_blocks == stats.total_blocks, (stats, stack.dump_logs())
     # Not before the key (refreshed every 1-1.5 s) could have lapsed and the engine had waited for
     # GATEWAY_LOST_AFTER_S: it was the liveness check, not a single missing look or anything else.

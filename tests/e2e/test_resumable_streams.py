@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 
 import httpx
@@ -20,7 +19,7 @@ import pytest
 
 from sluice.wire import contract
 from sluice.wire.connection import connect
-from tests.e2e.conftest import start_gateway, wait_healthy
+from tests.e2e.conftest import extra_gateway
 
 pytestmark = [pytest.mark.model, pytest.mark.docker]
 
@@ -78,9 +77,7 @@ def test_chat_stream_resumed_on_another_gateway_after_kill9(stack, tmp_path):
         ids = [i for i, _ in reference[:-1]]
         assert all(ids) and [seq(i) for i in ids] == list(range(1, len(ids) + 1)), ids
 
-        proc, url = start_gateway(stack.redis_url, tmp_path / "doomed-gateway.log")
-        try:
-            wait_healthy(url, [proc])
+        with extra_gateway(stack.redis_url, tmp_path / "doomed-gateway.log") as (proc, url):
             before = []
             for event in SSE(http, f"{url}/v1/chat/completions", body):
                 before.append(event)
@@ -88,13 +85,6 @@ def test_chat_stream_resumed_on_another_gateway_after_kill9(stack, tmp_path):
                     break
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
         last = before[-1][0]
         assert last is not None and seq(last) == 3
         after = list(SSE(http, f"{stack.gateway_urls[0]}/v1/chat/completions", body,
@@ -151,9 +141,7 @@ def test_completion_stream_resumes_too(stack):
 
 def test_not_resumable_gateway(stack, tmp_path):
     """--no-resumable-streams: no ids, no log, and a client that goes away cancels at once."""
-    proc, url = start_gateway(stack.redis_url, tmp_path / "plain-gateway.log", ["--no-resumable-streams"])
-    try:
-        wait_healthy(url, [proc])
+    with extra_gateway(stack.redis_url, tmp_path / "plain-gateway.log", ["--no-resumable-streams"]) as (_, url):
         with httpx.Client(timeout=60) as http:
             stream = SSE(http, f"{url}/v1/chat/completions", chat_body(stack, max_tokens=1800, ignore_eos=True))
             events = iter(stream)
@@ -169,9 +157,3 @@ def test_not_resumable_gateway(stack, tmp_path):
                     break
                 time.sleep(0.05)
         assert stats.running == 0 and stats.free_blocks == stats.total_blocks, stats
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
