@@ -49,14 +49,16 @@ def compile_supported(device: torch.device) -> str | None:
 
 def skip_weight_guards(entries: list) -> list[bool]:
     """Dynamo's guards minus those on the modules' tensors and objects; guards on plain values (a
-    module's ints and floats: head counts, norm epsilons) stay. Checking ~300 weights cost ~0.8 ms
-    a step (a cache lookup of 0.9 ms against 0.12 ms, int4 at batch 1). Safe here because every
-    weight and buffer is a graph input, read from the module at each call, never a constant baked
-    into the graph: engines in one process that share a graph (it is cached by code, and every
-    engine's decode forward has the same code) each run their own weights and caches; and the
-    engine never swaps a module after load."""
+    module's ints and floats: head counts, norm epsilons) and on the modules' types stay. Checking
+    ~300 weights cost ~0.8 ms a step (a cache lookup of 0.9 ms against 0.12 ms, int4 at batch 1).
+    Safe here because every weight and buffer is a graph input, read from the module at each call,
+    never a constant baked into the graph: engines in one process that share a graph (it is cached
+    by code, and every engine's decode forward has the same code) each run their own weights and
+    caches; and the engine never swaps a module after load. The type guards are what tell apart
+    two engines whose inputs match but whose layers are other modules (bfloat16 with int4
+    products, then plain bfloat16: without them the second ran the first one's graph and failed)."""
     return [not entry.orig_guard.source.is_unspecialized_nn_module()
-            or entry.guard_type in ("CONSTANT_MATCH", "EQUALS_MATCH")
+            or entry.guard_type in ("CONSTANT_MATCH", "EQUALS_MATCH", "TYPE_MATCH")
             for entry in entries]
 
 

@@ -69,7 +69,10 @@ def test_engines_sharing_a_compiled_graph_each_run_their_own_weights(model_dir):
     """Every engine's decode forward has the same code, so a second engine with the same shapes
     reuses the first one's graph (dynamo caches by code): the weights, caches and prepacked-weight
     handles must be graph inputs read from the engine's own modules, never constants of the first.
-    bfloat16, so the prepacked oneDNN weights are in the graph."""
+    bfloat16, so the prepacked oneDNN weights are in the graph. An engine whose layers are other
+    modules (int4 products) with inputs of the same dtypes and shapes must get a graph of its own,
+    and not take the other one's (the anchor bench runs these modes in one process: with every
+    guard on the modules dropped, the second engine ran the first one's graph and failed)."""
     import gc
 
     prompts = ["The capital of France is", "def fibonacci(n):"]
@@ -79,6 +82,11 @@ def test_engines_sharing_a_compiled_graph_each_run_their_own_weights(model_dir):
     want = [o.outputs[0].token_ids for o in first.generate(prompts, GREEDY)]
     del first
     gc.collect()  # the first engine's weights are gone: a graph still pointing at them would fail
+    quantized = LLM(str(model_dir), quantization="int4", **config)
+    assert quantized.engine.runner.compiled_decode is not None
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in quantized.generate(prompts, GREEDY))
+    del quantized
+    gc.collect()
     second = LLM(str(model_dir), **config)
     assert second.engine.runner.compiled_decode is not None, "the second engine fell back to eager"
     assert [o.outputs[0].token_ids for o in second.generate(prompts, GREEDY)] == want
