@@ -94,8 +94,11 @@ static inline __m512 load_bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* the sums of up to TASK_BLOCKS blocks (nb) for one quantized row, into out[nb * 16] */
-static void task_sums(const uint8_t *codes, const uint16_t *sz, int64_t b0, int nb, int64_t k, int64_t group,
+/* the sums of up to TASK_BLOCKS blocks (nb) for one quantized row, into out[nb * 16]. Inlined into
+ * a call with nb = TASK_BLOCKS, a constant, so the loops over blocks unroll and the accumulators
+ * live in registers (with nb only known at run time they lived on the stack, and every VPDPBUSD
+ * waited on a store and a reload: 1.3x slower in cache) */
+static inline __attribute__((always_inline)) void task_sums(const uint8_t *codes, const uint16_t *sz, int64_t b0, int nb, int64_t k, int64_t group,
                       QRow x, float *out) {
     const int64_t steps = k / Q4_STEP_K, groups = k / group, sub = group / Q4_XBLOCK;
     const __m512i low = _mm512_set1_epi8(15);
@@ -162,7 +165,8 @@ static int run(const uint8_t *codes, const uint16_t *sz, const float *xf, int64_
         float sums[TASK_BLOCKS * Q4_BLOCK_N];
         for (int64_t m = 0; m < rows; m++) {
             QRow r = {q + m * k, scales + m * (xblocks + groups), scales + m * (xblocks + groups) + xblocks};
-            task_sums(codes, sz, b0, nb, k, group, r, sums);
+            if (nb == TASK_BLOCKS) task_sums(codes, sz, b0, TASK_BLOCKS, k, group, r, sums);
+            else task_sums(codes, sz, b0, nb, k, group, r, sums);
             const int64_t first = b0 * Q4_BLOCK_N;
             const int64_t count = n_out - first < nb * Q4_BLOCK_N ? n_out - first : nb * Q4_BLOCK_N;
             for (int64_t j = 0; j < count; j++) {
