@@ -32,9 +32,9 @@ NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def _random_paged_case(heads: int, kv_heads: int, block_size: int, dtype: torch.dtype = torch.float32):
+def _random_paged_case(heads: int, kv_heads: int, block_size: int, dtype: torch.dtype = torch.float32,
+                       head_dim: int = 32):
     gen = torch.Generator().manual_seed(heads * 100 + block_size)
-    head_dim = 32
     # lengths: one token, block-aligned, one either side, a longer one, and contexts the native
     # kernel cuts into several partitions (64 tokens up to 256, 128 beyond), ending mid-partition
     # and on a partition's edge
@@ -65,11 +65,15 @@ def test_inplace_decode_attention_matches_reference(heads, kv_heads, block_size)
     torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
 
 
+# head sizes: multiples of 16 take the AVX-512 path (16 scores summed at once, the output in
+# registers; 64 is the default model's), 24 the portable loops; blocks of 32 split a run in two
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,block_size", [(9, 3, 16), (4, 4, 4), (8, 2, 8), (6, 1, 16)])
-def test_native_decode_attention_matches_reference(heads, kv_heads, block_size, dtype):
+@pytest.mark.parametrize("heads,kv_heads,block_size,head_dim", [
+    (9, 3, 16, 32), (4, 4, 4, 32), (8, 2, 8, 32), (6, 1, 16, 32), (9, 3, 16, 64), (4, 2, 32, 64),
+    (4, 2, 16, 128), (9, 3, 16, 24), (4, 2, 8, 24)])
+def test_native_decode_attention_matches_reference(heads, kv_heads, block_size, head_dim, dtype):
     kernel = load_paged_decode_attention()  # gcc is part of the test set-up: a build failure fails here
-    q, k_cache, v_cache, meta = _random_paged_case(heads, kv_heads, block_size, dtype)
+    q, k_cache, v_cache, meta = _random_paged_case(heads, kv_heads, block_size, dtype, head_dim)
     ref = decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, 0.3)
     got = kernel.op(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, 0.3)
     assert got.dtype == dtype and got.shape == q.shape
@@ -85,13 +89,14 @@ def test_native_decode_attention_matches_reference(heads, kv_heads, block_size, 
     assert torch.equal(strided, got)
 
 
+@pytest.mark.parametrize("head_dim", [24, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_decode_attention_is_batch_and_thread_invariant(dtype):
+def test_native_decode_attention_is_batch_and_thread_invariant(dtype, head_dim):
     """A sequence's partitions depend on its context length only: its output is bitwise the same
     alone or batched, on one thread or several (the engine's tokens must not depend on who else
     is decoding in the step)."""
     kernel = load_paged_decode_attention()
-    q, k_cache, v_cache, meta = _random_paged_case(9, 3, 16, dtype)
+    q, k_cache, v_cache, meta = _random_paged_case(9, 3, 16, dtype, head_dim)
     tables, lens = meta.decode_block_tables, meta.decode_context_lens
     threads = torch.get_num_threads()
     try:

@@ -16,7 +16,9 @@
 #include <torch/csrc/stable/tensor.h>
 
 #include <cstdint>
+#include <vector>
 
+#include "bf16.h"
 #include "paged_decode_attention.h"
 
 namespace {
@@ -51,10 +53,14 @@ Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor b
                       context_lens.scalar_type() == ScalarType::Long,
                   "paged_decode_attention: context_lens must be int64 [batch]");
   // Only what needs it is copied: every dispatcher call costs µs here (the step's inputs are
-  // already contiguous), and tens of µs when the caches are cold.
-  const Tensor query = q.scalar_type() != ScalarType::Float ? torch::stable::contiguous(torch::stable::to(q, ScalarType::Float))
-                       : q.is_contiguous()                  ? q
-                                                            : torch::stable::contiguous(q);
+  // already contiguous), and tens of µs when the caches are cold. A bfloat16 query (the bfloat16
+  // model's) is widened here and its output rounded back here, as torch's casts would, without
+  // two casts through the dispatcher (a fifth of the operator's time for one stream).
+  const bool bf16_q = q.scalar_type() == ScalarType::BFloat16;
+  const Tensor query = q.scalar_type() != ScalarType::Float && !bf16_q
+                           ? torch::stable::contiguous(torch::stable::to(q, ScalarType::Float))
+                       : q.is_contiguous() ? q
+                                           : torch::stable::contiguous(q);
   const Tensor tables = block_tables.is_contiguous() ? block_tables : torch::stable::contiguous(block_tables);
   const Tensor lens = context_lens.is_contiguous() ? context_lens : torch::stable::contiguous(context_lens);
   // every visible token's block is in its row of the table, and in the cache
@@ -69,21 +75,41 @@ Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor b
                       "paged_decode_attention: a block table names a block outside the cache");
   }
   Tensor out = torch::stable::empty_like(query);
+  const int64_t n = batch * heads * head_dim;
+  std::vector<float> q_wide, out_wide;
+  const float *q_data;
+  float *out_data;
+  if (bf16_q) {
+    const auto *src = static_cast<const uint16_t *>(query.data_ptr());
+    q_wide.resize(static_cast<size_t>(n));
+    out_wide.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; i++) q_wide[i] = bf16_to_f32(src[i]);
+    q_data = q_wide.data();
+    out_data = out_wide.data();
+  } else {
+    q_data = static_cast<const float *>(query.data_ptr());
+    out_data = static_cast<float *>(out.data_ptr());
+  }
   int rc;
   if (cache_type == ScalarType::Float) {
     rc = paged_decode_attention_f32(
-        static_cast<const float *>(query.data_ptr()), static_cast<const float *>(k_cache.data_ptr()),
+        q_data, static_cast<const float *>(k_cache.data_ptr()),
         static_cast<const float *>(v_cache.data_ptr()), table_data,
-        width, len_data, static_cast<float *>(out.data_ptr()), batch, heads, kv_heads, head_dim,
+        width, len_data, out_data, batch, heads, kv_heads, head_dim,
         block_size, static_cast<float>(scale));
   } else {
     rc = paged_decode_attention_bf16(
-        static_cast<const float *>(query.data_ptr()), static_cast<const uint16_t *>(k_cache.data_ptr()),
+        q_data, static_cast<const uint16_t *>(k_cache.data_ptr()),
         static_cast<const uint16_t *>(v_cache.data_ptr()), table_data,
-        width, len_data, static_cast<float *>(out.data_ptr()), batch, heads, kv_heads, head_dim,
+        width, len_data, out_data, batch, heads, kv_heads, head_dim,
         block_size, static_cast<float>(scale));
   }
   STD_TORCH_CHECK(rc == 0, "paged_decode_attention: could not allocate its work buffers");  // shapes: checked above
+  if (bf16_q) {
+    auto *dst = static_cast<uint16_t *>(out.data_ptr());
+    for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(out_wide[i]);
+    return out;
+  }
   return q.scalar_type() == ScalarType::Float ? out : torch::stable::to(out, q.scalar_type());
 }
 
