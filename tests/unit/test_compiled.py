@@ -117,3 +117,26 @@ def test_the_int4_operator_in_a_compiled_graph_is_the_eager_operator():
             assert torch.equal(torch.compile(up, fullgraph=True)(h), up(h))
             got, want = compiled(x), block(x)
             assert (got - want).abs().max() <= 1e-2 * want.abs().max()  # the fused norm may round differently
+
+
+def test_structure_key_tells_apart_what_a_graph_bakes_in_and_ignores_weights():
+    """The compiled step's one guard on the decoder's modules (``skip_weight_guards``): equal for
+    two models that differ only in their weights, different when a module's type or a plain value a
+    traced forward bakes in (a size, a head count) differs anywhere, the last layer included."""
+    import torch
+
+    from engine_service.model.compiled import structure_key
+    from engine_service.model.quantization import QuantizedLinear
+
+    def stack(last_out: int = 32, last: torch.nn.Module | None = None) -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32),
+                                   last if last is not None else torch.nn.Linear(32, last_out))
+
+    a, b = stack(), stack()
+    assert not torch.equal(a[0].weight, b[0].weight)
+    assert structure_key(a) == structure_key(b)
+    assert structure_key(stack(last_out=48)) != structure_key(a)
+    int4 = QuantizedLinear.from_float(torch.randn(32, 32), None, "int4", torch.float32)
+    assert structure_key(stack(last=int4)) != structure_key(a)
+    a[2].some_flag = True  # a plain attribute a forward could branch on
+    assert structure_key(a) != structure_key(b)
