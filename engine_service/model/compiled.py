@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import types
 from collections.abc import Callable
 
 import torch
@@ -59,8 +60,9 @@ def skip_weight_guards(entries: list) -> list[bool]:
     engines in one process that share a graph (it is cached by code, and every engine's decode
     forward has the same code) each run their own weights and caches; an engine whose modules
     differ anywhere (types, head counts, int4 products instead of bfloat16 ones) has another
-    structure key and gets a graph of its own (without one, bfloat16 with int4 products then plain
-    bfloat16 ran the first graph and failed); and the engine never swaps a module after load."""
+    structure key, a code object of its own (``_per_structure``) and a graph of its own (without
+    them, bfloat16 with int4 products then plain bfloat16 ran the first graph and failed); and the
+    engine never swaps a module after load."""
     return [not entry.orig_guard.source.is_unspecialized_nn_module()
             or (entry.guard_type in ("CONSTANT_MATCH", "EQUALS_MATCH", "TYPE_MATCH")
                 and not entry.name.startswith("layers["))
@@ -79,6 +81,20 @@ def structure_key(model: torch.nn.Module) -> str:
                 digest.update(f"|{attr}={value!r}".encode())
         digest.update(b"\n")
     return digest.hexdigest()
+
+
+_CODE_BY_STRUCTURE: dict[str, types.CodeType] = {}
+
+
+def _per_structure(fn: Callable[..., torch.Tensor], key: str) -> Callable[..., torch.Tensor]:
+    """``fn`` with a code object of its own for each structure key (the same one for every engine
+    of that structure). Dynamo keeps its compiled graphs, and counts them against its recompile
+    limit (8), per code object: with one code object for all, a process that built four kinds of
+    engine (the anchor bench's modes, a test session's models) had used up the limit, and the
+    next engine fell back to eager."""
+    code = _CODE_BY_STRUCTURE.setdefault(key, fn.__code__.replace(
+        co_name=f"{fn.__code__.co_name}_{key[:8]}", co_qualname=f"{fn.__code__.co_qualname}_{key[:8]}"))
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 def _decode_layer_using(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -131,7 +147,8 @@ class CompiledDecode:
                 x = decode_layer(layer, x, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens)
             return model.model.norm(x)
 
-        self._forward = torch.compile(decode_forward, dynamic=False, fullgraph=True,
+        self._forward = torch.compile(_per_structure(decode_forward, model.sluice_structure), dynamic=False,
+                                      fullgraph=True,
                                       options={"guard_filter_fn": skip_weight_guards})
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
