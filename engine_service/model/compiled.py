@@ -50,34 +50,29 @@ def compile_supported(device: torch.device) -> str | None:
 
 
 def skip_weight_guards(entries: list) -> list[bool]:
-    """Dynamo's guards minus those on the decoder layers and on the modules' tensors; guards on the
-    top-level modules' plain values (ints, floats, strings) and types stay, among them the model's
-    ``sluice_structure`` (``structure_key``), which the decode forward reads. Checking ~300 weights
-    cost ~0.8 ms a step (a cache lookup of 0.9 ms against 0.12 ms, int4 at batch 1), and the ~2,700
-    guards on the 30 layers' types and constants another ~0.55 ms (profiled: 0.68 against 0.13 ms a
-    lookup); the one string guard stands for all of them. Safe here because every weight and buffer
-    is a graph input, read from the module at each call, never a constant baked into the graph:
-    engines in one process that share a graph (it is cached by code, and every engine's decode
-    forward has the same code) each run their own weights and caches; an engine whose modules
-    differ anywhere (types, head counts, int4 products instead of bfloat16 ones) has another
-    structure key, a code object of its own (``_per_structure``) and a graph of its own (without
-    them, bfloat16 with int4 products then plain bfloat16 ran the first graph and failed); and the
-    engine never swaps a module after load."""
+    """Dynamo's guards minus those on the modules' tensors and objects and every guard on the
+    decoder layers; guards on the top-level modules' plain values (ints, floats) stay. Checking ~300
+    weights cost ~0.8 ms a step (a cache lookup of 0.9 ms against 0.12 ms, int4 at batch 1), and the
+    30 layers' ~1,700 type and constant guards most of what was left. Safe here because every weight
+    and buffer is a graph input, read from the module at each call, never a constant baked into the
+    graph: engines in one process that share a graph each run their own weights and caches; what
+    the layers' guards checked (their types and the values a trace bakes in) is the structure key,
+    and only engines of one structure key share a code object, so a graph (``_per_structure``);
+    and the engine never swaps a module after load."""
     return [not entry.orig_guard.source.is_unspecialized_nn_module()
-            or (entry.guard_type in ("CONSTANT_MATCH", "EQUALS_MATCH", "TYPE_MATCH")
-                and not entry.name.startswith("layers["))
+            or (entry.guard_type in ("CONSTANT_MATCH", "EQUALS_MATCH") and not entry.name.startswith("layers["))
             for entry in entries]
 
 
 def structure_key(model: torch.nn.Module) -> str:
-    """A digest of every submodule's name, type and plain attributes (ints, floats, bools,
-    strings: the values a traced forward bakes into its graph), the same for two models of the
-    same architecture, size, dtype and kernels, whatever their weights."""
+    """A digest of every submodule's name, type and plain attributes (ints, floats, bools, strings,
+    dtypes: the values a traced forward bakes into its graph), the same for two models of the same
+    architecture, size, dtype and kernels, whatever their weights."""
     digest = hashlib.blake2b(digest_size=12)
     for name, module in model.named_modules():
         digest.update(f"{name}|{type(module).__module__}.{type(module).__qualname__}".encode())
         for attr, value in sorted(vars(module).items()):
-            if isinstance(value, (bool, int, float, str)) and attr != "sluice_structure":
+            if isinstance(value, (bool, int, float, str, torch.dtype)):
                 digest.update(f"|{attr}={value!r}".encode())
         digest.update(b"\n")
     return digest.hexdigest()
@@ -88,10 +83,12 @@ _CODE_BY_STRUCTURE: dict[str, types.CodeType] = {}
 
 def _per_structure(fn: Callable[..., torch.Tensor], key: str) -> Callable[..., torch.Tensor]:
     """``fn`` with a code object of its own for each structure key (the same one for every engine
-    of that structure). Dynamo keeps its compiled graphs, and counts them against its recompile
-    limit (8), per code object: with one code object for all, a process that built four kinds of
-    engine (the anchor bench's modes, a test session's models) had used up the limit, and the
-    next engine fell back to eager."""
+    of that structure). Dynamo keeps its compiled graphs per code object, so an engine only ever
+    looks up graphs built for its own structure: with the layers' guards skipped, one code object
+    for all let a plain bfloat16 engine run an int4 engine's graph (it failed: KeyError 'handle').
+    It also counts graphs against its recompile limit (8) per code object: one for all was used up
+    by a process that built four kinds of engine (the anchor bench's modes, a test session's
+    models), and the next fell back to eager."""
     code = _CODE_BY_STRUCTURE.setdefault(key, fn.__code__.replace(
         co_name=f"{fn.__code__.co_name}_{key[:8]}", co_qualname=f"{fn.__code__.co_qualname}_{key[:8]}"))
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
@@ -135,19 +132,16 @@ class CompiledDecode:
             kernel = decode_attention_inplace
         decode_layer = _decode_layer_using(kernel)
         layers = list(model.model.layers)
-        model.sluice_structure = structure_key(model)
 
         def decode_forward(input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor) -> torch.Tensor:
-            if not model.sluice_structure:  # read, so that dynamo guards on it (skip_weight_guards)
-                raise RuntimeError("the model has no structure key")
             x = model.model.embed_tokens(input_ids)
             for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
                 x = decode_layer(layer, x, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens)
             return model.model.norm(x)
 
-        self._forward = torch.compile(_per_structure(decode_forward, model.sluice_structure), dynamic=False,
+        self._forward = torch.compile(_per_structure(decode_forward, structure_key(model)), dynamic=False,
                                       fullgraph=True,
                                       options={"guard_filter_fn": skip_weight_guards})
 

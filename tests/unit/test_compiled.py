@@ -120,9 +120,10 @@ def test_the_int4_operator_in_a_compiled_graph_is_the_eager_operator():
 
 
 def test_structure_key_tells_apart_what_a_graph_bakes_in_and_ignores_weights():
-    """The compiled step's one guard on the decoder's modules (``skip_weight_guards``): equal for
-    two models that differ only in their weights, different when a module's type or a plain value a
-    traced forward bakes in (a size, a head count) differs anywhere, the last layer included."""
+    """What tells the compiled step's engines apart instead of guards on the decoder's modules
+    (``skip_weight_guards``, ``_per_structure``): equal for two models that differ only in their
+    weights, different when a module's type, dtype or a plain value a traced forward bakes in (a
+    size, a head count) differs anywhere, the last layer included."""
     import torch
 
     from engine_service.model.compiled import structure_key
@@ -138,5 +139,7 @@ def test_structure_key_tells_apart_what_a_graph_bakes_in_and_ignores_weights():
     assert structure_key(stack(last_out=48)) != structure_key(a)
     int4 = QuantizedLinear.from_float(torch.randn(32, 32), None, "int4", torch.float32)
     assert structure_key(stack(last=int4)) != structure_key(a)
+    int4_bf16 = QuantizedLinear.from_float(torch.randn(32, 32), None, "int4", torch.bfloat16)
+    assert structure_key(stack(last=int4_bf16)) != structure_key(stack(last=int4))  # a dtype differs
     a[2].some_flag = True  # a plain attribute a forward could branch on
     assert structure_key(a) != structure_key(b)
