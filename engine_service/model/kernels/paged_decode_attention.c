@@ -36,8 +36,9 @@
 
 #define PARTITION 128 /* the longest partition (the scratch row per head) */
 /* Up to this many context tokens in all, the call runs on the calling thread alone: waking the
- * pool and two barriers cost more than a second core saves (one stream at context 128-300 was as
- * fast or faster on one thread). Results do not depend on it: the partitions never do. */
+ * pool and two barriers cost what a second core saves (one stream at context 128: the serial call
+ * took the old kernel's two-thread time, side by side). Results do not depend on it: the
+ * partitions never do. */
 #define SERIAL_TOKENS 256
 
 /* Tokens per partition, a function of the context length only (batch invariance): short contexts
@@ -177,13 +178,12 @@ static inline __attribute__((always_inline)) void NAME(                         
         const T *kp = k_cache + (table[blk] * block_size + first) * token_stride;                 \
         const T *ahead = t + run < end ? k_cache + table[blk + 1] * block_size * token_stride : kp; \
         const T *vp = v_cache + (table[blk] * block_size + first) * token_stride;                 \
-        for (int64_t i = 0; i < run; i++, kp += token_stride, vp += token_stride) {               \
+        for (int64_t i = 0; i < run; i++) {                                                       \
             for (int64_t c = 0; c < token_stride * (int64_t)sizeof(T); c += 64) {                 \
                 __builtin_prefetch((const char *)(ahead + i * token_stride) + c);                 \
-                __builtin_prefetch((const char *)vp + c);                                         \
+                __builtin_prefetch((const char *)(vp + i * token_stride) + c);                    \
             }                                                                                     \
         }                                                                                         \
-        kp -= run * token_stride;                                                                 \
         if (VECTOR_OK(head_dim)) {                                                                \
             for (int64_t i = 0; i < run; i += 16)                                                 \
                 VECTOR_SCORES(SCORES16, q, kp + i * token_stride, run - i < 16 ? run - i : 16,    \
