@@ -16,6 +16,7 @@ from sluice.wire import codec, contract, event_log
 from sluice.wire.client import WireClient
 from sluice.wire.connection import connect
 from tests.integration.test_engine_service import cleanup, greedy, keep_alive, llm, make_service, prompts  # noqa: F401
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.model, pytest.mark.docker]
 
@@ -56,11 +57,11 @@ def test_engine_writes_the_log_and_its_ttls(llm, clean_redis, redis_client, prom
         # A step's writes are one pipeline, but on a cluster it reaches the channel's node and the
         # log's node separately: the terminal event can arrive a moment before its log entry and
         # the shortened TTLs (seen once in a full run). Both follow within the same step's round.
-        settle = time.monotonic() + 5
-        while time.monotonic() < settle and not (
-                0 < r.ttl(key) <= 30 and any(codec.is_terminal(ev) for ev in log_events(r, req.request_id))):
-            time.sleep(0.01)
-        assert 0 < r.ttl(key) <= 30 and 0 < r.ttl(contract.record_key(req.request_id)) <= 30
+        def settled() -> bool:
+            return (0 < r.ttl(key) <= 30 and 0 < r.ttl(contract.record_key(req.request_id)) <= 30
+                    and any(codec.is_terminal(ev) for ev in log_events(r, req.request_id)))
+
+        wait_until(settled, 5, "the terminal event in the log, and log and record shortened to the window")
         events = log_events(r, req.request_id)
         assert [t for ev in events for t in ev.token_ids] == result.token_ids
         assert sum(codec.is_terminal(ev) for ev in events) == 1 and codec.is_terminal(events[-1])
