@@ -43,6 +43,15 @@ def inflight_pattern(model: str) -> str:
     return f"{contract.PREFIX}:{{q:{model}:*}}:inflight:*"
 
 
+def has_group(r: Any, stream: str) -> bool:
+    """Whether the engines' consumer group exists on ``stream`` (an engine's reader creates it)."""
+    try:
+        groups = r.xinfo_groups(stream)
+    except redis.ResponseError:  # no such key yet
+        return False
+    return any(g["name"] in (contract.CONSUMER_GROUP, contract.CONSUMER_GROUP.encode()) for g in groups)
+
+
 def lag(r: Any, model: str, shards: int = contract.DEFAULT_QUEUE_SHARDS) -> int:
     """Entries of the model's queue no engine has read yet (the group's lag, summed over shards)."""
     total = 0

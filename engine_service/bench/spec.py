@@ -21,6 +21,8 @@ import platform
 import time
 from pathlib import Path
 
+from engine_service.bench.modes import MODES
+
 CODE = '''import json
 from dataclasses import dataclass
 
@@ -73,7 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")
     parser.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC), metavar="JSON",
                         help="the speculating engine's speculative_config (default: %(default)s)")
-    parser.add_argument("--dtype", default="auto", help="float32 | bfloat16 | auto")
+    parser.add_argument("--mode", default="float32",
+                        help="the engines' mode, as `sluice bench anchor` names them (dtype, quantization, "
+                             "compiled or eager): one of " + ", ".join(MODES) + " (default: %(default)s)")
     parser.add_argument("--output-len", type=int, default=128, help="grounded workload: max tokens per request")
     parser.add_argument("--num-grounded", type=int, default=len(GROUNDED_TASKS),
                         help=f"grounded requests (cycling through {len(GROUNDED_TASKS)} tasks)")
@@ -87,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _engines(args: argparse.Namespace):
     from engine_service import LLM
 
-    common = {"dtype": args.dtype, "kv_cache_memory": 256 << 20}
+    dtype, quantization, eager = MODES[args.mode]
+    common = {"dtype": dtype, "quantization": quantization, "enforce_eager": eager, "kv_cache_memory": 256 << 20}
     plain = LLM(args.model, **common)
     spec = LLM(args.model, speculative_config=args.speculative_config, **common)
     return plain, spec
@@ -147,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"sluice bench spec: {exc}")
         return 2
+    if args.mode not in MODES:
+        print(f"sluice bench spec: --mode must be one of {', '.join(MODES)} (got {args.mode!r})")
+        return 2
     plain, spec = _engines(args)
     tok = plain.get_tokenizer()
     rendered = [
@@ -179,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
               f"{r['identical_outputs']:>4}/{r['requests']:<4}")
     report = {
         "bench": "spec", "speculative_config": SpeculativeConfig.parse(args.speculative_config).as_dict(),
-        "dtype": str(plain.engine.dtype), "attention_backend": plain.engine.attention_backend,
+        "mode": args.mode, "dtype": str(plain.engine.dtype), "attention_backend": plain.engine.attention_backend,
         "output_len": args.output_len, "random_prompt_len": args.random_prompt_len,
         "random_output_len": args.random_output_len, "machine": platform.machine(),
         "processor": platform.processor(), "results": results,

@@ -23,7 +23,7 @@ from sluice.wire.connection import connect
 from sluice.wire.error_codes import Code
 from tests.docker_support import free_port, wait_for_redis
 from tests.integration.test_engine_service_worker import FakeEngine
-from tests.queue_helpers import pending_refs, queue_length
+from tests.queue_helpers import has_group, pending_refs, queue_length
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.docker
@@ -341,6 +341,9 @@ def test_own_pending_entry_with_a_lost_ack_is_taken_back(services, redis_client)
     client = WireClient(redis_client)
     client.wait_for_engine(MODEL, timeout=10)
     stream = contract.request_stream(MODEL, 3)  # any shard: the engine owns them all
+    # The registry entry is published by the housekeeper, the groups by the reader's first pass:
+    # the XREADGROUP below needs the group, so wait for it rather than for the registry alone.
+    wait_until(lambda: has_group(redis_client, stream), timeout=10, what=f"the consumer group on {stream}")
     # One that had emitted tokens (its client got them and its end): errored, acknowledged.
     done = codec.make_request("done-before-crash", MODEL, [1, 2, 3], {"temperature": 0.0, "max_tokens": 2},
                               reply_to=client.new_reply_id())
