@@ -191,13 +191,18 @@ MAX_PROMPT_LOOKUP = 32
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """``speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
-    "prompt_lookup_min": m}`` (vLLM's keys). A missing ``prompt_lookup_min`` / ``_max`` takes the
-    other's value; both missing: 5 (vLLM's defaults)."""
+    "prompt_lookup_min": m, "disable_by_batch_size": b}`` (vLLM's keys). A missing
+    ``prompt_lookup_min`` / ``_max`` takes the other's value; both missing: 5 (vLLM's defaults).
+    ``disable_by_batch_size``: no request drafts in a step that runs more than b requests (None:
+    never off, vLLM's default). Why it exists: a verifying row costs nearly what a decode row
+    costs once a step stops being bound by reading the weights (a CPU's batch of a few int4
+    streams), so drafts in a batch only pay on hardware with compute to spare."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
     method: str = "ngram"
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -216,7 +221,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config must be a JSON object, not {type(value).__name__}")
         if not value:
             return None
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
@@ -225,7 +230,7 @@ class SpeculativeConfig:
         if method != "ngram":
             raise ValueError(f"speculative_config.method {method!r} is not supported; the only method is "
                              "'ngram' (prompt lookup, no draft model)")
-        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
             v = value.get(key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ValueError(f"speculative_config.{key} must be an integer, got {v!r}")
@@ -239,7 +244,8 @@ class SpeculativeConfig:
             lo = hi
         elif hi is None:
             hi = lo
-        config = cls(num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo, method=method)
+        config = cls(num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo, method=method,
+                     disable_by_batch_size=value.get("disable_by_batch_size"))
         config.check()
         return config
 
@@ -260,7 +266,13 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.prompt_lookup_max ({hi}) is below prompt_lookup_min ({lo})")
         if hi > MAX_PROMPT_LOOKUP:
             raise ValueError(f"speculative_config.prompt_lookup_max must be at most {MAX_PROMPT_LOOKUP}, got {hi}")
+        b = self.disable_by_batch_size
+        if b is not None and b < 1:
+            raise ValueError(f"speculative_config.disable_by_batch_size must be at least 1 (or absent: never), got {b}")
 
     def as_dict(self) -> dict[str, Any]:
-        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
-                "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min}
+        out = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+               "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min}
+        if self.disable_by_batch_size is not None:
+            out["disable_by_batch_size"] = self.disable_by_batch_size
+        return out

@@ -8,9 +8,15 @@ by side in one run, on two workloads:
   ``--random-output-len`` greedy tokens, EOS ignored, all submitted at once: drafts are rarely
   right, and the back-off must keep speculation from costing anything.
 
-Two engines are loaded in the same process, the same but for ``speculative_config``; each
-request runs on both in turn (alternating which goes first), so drift in the machine's speed hits
-both. Greedy outputs are compared token by token. Prints a table and writes JSON (``--json``).
+One engine is loaded, with ``speculative_config``; each request runs with speculation and
+without it in turn (alternating which goes first; "without" is the same engine with its
+scheduler's ``speculative_config`` set aside for that run), so drift in the machine's speed hits
+both and nothing but speculation differs: the same weights at the same addresses, the same
+compiled graphs. Two engines would not do for the comparison of outputs: float32 GEMMs round
+differently with their operands' addresses, and int4's activation rounding turns that into
+different tokens at near-ties (two int4 engines of one configuration disagree on some greedy
+outputs without any speculation). Greedy outputs are compared token by token. Prints a table and
+writes JSON (``--json``).
 """
 
 from __future__ import annotations
@@ -88,38 +94,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=Path("bench-results/spec.json"))
 
 
-def _engines(args: argparse.Namespace):
+def _engine(args: argparse.Namespace):
     from engine_service import LLM
 
     dtype, quantization, eager = MODES[args.mode]
-    common = {"dtype": dtype, "quantization": quantization, "enforce_eager": eager, "kv_cache_memory": 256 << 20}
-    plain = LLM(args.model, **common)
-    spec = LLM(args.model, speculative_config=args.speculative_config, **common)
-    return plain, spec
+    return LLM(args.model, speculative_config=args.speculative_config, dtype=dtype, quantization=quantization,
+               enforce_eager=eager, kv_cache_memory=256 << 20)
 
 
-def _timed(llm, prompts, params) -> tuple[float, list[list[int]]]:
-    llm.engine.scheduler.block_pool.reset_prefix_cache()  # every run prefills its prompts
-    started = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    return time.perf_counter() - started, [o.outputs[0].token_ids for o in outs]
+def _timed(llm, prompts, params, speculate: bool) -> tuple[float, list[list[int]]]:
+    scheduler = llm.engine.scheduler
+    config = scheduler.speculative_config
+    if not speculate:  # requests added now get no drafter: they decode plainly
+        scheduler.speculative_config = None
+    try:
+        scheduler.block_pool.reset_prefix_cache()  # every run prefills its prompts
+        started = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        return time.perf_counter() - started, [o.outputs[0].token_ids for o in outs]
+    finally:
+        scheduler.speculative_config = config
 
 
-def _side_by_side(plain, spec, batches, params) -> dict:
-    """Each batch on both engines in turn (alternating the order); seconds, tokens, identity."""
+def _side_by_side(llm, batches, params) -> dict:
+    """Each batch with and without speculation in turn (alternating the order); seconds, tokens,
+    identity."""
     seconds = {"plain": 0.0, "spec": 0.0}
     tokens = {"plain": 0, "spec": 0}
     identical = 0
     total = 0
-    stats = spec.engine.scheduler.spec_stats
+    stats = llm.engine.scheduler.spec_stats
     before = stats.as_dict()
     for i, prompts in enumerate(batches):
-        order = [("plain", plain), ("spec", spec)]
+        order = ["plain", "spec"]
         if i % 2:
             order.reverse()
         outs = {}
-        for name, llm in order:
-            s, out = _timed(llm, prompts, params)
+        for name in order:
+            s, out = _timed(llm, prompts, params, speculate=name == "spec")
             seconds[name] += s
             tokens[name] += sum(len(t) for t in out)
             outs[name] = out
@@ -155,27 +167,27 @@ def run(args: argparse.Namespace) -> int:
     if args.mode not in MODES:
         print(f"sluice bench spec: --mode must be one of {', '.join(MODES)} (got {args.mode!r})")
         return 2
-    plain, spec = _engines(args)
-    tok = plain.get_tokenizer()
+    llm = _engine(args)
+    tok = llm.get_tokenizer()
     rendered = [
         tok.apply_chat_template([{"role": "user", "content": task}], add_generation_prompt=True)
         for task in GROUNDED_TASKS
     ]
     grounded = [rendered[i % len(rendered)] for i in range(args.num_grounded)]
     # warm-up: the first forward of each engine pays one-time costs (kernels, allocations)
-    for llm in (plain, spec):
-        llm.generate([rendered[0]], SamplingParams(temperature=0.0, max_tokens=4))
+    for speculate in (False, True):
+        _timed(llm, [rendered[0]], SamplingParams(temperature=0.0, max_tokens=4), speculate)
     results = {}
     if grounded:  # --num-grounded 0: the random workload only
         greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len)
-        results["grounded, 1 stream"] = _side_by_side(plain, spec, [[p] for p in grounded], greedy)
+        results["grounded, 1 stream"] = _side_by_side(llm, [[p] for p in grounded], greedy)
     if args.num_random > 0:
         rng = random.Random(args.seed)
-        vocab = plain.engine.vocab_size
+        vocab = llm.engine.vocab_size
         prompts = [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(args.random_prompt_len)]}
                    for _ in range(args.num_random)]
         params = SamplingParams(temperature=0.0, max_tokens=args.random_output_len, ignore_eos=True)
-        results[f"random, {args.num_random} at once"] = _side_by_side(plain, spec, [prompts, prompts], params)
+        results[f"random, {args.num_random} at once"] = _side_by_side(llm, [prompts, prompts], params)
 
     header = (f"{'workload':<22} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'accept':>7} "
               f"{'tok/verify':>10} {'identical':>9}")
@@ -187,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
               f"{r['identical_outputs']:>4}/{r['requests']:<4}")
     report = {
         "bench": "spec", "speculative_config": SpeculativeConfig.parse(args.speculative_config).as_dict(),
-        "mode": args.mode, "dtype": str(plain.engine.dtype), "attention_backend": plain.engine.attention_backend,
+        "mode": args.mode, "dtype": str(llm.engine.dtype), "attention_backend": llm.engine.attention_backend,
         "output_len": args.output_len, "random_prompt_len": args.random_prompt_len,
         "random_output_len": args.random_output_len, "machine": platform.machine(),
         "processor": platform.processor(), "results": results,

@@ -332,6 +332,11 @@ class Scheduler:
         pairs = self.max_num_batched_pairs  # attention pairs left this step (see 4.)
         num_batched = 0
 
+        spec = self.speculative_config
+        # drafts this step: speculation on, and the batch no larger than its disable_by_batch_size
+        speculate = spec is not None and (spec.disable_by_batch_size is None
+                                          or len(running) <= spec.disable_by_batch_size)
+
         # 1. running requests, oldest first (preemption only ever pops the tail)
         for i, req in enumerate(running):
             if budget <= 0:
@@ -349,7 +354,7 @@ class Scheduler:
             elif budget < 1:
                 continue
             drafts = None
-            if self.speculative_config is not None:
+            if speculate:
                 drafter = states[req.request_id].drafter
                 if drafter is not None and num_new == 1:
                     drafts = self._draft(req, drafter, start, known, budget, pairs, len(running) - i - 1)

@@ -111,12 +111,13 @@ def test_products_are_the_kernels_arithmetic_and_within_the_activation_rounding(
     assert (got - exact).abs().max() > 0  # the activations really were rounded (the check can fail)
 
 
-def test_rows_are_independent_and_threads_do_not_change_a_bit():
+@pytest.mark.parametrize("rows", [2, 3, 11])  # the kernel takes rows four at a time: 11 = 4 + 4 + 3
+def test_rows_are_independent_and_threads_do_not_change_a_bit(rows):
     w = _weight(576, 1536, seed=5)
     mod = QuantizedLinear.from_float(w, None, "int4", torch.bfloat16, 32)
-    x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(9))
     together = mod(x)
-    alone = torch.cat([mod(x[i : i + 1]) for i in range(9)])
+    alone = torch.cat([mod(x[i : i + 1]) for i in range(rows)])
     assert torch.equal(together, alone)
     threads = torch.get_num_threads()
     try:

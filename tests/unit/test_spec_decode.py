@@ -32,6 +32,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 1000}, "prompt_lookup_max"),
     ({"method": "eagle", "num_speculative_tokens": 3}, "method"),
     ({"method": "ngram", "num_speculative_tokens": 3, "draft_model": "x"}, "draft_model"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": "4"}, "disable_by_batch_size"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": True}, "disable_by_batch_size"),
     ('{"method": "ngram", "num_speculative_tokens": ', "JSON"),
 ])
 def test_a_configuration_that_cannot_work_is_refused_naming_the_knob(value, knob):
@@ -67,6 +70,11 @@ def test_vllm_defaults_and_the_cli_round_trip():
     args = engine_cli_args(EngineConfig(speculative_config=NGRAM))
     i = args.index("--speculative-config")
     assert SpeculativeConfig.parse(args[i + 1]) == SpeculativeConfig.parse(NGRAM)
+    off_above_2 = {**NGRAM, "disable_by_batch_size": 2}
+    args = engine_cli_args(EngineConfig(speculative_config=off_above_2))
+    c = SpeculativeConfig.parse(args[args.index("--speculative-config") + 1])
+    assert c.disable_by_batch_size == 2 and c == SpeculativeConfig.parse(off_above_2)
+    assert SpeculativeConfig.parse(NGRAM).disable_by_batch_size is None  # vLLM's default: never off
 
 
 # --- the drafter ---
@@ -237,6 +245,30 @@ def test_the_k_plus_one_tokens_are_budgeted_and_never_squeeze_out_a_running_requ
         sched.update_from_output(out, runner.step(out))
         sched.check_invariants()
     assert saw_drafts
+
+
+def test_no_drafts_in_a_step_of_more_requests_than_disable_by_batch_size():
+    """Three requests with speculation off above two: the steps that run three draft nothing; once
+    one has finished, the two left draft again; the tokens are plain decoding's throughout."""
+    sched, runner = make(spec={**NGRAM, "disable_by_batch_size": 2})
+    lengths = (12, 30, 30)
+    reqs = [Request(f"r{i}", [0, 1, 2, 3, 4, 5, 6, 0, 1], SamplingParams(max_tokens=n, ignore_eos=True))
+            for i, n in enumerate(lengths)]
+    for r in reqs:
+        sched.add_request(r)
+    drafted_by_batch = {2: 0, 3: 0}
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        n = len(out.chunks)
+        drafted_by_batch[n] = drafted_by_batch.get(n, 0) + sum(len(c.draft_token_ids or ()) for c in out.chunks)
+        sched.update_from_output(out, runner.step(out))
+        sched.check_invariants()
+    assert drafted_by_batch[3] == 0 and drafted_by_batch[2] > 0
+    plain_s, plain_r = make(spec=None)
+    plain = [Request(f"r{i}", [0, 1, 2, 3, 4, 5, 6, 0, 1], SamplingParams(max_tokens=n, ignore_eos=True))
+             for i, n in enumerate(lengths)]
+    run(plain_s, plain_r, plain)
+    assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in plain]
 
 
 def test_abort_mid_speculation_releases_the_drafts_blocks():

@@ -15,8 +15,9 @@
  * at most sum_k |w_k| * xscale / 2 per output (tests/unit/test_q4_gemv.py holds it to that bound).
  *
  * A task is up to four blocks of 16 rows (64 rows: four independent accumulator chains hide
- * VPDPBUSD's latency), all activation rows in turn, so a block's codes are read from memory once
- * and from L1 for the other rows. Tasks run on torch's OpenMP pool (native.py links libgomp). */
+ * VPDPBUSD's latency), the activation rows up to four at a time: each load is split into its two
+ * operands once for the rows of that pass, and a block's codes are read from memory once and from
+ * L1 for the other passes. Tasks run on torch's OpenMP pool (native.py links libgomp). */
 #include "q4_gemv.h"
 
 #include <math.h>
@@ -94,11 +95,13 @@ static inline __m512 load_bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* the sums of up to TASK_BLOCKS blocks (nb) for one quantized row, into out[nb * 16]. Inlined into
+/* the sums of up to TASK_BLOCKS blocks (nb) for one quantized row, into out[nb * 16]: the
+ * arithmetic of task_sums below for one row, kept as its own loop because task_sums instantiated
+ * for one row ran 5-8% slower (old and new alternating in one C harness). Inlined into
  * a call with nb = TASK_BLOCKS, a constant, so the loops over blocks unroll and the accumulators
  * live in registers (with nb only known at run time they lived on the stack, and every VPDPBUSD
  * waited on a store and a reload: 1.3x slower in cache) */
-static inline __attribute__((always_inline)) void task_sums(const uint8_t *codes, const uint16_t *sz, int64_t b0, int nb, int64_t k, int64_t group,
+static inline __attribute__((always_inline)) void task_sums_row(const uint8_t *codes, const uint16_t *sz, int64_t b0, int nb, int64_t k, int64_t group,
                       QRow x, float *out) {
     const int64_t steps = k / Q4_STEP_K, groups = k / group, sub = group / Q4_XBLOCK;
     const __m512i low = _mm512_set1_epi8(15);
@@ -143,6 +146,93 @@ static inline __attribute__((always_inline)) void task_sums(const uint8_t *codes
     for (int i = 0; i < nb; i++) _mm512_storeu_ps(out + i * Q4_BLOCK_N, acc[i]);
 }
 
+/* the sums of up to TASK_BLOCKS blocks (nb) for up to TASK_ROWS quantized rows (nrows), row r's
+ * into out[r * TASK_BLOCKS * 16 ...]. Each 64-byte load is split into its two VPDPBUSD operands
+ * once and multiplied with every row: a row after the first costs its two dot products per load,
+ * not the load, the mask and the shifts again (a verifying step's k + 1 rows, a small batch).
+ * Every row's arithmetic is the same whatever nrows (exact integer sums, then the same float
+ * operations in the same order), so a row's output does not depend on the rows beside it.
+ * Inlined into calls with nb and nrows constants, so the loops unroll and the integer
+ * accumulators live in registers (with nb only known at run time they lived on the stack, and
+ * every VPDPBUSD waited on a store and a reload: 1.3x slower in cache). */
+#define TASK_ROWS 4
+static inline __attribute__((always_inline)) void task_sums(const uint8_t *codes, const uint16_t *sz, int64_t b0, int nb,
+                                                            int64_t k, int64_t group, const QRow *xs_in, int nrows,
+                                                            float *out) {
+    QRow x[TASK_ROWS];
+    for (int r = 0; r < nrows; r++) x[r] = xs_in[r];
+    const int64_t steps = k / Q4_STEP_K, groups = k / group, sub = group / Q4_XBLOCK;
+    const __m512i low = _mm512_set1_epi8(15);
+    const uint8_t *blk[TASK_BLOCKS];
+    __m512 acc[TASK_ROWS][TASK_BLOCKS];
+    for (int i = 0; i < nb; i++) {
+        blk[i] = codes + (b0 + i) * steps * 64;
+        for (int r = 0; r < nrows; r++) acc[r][i] = _mm512_setzero_ps();
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 gacc[TASK_ROWS][TASK_BLOCKS];
+        for (int r = 0; r < nrows; r++)
+            for (int i = 0; i < nb; i++) gacc[r][i] = _mm512_setzero_ps();
+        for (int64_t sb = 0; sb < sub; sb++) {
+            const int64_t xb = g * sub + sb;
+            __m512i isum[TASK_ROWS][TASK_BLOCKS];
+            for (int r = 0; r < nrows; r++)
+                for (int i = 0; i < nb; i++) isum[r][i] = _mm512_setzero_si512();
+            for (int t = 0; t < Q4_XBLOCK / Q4_STEP_K; t++) {
+                __m512i xa[TASK_ROWS], xh[TASK_ROWS];
+                for (int r = 0; r < nrows; r++) {
+                    int32_t lo4, hi4;
+                    memcpy(&lo4, x[r].q + xb * Q4_XBLOCK + t * Q4_STEP_K, 4);
+                    memcpy(&hi4, x[r].q + xb * Q4_XBLOCK + t * Q4_STEP_K + 4, 4);
+                    xa[r] = _mm512_set1_epi32(lo4), xh[r] = _mm512_set1_epi32(hi4);
+                }
+                const int64_t off = (xb * (Q4_XBLOCK / Q4_STEP_K) + t) * 64;
+                for (int i = 0; i < nb; i++) {
+                    _mm_prefetch((const char *)(blk[i] + off + 1024), _MM_HINT_T0);
+                    const __m512i w = _mm512_loadu_si512(blk[i] + off);
+                    const __m512i wl = _mm512_and_si512(w, low), wh = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+                    for (int r = 0; r < nrows; r++) {
+                        isum[r][i] = _mm512_dpbusd_epi32(isum[r][i], wl, xa[r]);
+                        isum[r][i] = _mm512_dpbusd_epi32(isum[r][i], wh, xh[r]);
+                    }
+                }
+            }
+            for (int r = 0; r < nrows; r++) {
+                const __m512 xs = _mm512_set1_ps(x[r].scale[xb]);
+                for (int i = 0; i < nb; i++) gacc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][i]), xs, gacc[r][i]);
+            }
+        }
+        const __m512 eight = _mm512_set1_ps(8.0f);
+        for (int i = 0; i < nb; i++) {
+            const uint16_t *gsz = sz + ((b0 + i) * groups + g) * 2 * Q4_BLOCK_N;
+            const __m512 scale = load_bf16x16(gsz), zero = load_bf16x16(gsz + Q4_BLOCK_N);
+            const __m512 zterm = _mm512_fnmadd_ps(eight, scale, zero);
+            for (int r = 0; r < nrows; r++) {
+                const __m512 xsum = _mm512_set1_ps(x[r].sum[g]);
+                acc[r][i] = _mm512_fmadd_ps(scale, gacc[r][i], acc[r][i]);
+                acc[r][i] = _mm512_fmadd_ps(zterm, xsum, acc[r][i]);
+            }
+        }
+    }
+    for (int r = 0; r < nrows; r++)
+        for (int i = 0; i < nb; i++) _mm512_storeu_ps(out + (r * TASK_BLOCKS + i) * Q4_BLOCK_N, acc[r][i]);
+}
+
+/* task_sums with nb and nrows as constants in each call (see above) */
+static void task_rows(const uint8_t *codes, const uint16_t *sz, int64_t b0, int nb, int64_t k, int64_t group,
+                      const QRow *x, int nrows, float *out) {
+    if (nb == TASK_BLOCKS) {
+        if (nrows == 4) task_sums(codes, sz, b0, TASK_BLOCKS, k, group, x, 4, out);
+        else if (nrows == 3) task_sums(codes, sz, b0, TASK_BLOCKS, k, group, x, 3, out);
+        else if (nrows == 2) task_sums(codes, sz, b0, TASK_BLOCKS, k, group, x, 2, out);
+        else task_sums_row(codes, sz, b0, TASK_BLOCKS, k, group, x[0], out);
+    } else if (nrows == 1) {
+        task_sums_row(codes, sz, b0, nb, k, group, x[0], out);
+    } else {
+        task_sums(codes, sz, b0, nb, k, group, x, nrows, out);
+    }
+}
+
 /* x rows as float32 (bf16 input widened), quantized; then the tasks */
 static int run(const uint8_t *codes, const uint16_t *sz, const float *xf, int64_t rows, int64_t n_out, int64_t n_pad,
                int64_t k, int64_t group, float *yf, uint16_t *yb) {
@@ -162,16 +252,24 @@ static int run(const uint8_t *codes, const uint16_t *sz, const float *xf, int64_
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t b0 = t * TASK_BLOCKS;
         const int nb = (int)(blocks - b0 < TASK_BLOCKS ? blocks - b0 : TASK_BLOCKS);
-        float sums[TASK_BLOCKS * Q4_BLOCK_N];
-        for (int64_t m = 0; m < rows; m++) {
-            QRow r = {q + m * k, scales + m * (xblocks + groups), scales + m * (xblocks + groups) + xblocks};
-            if (nb == TASK_BLOCKS) task_sums(codes, sz, b0, TASK_BLOCKS, k, group, r, sums);
-            else task_sums(codes, sz, b0, nb, k, group, r, sums);
+        float sums[TASK_ROWS * TASK_BLOCKS * Q4_BLOCK_N];
+        for (int64_t m0 = 0; m0 < rows; m0 += TASK_ROWS) {
+            const int nrows = (int)(rows - m0 < TASK_ROWS ? rows - m0 : TASK_ROWS);
+            QRow r[TASK_ROWS];
+            for (int j = 0; j < nrows; j++) {
+                float *rs = scales + (m0 + j) * (xblocks + groups);
+                r[j] = (QRow){q + (m0 + j) * k, rs, rs + xblocks};
+            }
+            task_rows(codes, sz, b0, nb, k, group, r, nrows, sums);
             const int64_t first = b0 * Q4_BLOCK_N;
             const int64_t count = n_out - first < nb * Q4_BLOCK_N ? n_out - first : nb * Q4_BLOCK_N;
-            for (int64_t j = 0; j < count; j++) {
-                if (yf != NULL) yf[m * n_out + first + j] = sums[j];
-                else yb[m * n_out + first + j] = f32_to_bf16(sums[j]);
+            for (int j = 0; j < nrows; j++) {
+                const int64_t m = m0 + j;
+                const float *rsum = sums + j * TASK_BLOCKS * Q4_BLOCK_N;
+                for (int64_t c = 0; c < count; c++) {
+                    if (yf != NULL) yf[m * n_out + first + c] = rsum[c];
+                    else yb[m * n_out + first + c] = f32_to_bf16(rsum[c]);
+                }
             }
         }
     }
