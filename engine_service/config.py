@@ -91,7 +91,8 @@ class EngineConfig:
     speculative_config: str | dict | None = knob(
         None, "speculative decoding, as JSON (vLLM's shape): {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
         "\"prompt_lookup_max\": n, \"prompt_lookup_min\": m}: each decode drafts up to k tokens from the request's "
-        "own prompt and output and verifies them in one forward (docs/scheduler.md); default: none",
+        "own prompt and output and verifies them in one forward; \"disable_by_batch_size\": b drafts only in steps "
+        "of at most b requests (docs/scheduler.md); default: none",
         metavar="JSON")
     # Benchmarks of the serving path only (engine_service.model.stub): fixed logits, no weights read.
     # Off the command line here: `sluice engine --stub-model` (hidden) sets it, and the engine
@@ -194,9 +195,10 @@ class SpeculativeConfig:
     "prompt_lookup_min": m, "disable_by_batch_size": b}`` (vLLM's keys). A missing
     ``prompt_lookup_min`` / ``_max`` takes the other's value; both missing: 5 (vLLM's defaults).
     ``disable_by_batch_size``: no request drafts in a step that runs more than b requests (None:
-    never off, vLLM's default). Why it exists: a verifying row costs nearly what a decode row
-    costs once a step stops being bound by reading the weights (a CPU's batch of a few int4
-    streams), so drafts in a batch only pay on hardware with compute to spare."""
+    never off, vLLM's default). Why: each verifying row costs what a decode row's activations
+    cost (a fifth of an int4 step here, docs/performance.md); a big batch is already bound by
+    that arithmetic rather than by reading the weights, and its drafts can cost more than the
+    tokens they save."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int = 5

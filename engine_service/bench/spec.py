@@ -90,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-random", type=int, default=8, help="random workload: requests (0: skip)")
     parser.add_argument("--random-prompt-len", type=int, default=128)
     parser.add_argument("--random-output-len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times each workload runs (each time with and without speculation, the order "
+                             "alternating): more rounds average out this VM's drift")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=Path("bench-results/spec.json"))
 
@@ -164,6 +167,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"sluice bench spec: {exc}")
         return 2
+    if args.rounds < 1:
+        print(f"sluice bench spec: --rounds must be at least 1 (got {args.rounds})")
+        return 2
     if args.mode not in MODES:
         print(f"sluice bench spec: --mode must be one of {', '.join(MODES)} (got {args.mode!r})")
         return 2
@@ -180,14 +186,14 @@ def run(args: argparse.Namespace) -> int:
     results = {}
     if grounded:  # --num-grounded 0: the random workload only
         greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len)
-        results["grounded, 1 stream"] = _side_by_side(llm, [[p] for p in grounded], greedy)
+        results["grounded, 1 stream"] = _side_by_side(llm, [[p] for p in grounded] * args.rounds, greedy)
     if args.num_random > 0:
         rng = random.Random(args.seed)
         vocab = llm.engine.vocab_size
         prompts = [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(args.random_prompt_len)]}
                    for _ in range(args.num_random)]
         params = SamplingParams(temperature=0.0, max_tokens=args.random_output_len, ignore_eos=True)
-        results[f"random, {args.num_random} at once"] = _side_by_side(llm, [prompts, prompts], params)
+        results[f"random, {args.num_random} at once"] = _side_by_side(llm, [prompts, prompts] * args.rounds, params)
 
     header = (f"{'workload':<22} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'accept':>7} "
               f"{'tok/verify':>10} {'identical':>9}")
@@ -201,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         "bench": "spec", "speculative_config": SpeculativeConfig.parse(args.speculative_config).as_dict(),
         "mode": args.mode, "dtype": str(llm.engine.dtype), "attention_backend": llm.engine.attention_backend,
         "output_len": args.output_len, "random_prompt_len": args.random_prompt_len,
-        "random_output_len": args.random_output_len, "machine": platform.machine(),
+        "random_output_len": args.random_output_len, "rounds": args.rounds, "machine": platform.machine(),
         "processor": platform.processor(), "results": results,
     }
     if args.json:
