@@ -35,6 +35,10 @@ class QuietProbes(logging.Filter):
             return True
         return not (path in QUIET_PATHS and ok)
 
+# On SIGTERM uvicorn stops accepting, then waits this long for open responses (streams) to
+# finish before it cancels them: the drain a rolling restart gets.
+GRACEFUL_SHUTDOWN_S = 5
+
 
 def log_config() -> dict:
     """Uvicorn's logging configuration with ``QuietProbes`` on its access handler: uvicorn applies
@@ -126,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             workers=args.workers,
             log_level=args.log_level,
             log_config=log_config(),
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
     finally:
         if metrics_dir:

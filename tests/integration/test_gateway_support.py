@@ -281,13 +281,15 @@ class GatewayServer:
     def __init__(self, **config) -> None:
         from gateway.app import create_app
         from gateway.config import GatewayConfig
+        from gateway.main import GRACEFUL_SHUTDOWN_S  # the deployed gateway's drain on SIGTERM
 
         self.config = GatewayConfig(**config)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = create_app(self.config)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", lifespan="on"))
+                                                    log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self) -> GatewayServer:
