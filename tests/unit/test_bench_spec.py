@@ -12,10 +12,10 @@ import pytest
 pytestmark = pytest.mark.model
 
 
-def _run(model_dir, path, spec: dict) -> dict:
+def _run(model_dir, path, spec: dict, grounded: int = 1) -> dict:
     from sluice_cli.cli import main
 
-    argv = ["bench", "spec", "--model", str(model_dir), "--mode", "float32", "--num-grounded", "1",
+    argv = ["bench", "spec", "--model", str(model_dir), "--mode", "float32", "--num-grounded", str(grounded),
             "--output-len", "24", "--num-random", "2", "--random-prompt-len", "48", "--random-output-len", "24",
             "--speculative-config", json.dumps(spec), "--json", str(path)]
     assert main(argv) == 0
@@ -34,9 +34,9 @@ def test_bench_spec_writes_table_and_json_and_outputs_are_identical(model_dir, t
     assert batched["num_drafts"] > 0  # so that none below is the knob's doing
     assert "tok/verify" in capsys.readouterr().out
 
-    doc = _run(model_dir, tmp_path / "off.json", {**spec, "disable_by_batch_size": 1})
-    assert doc["results"]["random, 2 at once"]["num_drafts"] == 0  # two running: above 1, no drafts
-    assert doc["results"]["grounded, 1 stream"]["num_drafts"] > 0  # one running: drafts as before
+    doc = _run(model_dir, tmp_path / "off.json", {**spec, "disable_by_batch_size": 1}, grounded=0)
+    off = doc["results"]["random, 2 at once"]
+    assert off["num_drafts"] == 0 and off["identical_outputs"] == off["requests"]  # two running: above 1, no drafts
 
 
 def test_bench_spec_refuses_an_unknown_mode(capsys) -> None:
