@@ -97,7 +97,8 @@ static inline __m512 load_bf16x16(const uint16_t *p) {
 
 /* the sums of up to TASK_BLOCKS blocks (nb) for one quantized row, into out[nb * 16]: the
  * arithmetic of task_sums below for one row, kept as its own loop because task_sums instantiated
- * for one row ran 5-8% slower (old and new alternating in one C harness). Inlined into
+ * for one row ran slower, one stream's case (5-8% in one run, 1-6% in another, the two alternating
+ * in one C harness; hoisting the row sums out of task_sums' block loop did not close it). Inlined into
  * a call with nb = TASK_BLOCKS, a constant, so the loops over blocks unroll and the accumulators
  * live in registers (with nb only known at run time they lived on the stack, and every VPDPBUSD
  * waited on a store and a reload: 1.3x slower in cache) */
