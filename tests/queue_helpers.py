@@ -43,24 +43,22 @@ def inflight_pattern(model: str) -> str:
     return f"{contract.PREFIX}:{{q:{model}:*}}:inflight:*"
 
 
-def has_group(r: Any, stream: str) -> bool:
-    """Whether the engines' consumer group exists on ``stream`` (an engine's reader creates it)."""
+def engines_group(r: Any, stream: str) -> dict | None:
+    """XINFO GROUPS' entry of the engines' consumer group on ``stream``; None while there is none
+    (an engine's reader creates it) or no stream yet."""
     try:
         groups = r.xinfo_groups(stream)
     except redis.ResponseError:  # no such key yet
-        return False
-    return any(g["name"] in (contract.CONSUMER_GROUP, contract.CONSUMER_GROUP.encode()) for g in groups)
+        return None
+    return next((g for g in groups if g["name"] in (contract.CONSUMER_GROUP, contract.CONSUMER_GROUP.encode())),
+                None)
+
+
+def has_group(r: Any, stream: str) -> bool:
+    return engines_group(r, stream) is not None
 
 
 def lag(r: Any, model: str, shards: int = contract.DEFAULT_QUEUE_SHARDS) -> int:
     """Entries of the model's queue no engine has read yet (the group's lag, summed over shards)."""
-    total = 0
-    for stream in streams(model, shards):
-        try:
-            groups = r.xinfo_groups(stream)
-        except redis.ResponseError:
-            continue
-        for g in groups:
-            if g["name"] in (contract.CONSUMER_GROUP, contract.CONSUMER_GROUP.encode()):
-                total += int(g["lag"] or 0)
-    return total
+    groups = (engines_group(r, stream) for stream in streams(model, shards))
+    return sum(int(g["lag"] or 0) for g in groups if g is not None)
