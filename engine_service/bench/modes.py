@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
-# mode name -> (dtype, quantization, enforce_eager)
-MODES: dict[str, tuple[str, str | None, bool]] = {
-    "float32": ("float32", None, True),
-    "float32-compiled": ("float32", None, False),
-    "bfloat16": ("bfloat16", None, True),
-    "bfloat16-compiled": ("bfloat16", None, False),
-    "int8-compiled": ("float32", "int8", False),
-    "int4": ("float32", "int4", True),
-    "int4-compiled": ("float32", "int4", False),
-    "bfloat16-int4": ("bfloat16", "int4", True),
-    "bfloat16-int4-compiled": ("bfloat16", "int4", False),
+from typing import Any
+
+
+def _mode(dtype: str, quantization: str | None = None, *, eager: bool = True, native: bool = False) -> dict[str, Any]:
+    return {"dtype": dtype, "quantization": quantization, "enforce_eager": eager, "native_decode": native}
+
+
+# mode name -> the LLM keywords that make it. "-compiled": torch.compile's decode step; "-native":
+# int4's decode step as one native call (engine_service.model.native_decode)
+MODES: dict[str, dict[str, Any]] = {
+    "float32": _mode("float32"),
+    "float32-compiled": _mode("float32", eager=False),
+    "bfloat16": _mode("bfloat16"),
+    "bfloat16-compiled": _mode("bfloat16", eager=False),
+    "int8-compiled": _mode("float32", "int8", eager=False),
+    "int4": _mode("float32", "int4"),
+    "int4-compiled": _mode("float32", "int4", eager=False),
+    "int4-native": _mode("float32", "int4", eager=False, native=True),
+    "bfloat16-int4": _mode("bfloat16", "int4"),
+    "bfloat16-int4-compiled": _mode("bfloat16", "int4", eager=False),
 }

@@ -100,9 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _engine(args: argparse.Namespace):
     from engine_service import LLM
 
-    dtype, quantization, eager = MODES[args.mode]
-    return LLM(args.model, speculative_config=args.speculative_config, dtype=dtype, quantization=quantization,
-               enforce_eager=eager, kv_cache_memory=256 << 20)
+    return LLM(args.model, speculative_config=args.speculative_config, **MODES[args.mode],
+               kv_cache_memory=256 << 20)
 
 
 def _timed(llm, prompts, params, speculate: bool) -> tuple[float, list[list[int]]]:

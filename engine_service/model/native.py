@@ -26,6 +26,7 @@ eagerly (``prepacked.compile_unavailable``).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -44,9 +45,9 @@ logger = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
 C_SOURCES = [KERNELS / "paged_decode_attention.c", KERNELS / "dequantize.c", KERNELS / "packed_gemv.c",
-             KERNELS / "q4_gemv.c"]
+             KERNELS / "q4_gemv.c", KERNELS / "q4_decode.c"]
 HEADERS = [KERNELS / "bf16.h", KERNELS / "paged_decode_attention.h", KERNELS / "dequantize.h",
-           KERNELS / "packed_gemv.h", KERNELS / "q4_gemv.h"]
+           KERNELS / "packed_gemv.h", KERNELS / "q4_gemv.h", KERNELS / "q4_decode.h"]
 CXX_SOURCES = [KERNELS / "paged_decode_attention_op.cpp", KERNELS / "prepacked_linear_op.cpp",
                KERNELS / "dequantize_op.cpp", KERNELS / "q4_linear_op.cpp"]
 LIBRARY_NAME = "sluice_ops"
@@ -144,7 +145,8 @@ def load_native_ops() -> None:
             # the schemas the library implements are defined in Python (here and in prepacked)
             from engine_service.model import prepacked  # noqa: F401
             try:
-                torch.ops.load_library(str(_build()))
+                path = _build()
+                torch.ops.load_library(str(path))
             except NativeKernelError:
                 raise
             except (OSError, RuntimeError) as exc:  # a missing source, an unwritable cache, a failed dlopen
@@ -152,7 +154,18 @@ def load_native_ops() -> None:
         except NativeKernelError as exc:
             _loaded[LIBRARY_NAME] = exc
             raise
-        _loaded[LIBRARY_NAME] = True
+        _loaded[LIBRARY_NAME] = path
+
+
+def native_library() -> ctypes.CDLL:
+    """The loaded library as ctypes sees it, for the C entry points called once a step
+    (``engine_service.model.native_decode``); raises NativeKernelError saying why not."""
+    load_native_ops()
+    with _lock:
+        lib = _loaded.get("ctypes")
+        if lib is None:
+            lib = _loaded["ctypes"] = ctypes.CDLL(str(_loaded[LIBRARY_NAME]))
+        return lib
 
 
 def native_ops_unavailable() -> str | None:

@@ -69,6 +69,7 @@ class ModelRunner:
         self.decode_kernel = decode_kernel
         self.min_decode_width = 1  # the compiled step pads block tables to >= 2 columns (no 1-specialisation)
         self.compiled_decode = None  # set by enable_compiled_decode
+        self.native_decode = None  # set by enable_native_decode
 
     @property
     def num_blocks(self) -> int:
@@ -169,10 +170,23 @@ class ModelRunner:
         self.compiled_decode = compiled
         return seconds
 
+    def enable_native_decode(self, scratch_slot: int) -> float:
+        """Run decode-only steps of a few rows through the native decode step
+        (``engine_service.model.native_decode``; raises ValueError when the model has none) and
+        warm it up, writing only ``scratch_slot``. Returns the warm-up seconds."""
+        from engine_service.model.native_decode import NativeDecode
+
+        native = NativeDecode(self.model, self.kv_caches)
+        seconds = native.warm_up(scratch_slot)
+        self.native_decode = native
+        return seconds
+
     @torch.inference_mode()
     def forward_hidden(self, chunks: Sequence[Chunk]) -> tuple[torch.Tensor, list[int]]:
         input_ids, positions, meta, sample_rows = self.prepare(chunks)
-        if self.compiled_decode is not None and not meta.prefills:
+        if self.native_decode is not None and not meta.prefills and self.native_decode.runs(input_ids.shape[0]):
+            hidden = self.native_decode(input_ids, positions, meta)
+        elif self.compiled_decode is not None and not meta.prefills:
             hidden = self.compiled_decode(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)

@@ -1,0 +1,189 @@
+"""The native decode step: every decoder layer of an int4 Llama-family model in one C call
+(``kernels/q4_decode.c``), for decode-only steps of a few rows, in place of the compiled step.
+
+Why: with the products and the attention already native, one stream's compiled step still spent
+about a third of its time between them, in ~150 operator calls through torch's dispatcher and
+inductor's wrapper (docs/performance.md). ``q4_decode_stack`` runs the same kernels from C with the
+norms, rotary, cache writes, SiLU and residuals between them, so a step is one call.
+
+It is called through ctypes, once a step (per-call cost ~10 µs, against ~5 µs for each of the
+dispatcher's calls it replaces). What the call reads is described once, at engine start, in C
+structs holding the weights' and caches' addresses; the tensors themselves stay referenced here
+for the engine's life, and the engine never moves or replaces them.
+
+Where it runs (``native_decode_unavailable`` says why not, and the engine logs it): CPU, a
+``LlamaForCausalLM`` whose attention is the plain Llama one (no q/k norms, no biases), every
+projection int4 in the native layout with float32 activations, float32 or bfloat16 KV cache; decode
+steps of fewer rows than the products' dense crossover (``max_rows``; more rows run the compiled or
+eager step, whose products dequantize). Each row's output depends only on that row (the products and
+the attention are row-independent), so a prompt decodes to the same tokens alone or in a batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+
+import torch
+
+from engine_service.model.attention import AttentionMetadata
+from engine_service.model.llama import Attention, KVCache, LlamaForCausalLM
+from engine_service.model.quantization import QuantizedLinear
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = 4096  # Q4_MAX_ROWS (kernels/q4_gemv.h)
+MAX_HEADS = 128  # PDA_MAX_HEADS (kernels/paged_decode_attention.h)
+MAX_HEAD_DIM = 256
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("codes", ctypes.c_void_p), ("scales_zeros", ctypes.c_void_p), ("n_out", ctypes.c_int64),
+                ("n_pad", ctypes.c_int64), ("k", ctypes.c_int64), ("group", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Weight), ("o", _Weight),
+                ("gate_up", _Weight), ("down", _Weight), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class _Stack(ctypes.Structure):
+    _fields_ = [("num_layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
+                ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
+                ("block_size", ctypes.c_int64), ("vocab", ctypes.c_int64), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("cache_bf16", ctypes.c_int), ("embed", ctypes.c_void_p),
+                ("final_norm", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer))]
+
+
+_ERRORS = {1: "out of memory", 2: "a size or a token id out of range", 3: "the attention kernel refused the shape"}
+
+
+def _projection(module: torch.nn.Module) -> str | None:
+    if not isinstance(module, QuantizedLinear) or not module.native_q4:
+        return "a projection is not int4 in the native layout"
+    if module.bias is not None:
+        return "a projection has a bias"
+    return None
+
+
+def native_decode_unavailable(model: torch.nn.Module, kv_caches: list[KVCache]) -> str | None:
+    """None when ``NativeDecode`` runs this model's decode steps, else why not."""
+    if type(model) is not LlamaForCausalLM:
+        return f"{type(model).__name__} is not the plain Llama decoder"
+    embed = model.model.embed_tokens.weight
+    if embed.device.type != "cpu" or embed.dtype != torch.float32:
+        return "the model is not float32 on CPU"
+    cfg = model.config
+    if not (0 < cfg.num_key_value_heads and cfg.num_attention_heads % cfg.num_key_value_heads == 0
+            and cfg.num_attention_heads <= MAX_HEADS and 0 < cfg.head_dim <= MAX_HEAD_DIM and cfg.head_dim % 2 == 0):
+        return "the attention's shape is outside the kernel's limits"
+    for layer in model.model.layers:
+        if type(layer.self_attn) is not Attention:
+            return "the attention is not the plain Llama attention"
+        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                       layer.mlp.down_proj):
+            why = _projection(module)
+            if why is not None:
+                return why
+    for k_cache, v_cache in kv_caches:
+        if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
+            return f"no native decode for a {k_cache.dtype} KV cache"
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            return "the KV cache is not contiguous"
+    from engine_service.model.native import NativeKernelError, native_library
+
+    try:
+        native_library()
+    except NativeKernelError as exc:
+        return str(exc)
+    return None
+
+
+class NativeDecode:
+    """Callable as ``(input_ids, positions, meta) -> hidden`` for a decode-only step of fewer than
+    ``max_rows`` rows (``NativeDecode.runs``), like ``CompiledDecode``."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache]) -> None:
+        from engine_service.model.native import native_library
+
+        why = native_decode_unavailable(model, kv_caches)
+        if why is not None:
+            raise ValueError(f"no native decode step for this model: {why}")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.warmup_seconds: float | None = None
+        cfg = model.config
+        layers = list(model.model.layers)
+        self._keep: list[torch.Tensor] = []  # every tensor the structs point into, alive with this object
+
+        def ptr(t: torch.Tensor) -> int:
+            t = t.detach()
+            if not t.is_contiguous():
+                t = t.contiguous()
+            self._keep.append(t)
+            return t.data_ptr()
+
+        def weight(module: QuantizedLinear) -> _Weight:
+            codes, sz = module.codes, module.scales_zeros
+            k = codes.shape[1] * 8
+            return _Weight(ptr(codes), ptr(sz), module.out_features, codes.shape[0] * 16, k, k // sz.shape[1])
+
+        self._layers = (_Layer * len(layers))(*[
+            _Layer(ptr(layer.input_layernorm.weight.float()), ptr(layer.post_attention_layernorm.weight.float()),
+                   weight(layer.self_attn.qkv_proj), weight(layer.self_attn.o_proj), weight(layer.mlp.gate_up_proj),
+                   weight(layer.mlp.down_proj), ptr(k_cache), ptr(v_cache))
+            for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True)])
+        norm = model.model.norm
+        self._stack = _Stack(
+            len(layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.intermediate_size, kv_caches[0][0].shape[1], model.model.embed_tokens.weight.shape[0], float(norm.eps),
+            float(layers[0].self_attn.scale), int(kv_caches[0][0].dtype == torch.bfloat16),
+            ptr(model.model.embed_tokens.weight), ptr(norm.weight.float()), self._layers)
+        # the products dequantize from this many rows on (QuantizedLinear.dense_min_rows): more
+        # rows than that run the compiled or eager step
+        dense = [m.dense_min_rows for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        self.max_rows = min([MAX_ROWS, *(d for d in dense if d is not None)])
+        fn = native_library().q4_decode_stack
+        fn.restype = ctypes.c_int
+        i64, vp = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ctypes.POINTER(_Stack), vp, vp, vp, vp, i64, vp, vp, i64, vp, i64, vp]
+        self._fn = fn
+        self._stack_ref = ctypes.byref(self._stack)
+
+    def runs(self, rows: int) -> bool:
+        return rows < self.max_rows
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        rows = input_ids.shape[0]
+        rotary = self.model.rotary
+        cos, sin = rotary.cos_table, rotary.sin_table  # float32, grown by the runner's prepare
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        tensors = (input_ids, positions, meta.slot_mapping, tables, lens)
+        if any(t.dtype != torch.int64 or not t.is_contiguous() for t in tensors):
+            raise ValueError("native decode: ids, positions, slots, block tables and lengths must be contiguous int64")
+        if not (positions.shape[0] == meta.slot_mapping.shape[0] == tables.shape[0] == lens.shape[0] == rows):
+            raise ValueError("native decode: one position, slot, block table and length per row")
+        out = torch.empty(rows, self._stack.hidden, dtype=torch.float32)
+        rc = self._fn(self._stack_ref, input_ids.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                      cos.shape[0], meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+                      rows, out.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"native decode step failed: {_ERRORS.get(rc, rc)}")
+        return out
+
+    def warm_up(self, scratch_slot: int) -> float:
+        """One dummy decode writing only ``scratch_slot`` (a slot no request owns): the first call
+        pays the kernels' first-touch costs. Returns the seconds it took."""
+        started = time.perf_counter()
+        block_size = self.kv_caches[0][0].shape[1]
+        self.model.rotary.ensure_positions(1)
+        one = torch.zeros(1, dtype=torch.long)
+        meta = AttentionMetadata(slot_mapping=torch.full((1,), scratch_slot, dtype=torch.long), prefills=[],
+                                 decode_token_index=None,
+                                 decode_block_tables=torch.full((1, 1), scratch_slot // block_size, dtype=torch.long),
+                                 decode_context_lens=torch.ones(1, dtype=torch.long))
+        self(one, one, meta)
+        self.warmup_seconds = time.perf_counter() - started
+        return self.warmup_seconds

@@ -1,0 +1,200 @@
+"""The native decode step (``engine_service.model.native_decode``, ``kernels/q4_decode.c``) against
+the eager forward it replaces, on the default model quantized to int4.
+
+The products and the attention are the same kernels in both, so what is checked is the work between
+them (norms, rotary, cache writes, SiLU, residuals, the order of the layers): the hidden states must
+agree to rounding. Not bit for bit: sums run in another order than torch's, and int4's int8
+activation rounding can turn a last-bit difference into a step of one activation quantum, so the
+bound is relative (a wrong rotary, norm or cache slot is off by the size of the values themselves).
+Each row must also be independent of the batch, bit for bit."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine_service import LLM, SamplingParams
+from engine_service.model.native_decode import NativeDecode, native_decode_unavailable
+
+pytestmark = pytest.mark.model
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    from engine_service.model.native import native_ops_unavailable
+
+    why = native_ops_unavailable()
+    assert why is None, f"the native operators must build on this machine (gcc, g++): {why}"
+    if not torch.ops.sluice.q4_supported():
+        pytest.skip("this CPU has no AVX512-VNNI: no native int4 products, so no native decode step")
+    # eager, so that the runner's own forward is the reference
+    return LLM(str(model_dir), dtype="float32", quantization="int4", enforce_eager=True, block_size=BLOCK,
+               kv_cache_memory=96 << 20)
+
+
+def _chunk(tokens: list[int], blocks: list[int], start: int, num: int, drafts: list[int] | None = None):
+    request = SimpleNamespace(all_token_ids=tokens, block_ids=blocks)
+    return SimpleNamespace(request=request, start=start, num_tokens=num, samples=True, draft_token_ids=drafts)
+
+
+def _sequences(llm, lengths: list[int], seed: int = 0):
+    """Prompts of ``lengths`` random tokens, prefilled by the eager forward into blocks of their own."""
+    runner = llm.engine.runner
+    gen = torch.Generator().manual_seed(seed)
+    seqs, next_block = [], 1
+    for n in lengths:
+        tokens = torch.randint(100, 40000, (n + 8,), generator=gen).tolist()  # room for a few decodes
+        need = -(-(n + 8) // BLOCK)
+        seqs.append((tokens, list(range(next_block, next_block + need))))
+        next_block += need
+    runner.forward_hidden([_chunk(t, b, 0, n) for (t, b), n in zip(seqs, lengths, strict=True)])
+    return seqs
+
+
+def _step(llm, chunks, native: NativeDecode | None) -> torch.Tensor:
+    runner = llm.engine.runner
+    runner.native_decode = native
+    try:
+        hidden, rows = runner.forward_hidden(chunks)
+    finally:
+        runner.native_decode = None
+    return hidden[rows]
+
+
+def _distance(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The rows' mean relative distance."""
+    return float(((got - want).norm(dim=-1) / want.norm(dim=-1)).mean())
+
+
+def _noise_floor(llm, chunks, want: torch.Tensor) -> float:
+    """How far the eager step itself moves when its input embeddings move by one part in 2^23 (a
+    last-bit change): int4's int8 activation rounding turns such a change into a step of a whole
+    activation quantum here and there, and 30 layers spread it (a few percent on this model)."""
+    weight = llm.engine.runner.model.model.embed_tokens.weight
+    saved = weight.detach().clone()
+    distances = []
+    try:
+        for factor in (1 + 2**-23, 1 - 2**-23):
+            with torch.no_grad():
+                weight.mul_(factor)
+            distances.append(_distance(_step(llm, chunks, None), want))
+            with torch.no_grad():
+                weight.copy_(saved)
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    return max(distances)
+
+
+def test_a_decode_step_is_the_eager_forward_and_each_row_is_its_own(llm):
+    runner = llm.engine.runner
+    native = NativeDecode(runner.model, runner.kv_caches)
+    lengths = [5, 9, 16, 17, 31, 40, 64, 65, 100, 130, 200, 260]  # block edges, past the attention's partitions
+    seqs = _sequences(llm, lengths)
+    chunks = [_chunk(t, b, n, 1) for (t, b), n in zip(seqs, lengths, strict=True)]
+    want = _step(llm, chunks, None)
+    got = _step(llm, chunks, native)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    noise = _noise_floor(llm, chunks, want)
+    assert _distance(got, want) < 2 * noise, (_distance(got, want), noise)
+    # what a wrong position would give is well outside that: the test can tell
+    shifted = [_chunk(t, b, n + 1, 1) for (t, b), n in zip(seqs, lengths, strict=True)]
+    off_by_one = _step(llm, shifted, None)
+    assert _distance(off_by_one, want) > 2 * noise
+    _step(llm, chunks, None)  # the slots the shifted step wrote are outside the contexts: nothing to undo
+    # the same logits' choice where the eager forward has a clear one
+    logits_got, logits_want = runner.model.compute_logits(got), runner.model.compute_logits(want)
+    top2 = logits_want.topk(2).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1.0
+    assert clear.sum() >= 3
+    assert torch.equal(logits_got.argmax(-1)[clear], logits_want.argmax(-1)[clear])
+    # a row alone is bitwise that row in the batch
+    for i in (0, 5, 11):
+        assert torch.equal(_step(llm, [chunks[i]], native)[0], got[i])
+
+
+def test_draft_chunks_attend_to_their_own_new_tokens(llm):
+    """A verifying step: a request's last token and two drafts as three decode rows, each attending
+    to the cache slots the rows before it wrote in the same call."""
+    runner = llm.engine.runner
+    native = NativeDecode(runner.model, runner.kv_caches)
+    (tokens, blocks), (other, other_blocks) = _sequences(llm, [30, 17], seed=1)
+    # the request knows 31 tokens (its prompt and one sampled); the next two are drafts
+    chunks = [_chunk(tokens[:31], blocks, 30, 3, drafts=tokens[31:33]), _chunk(other, other_blocks, 17, 1)]
+    want = _step(llm, chunks, None)
+    got = _step(llm, chunks, native)
+    assert got.shape == (4, runner.model.config.hidden_size)
+    assert _distance(got, want) < 2 * _noise_floor(llm, chunks, want)
+    # each draft row is the row a plain decode of that token gives (the same rows, one by one)
+    for j in range(3):
+        alone = _step(llm, [_chunk(tokens, blocks, 30 + j, 1)], native)
+        assert torch.equal(alone[0], got[j])
+
+
+def test_models_it_cannot_run_are_named():
+    class NotLlama(torch.nn.Module):
+        pass
+
+    assert "not the plain Llama decoder" in native_decode_unavailable(NotLlama(), [])
+
+
+def test_an_unquantized_model_has_no_native_step(model_dir):
+    plain = LLM(str(model_dir), dtype="float32", enforce_eager=True, kv_cache_memory=16 << 20)
+    why = native_decode_unavailable(plain.engine.runner.model, plain.engine.runner.kv_caches)
+    assert why == "a projection is not int4 in the native layout"
+    with pytest.raises(ValueError, match="no native decode step"):
+        NativeDecode(plain.engine.runner.model, plain.engine.runner.kv_caches)
+
+
+def test_the_step_refuses_what_it_cannot_read(llm):
+    runner = llm.engine.runner
+    native = NativeDecode(runner.model, runner.kv_caches)
+    tokens, blocks = _sequences(llm, [8], seed=2)[0]
+    _, positions, meta, _ = runner.prepare([_chunk(tokens, blocks, 8, 1)])
+    with pytest.raises(RuntimeError, match="out of range"):
+        native(torch.tensor([runner.model.config.vocab_size + 5]), positions, meta)  # a token id past the table
+    with pytest.raises(ValueError, match="int64"):
+        native(torch.tensor([1], dtype=torch.int32), positions, meta)
+
+
+def test_an_engine_decodes_through_it(model_dir, llm, monkeypatch):
+    """enforce_eager=False on an int4 model: decode steps take the native call; its greedy tokens
+    follow the eager engine's while the eager engine's choice is clear. The native step does not
+    depend on inductor: here torch.compile is made unavailable (which also spares the test its
+    warm-up), and the engine still decodes natively."""
+    import engine_service.engine
+
+    monkeypatch.setattr(engine_service.engine, "compile_supported", lambda device: "no compiler (the test says)")
+    engine = LLM(str(model_dir), dtype="float32", quantization="int4", enforce_eager=False, block_size=BLOCK,
+                 kv_cache_memory=32 << 20)
+    assert engine.engine.native_decode and engine.engine.runner.native_decode is not None
+    assert engine.engine.runner.compiled_decode is None
+    calls: list[int] = []
+    engine.engine.runner.native_decode = _Counting(engine.engine.runner.native_decode, calls)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompt = "The capital of France is"
+    got = engine.generate(prompt, params)[0].outputs[0]
+    assert len(calls) == params.max_tokens - 1  # every step after the prefill
+    want = llm.generate(prompt, params)[0].outputs[0]
+    for a, b, lp in zip(got.token_ids, want.token_ids, want.logprobs, strict=True):
+        ranked = sorted(lp.values(), key=lambda v: -v.logprob)
+        if ranked[0].logprob - ranked[1].logprob < 0.5:
+            break  # a near-tie: int4's rounding may pick either
+        assert a == b
+    assert got.text.startswith(" Paris")
+
+
+class _Counting:
+    def __init__(self, native: NativeDecode, calls: list) -> None:
+        self.native, self.calls = native, calls
+
+    def runs(self, rows: int) -> bool:
+        return self.native.runs(rows)
+
+    def __call__(self, *args):
+        self.calls.append(args[0].shape[0])
+        return self.native(*args)
