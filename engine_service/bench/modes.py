@@ -10,12 +10,14 @@ def _mode(dtype: str, quantization: str | None = None, *, eager: bool = True, na
 
 
 # mode name -> the LLM keywords that make it. "-compiled": torch.compile's decode step; "-native":
-# int4's decode step as one native call (engine_service.model.native_decode)
+# the decode step as one native call (engine_service.model.native_decode: int4, and bfloat16's
+# single stream)
 MODES: dict[str, dict[str, Any]] = {
     "float32": _mode("float32"),
     "float32-compiled": _mode("float32", eager=False),
     "bfloat16": _mode("bfloat16"),
     "bfloat16-compiled": _mode("bfloat16", eager=False),
+    "bfloat16-native": _mode("bfloat16", eager=False, native=True),
     "int8-compiled": _mode("float32", "int8", eager=False),
     "int4": _mode("float32", "int4"),
     "int4-compiled": _mode("float32", "int4", eager=False),

@@ -1,9 +1,10 @@
-"""The native decode step: every decoder layer of an int4 Llama-family model in one C call
-(``kernels/q4_decode.c``), for decode-only steps of a few rows, in place of the compiled step.
+"""The native decode step: every decoder layer of a Llama-family model in one C call
+(``kernels/decode_stack.c``), for decode-only steps, in place of the compiled step: int4 models
+(float32 activations) for steps of a few rows, bfloat16 models for one stream.
 
 Why: with the products and the attention already native, one stream's compiled step still spent
 about a third of its time between them, in ~150 operator calls through torch's dispatcher and
-inductor's wrapper (docs/performance.md). ``q4_decode_stack`` runs the same kernels from C with the
+inductor's wrapper (docs/performance.md). ``decode_stack`` runs the same kernels from C with the
 norms, rotary, cache writes, SiLU and residuals between them, so a step is one call.
 
 It is called through ctypes, once a step (per-call cost ~10 µs, against ~5 µs for each of the
@@ -12,11 +13,15 @@ structs holding the weights' and caches' addresses; the tensors themselves stay 
 for the engine's life, and the engine never moves or replaces them.
 
 Where it runs (``native_decode_unavailable`` says why not, and the engine logs it): CPU, a
-``LlamaForCausalLM`` whose attention is the plain Llama one (no q/k norms, no biases), every
-projection int4 in the native layout with float32 activations, float32 or bfloat16 KV cache; decode
-steps of fewer rows than the products' dense crossover (``max_rows``; more rows run the compiled or
-eager step, whose products dequantize). Each row's output depends only on that row (the products and
-the attention are row-independent), so a prompt decodes to the same tokens alone or in a batch.
+``LlamaForCausalLM`` whose attention is the plain Llama one (no q/k norms, no biases), float32 or
+bfloat16 KV cache, and either
+
+* every projection int4 in the native layout, float32 activations: decode steps of fewer rows than
+  the products' dense crossover (``max_rows``; more rows run the compiled or eager step, whose
+  products dequantize). Each row's output depends only on that row (the products and the attention
+  are row-independent), so a prompt decodes to the same tokens alone or in a batch;
+* or every projection bfloat16 prepacked with the native one-row GEMV (``PrepackedLinear.gemv``):
+  steps of one row (one stream's decode; batches run oneDNN's products in the compiled step).
 """
 
 from __future__ import annotations
@@ -29,18 +34,20 @@ import torch
 
 from engine_service.model.attention import AttentionMetadata
 from engine_service.model.llama import Attention, KVCache, LlamaForCausalLM
+from engine_service.model.prepacked import PrepackedLinear
 from engine_service.model.quantization import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 4096  # Q4_MAX_ROWS (kernels/q4_gemv.h)
+STACK_INT4, STACK_BF16 = 0, 1  # kernels/decode_stack.h
 MAX_HEADS = 128  # PDA_MAX_HEADS (kernels/paged_decode_attention.h)
 MAX_HEAD_DIM = 256
 
 
 class _Weight(ctypes.Structure):
-    _fields_ = [("codes", ctypes.c_void_p), ("scales_zeros", ctypes.c_void_p), ("n_out", ctypes.c_int64),
-                ("n_pad", ctypes.c_int64), ("k", ctypes.c_int64), ("group", ctypes.c_int64)]
+    _fields_ = [("data", ctypes.c_void_p), ("scales_zeros", ctypes.c_void_p), ("n_out", ctypes.c_int64),
+                ("n_pad", ctypes.c_int64), ("k", ctypes.c_int64), ("extra", ctypes.c_int64)]
 
 
 class _Layer(ctypes.Structure):
@@ -52,40 +59,44 @@ class _Stack(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
                 ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
                 ("block_size", ctypes.c_int64), ("vocab", ctypes.c_int64), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("cache_bf16", ctypes.c_int), ("embed", ctypes.c_void_p),
+                ("scale", ctypes.c_float), ("kind", ctypes.c_int), ("cache_bf16", ctypes.c_int),
+                ("embed", ctypes.c_void_p),
                 ("final_norm", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer))]
 
 
 _ERRORS = {1: "out of memory", 2: "a size or a token id out of range", 3: "the attention kernel refused the shape"}
 
 
-def _projection(module: torch.nn.Module) -> str | None:
-    if not isinstance(module, QuantizedLinear) or not module.native_q4:
-        return "a projection is not int4 in the native layout"
-    if module.bias is not None:
+def _kind(model: torch.nn.Module) -> int | str:
+    """STACK_INT4 or STACK_BF16 for the model's projections, else why neither."""
+    dtype = model.model.embed_tokens.weight.dtype
+    modules = [m for layer in model.model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    if any(getattr(m, "bias", None) is not None for m in modules):
         return "a projection has a bias"
-    return None
+    if dtype == torch.float32 and all(isinstance(m, QuantizedLinear) and m.native_q4 for m in modules):
+        return STACK_INT4
+    if dtype == torch.bfloat16 and all(isinstance(m, PrepackedLinear) and m.gemv_weight for m in modules):
+        return STACK_BF16
+    return ("the projections are neither int4 in the native layout with float32 activations nor bfloat16 "
+            "prepacked for the native GEMV")
 
 
 def native_decode_unavailable(model: torch.nn.Module, kv_caches: list[KVCache]) -> str | None:
     """None when ``NativeDecode`` runs this model's decode steps, else why not."""
     if type(model) is not LlamaForCausalLM:
         return f"{type(model).__name__} is not the plain Llama decoder"
-    embed = model.model.embed_tokens.weight
-    if embed.device.type != "cpu" or embed.dtype != torch.float32:
-        return "the model is not float32 on CPU"
+    if model.model.embed_tokens.weight.device.type != "cpu":
+        return "the model is not on CPU"
     cfg = model.config
     if not (0 < cfg.num_key_value_heads and cfg.num_attention_heads % cfg.num_key_value_heads == 0
             and cfg.num_attention_heads <= MAX_HEADS and 0 < cfg.head_dim <= MAX_HEAD_DIM and cfg.head_dim % 2 == 0):
         return "the attention's shape is outside the kernel's limits"
-    for layer in model.model.layers:
-        if type(layer.self_attn) is not Attention:
-            return "the attention is not the plain Llama attention"
-        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                       layer.mlp.down_proj):
-            why = _projection(module)
-            if why is not None:
-                return why
+    if any(type(layer.self_attn) is not Attention for layer in model.model.layers):
+        return "the attention is not the plain Llama attention"
+    kind = _kind(model)
+    if isinstance(kind, str):
+        return kind
     for k_cache, v_cache in kv_caches:
         if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
             return f"no native decode for a {k_cache.dtype} KV cache"
@@ -102,7 +113,8 @@ def native_decode_unavailable(model: torch.nn.Module, kv_caches: list[KVCache]) 
 
 class NativeDecode:
     """Callable as ``(input_ids, positions, meta) -> hidden`` for a decode-only step of fewer than
-    ``max_rows`` rows (``NativeDecode.runs``), like ``CompiledDecode``."""
+    ``max_rows`` rows (``NativeDecode.runs``), like ``CompiledDecode``. The tensors its C structs
+    point into are the model's own (kept referenced here): weights loaded once, never replaced."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache]) -> None:
         from engine_service.model.native import native_library
@@ -124,13 +136,19 @@ class NativeDecode:
             self._keep.append(t)
             return t.data_ptr()
 
-        def weight(module: QuantizedLinear) -> _Weight:
+        self.kind = _kind(model)
+        self.dtype = model.model.embed_tokens.weight.dtype
+
+        def weight(module: torch.nn.Module) -> _Weight:
+            if self.kind == STACK_BF16:
+                address, n_pad, k_pad = module.gemv_weight  # the packed buffer, kept alive by the module
+                return _Weight(address, None, module.out_features, n_pad, module.in_features, k_pad)
             codes, sz = module.codes, module.scales_zeros
             k = codes.shape[1] * 8
             return _Weight(ptr(codes), ptr(sz), module.out_features, codes.shape[0] * 16, k, k // sz.shape[1])
 
         self._layers = (_Layer * len(layers))(*[
-            _Layer(ptr(layer.input_layernorm.weight.float()), ptr(layer.post_attention_layernorm.weight.float()),
+            _Layer(ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
                    weight(layer.self_attn.qkv_proj), weight(layer.self_attn.o_proj), weight(layer.mlp.gate_up_proj),
                    weight(layer.mlp.down_proj), ptr(k_cache), ptr(v_cache))
             for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True)])
@@ -138,14 +156,17 @@ class NativeDecode:
         self._stack = _Stack(
             len(layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
             cfg.intermediate_size, kv_caches[0][0].shape[1], model.model.embed_tokens.weight.shape[0], float(norm.eps),
-            float(layers[0].self_attn.scale), int(kv_caches[0][0].dtype == torch.bfloat16),
-            ptr(model.model.embed_tokens.weight), ptr(norm.weight.float()), self._layers)
-        # the products dequantize from this many rows on (QuantizedLinear.dense_min_rows): more
-        # rows than that run the compiled or eager step
-        dense = [m.dense_min_rows for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        self.max_rows = min([MAX_ROWS, *(d for d in dense if d is not None)])
-        fn = native_library().q4_decode_stack
+            float(layers[0].self_attn.scale), self.kind, int(kv_caches[0][0].dtype == torch.bfloat16),
+            ptr(model.model.embed_tokens.weight), ptr(norm.weight), self._layers)
+        if self.kind == STACK_BF16:
+            self.max_rows = 2  # the GEMV is one row's
+        else:
+            # the products dequantize from this many rows on (QuantizedLinear.dense_min_rows): more
+            # rows than that run the compiled or eager step
+            dense = [m.dense_min_rows for layer in layers for m in (
+                layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            self.max_rows = min([MAX_ROWS, *(d for d in dense if d is not None)])
+        fn = native_library().decode_stack
         fn.restype = ctypes.c_int
         i64, vp = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ctypes.POINTER(_Stack), vp, vp, vp, vp, i64, vp, vp, i64, vp, i64, vp]
@@ -165,7 +186,7 @@ class NativeDecode:
             raise ValueError("native decode: ids, positions, slots, block tables and lengths must be contiguous int64")
         if not (positions.shape[0] == meta.slot_mapping.shape[0] == tables.shape[0] == lens.shape[0] == rows):
             raise ValueError("native decode: one position, slot, block table and length per row")
-        out = torch.empty(rows, self._stack.hidden, dtype=torch.float32)
+        out = torch.empty(rows, self._stack.hidden, dtype=self.dtype)
         rc = self._fn(self._stack_ref, input_ids.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                       cos.shape[0], meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
                       rows, out.data_ptr())

@@ -171,11 +171,14 @@ class PrepackedLinear(nn.Module):
         handle = torch.tensor(next(_handles))
         self.register_buffer("handle", handle, persistent=False)
         self.gemv = False  # one row runs the native GEMV on the packed weight
+        self.gemv_weight: tuple[int, int, int] | None = None  # (address, n_pad, k_pad) when gemv
         if _native_ops_unavailable() is None:  # else the model never compiles: compile_unavailable
             padded = gemv_layout(weight, self.packed) if _gemv_supported() else None
             self.gemv = padded is not None
             address = torch.ops.mkldnn.data_ptr(self.packed) if padded else 0
             n_pad, k_pad = padded or (0, 0)
+            if padded:
+                self.gemv_weight = (address, n_pad, k_pad)
             torch.ops.sluice.prepacked_register(handle, self.packed, address, self.out_features, self.in_features,
                                                 n_pad, k_pad)
             weakref.finalize(self, torch.ops.sluice.prepacked_unregister, handle)

@@ -1,4 +1,4 @@
-"""The native decode step (``engine_service.model.native_decode``, ``kernels/q4_decode.c``) against
+"""The native decode step (``engine_service.model.native_decode``, ``kernels/decode_stack.c``) against
 the eager forward it replaces, on the default model quantized to int4.
 
 The products and the attention are the same kernels in both, so what is checked is the work between
@@ -135,6 +135,29 @@ def test_draft_chunks_attend_to_their_own_new_tokens(llm):
         assert torch.equal(alone[0], got[j])
 
 
+def test_a_bfloat16_stream_is_the_eager_forward(model_dir):
+    """bfloat16 weights prepacked for the native one-row GEMV: one stream's decode step, rounded to
+    bfloat16 where the eager forward rounds. The products are the same kernel, so most rows agree
+    bit for bit and the rest to a few bfloat16 ulps; the eager forward's next token is kept."""
+    from engine_service.model.prepacked import PrepackedLinear
+
+    plain = LLM(str(model_dir), dtype="bfloat16", enforce_eager=True, block_size=BLOCK, kv_cache_memory=48 << 20)
+    runner = plain.engine.runner
+    head = runner.model.model.layers[0].mlp.down_proj
+    if not (isinstance(head, PrepackedLinear) and head.gemv):
+        pytest.skip("this CPU has no AVX512-BF16: bfloat16 products stay oneDNN's, so no native decode step")
+    native = NativeDecode(runner.model, runner.kv_caches)
+    assert native.max_rows == 2  # one row: batches keep oneDNN's products
+    lengths = [5, 40, 130, 260]
+    for (tokens, blocks), n in zip(_sequences(plain, lengths, seed=3), lengths, strict=True):
+        chunk = [_chunk(tokens, blocks, n, 1)]
+        want = _step(plain, chunk, None)
+        got = _step(plain, chunk, native)
+        assert got.dtype == torch.bfloat16
+        assert _distance(got.float(), want.float()) < 2e-2
+        assert int(runner.model.compute_logits(got).argmax()) == int(runner.model.compute_logits(want).argmax())
+
+
 def test_models_it_cannot_run_are_named():
     class NotLlama(torch.nn.Module):
         pass
@@ -145,7 +168,7 @@ def test_models_it_cannot_run_are_named():
 def test_an_unquantized_model_has_no_native_step(model_dir):
     plain = LLM(str(model_dir), dtype="float32", enforce_eager=True, kv_cache_memory=16 << 20)
     why = native_decode_unavailable(plain.engine.runner.model, plain.engine.runner.kv_caches)
-    assert why == "a projection is not int4 in the native layout"
+    assert why.startswith("the projections are neither int4")
     with pytest.raises(ValueError, match="no native decode step"):
         NativeDecode(plain.engine.runner.model, plain.engine.runner.kv_caches)
 

@@ -1,0 +1,171 @@
+/* A Llama-family model's decode step in one native call (decode_stack.h): the embedding lookup,
+ * every decoder layer (norm, QKV product, rotary, cache write, attention, output product, residual,
+ * norm, gate/up product, SiLU, down product, residual) and the final norm.
+ *
+ * Why: one stream's step was ~150 operator calls through torch's dispatcher and inductor's wrapper
+ * around the native products and attention, and that serial work between the kernels, not their
+ * arithmetic, was what kept one stream at ~1.3x llama.cpp (docs/performance.md). Here the products
+ * (q4_gemv.c for int4, packed_gemv.c for bfloat16) and the attention (paged_decode_attention.c) are
+ * the same kernels the eager forward calls, called from C; the elementwise work between them is a
+ * few thousand values a row, done on the calling thread.
+ *
+ * Numerics follow the eager forward (engine_service/model/llama.py, layers.py): RMSNorm as
+ * h * (1 / sqrt(mean(h^2) + eps)) then times the weight, rotary in the rotate_half convention from
+ * the engine's cos/sin tables, SiLU as x / (1 + e^-x), no fused multiply-adds. With bfloat16
+ * activations every value is rounded to bfloat16 where torch's eager ops round it (each op's
+ * output; the cos/sin tables as the forward casts them). Sums run in another order than torch's, so
+ * outputs match to rounding, not bit for bit (tests/unit/test_native_decode.py). Each row is
+ * computed independently of the others: a row's output does not depend on the batch. */
+#include "decode_stack.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "packed_gemv.h"
+#include "paged_decode_attention.h"
+#include "q4_gemv.h"
+
+#define NOCONTRACT __attribute__((optimize("fp-contract=off")))
+
+/* x rounded to bfloat16 when bf, else x */
+static inline float rnd(float x, int bf) { return bf ? bf16_to_f32(f32_to_bf16(x)) : x; }
+
+static inline float load(const void *p, int64_t i, int bf) {
+    return bf ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+NOCONTRACT static void rms_norm(const float *x, const void *weight, int64_t n, float eps, int bf, float *out) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = rnd(load(weight, i, bf) * rnd(x[i] * inv, bf), bf);
+}
+
+/* rotate_half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), per head, in place */
+NOCONTRACT static void rotate(float *x, int64_t heads, int64_t head_dim, const float *cos, const float *sin, int bf) {
+    const int64_t half = head_dim / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *v = x + h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = v[i], b = v[i + half];
+            const float c1 = rnd(cos[i], bf), s1 = rnd(sin[i], bf);
+            const float c2 = rnd(cos[i + half], bf), s2 = rnd(sin[i + half], bf);
+            v[i] = rnd(rnd(a * c1, bf) + rnd(-b * s1, bf), bf);
+            v[i + half] = rnd(rnd(b * c2, bf) + rnd(a * s2, bf), bf);
+        }
+    }
+}
+
+static void write_cache(void *cache, int cache_bf16, int64_t slot, const float *src, int64_t n) {
+    if (cache_bf16) {
+        uint16_t *dst = (uint16_t *)cache + slot * n;
+        for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy((float *)cache + slot * n, src, sizeof(float) * (size_t)n);
+    }
+}
+
+/* y[rows][n_out] = x[rows][k] W^T; bfloat16: one row, through the bf16 scratch xb / yb */
+static int product(int kind, const StackWeight *w, const float *x, float *y, int64_t rows, uint16_t *xb,
+                   uint16_t *yb) {
+    if (kind == STACK_INT4)
+        return q4_linear_f32((const uint8_t *)w->data, w->scales_zeros, x, y, rows, w->n_out, w->n_pad, w->k,
+                             w->extra);
+    for (int64_t i = 0; i < w->k; i++) xb[i] = f32_to_bf16(x[i]);
+    const int rc = packed_gemv_bf16((const uint16_t *)w->data, xb, NULL, yb, w->n_out, w->k, w->n_pad, w->extra);
+    for (int64_t i = 0; i < w->n_out; i++) y[i] = bf16_to_f32(yb[i]);
+    return rc;
+}
+
+static int weight_ok(int kind, const StackWeight *w, int64_t n_out, int64_t k) {
+    if (w->n_out != n_out || w->k != k || w->data == NULL) return 0;
+    if (kind == STACK_INT4) return w->scales_zeros != NULL;
+    return packed_gemv_sizes_ok(w->n_out, w->k, w->n_pad, w->extra);
+}
+
+NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int64_t *positions,
+                            const float *cos_table, const float *sin_table, int64_t num_positions,
+                            const int64_t *slots, const int64_t *block_tables, int64_t table_width,
+                            const int64_t *context_lens, int64_t rows, void *out) {
+    const int64_t hidden = s->hidden, d = s->head_dim, q_size = s->heads * d, kv_size = s->kv_heads * d;
+    const int64_t qkv_size = q_size + 2 * kv_size, inter = s->intermediate;
+    const int kind = s->kind, bf = kind == STACK_BF16;
+    if (rows <= 0 || d % 2 != 0) return 2;
+    if (kind == STACK_INT4 ? (!q4_gemv_supported() || rows > Q4_MAX_ROWS)
+                           : (kind != STACK_BF16 || !packed_gemv_bf16_supported() || rows != 1))
+        return 2;
+    for (int64_t r = 0; r < rows; r++)
+        if (ids[r] < 0 || ids[r] >= s->vocab || positions[r] < 0 || positions[r] >= num_positions) return 2;
+    for (int64_t l = 0; l < s->num_layers; l++) {
+        const StackLayer *layer = &s->layers[l];
+        if (!weight_ok(kind, &layer->qkv, qkv_size, hidden) || !weight_ok(kind, &layer->o, hidden, q_size) ||
+            !weight_ok(kind, &layer->gate_up, 2 * inter, hidden) || !weight_ok(kind, &layer->down, hidden, inter))
+            return 2;
+    }
+    /* scratch, per row: the residual stream, a normed copy, q|k|v, q, the attention output, gate|up,
+     * the SiLU product; and the bfloat16 products' input and output */
+    const int64_t per_row = 2 * hidden + qkv_size + 2 * q_size + 3 * inter;
+    const int64_t widest = 2 * inter > qkv_size ? 2 * inter : qkv_size;
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)(rows * per_row) + sizeof(uint16_t) * (size_t)(2 * widest));
+    if (scratch == NULL) return 1;
+    float *x = scratch, *normed = x + rows * hidden, *qkv = normed + rows * hidden, *q = qkv + rows * qkv_size;
+    float *attn = q + rows * q_size, *gate_up = attn + rows * q_size, *act = gate_up + rows * 2 * inter;
+    uint16_t *xb = (uint16_t *)(act + rows * inter), *yb = xb + widest;
+    int rc = 0;
+
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < hidden; i++) x[r * hidden + i] = load(s->embed, ids[r] * hidden + i, bf);
+    for (int64_t l = 0; l < s->num_layers && rc == 0; l++) {
+        const StackLayer *layer = &s->layers[l];
+        for (int64_t r = 0; r < rows; r++)
+            rms_norm(x + r * hidden, layer->input_norm, hidden, s->eps, bf, normed + r * hidden);
+        if ((rc = product(kind, &layer->qkv, normed, qkv, rows, xb, yb)) != 0) break;
+        for (int64_t r = 0; r < rows; r++) {
+            float *row = qkv + r * qkv_size;
+            const float *cos = cos_table + positions[r] * d, *sin = sin_table + positions[r] * d;
+            rotate(row, s->heads + s->kv_heads, d, cos, sin, bf); /* q and k are adjacent */
+            memcpy(q + r * q_size, row, sizeof(float) * (size_t)q_size);
+            /* written before any row attends: a row may attend to a slot another row of this step
+             * wrote (a draft chunk's tokens; prefix sharing), as the eager forward allows */
+            write_cache(layer->k_cache, s->cache_bf16, slots[r], row + q_size, kv_size);
+            write_cache(layer->v_cache, s->cache_bf16, slots[r], row + q_size + kv_size, kv_size);
+        }
+        const int arc = s->cache_bf16
+            ? paged_decode_attention_bf16(q, (const uint16_t *)layer->k_cache, (const uint16_t *)layer->v_cache,
+                                          block_tables, table_width, context_lens, attn, rows, s->heads,
+                                          s->kv_heads, d, s->block_size, s->scale)
+            : paged_decode_attention_f32(q, (const float *)layer->k_cache, (const float *)layer->v_cache,
+                                         block_tables, table_width, context_lens, attn, rows, s->heads, s->kv_heads,
+                                         d, s->block_size, s->scale);
+        if (arc != 0) {
+            rc = arc == 1 ? 1 : 3;
+            break;
+        }
+        if (bf)
+            for (int64_t i = 0; i < rows * q_size; i++) attn[i] = rnd(attn[i], 1);
+        if ((rc = product(kind, &layer->o, attn, normed, rows, xb, yb)) != 0) break;
+        for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + normed[i], bf);
+        for (int64_t r = 0; r < rows; r++)
+            rms_norm(x + r * hidden, layer->post_norm, hidden, s->eps, bf, normed + r * hidden);
+        if ((rc = product(kind, &layer->gate_up, normed, gate_up, rows, xb, yb)) != 0) break;
+        for (int64_t r = 0; r < rows; r++) {
+            const float *g = gate_up + r * 2 * inter, *u = g + inter;
+            float *a = act + r * inter;
+            for (int64_t i = 0; i < inter; i++) a[i] = rnd(rnd(g[i] / (1.0f + expf(-g[i])), bf) * u[i], bf);
+        }
+        if ((rc = product(kind, &layer->down, act, normed, rows, xb, yb)) != 0) break;
+        for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + normed[i], bf);
+    }
+    if (rc == 0)
+        for (int64_t r = 0; r < rows; r++) {
+            rms_norm(x + r * hidden, s->final_norm, hidden, s->eps, bf, normed + r * hidden);
+            for (int64_t i = 0; i < hidden; i++) {
+                if (bf) ((uint16_t *)out)[r * hidden + i] = f32_to_bf16(normed[r * hidden + i]);
+                else ((float *)out)[r * hidden + i] = normed[r * hidden + i];
+            }
+        }
+    free(scratch);
+    return rc;
+}

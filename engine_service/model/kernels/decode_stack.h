@@ -1,0 +1,57 @@
+/* A Llama-family decoder's decode step in one call (decode_stack.c): every layer, for rows that are
+ * each one token of a decode, with int4 weights and float32 activations, or bfloat16 weights in
+ * oneDNN's packed layout and bfloat16 activations. */
+#ifndef SLUICE_DECODE_STACK_H
+#define SLUICE_DECODE_STACK_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define STACK_INT4 0 /* q4_gemv.h's layout; float32 activations; up to Q4_MAX_ROWS rows */
+#define STACK_BF16 1 /* packed_gemv.h's layout (oneDNN's, read in place); bfloat16 activations; one row */
+
+/* One projection: n_out outputs, k inputs. int4: data = codes, scales_zeros, n_pad rows, extra =
+ * the group size. bfloat16: data = the packed weight, scales_zeros NULL, n_pad x extra (k padded). */
+typedef struct {
+    const void *data;
+    const uint16_t *scales_zeros;
+    int64_t n_out, n_pad, k, extra;
+} StackWeight;
+
+typedef struct {
+    const void *input_norm, *post_norm; /* [hidden], the activations' dtype */
+    StackWeight qkv;                    /* q, k, v stacked on the output axis */
+    StackWeight o;
+    StackWeight gate_up;                /* gate, up stacked on the output axis */
+    StackWeight down;
+    void *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim], float32 or bfloat16 */
+} StackLayer;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, vocab;
+    float eps, scale;
+    int kind;       /* STACK_INT4 or STACK_BF16 */
+    int cache_bf16; /* 1: the caches hold bfloat16, else float32 */
+    const void *embed;      /* [vocab, hidden], the activations' dtype */
+    const void *final_norm; /* [hidden] */
+    const StackLayer *layers;
+} DecodeStack;
+
+/* out[rows, hidden] (the activations' dtype) = the final norm of the stack's output for tokens
+ * ids[rows] at positions[rows], each row a decode: its K/V written at slots[r], then attending to
+ * context_lens[r] tokens through block_tables[r] (table_width columns). cos/sin: the rotary tables,
+ * float32 [num_positions, head_dim]. Returns 0; 1 when scratch memory could not be had; 2 when a
+ * size or an id is out of range or the CPU cannot run the products; 3 when the attention kernel
+ * refused its shape. */
+int decode_stack(const DecodeStack *stack, const int64_t *ids, const int64_t *positions, const float *cos_table,
+                 const float *sin_table, int64_t num_positions, const int64_t *slots, const int64_t *block_tables,
+                 int64_t table_width, const int64_t *context_lens, int64_t rows, void *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
