@@ -7,8 +7,8 @@ about a third of its time between them, in ~150 operator calls through torch's d
 inductor's wrapper (docs/performance.md). ``decode_stack`` runs the same kernels from C with the
 norms, rotary, cache writes, SiLU and residuals between them, so a step is one call.
 
-It is called through ctypes, once a step (per-call cost ~10 µs, against ~5 µs for each of the
-dispatcher's calls it replaces). What the call reads is described once, at engine start, in C
+It is called through ctypes, once a step: a ctypes call costs more than one dispatcher call, but it
+replaces a step's worth of them, and needs no operator registration. What the call reads is described once, at engine start, in C
 structs holding the weights' and caches' addresses; the tensors themselves stay referenced here
 for the engine's life, and the engine never moves or replaces them.
 

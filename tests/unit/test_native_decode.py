@@ -17,6 +17,7 @@ import torch
 
 from engine_service import LLM, SamplingParams
 from engine_service.model.native_decode import NativeDecode, native_decode_unavailable
+from tests.model_helpers import LONG_TEXT
 
 pytestmark = pytest.mark.model
 
@@ -42,12 +43,14 @@ def _chunk(tokens: list[int], blocks: list[int], start: int, num: int, drafts: l
 
 
 def _sequences(llm, lengths: list[int], seed: int = 0):
-    """Prompts of ``lengths`` random tokens, prefilled by the eager forward into blocks of their own."""
+    """Prompts of ``lengths`` tokens of English text (each from its own offset, so that the next
+    token is often a clear choice), prefilled by the eager forward into blocks of their own."""
     runner = llm.engine.runner
-    gen = torch.Generator().manual_seed(seed)
+    text = llm.get_tokenizer().encode(LONG_TEXT * 4)
     seqs, next_block = [], 1
-    for n in lengths:
-        tokens = torch.randint(100, 40000, (n + 8,), generator=gen).tolist()  # room for a few decodes
+    for i, n in enumerate(lengths):
+        start = (seed * 13 + i * 7) % 200
+        tokens = text[start:start + n + 8]  # room for a few decodes
         need = -(-(n + 8) // BLOCK)
         seqs.append((tokens, list(range(next_block, next_block + need))))
         next_block += need
@@ -110,7 +113,7 @@ def test_a_decode_step_is_the_eager_forward_and_each_row_is_its_own(llm):
     logits_got, logits_want = runner.model.compute_logits(got), runner.model.compute_logits(want)
     top2 = logits_want.topk(2).values
     clear = (top2[:, 0] - top2[:, 1]) > 1.0
-    assert clear.sum() >= 3
+    assert clear.sum() >= 4, int(clear.sum())
     assert torch.equal(logits_got.argmax(-1)[clear], logits_want.argmax(-1)[clear])
     # a row alone is bitwise that row in the batch
     for i in (0, 5, 11):
