@@ -79,8 +79,9 @@ class EngineConfig:
         "place; CPU only, needs gcc), torch (plain torch: a padded gather + SDPA, the reference), auto "
         "(native where it builds, else torch; docs/performance.md)", choices=["auto", "native", "torch"])
     native_decode: bool = knob(
-        True, "decode steps of an int4 Llama-family model on CPU as one native call per step instead of the compiled "
-        "step (engine_service.model.native_decode; not with --enforce-eager, which runs the eager reference)")
+        True, "decode steps of an int4 Llama-family model (and a bfloat16 one's single stream) on CPU as one native "
+        "call per step instead of the compiled step (engine_service.model.native_decode; not with --enforce-eager, "
+        "which runs the eager reference)")
     generation_config: str = knob(
         "auto", "auto: the model's generation_config.json sets the temperature, top_p, top_k, min_p and "
         "repetition_penalty a request leaves unset (vLLM's behaviour); vllm: ignore it (neutral defaults)",
