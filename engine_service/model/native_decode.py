@@ -124,7 +124,6 @@ class NativeDecode:
             raise ValueError(f"no native decode step for this model: {why}")
         self.model = model
         self.kv_caches = kv_caches
-        self.warmup_seconds: float | None = None
         cfg = model.config
         layers = list(model.model.layers)
         self._keep: list[torch.Tensor] = []  # every tensor the structs point into, alive with this object
@@ -206,5 +205,4 @@ class NativeDecode:
                                  decode_block_tables=torch.full((1, 1), scratch_slot // block_size, dtype=torch.long),
                                  decode_context_lens=torch.ones(1, dtype=torch.long))
         self(one, one, meta)
-        self.warmup_seconds = time.perf_counter() - started
-        return self.warmup_seconds
+        return time.perf_counter() - started

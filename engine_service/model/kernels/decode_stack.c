@@ -24,31 +24,12 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fast_exp.h"
 #include "packed_gemv.h"
 #include "paged_decode_attention.h"
 #include "q4_gemv.h"
 
 #define NOCONTRACT __attribute__((optimize("fp-contract=off")))
-
-/* e^x in plain arithmetic (Cephes' expf: range reduction by ln 2, a degree-6 polynomial; within 2
- * ulp of expf; x clamped to [-87, 88], where SiLU's quotient is already its limit), so that the SiLU
- * loop vectorises: a libm call per element was most of the step's elementwise time. */
-static inline float exp_f32(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float k = __builtin_rintf(x * 1.44269504088896341f);
-    const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)k + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return y * scale;
-}
 
 /* x rounded to bfloat16 when bf, else x */
 static inline float rnd(float x, int bf) { return bf ? bf16_to_f32(f32_to_bf16(x)) : x; }
@@ -175,9 +156,9 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
             const float *g = gate_up + r * 2 * inter, *u = g + inter;
             float *a = act + r * inter;
             if (bf)
-                for (int64_t i = 0; i < inter; i++) a[i] = rnd(rnd(g[i] / (1.0f + exp_f32(-g[i])), 1) * u[i], 1);
+                for (int64_t i = 0; i < inter; i++) a[i] = rnd(rnd(g[i] / (1.0f + fast_exp(-g[i])), 1) * u[i], 1);
             else
-                for (int64_t i = 0; i < inter; i++) a[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
+                for (int64_t i = 0; i < inter; i++) a[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
         }
         if ((rc = product(kind, &layer->down, act, normed, rows, xb, yb)) != 0) break;
         for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + normed[i], bf);

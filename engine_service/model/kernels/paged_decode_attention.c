@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fast_exp.h"
 #include "paged_decode_attention.h"
 
 #define PARTITION 128 /* the longest partition (the scratch row per head) */
@@ -47,25 +48,6 @@ static inline int64_t partition_len(int64_t len) { return len <= 256 ? 64 : PART
 #define MAX_HEADS PDA_MAX_HEADS
 #define HEAD_DIM_MAX PDA_MAX_HEAD_DIM
 
-/* exp(x) for x <= 0 in plain arithmetic (Cephes' expf: range reduction by ln 2, a degree-6
- * polynomial; within 2 ulp of expf), so the softmax loop vectorises: a scalar libm call per score
- * was a third of the kernel's time at batch 64. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float k = __builtin_rintf(x * 1.44269504088896341f);
-    const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)k + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return y * scale;
-}
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -211,7 +193,7 @@ static inline __attribute__((always_inline)) void NAME(                         
         float total = 0.f;                                                                        \
         _Pragma("omp simd reduction(+:total)")                                                    \
         for (int64_t c = 0; c < n; c++) {                                                         \
-            s[c] = exp_nonpositive(s[c] - mx);                                                    \
+            s[c] = fast_exp(s[c] - mx);                                                    \
             total += s[c];                                                                        \
         }                                                                                         \
         m[h] = mx;                                                                                \
@@ -311,7 +293,7 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int64_t *bloc
             }                                                                                     \
             for (int64_t p = 0; p < parts; p++) {                                                 \
                 const float *part = partials + (first_task[b] + p) * per_task;                    \
-                const float w = exp_nonpositive(part[heads * head_dim + h] - mx);                 \
+                const float w = fast_exp(part[heads * head_dim + h] - mx);                 \
                 total += w * part[heads * head_dim + heads + h];                                  \
                 const float *op = part + h * head_dim;                                            \
                 _Pragma("omp simd")                                                               \
