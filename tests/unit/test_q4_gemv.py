@@ -111,10 +111,13 @@ def test_products_are_the_kernels_arithmetic_and_within_the_activation_rounding(
     assert (got - exact).abs().max() > 0  # the activations really were rounded (the check can fail)
 
 
-@pytest.mark.parametrize("rows", [2, 3, 11])  # the kernel takes rows four at a time: 11 = 4 + 4 + 3
-def test_rows_are_independent_and_threads_do_not_change_a_bit(rows):
+# the VPDPBUSD passes take rows four at a time (11 = 4 + 4 + 3); where the CPU has AMX, 8 rows and
+# more take tile passes of up to 16 (21 = 16 + 5): every row must come out as it does alone, through
+# the one-row VPDPBUSD path, whatever the group size (64: two integer sums per group)
+@pytest.mark.parametrize(("rows", "group"), [(2, 32), (3, 32), (11, 32), (8, 32), (21, 32), (21, 64)])
+def test_rows_are_independent_and_threads_do_not_change_a_bit(rows, group):
     w = _weight(576, 1536, seed=5)
-    mod = QuantizedLinear.from_float(w, None, "int4", torch.bfloat16, 32)
+    mod = QuantizedLinear.from_float(w, None, "int4", torch.bfloat16, group)
     x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(9))
     together = mod(x)
     alone = torch.cat([mod(x[i : i + 1]) for i in range(rows)])
