@@ -15,8 +15,10 @@ both and nothing but speculation differs: the same weights at the same addresses
 compiled graphs. Two engines would not do for the comparison of outputs: float32 GEMMs round
 differently with their operands' addresses, and int4's activation rounding turns that into
 different tokens at near-ties (two int4 engines of one configuration disagree on some greedy
-outputs without any speculation). Greedy outputs are compared token by token. Prints a table and
-writes JSON (``--json``).
+outputs without any speculation). Greedy outputs are compared token by token. Rates are given
+twice: over the whole run (prefill included, which speculation does not touch) and over decoding
+alone (first token to last: the one-stream rate ``sluice bench latency`` and ``anchor`` report).
+Prints a table and writes JSON (``--json``).
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ def _engine(args: argparse.Namespace):
                kv_cache_memory=256 << 20)
 
 
-def _timed(llm, prompts, params, speculate: bool) -> tuple[float, list[list[int]]]:
+def _timed(llm, prompts, params, speculate: bool) -> tuple[float, float, list[list[int]]]:
+    """Seconds end to end, decode seconds (first token to last, the batch's span) and the outputs."""
     scheduler = llm.engine.scheduler
     config = scheduler.speculative_config
     if not speculate:  # requests added now get no drafter: they decode plainly
@@ -113,7 +116,11 @@ def _timed(llm, prompts, params, speculate: bool) -> tuple[float, list[list[int]
         scheduler.block_pool.reset_prefix_cache()  # every run prefills its prompts
         started = time.perf_counter()
         outs = llm.generate(prompts, params)
-        return time.perf_counter() - started, [o.outputs[0].token_ids for o in outs]
+        seconds = time.perf_counter() - started
+        firsts = [o.metrics.first_token_time for o in outs if o.metrics and o.metrics.first_token_time]
+        lasts = [o.metrics.finished_time for o in outs if o.metrics and o.metrics.finished_time]
+        decode = max(lasts) - min(firsts) if firsts and lasts else 0.0
+        return seconds, decode, [o.outputs[0].token_ids for o in outs]
     finally:
         scheduler.speculative_config = config
 
@@ -122,7 +129,9 @@ def _side_by_side(llm, batches, params) -> dict:
     """Each batch with and without speculation in turn (alternating the order); seconds, tokens,
     identity."""
     seconds = {"plain": 0.0, "spec": 0.0}
+    decode_seconds = {"plain": 0.0, "spec": 0.0}
     tokens = {"plain": 0, "spec": 0}
+    decode_tokens = {"plain": 0, "spec": 0}  # after each request's first
     identical = 0
     total = 0
     stats = llm.engine.scheduler.spec_stats
@@ -133,9 +142,11 @@ def _side_by_side(llm, batches, params) -> dict:
             order.reverse()
         outs = {}
         for name in order:
-            s, out = _timed(llm, prompts, params, speculate=name == "spec")
+            s, d, out = _timed(llm, prompts, params, speculate=name == "spec")
             seconds[name] += s
+            decode_seconds[name] += d
             tokens[name] += sum(len(t) for t in out)
+            decode_tokens[name] += sum(max(len(t) - 1, 0) for t in out)
             outs[name] = out
         identical += sum(a == b for a, b in zip(outs["plain"], outs["spec"], strict=True))
         total += len(prompts)
@@ -144,11 +155,14 @@ def _side_by_side(llm, batches, params) -> dict:
     drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
     accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
     rate = {k: tokens[k] / seconds[k] if seconds[k] else 0.0 for k in seconds}
+    decode_rate = {k: decode_tokens[k] / decode_seconds[k] if decode_seconds[k] else 0.0 for k in seconds}
     return {
         "requests": total, "identical_outputs": identical,
-        "plain": {"seconds": seconds["plain"], "tokens": tokens["plain"], "tokens_per_s": rate["plain"]},
-        "spec": {"seconds": seconds["spec"], "tokens": tokens["spec"], "tokens_per_s": rate["spec"]},
+        **{name: {"seconds": seconds[name], "tokens": tokens[name], "tokens_per_s": rate[name],
+                  "decode_seconds": decode_seconds[name], "decode_tokens": decode_tokens[name],
+                  "decode_tokens_per_s": decode_rate[name]} for name in ("plain", "spec")},
         "speedup": rate["spec"] / rate["plain"] if rate["plain"] else 0.0,
+        "decode_speedup": decode_rate["spec"] / decode_rate["plain"] if decode_rate["plain"] else 0.0,
         "num_drafts": drafts, "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
@@ -191,14 +205,19 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=0.0, max_tokens=args.random_output_len, ignore_eos=True)
         results[f"random, {args.num_random} at once"] = _side_by_side(llm, [prompts, prompts] * args.rounds, params)
 
-    header = (f"{'workload':<22} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'accept':>7} "
-              f"{'tok/verify':>10} {'identical':>9}")
+    header = (f"{'workload':<22} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'decode plain':>12} "
+              f"{'decode spec':>11} {'ratio':>6} {'accept':>7} {'tok/verify':>10} {'identical':>9}")
     print(header)
     print("-" * len(header))
     for name, r in results.items():
         print(f"{name:<22} {r['plain']['tokens_per_s']:>11.1f} {r['spec']['tokens_per_s']:>10.1f} "
-              f"{r['speedup']:>5.2f}x {r['acceptance_rate']:>7.0%} {r['mean_acceptance_length']:>10.2f} "
+              f"{r['speedup']:>5.2f}x {r['plain']['decode_tokens_per_s']:>12.1f} "
+              f"{r['spec']['decode_tokens_per_s']:>11.1f} {r['decode_speedup']:>5.2f}x "
+              f"{r['acceptance_rate']:>7.0%} {r['mean_acceptance_length']:>10.2f} "
               f"{r['identical_outputs']:>4}/{r['requests']:<4}")
+    print("tok/s: tokens over the whole run, prefill included; decode: tokens after each request's first "
+          "over the time from its first token to its last (the one-stream figure of `sluice bench latency` "
+          "and `anchor`)")
     report = {
         "bench": "spec", "speculative_config": SpeculativeConfig.parse(args.speculative_config).as_dict(),
         "mode": args.mode, "dtype": str(llm.engine.dtype), "attention_backend": llm.engine.attention_backend,

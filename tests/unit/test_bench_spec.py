@@ -30,6 +30,11 @@ def test_bench_spec_writes_table_and_json_and_outputs_are_identical(model_dir, t
     for r in (grounded, batched):
         assert r["identical_outputs"] == r["requests"]
         assert r["plain"]["tokens"] == r["spec"]["tokens"] > 0
+        for name in ("plain", "spec"):  # decoding alone: each request's tokens after its first
+            run = r[name]
+            assert run["decode_tokens"] == run["tokens"] - r["requests"]
+            assert 0 < run["decode_seconds"] < run["seconds"]
+            assert run["decode_tokens_per_s"] == pytest.approx(run["decode_tokens"] / run["decode_seconds"])
     assert grounded["num_drafts"] > 0 and grounded["num_accepted_tokens"] > 0
     assert batched["num_drafts"] > 0  # so that none below is the knob's doing
     assert "tok/verify" in capsys.readouterr().out
