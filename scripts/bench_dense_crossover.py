@@ -21,11 +21,12 @@ from engine_service.model.quantization import (
     QuantizedLinear,
     dequantize_int4_packed,
     dequantize_int8_rows,
+    dequantize_q4,
 )
 
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536),
           ("lm_head", 49152, 576)]
-ROWS = [16, 32, 48, 64, 96, 128, 256]
+ROWS = [16, 32, 48, 64, 96, 128, 256, 512]
 
 
 def best_ms(fn, iters: int) -> float:
@@ -39,6 +40,8 @@ def best_ms(fn, iters: int) -> float:
 
 
 def reference_dequantize(mod: QuantizedLinear, k: int) -> torch.Tensor:
+    if mod.method == "int4" and mod.native_q4:
+        return dequantize_q4(mod.codes, mod.scales_zeros, mod.kernel_dtype)
     if mod.method == "int4":
         return dequantize_int4_packed(mod.qweight, mod.scales_zeros, mod.qweight.shape[0], k, mod.group_size)
     return dequantize_int8_rows(mod.qweight, mod.scales)
@@ -65,7 +68,7 @@ def main() -> None:
             threshold = mod.dense_min_rows
             ratios = []
             for rows in ROWS:
-                x = torch.randn(rows, k, generator=gen)
+                x = torch.randn(rows, k, generator=gen).to(dtype)  # the model's activations
                 mod.dense_min_rows = 1
                 dense = best_ms(lambda: mod(x), args.iters)  # noqa: B023 - timed at once
                 mod.dense_min_rows = None

@@ -17,8 +17,8 @@ Where it runs (``native_decode_unavailable`` says why not, and the engine logs i
 bfloat16 KV cache, and either
 
 * every projection int4 in the native layout, float32 activations: decode steps of fewer rows than
-  the products' dense crossover (``max_rows``; more rows run the compiled or eager step, whose
-  products dequantize). Each row's output depends only on that row (the products and the attention
+  ``max_rows`` (``STACK_MAX_ROWS``, or the products' dense crossover if lower; more rows run the
+  compiled or eager step). Each row's output depends only on that row (the products and the attention
   are row-independent), so a prompt decodes to the same tokens alone or in a batch;
 * or every projection bfloat16 prepacked with the native one-row GEMV (``PrepackedLinear.gemv``):
   steps of one row (one stream's decode; batches run oneDNN's products in the compiled step).
@@ -40,6 +40,7 @@ from engine_service.model.quantization import QuantizedLinear
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 4096  # Q4_MAX_ROWS (kernels/q4_gemv.h)
+STACK_MAX_ROWS = 64  # int4: from this many rows a step runs the compiled or eager forward
 STACK_INT4, STACK_BF16 = 0, 1  # kernels/decode_stack.h
 MAX_HEADS = 128  # PDA_MAX_HEADS (kernels/paged_decode_attention.h)
 MAX_HEAD_DIM = 256
@@ -161,10 +162,12 @@ class NativeDecode:
             self.max_rows = 2  # the GEMV is one row's
         else:
             # the products dequantize from this many rows on (QuantizedLinear.dense_min_rows): more
-            # rows than that run the compiled or eager step
+            # rows than that run the compiled or eager step; and the stack's work between the
+            # products runs on the calling thread, so a big batch goes to the compiled step's
+            # parallel operators from STACK_MAX_ROWS rows
             dense = [m.dense_min_rows for layer in layers for m in (
                 layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-            self.max_rows = min([MAX_ROWS, *(d for d in dense if d is not None)])
+            self.max_rows = min([MAX_ROWS, STACK_MAX_ROWS, *(d for d in dense if d is not None)])
         fn = native_library().decode_stack
         fn.restype = ctypes.c_int
         i64, vp = ctypes.c_int64, ctypes.c_void_p

@@ -62,6 +62,13 @@ INT4_CPU_BLOCK_N = 64  # the CPU packed layout's block of output rows (see unpac
 # docs/performance.md). A layer whose dense copy outgrows the caches (the output projection's
 # 49,152 rows) pays again to read it back, and its crossing is about three times later.
 DENSE_MIN_ROWS = {"int4": 64, "int8": 32}
+# int4 in the native layout (kernels/q4_gemv.c: integer dot products, AMX tiles from 12 rows where the
+# CPU has them) stays in its kernel far longer, by the kernel dtype: its dense path dequantizes with
+# portable C (several ms a layer), and float32's dense GEMM is slow. Measured with
+# scripts/bench_dense_crossover.py (docs/performance.md): float32 dense never catches up by 2048
+# rows; bfloat16 (oneDNN's GEMM) crosses at 512-1024.
+DENSE_MIN_ROWS_Q4 = {torch.float32: 2048, torch.bfloat16: 512}
+Q4_MAX_ROWS = 4096  # the native kernel's most rows in one call (kernels/q4_gemv.h)
 DENSE_LARGE_BYTES = 16 << 20
 Q4_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)  # what sluice::q4_linear takes and returns
 DENSE_LARGE_FACTOR = 3
@@ -269,9 +276,12 @@ class QuantizedLinear(nn.Module):
         # Only the native one-pass kernel pays: the same dequantization in torch operations costs
         # 1-6 ms a layer here, as much as the packed kernel's 100-500 rows.
         if dense_ok and _native_dequantize():
-            rows = DENSE_MIN_ROWS[method]
+            rows = DENSE_MIN_ROWS_Q4.get(kernel_dtype, DENSE_MIN_ROWS[method]) if mod.native_q4 \
+                else DENSE_MIN_ROWS[method]
             dense_bytes = weight.shape[0] * in_features * kernel_dtype.itemsize
             mod.dense_min_rows = rows * DENSE_LARGE_FACTOR if dense_bytes > DENSE_LARGE_BYTES else rows
+            if mod.native_q4:
+                mod.dense_min_rows = min(mod.dense_min_rows, Q4_MAX_ROWS)
         return mod
 
     def dense_weight(self) -> torch.Tensor:

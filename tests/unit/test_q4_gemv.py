@@ -111,10 +111,10 @@ def test_products_are_the_kernels_arithmetic_and_within_the_activation_rounding(
     assert (got - exact).abs().max() > 0  # the activations really were rounded (the check can fail)
 
 
-# the VPDPBUSD passes take rows four at a time (11 = 4 + 4 + 3); where the CPU has AMX, 8 rows and
+# the VPDPBUSD passes take rows four at a time (11 = 4 + 4 + 3); where the CPU has AMX, 12 rows and
 # more take tile passes of up to 16 (21 = 16 + 5): every row must come out as it does alone, through
 # the one-row VPDPBUSD path, whatever the group size (64: two integer sums per group)
-@pytest.mark.parametrize(("rows", "group"), [(2, 32), (3, 32), (11, 32), (8, 32), (21, 32), (21, 64)])
+@pytest.mark.parametrize(("rows", "group"), [(2, 32), (3, 32), (11, 32), (12, 32), (21, 32), (21, 64)])
 def test_rows_are_independent_and_threads_do_not_change_a_bit(rows, group):
     w = _weight(576, 1536, seed=5)
     mod = QuantizedLinear.from_float(w, None, "int4", torch.bfloat16, group)
@@ -129,6 +129,18 @@ def test_rows_are_independent_and_threads_do_not_change_a_bit(rows, group):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, together)
+
+
+def test_a_cpu_with_amx_runs_the_tile_passes():
+    """Where /proc/cpuinfo lists AMX-INT8, the build uses it (so the row tests above ran the tile
+    passes, not only the VPDPBUSD ones); elsewhere it reports no AMX and the same tests hold."""
+    from pathlib import Path
+
+    from engine_service.model.native import native_library
+
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    usable = native_library().q4_amx_usable()
+    assert usable == (1 if {"amx_int8", "amx_tile"} <= set(flags.split()) else 0)
 
 
 def test_bias_and_many_rows():

@@ -10,6 +10,7 @@ from torch import nn
 from engine_service.model.quantization import (
     DENSE_LARGE_FACTOR,
     DENSE_MIN_ROWS,
+    DENSE_MIN_ROWS_Q4,
     QuantizationError,
     QuantizedLinear,
     check_supported,
@@ -181,22 +182,28 @@ def test_engine_runs_quantized_and_agrees_with_float(model_dir, prompts, float_o
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_a_long_prompt_prefills_through_dense_products(model_dir, method, monkeypatch):
-    """A 119-token prompt is one prefill chunk of 119 rows: every decoder projection dequantizes
-    its weights once for it, decode steps (one row) keep the packed kernels, and the answer is
-    right."""
+    """A prompt of at least the layers' ``dense_min_rows`` tokens is one prefill chunk that many
+    rows: every decoder projection dequantizes its weights once for it, decode steps (one row) keep
+    the packed kernels, and the answer is right."""
     from engine_service import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), quantization=method, kv_cache_memory=32 << 20)
+    llm = LLM(str(model_dir), quantization=method, kv_cache_memory=256 << 20, max_num_batched_tokens=4096)
     layers = llm.engine.runner.model.model.layers
+    need = layers[0].mlp.gate_up_proj.dense_min_rows  # int4's native layout: hundreds to thousands of rows
+    assert need is not None and need < 4096
     dense_calls: list[QuantizedLinear] = []
     real = QuantizedLinear.dense_weight
     monkeypatch.setattr(QuantizedLinear, "dense_weight", lambda self: dense_calls.append(self) or real(self))
-    preamble = ("Europe is a continent with many countries, each with its own capital city, language and "
-                "history. Travellers often visit the capitals first, because museums, palaces and old town "
-                "centres are there. ") * 3
+    unit = ("Europe is a continent with many countries, each with its own capital city, language and "
+            "history. Travellers often visit the capitals first, because museums, palaces and old town "
+            "centres are there. ")
+    tokenizer = llm.get_tokenizer()
+    preamble = unit
+    while len(tokenizer.encode(preamble)) < need:
+        preamble += unit
     out = llm.generate(preamble + "The capital of France is",
                        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
-    assert len(out.prompt_token_ids) >= DENSE_MIN_ROWS[method]
+    assert need <= len(out.prompt_token_ids) <= llm.engine.config.max_num_batched_tokens  # one chunk
     assert len(dense_calls) == 4 * len(layers)  # qkv, o, gate_up, down of each layer, once
     assert llm.engine.runner.model.lm_head not in dense_calls  # one row to sample
     assert out.outputs[0].text.startswith(" Paris")
@@ -265,7 +272,7 @@ def test_many_rows_run_a_dense_product_of_the_same_weights(method):
     bias = torch.randn(192, generator=gen) * 0.1
     mod = QuantizedLinear.from_float(w, bias, method, torch.bfloat16, 32)
     rows = mod.dense_min_rows
-    assert rows == DENSE_MIN_ROWS[method]
+    assert rows == (DENSE_MIN_ROWS_Q4[torch.bfloat16] if mod.native_q4 else DENSE_MIN_ROWS[method])
     x = torch.randn(rows, 576, generator=gen)
     y = mod(x)
     dense = torch.nn.functional.linear(x.bfloat16(), mod.dense_weight()).float() + bias

@@ -366,12 +366,20 @@ static void task_sums_amx(const uint8_t *codes, const uint16_t *sz, int64_t b0, 
 /* from this many rows on, a product takes the AMX passes. Below it the VPDPBUSD passes are as fast
  * or faster: AMX's passes pay a fixed cost (the codes unpacked through memory into B tiles, the
  * sums stored from C tiles) that a few rows do not repay. SmolLM2's four products of a layer,
- * the two builds alternating in one run: AMX 2-2.5x slower at 2 rows, level at 8-10, 1.2-1.8x
+ * the two builds alternating in one run: AMX 1.7-2.5x slower at 2 rows, level at 8-10, 1.2-1.8x
  * faster at 16-48 */
 #define AMX_MIN_ROWS 12
 #else
 #define MAX_PASS_ROWS TASK_ROWS
 #endif
+
+int q4_amx_usable(void) {
+#if defined(Q4_AMX)
+    return amx_usable();
+#else
+    return 0;
+#endif
+}
 
 /* x rows as float32 (bf16 input widened), quantized; then the tasks */
 static int run(const uint8_t *codes, const uint16_t *sz, const float *xf, int64_t rows, int64_t n_out, int64_t n_pad,

@@ -1,6 +1,7 @@
-/* Products of a few activation rows with int4 group-quantized weights in a layout of our own, read
- * in place with AVX512-VNNI integer dot products (q4_gemv.c); and the same weights dequantized into
- * a dense matrix for products of many rows. */
+/* Products of activation rows with int4 group-quantized weights in a layout of our own, read in
+ * place with AVX512-VNNI integer dot products, or AMX tiles for 12 rows and more where the CPU has
+ * them (q4_gemv.c); and the same weights dequantized into a dense matrix for products of very many
+ * rows. */
 #ifndef SLUICE_Q4_GEMV_H
 #define SLUICE_Q4_GEMV_H
 
@@ -25,6 +26,10 @@ extern "C" {
 
 /* 1 when this build can run q4_linear (AVX512-VNNI and AVX512BW), else 0 */
 int q4_gemv_supported(void);
+
+/* 1 when products of AMX_MIN_ROWS rows or more take AMX tile passes: built with AMX-INT8, and
+ * Linux granted this process the tile state; else 0 */
+int q4_amx_usable(void);
 
 /* y[m][n] = sum_k x[m][k] * w[n][k] for m < rows, n < n_out; x and y float32 (q4_linear_f32) or
  * bfloat16 bits (q4_linear_bf16). Each row of x is quantized to int8 per 32 inputs (scale
