@@ -466,6 +466,8 @@ int q4_linear_bf16(const uint8_t *codes, const uint16_t *scales_zeros, const uin
 
 int q4_gemv_supported(void) { return 0; }
 
+int q4_amx_usable(void) { return 0; }
+
 int q4_linear_f32(const uint8_t *codes, const uint16_t *scales_zeros, const float *x, float *y, int64_t rows,
                   int64_t n_out, int64_t n_pad, int64_t k, int64_t group) {
     (void)codes, (void)scales_zeros, (void)x, (void)y, (void)rows, (void)n_out, (void)n_pad, (void)k, (void)group;
