@@ -4,8 +4,9 @@ GEMM: `python scripts/bench_dense_crossover.py [--kernel-dtype bfloat16] [--json
 For each of SmolLM2-135M's projection shapes (the fused qkv and gate_up, o, down, the output
 projection) and each method, it times the layer's product both ways over a range of row counts and
 prints the ratio packed / dense (above 1: the dense path is faster), plus the time of the
-dequantization itself, native against its torch reference. `DENSE_MIN_ROWS` in
-`engine_service/model/quantization.py` comes from this table (docs/performance.md).
+dequantization itself, native against its torch reference. `DENSE_MIN_ROWS` and
+`DENSE_MIN_ROWS_Q4` in `engine_service/model/quantization.py` come from this table
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from engine_service.model.quantization import (
 
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536),
           ("lm_head", 49152, 576)]
-ROWS = [16, 32, 48, 64, 96, 128, 256, 512]
+ROWS = [16, 32, 48, 64, 96, 128, 256, 512, 1024, 2048]
 
 
 def best_ms(fn, iters: int) -> float:

@@ -39,7 +39,6 @@ from engine_service.model.quantization import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 4096  # Q4_MAX_ROWS (kernels/q4_gemv.h)
 STACK_MAX_ROWS = 64  # int4: from this many rows a step runs the compiled or eager forward
 STACK_INT4, STACK_BF16 = 0, 1  # kernels/decode_stack.h
 MAX_HEADS = 128  # PDA_MAX_HEADS (kernels/paged_decode_attention.h)
@@ -167,7 +166,7 @@ class NativeDecode:
             # parallel operators from STACK_MAX_ROWS rows
             dense = [m.dense_min_rows for layer in layers for m in (
                 layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-            self.max_rows = min([MAX_ROWS, STACK_MAX_ROWS, *(d for d in dense if d is not None)])
+            self.max_rows = min([STACK_MAX_ROWS, *(d for d in dense if d is not None)])
         fn = native_library().decode_stack
         fn.restype = ctypes.c_int
         i64, vp = ctypes.c_int64, ctypes.c_void_p

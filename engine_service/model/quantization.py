@@ -25,6 +25,12 @@ that the unpacking returns exactly the codes it packed. Where the kernel cannot 
 layout is not the one the unpacking knows (CUDA, another torch), every product runs the packed
 kernel, as before.
 
+On a CPU with AVX512-VNNI, int4 has a layout of its own instead (``pack_q4``, read in place by the
+native ``sluice::q4_linear``, kernels/q4_gemv.c): the activations are rounded to int8 per 32
+inputs and multiplied in integers, with AMX tiles for many rows where the CPU has them. That
+kernel stays ahead of the dense path far longer, so its crossover is ``DENSE_MIN_ROWS_Q4``, by the
+kernel dtype, and prefill chunks below it round their activations as decode steps do.
+
 The activations go through the kernel in the *kernel dtype*, chosen at load by timing the kernel
 with float32 and bfloat16 inputs on this machine (bfloat16 when it is faster: on CPUs with
 AVX512-BF16 it is several times faster; the float path of these kernels is not vectorised); the
@@ -58,7 +64,7 @@ INT4_INNER_K_TILES = 2
 INT4_N_MULTIPLE = 16  # the tiling the packed int4 layout is built for (CUDA: 2, 4 or 8)
 INT4_CPU_BLOCK_N = 64  # the CPU packed layout's block of output rows (see unpack_int4_cpu)
 # From this many rows a product dequantizes the weights and runs a dense GEMM: where the two cost
-# the same for a decoder layer's projections here (int4: 45-55 rows, int8: 25-35; the table is in
+# the same for a decoder layer's projections here (int4 in torch's packed layout: 45-55 rows, int8: 25-35; the table is in
 # docs/performance.md). A layer whose dense copy outgrows the caches (the output projection's
 # 49,152 rows) pays again to read it back, and its crossing is about three times later.
 DENSE_MIN_ROWS = {"int4": 64, "int8": 32}

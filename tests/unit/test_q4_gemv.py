@@ -134,13 +134,10 @@ def test_rows_are_independent_and_threads_do_not_change_a_bit(rows, group):
 def test_a_cpu_with_amx_runs_the_tile_passes():
     """Where /proc/cpuinfo lists AMX-INT8, the build uses it (so the row tests above ran the tile
     passes, not only the VPDPBUSD ones); elsewhere it reports no AMX and the same tests hold."""
-    from pathlib import Path
+    from engine_service.model.native import _cpu_flags, native_library
 
-    from engine_service.model.native import native_library
-
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     usable = native_library().q4_amx_usable()
-    assert usable == (1 if {"amx_int8", "amx_tile"} <= set(flags.split()) else 0)
+    assert usable == (1 if {"amx_int8", "amx_tile"} <= set(_cpu_flags().split()) else 0)
 
 
 def test_bias_and_many_rows():

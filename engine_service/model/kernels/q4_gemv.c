@@ -301,13 +301,13 @@ static void amx_configure(int nrows) {
         _tile_stored(C, is[i], 64);                                                                      \
     } while (0)
 
-/* task_sums for nrows <= AMX_ROWS rows whose int8 codes lie k bytes apart from xq, the tiles
- * configured for nrows (amx_configure). Software-pipelined: the tiles of 32 inputs are computed
+/* task_sums for nrows <= AMX_ROWS rows whose int8 codes lie k bytes apart (run's buffer: row r's
+ * at x[0].q + r * k), the tiles configured for nrows (amx_configure). Software-pipelined: the tiles of 32 inputs are computed
  * while the float work of the 32 before them runs, so neither waits for the other's memory round
  * trip (a tile load waits for the stores it reads to reach the cache, and so do the vector loads
  * of a stored tile). */
 static void task_sums_amx(const uint8_t *codes, const uint16_t *sz, int64_t b0, int nb, int64_t k, int64_t group,
-                          const QRow *x, const int8_t *xq, int nrows, float *out) {
+                          const QRow *x, int nrows, float *out) {
     const int64_t steps = k / Q4_STEP_K, groups = k / group, sub = group / Q4_XBLOCK, xblocks = k / Q4_XBLOCK;
     const __m512i low = _mm512_set1_epi8(15);
     const __m512 eight = _mm512_set1_ps(8.0f);
@@ -321,7 +321,7 @@ static void task_sums_amx(const uint8_t *codes, const uint16_t *sz, int64_t b0, 
             uint8_t (*bb)[Q4_XBLOCK / 4 * 64] = bbuf[step & 1];
             int32_t (*is)[AMX_ROWS * Q4_BLOCK_N] = isums[step & 1];
             for (int i = 0; i < nb; i++) AMX_UNPACK(bb, i, step)
-            _tile_loadd(4, xq + step * Q4_XBLOCK, k);
+            _tile_loadd(4, x[0].q + step * Q4_XBLOCK, k);
             AMX_MULTIPLY(0, 5, bb, is, 0);
             if (nb > 1) AMX_MULTIPLY(1, 6, bb, is, 1);
             if (nb > 2) AMX_MULTIPLY(2, 7, bb, is, 2);
@@ -420,7 +420,7 @@ static int run(const uint8_t *codes, const uint16_t *sz, const float *xf, int64_
 #if defined(Q4_AMX)
             if (amx && nrows > 1) {
                 if (configured != nrows) amx_configure(nrows), configured = nrows;
-                task_sums_amx(codes, sz, b0, nb, k, group, r, q + m0 * k, nrows, sums);
+                task_sums_amx(codes, sz, b0, nb, k, group, r, nrows, sums);
             } else
 #endif
             task_rows(codes, sz, b0, nb, k, group, r, nrows, sums);
