@@ -87,6 +87,21 @@ def free_port(host: str = LOOPBACK) -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
+    """``count`` distinct TCP ports that nothing listens on right now. Held open together while
+    chosen: separate ``free_port`` calls can return one port twice before its first user binds it."""
+    socks = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            socks.append(sock)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def wait_for_redis(url: str, timeout: float = 30.0) -> None:
     """Block until the Redis at ``url`` answers PING, or raise TimeoutError."""
     import redis

@@ -40,7 +40,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -52,6 +51,8 @@ from urllib.parse import quote
 import redis
 from redis.cluster import ClusterNode
 from redis.crc import key_slot
+
+from tests.docker_support import free_ports
 
 HOST = "127.0.0.1"
 SLOTS = 16384
@@ -88,20 +89,6 @@ def _make_certificates(directory: Path) -> Path:
             raise ClusterUnavailable(f"openssl {' '.join(step[:2])} failed: {proc.stderr.strip()}")
     (directory / "server.key").chmod(0o600)
     return directory
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports on 127.0.0.1 that nothing listens on right now."""
-    socks = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((HOST, 0))
-            socks.append(sock)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def redis_server_version(binary: str = REDIS_SERVER) -> tuple[int, ...]:

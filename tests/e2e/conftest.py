@@ -14,7 +14,7 @@ import pytest
 
 from sluice.wire.connection import connect
 from tests.cluster_fixtures import clean_redis_cluster, redis_cluster, redis_cluster_factory  # noqa: F401
-from tests.docker_support import free_port
+from tests.docker_support import free_port, free_ports
 from tests.integration.conftest import clean_redis, redis_client, redis_server, redis_url  # noqa: F401
 from tests.waiting import wait_http
 
@@ -53,9 +53,11 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
-def start_gateway(redis: str, log: Path, extra_flags: list[str] | None = None) -> tuple[subprocess.Popen, str]:
-    """A `sluice gateway` process on a free port: (the process, its base URL). Not waited for."""
-    port = free_port()
+def start_gateway(redis: str, log: Path, extra_flags: list[str] | None = None,
+                  port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """A `sluice gateway` process on ``port`` (default: a free one): (the process, its base URL).
+    Not waited for."""
+    port = port or free_port()
     proc = subprocess.Popen([*CLI, "gateway", "--redis-url", redis, "--host", "127.0.0.1", "--port", str(port),
                              *(extra_flags or [])], stdout=log.open("w"), stderr=subprocess.STDOUT, env=_env())
     return proc, f"http://127.0.0.1:{port}"
@@ -85,7 +87,7 @@ def extra_gateway(redis: str, log: Path, extra_flags: list[str] | None = None) -
 
 def start_stack(redis: str, model_dir: Path, log_dir: Path, num_gateways: int = 2,
                 extra_gateway_flags: list[str] | None = None, extra_engine_flags: list[str] | None = None) -> Stack:
-    grpc_port = free_port()
+    grpc_port, *gateway_ports = free_ports(1 + num_gateways)  # distinct: none is bound before all are chosen
     stack = Stack(redis, [], grpc_port, model_dir.name)
     engine_log = log_dir / "engine.log"
     stack.logs.append(engine_log)
@@ -95,7 +97,7 @@ def start_stack(redis: str, model_dir: Path, log_dir: Path, num_gateways: int = 
     for i in range(num_gateways):
         log = log_dir / f"gateway{i}.log"
         stack.logs.append(log)
-        proc, url = start_gateway(redis, log, extra_gateway_flags)
+        proc, url = start_gateway(redis, log, extra_gateway_flags, port=gateway_ports[i])
         stack.procs.append(proc)
         stack.gateway_urls.append(url)
     try:
