@@ -193,6 +193,12 @@ class SchedulerConfig:
 MAX_PROMPT_LOOKUP = 32
 
 
+# speculative_config.backoff's values; "auto" turns it off where a verifying row costs less than
+# this share of a one-row decode step
+BACKOFF_MODES = ("auto", "on", "off")
+BACKOFF_MIN_ROW_COST = 0.1
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """``speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
@@ -202,13 +208,21 @@ class SpeculativeConfig:
     never off, vLLM's default). Why: each verifying row costs what a decode row's activations
     cost (a fifth of an int4 step here, docs/performance.md); a big batch is already bound by
     that arithmetic rather than by reading the weights, and its drafts can cost more than the
-    tokens they save."""
+    tokens they save.
+
+    ``backoff`` (Sluice's key): ``"on"`` shortens a request's drafts after a rejection and pauses
+    them after a draft with nothing accepted (``NgramDrafter.observe``); ``"off"`` always offers k
+    drafts where an n-gram matches, as vLLM does; ``"auto"`` (the default) has the engine time its
+    decode step at one row and at k + 1 rows at start and turn the back-off off when a verifying
+    row costs less than ``BACKOFF_MIN_ROW_COST`` of a step (its products read each weight once
+    for every row), on otherwise or where it cannot time the step."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
     method: str = "ngram"
     disable_by_batch_size: int | None = None
+    backoff: str = "auto"
 
     @classmethod
     def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -227,7 +241,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config must be a JSON object, not {type(value).__name__}")
         if not value:
             return None
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
+                 "backoff"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
@@ -250,8 +265,12 @@ class SpeculativeConfig:
             lo = hi
         elif hi is None:
             hi = lo
+        backoff = value.get("backoff", "auto")
+        if backoff not in BACKOFF_MODES:
+            raise ValueError(f"speculative_config.backoff must be one of {', '.join(map(repr, BACKOFF_MODES))}, "
+                             f"got {backoff!r}")
         config = cls(num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo, method=method,
-                     disable_by_batch_size=value.get("disable_by_batch_size"))
+                     disable_by_batch_size=value.get("disable_by_batch_size"), backoff=backoff)
         config.check()
         return config
 
@@ -281,4 +300,5 @@ class SpeculativeConfig:
                "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min}
         if self.disable_by_batch_size is not None:
             out["disable_by_batch_size"] = self.disable_by_batch_size
+        out["backoff"] = self.backoff
         return out

@@ -8,6 +8,7 @@ offline ``LLM`` and the Redis service both drive it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine_service.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine_service.config import BACKOFF_MIN_ROW_COST, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine_service.core.outputs import EngineOutput, RequestMetrics
 from engine_service.core.request import Request
 from engine_service.core.sampling_params import SamplingParams
@@ -147,6 +148,9 @@ class LLMEngine:
                             self.runner.native_decode.max_rows - 1, seconds)
             else:
                 logger.info("no native decode step: %s", why_not)
+        self.spec_row_cost: float | None = None  # a verifying row's cost, as a share of a one-row step
+        if self.speculative_config is not None and self.speculative_config.backoff == "auto":
+            self.speculative_config = self._resolve_backoff(self.speculative_config, num_blocks * config.block_size)
 
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks,
@@ -286,6 +290,23 @@ class LLMEngine:
         logger.info("decode attention: %s", self.attention_backend)
         # the operator itself: the model was checked above, and the forward calls it once per layer
         return kernel.op if kernel is not None else None
+
+    def _resolve_backoff(self, spec: SpeculativeConfig, scratch_slot: int) -> SpeculativeConfig:
+        """``backoff: "auto"`` made on or off: the native decode step timed at one row and at k + 1
+        rows, alternately; off when each extra row costs less than ``BACKOFF_MIN_ROW_COST`` of the
+        one-row step. On without a native step to time."""
+        native = self.runner.native_decode
+        rows = spec.num_speculative_tokens + 1
+        if native is None or not native.runs(rows):
+            logger.info("speculative decoding: back-off on (no native step of %d rows to time)", rows)
+            return dataclasses.replace(spec, backoff="on")
+        one = min(native.time_rows(scratch_slot, 1, repeats=3) for _ in range(3))
+        many = min(native.time_rows(scratch_slot, rows, repeats=3) for _ in range(3))
+        self.spec_row_cost = max(0.0, many - one) / (rows - 1) / one
+        backoff = "on" if self.spec_row_cost >= BACKOFF_MIN_ROW_COST else "off"
+        logger.info("speculative decoding: a verifying row costs %.3f of a one-row step (%.2f ms, %d rows %.2f ms): "
+                    "back-off %s", self.spec_row_cost, one * 1e3, rows, many * 1e3, backoff)
+        return dataclasses.replace(spec, backoff=backoff)
 
     def step(self) -> list[EngineOutput]:
         scheduled = self.scheduler.schedule()

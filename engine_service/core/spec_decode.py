@@ -33,11 +33,12 @@ class NgramDrafter:
     so the index stops one position short of the end when it is looked up.
     """
 
-    __slots__ = ("sizes", "max_k", "_index", "_indexed", "k_next", "_skip", "_backoff")
+    __slots__ = ("sizes", "max_k", "backs_off", "_index", "_indexed", "k_next", "_skip", "_backoff")
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.sizes = tuple(range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1))  # longest first
         self.max_k = config.num_speculative_tokens
+        self.backs_off = config.backoff != "off"  # the engine resolves "auto" before requests arrive
         self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
         self._indexed = 0  # ends < this are in the index
         self.k_next = config.num_speculative_tokens  # drafts to offer next (the back-off's state)
@@ -76,8 +77,9 @@ class NgramDrafter:
         """Back-off: after a draft of ``num_drafted`` with ``num_accepted`` kept, offer one more
         than what was kept (all kept: twice as many, up to k); nothing kept: skip 1, 2, 4, ... decode
         steps (up to ``MAX_BACKOFF_STEPS``) before drafting one token again, so a request whose
-        text does not repeat itself costs next to nothing."""
-        if num_drafted <= 0:
+        text does not repeat itself costs next to nothing. With the back-off off, every draft
+        offers k."""
+        if num_drafted <= 0 or not self.backs_off:
             return
         if num_accepted == 0:
             self.k_next = 1

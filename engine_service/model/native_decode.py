@@ -1,6 +1,6 @@
 """The native decode step: every decoder layer of a Llama-family model in one C call
 (``kernels/decode_stack.c``), for decode-only steps, in place of the compiled step: int4 models
-(float32 activations) for steps of a few rows, bfloat16 models for one stream.
+(float32 activations) and bfloat16 models, for steps of a few rows.
 
 Why: with the products and the attention already native, one stream's compiled step still spent
 about a third of its time between them, in ~150 operator calls through torch's dispatcher and
@@ -20,8 +20,11 @@ bfloat16 KV cache, and either
   ``max_rows`` (``STACK_MAX_ROWS``, or the products' dense crossover if lower; more rows run the
   compiled or eager step). Each row's output depends only on that row (the products and the attention
   are row-independent), so a prompt decodes to the same tokens alone or in a batch;
-* or every projection bfloat16 prepacked with the native one-row GEMV (``PrepackedLinear.gemv``):
-  steps of one row (one stream's decode; batches run oneDNN's products in the compiled step).
+* or every projection bfloat16 prepacked for the native kernel (``PrepackedLinear.gemv``): steps of
+  up to ``prepacked.gemv_max_rows()`` rows (16 where the CPU has AMX: one stream, its drafts, a
+  small batch; 1 without; bigger batches run oneDNN's products in the compiled step). One row
+  takes the VDPBF16PS kernel, several its AMX tiles, which round a few outputs in ten thousand
+  apart by one ulp; several rows do not depend on each other.
 """
 
 from __future__ import annotations
@@ -158,7 +161,9 @@ class NativeDecode:
             float(layers[0].self_attn.scale), self.kind, int(kv_caches[0][0].dtype == torch.bfloat16),
             ptr(model.model.embed_tokens.weight), ptr(norm.weight), self._layers)
         if self.kind == STACK_BF16:
-            self.max_rows = 2  # the GEMV is one row's
+            from engine_service.model.prepacked import gemv_max_rows
+
+            self.max_rows = gemv_max_rows() + 1  # the rows the products' native kernel takes
         else:
             # the products dequantize from this many rows on (QuantizedLinear.dense_min_rows): more
             # rows than that run the compiled or eager step; and the stack's work between the
@@ -194,6 +199,23 @@ class NativeDecode:
         if rc != 0:
             raise RuntimeError(f"native decode step failed: {_ERRORS.get(rc, rc)}")
         return out
+
+    def time_rows(self, scratch_slot: int, rows: int, repeats: int = 5) -> float:
+        """The fastest of ``repeats`` steps of ``rows`` rows that write only ``scratch_slot``, in
+        seconds (call ``warm_up`` first)."""
+        block_size = self.kv_caches[0][0].shape[1]
+        self.model.rotary.ensure_positions(1)
+        ids = torch.zeros(rows, dtype=torch.long)
+        meta = AttentionMetadata(slot_mapping=torch.full((rows,), scratch_slot, dtype=torch.long), prefills=[],
+                                 decode_token_index=None,
+                                 decode_block_tables=torch.full((rows, 1), scratch_slot // block_size, dtype=torch.long),
+                                 decode_context_lens=torch.ones(rows, dtype=torch.long))
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            self(ids, ids, meta)
+            best = min(best, time.perf_counter() - started)
+        return best
 
     def warm_up(self, scratch_slot: int) -> float:
         """One dummy decode writing only ``scratch_slot`` (a slot no request owns): the first call

@@ -97,6 +97,7 @@ _library.define("prepacked_linear(Tensor x, Tensor handle, Tensor? bias, int out
 _library.define("prepacked_register(Tensor handle, Tensor packed, int gemv_data, int out_features, int in_features, "
                 "int out_padded, int in_padded) -> ()")
 _library.define("packed_gemv_supported() -> bool")
+_library.define("packed_gemv_max_rows() -> int")
 _library.define("prepacked_unregister(Tensor handle) -> ()")
 
 
@@ -117,7 +118,10 @@ def _native_ops_unavailable() -> str | None:
 
 # One row of bfloat16 (one stream's decode step) runs the native GEMV (kernels/packed_gemv.c) on
 # oneDNN's packed weight, which it reads in place: oneDNN's one-row product streams the weights at
-# ~18 GB/s on the development VM, the GEMV at ~25 (docs/performance.md). The layout is oneDNN's
+# ~18 GB/s on the development VM, the GEMV at ~25 (docs/performance.md). Where the CPU has AMX, up
+# to gemv_max_rows() rows do (a verifying step's drafts, a small batch): the kernel's tile multiply
+# reads each weight once for all of them, where oneDNN's product of a few rows takes about twice a
+# one-row step. The layout is oneDNN's
 # choice, not a promise, so each layer checks at load that its packed buffer is the one the kernel
 # reads (blocks of 64 rows x 32 inputs, input pairs innermost, zero padding); any other layout keeps
 # oneDNN for every product.
@@ -126,6 +130,12 @@ GEMV_BLOCK_N, GEMV_BLOCK_K = 64, 32
 
 def _gemv_supported() -> bool:
     return _native_ops_unavailable() is None and bool(torch.ops.sluice.packed_gemv_supported())
+
+
+@functools.cache
+def gemv_max_rows() -> int:
+    """The most rows of bfloat16 the native kernel takes in this process (0 without one)."""
+    return int(torch.ops.sluice.packed_gemv_max_rows()) if _gemv_supported() else 0
 
 
 def gemv_layout(weight: torch.Tensor, packed: torch.Tensor) -> tuple[int, int] | None:
@@ -170,7 +180,7 @@ class PrepackedLinear(nn.Module):
         self.packed = _pack(weight)
         handle = torch.tensor(next(_handles))
         self.register_buffer("handle", handle, persistent=False)
-        self.gemv = False  # one row runs the native GEMV on the packed weight
+        self.gemv = False  # up to gemv_max_rows() rows run the native kernel on the packed weight
         self.gemv_weight: tuple[int, int, int] | None = None  # (address, n_pad, k_pad) when gemv
         if _native_ops_unavailable() is None:  # else the model never compiles: compile_unavailable
             padded = gemv_layout(weight, self.packed) if _gemv_supported() else None
@@ -179,18 +189,19 @@ class PrepackedLinear(nn.Module):
             n_pad, k_pad = padded or (0, 0)
             if padded:
                 self.gemv_weight = (address, n_pad, k_pad)
+                self.gemv_max_numel = gemv_max_rows() * self.in_features
             torch.ops.sluice.prepacked_register(handle, self.packed, address, self.out_features, self.in_features,
                                                 n_pad, k_pad)
             weakref.finalize(self, torch.ops.sluice.prepacked_unregister, handle)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or (self.gemv and x.numel() == self.in_features):
+        if torch.compiler.is_compiling() or (self.gemv and x.numel() <= self.gemv_max_numel):
             return prepacked_linear_op(x, self.handle, self.bias, self.out_features)
         return _packed_linear(x, self.packed, self.bias)  # eager: no custom-op dispatch per call
 
     def extra_repr(self) -> str:
-        gemv = ", one row by the native GEMV" if self.gemv else ""
+        gemv = f", up to {gemv_max_rows()} rows by the native kernel" if self.gemv else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, oneDNN layout{gemv}"
 
 

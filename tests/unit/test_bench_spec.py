@@ -26,7 +26,9 @@ def test_bench_spec_writes_table_and_json_and_outputs_are_identical(model_dir, t
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     doc = _run(model_dir, tmp_path / "spec.json", spec)
     grounded, batched = doc["results"]["grounded, 1 stream"], doc["results"]["random, 2 at once"]
-    assert doc["mode"] == "float32" and doc["speculative_config"] == spec
+    # the engine's configuration: "auto" resolved (float32 eager has no native step to time)
+    assert doc["mode"] == "float32" and doc["speculative_config"] == {**spec, "backoff": "on"}
+    assert doc["row_cost"] is None
     for r in (grounded, batched):
         assert r["identical_outputs"] == r["requests"]
         assert r["plain"]["tokens"] == r["spec"]["tokens"] > 0
@@ -37,7 +39,8 @@ def test_bench_spec_writes_table_and_json_and_outputs_are_identical(model_dir, t
             assert run["decode_tokens_per_s"] == pytest.approx(run["decode_tokens"] / run["decode_seconds"])
     assert grounded["num_drafts"] > 0 and grounded["num_accepted_tokens"] > 0
     assert batched["num_drafts"] > 0  # so that none below is the knob's doing
-    assert "tok/verify" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "tok/verify" in out and "back-off on" in out
 
     doc = _run(model_dir, tmp_path / "off.json", {**spec, "disable_by_batch_size": 1}, grounded=0)
     off = doc["results"]["random, 2 at once"]

@@ -138,27 +138,61 @@ def test_draft_chunks_attend_to_their_own_new_tokens(llm):
         assert torch.equal(alone[0], got[j])
 
 
-def test_a_bfloat16_stream_is_the_eager_forward(model_dir):
-    """bfloat16 weights prepacked for the native one-row GEMV: one stream's decode step, rounded to
-    bfloat16 where the eager forward rounds. The products are the same kernel, so most rows agree
-    bit for bit and the rest to a few bfloat16 ulps; the eager forward's next token is kept."""
+@pytest.fixture(scope="module")
+def bf16(model_dir):
     from engine_service.model.prepacked import PrepackedLinear
 
     plain = LLM(str(model_dir), dtype="bfloat16", enforce_eager=True, block_size=BLOCK, kv_cache_memory=48 << 20)
-    runner = plain.engine.runner
-    head = runner.model.model.layers[0].mlp.down_proj
+    head = plain.engine.runner.model.model.layers[0].mlp.down_proj
     if not (isinstance(head, PrepackedLinear) and head.gemv):
         pytest.skip("this CPU has no AVX512-BF16: bfloat16 products stay oneDNN's, so no native decode step")
+    return plain
+
+
+def test_a_bfloat16_stream_is_the_eager_forward(bf16):
+    """bfloat16 weights prepacked for the native kernel: one stream's decode step, rounded to
+    bfloat16 where the eager forward rounds. The products are the same kernel, so most rows agree
+    bit for bit and the rest to a few bfloat16 ulps; the eager forward's next token is kept."""
+    from engine_service.model.prepacked import gemv_max_rows
+
+    runner = bf16.engine.runner
     native = NativeDecode(runner.model, runner.kv_caches)
-    assert native.max_rows == 2  # one row: batches keep oneDNN's products
+    assert native.max_rows == gemv_max_rows() + 1  # the rows the products' native kernel takes
     lengths = [5, 40, 130, 260]
-    for (tokens, blocks), n in zip(_sequences(plain, lengths, seed=3), lengths, strict=True):
+    for (tokens, blocks), n in zip(_sequences(bf16, lengths, seed=3), lengths, strict=True):
         chunk = [_chunk(tokens, blocks, n, 1)]
-        want = _step(plain, chunk, None)
-        got = _step(plain, chunk, native)
+        want = _step(bf16, chunk, None)
+        got = _step(bf16, chunk, native)
         assert got.dtype == torch.bfloat16
         assert _distance(got.float(), want.float()) < 2e-2
         assert int(runner.model.compute_logits(got).argmax()) == int(runner.model.compute_logits(want).argmax())
+
+
+def test_a_bfloat16_verifying_step_and_batch_are_the_eager_forward(bf16):
+    """Several bfloat16 rows (AMX tiles): a request's token and two drafts beside another request,
+    near the eager forward (oneDNN's batch products); each row bitwise the same row in another
+    batch of two or more, and near what a one-row step gives."""
+    from engine_service.model.prepacked import gemv_max_rows
+
+    if gemv_max_rows() < 4:
+        pytest.skip("no AMX here: bfloat16 native steps take one row")
+    runner = bf16.engine.runner
+    native = NativeDecode(runner.model, runner.kv_caches)
+    (tokens, blocks), (other, other_blocks) = _sequences(bf16, [30, 17], seed=4)
+    chunks = [_chunk(tokens[:31], blocks, 30, 3, drafts=tokens[31:33]), _chunk(other, other_blocks, 17, 1)]
+    want = _step(bf16, chunks, None)
+    got = _step(bf16, chunks, native)
+    assert got.shape == (4, runner.model.config.hidden_size) and got.dtype == torch.bfloat16
+    assert _distance(got.float(), want.float()) < 2e-2
+    logits_got, logits_want = runner.model.compute_logits(got), runner.model.compute_logits(want)
+    assert torch.equal(logits_got.argmax(-1), logits_want.argmax(-1))
+    # the verifying rows without the other request: bitwise the same rows
+    assert torch.equal(_step(bf16, chunks[:1], native), got[:3])
+    # each draft row near a plain one-row decode of that token (the one-row kernel rounds a few
+    # outputs in ten thousand apart from the tiles)
+    for j in range(3):
+        alone = _step(bf16, [_chunk(tokens, blocks, 30 + j, 1)], native)
+        assert _distance(alone.float(), got[j : j + 1].float()) < 2e-2
 
 
 def test_models_it_cannot_run_are_named():

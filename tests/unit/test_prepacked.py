@@ -1,8 +1,9 @@
 """Linear weights prepacked for oneDNN (bfloat16 / float16 on CPU): the products of ``F.linear`` to the
 type's rounding (oneDNN may block a sum differently for a packed weight), through the eager forward
 and the compiled step's operator; greedy output unchanged on the model; which models get them; and
-a model that keeps plain layers where this machine cannot prepack. One bfloat16 row runs the native
-GEMV on the packed weight (kernels/packed_gemv.c) where its layout checks out."""
+a model that keeps plain layers where this machine cannot prepack. A few bfloat16 rows (one, or up
+to 16 where the CPU has AMX) run the native kernel on the packed weight (kernels/packed_gemv.c)
+where its layout checks out."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from torch import nn
 
 from engine_service import LLM, SamplingParams
 from engine_service.model.loader import load_model
-from engine_service.model.native import native_ops_unavailable
+from engine_service.model.native import _cpu_flags, native_ops_unavailable
 from engine_service.model.prepacked import (
     PrepackedLinear,
     _gemv_supported,
     _packed_linear,
     gemv_layout,
+    gemv_max_rows,
     prepack_model,
     prepack_unavailable,
     prepacked_linear_op,
@@ -89,25 +91,60 @@ def test_one_row_runs_the_native_gemv_to_the_types_rounding(out_features, in_fea
         assert torch.equal(prepacked_linear_op(x, layer.handle, layer.bias, out_features), got)
 
 
-def test_the_gemv_takes_one_row_and_onednn_the_rest():
-    """Register a layer's handle with ANOTHER weight's packed buffer for the GEMV: one row then
-    gives that weight's product (the GEMV ran, through the eager forward and the operator), two
-    rows the layer's own (oneDNN)."""
+def test_the_kernel_takes_up_to_its_rows_and_onednn_the_rest():
+    """Register a layer's handle with ANOTHER weight's packed buffer for the native kernel: up to
+    gemv_max_rows() rows then give that weight's product (the kernel ran, through the eager
+    forward and the operator), one row more the layer's own (oneDNN)."""
     _gemv_or_skip()
+    most = gemv_max_rows()
     gen = torch.Generator().manual_seed(3)
     mine, other = ((torch.randn(128, 64, generator=gen) * 0.1).bfloat16() for _ in range(2))
     layer, decoy = PrepackedLinear(mine, None), PrepackedLinear(other, None)
     torch.ops.sluice.prepacked_register(layer.handle, layer.packed, torch.ops.mkldnn.data_ptr(decoy.packed),
                                         128, 64, 128, 64)
-    one, two = torch.randn(1, 64, generator=gen).bfloat16(), torch.randn(2, 64, generator=gen).bfloat16()
-    assert torch.equal(layer(one), decoy(one)) and not torch.equal(layer(one), _packed_linear(one, layer.packed, None))
-    assert torch.equal(prepacked_linear_op(one, layer.handle, None, 128), decoy(one))
-    assert torch.equal(layer(two), _packed_linear(two, layer.packed, None))
-    assert torch.equal(prepacked_linear_op(two, layer.handle, None, 128), layer(two))
+    for rows in sorted({1, 2, most}):
+        if rows > most:
+            continue
+        x = torch.randn(rows, 64, generator=gen).bfloat16()
+        assert torch.equal(layer(x), decoy(x)) and not torch.equal(layer(x), _packed_linear(x, layer.packed, None))
+        assert torch.equal(prepacked_linear_op(x, layer.handle, None, 128), decoy(x))
+    over = torch.randn(most + 1, 64, generator=gen).bfloat16()
+    assert torch.equal(layer(over), _packed_linear(over, layer.packed, None))
+    assert torch.equal(prepacked_linear_op(over, layer.handle, None, 128), layer(over))
     # sizes that are not the layout's are refused at registration
     for sizes in [(128, 64, 100, 64), (128, 64, 192, 64), (128, 64, 128, 96), (0, 64, 64, 64)]:
         with pytest.raises(RuntimeError, match="not the GEMV layout"):  # not whole blocks; a block too many
             torch.ops.sluice.prepacked_register(layer.handle, layer.packed, 1, *sizes)
+
+
+def test_the_kernel_takes_sixteen_rows_where_the_cpu_has_amx():
+    _gemv_or_skip()
+    flags = _cpu_flags().split()
+    assert gemv_max_rows() == (16 if {"amx_tile", "amx_bf16"} <= set(flags) else 1)
+
+
+@pytest.mark.parametrize(("out_features", "in_features", "bias"), [(3072, 576, False), (576, 1536, True),
+                                                                   (100, 50, True)])
+def test_several_rows_to_the_types_rounding_each_independent_of_the_others(out_features, in_features, bias):
+    """Rows 2..16 (AMX tiles): each within one bfloat16 ulp of the exact product, bitwise the same
+    row in any batch of two or more, and the one-row kernel's but for a rare last bit."""
+    _gemv_or_skip()
+    if gemv_max_rows() < 2:
+        pytest.skip("no AMX here: the native kernel takes one row")
+    gen = torch.Generator().manual_seed(in_features)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    layer = PrepackedLinear(weight, b)
+    x = torch.randn(16, in_features, generator=gen).bfloat16()
+    full = layer(x)
+    exact = x.double() @ weight.double().t() + (0 if b is None else b.double())
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    assert ((full.double() - exact).abs() <= ulp).all()
+    for rows in (2, 3, 7, 15):
+        assert torch.equal(layer(x[:rows]), full[:rows]), rows
+        assert torch.equal(layer(x[16 - rows:]), full[16 - rows:]), rows
+    one = torch.cat([layer(x[i : i + 1]) for i in range(16)])
+    assert (one != full).float().mean() < 0.01
 
 
 def test_a_layout_that_does_not_check_out_keeps_onednn(monkeypatch):
@@ -124,7 +161,7 @@ def test_a_layout_that_does_not_check_out_keeps_onednn(monkeypatch):
 
     monkeypatch.setattr(prepacked, "gemv_layout", lambda weight, packed: None)
     kept = PrepackedLinear(weight, None)
-    assert not kept.gemv and "native GEMV" not in repr(kept)
+    assert not kept.gemv and "native kernel" not in repr(kept)
     x = torch.randn(1, 96, generator=gen).bfloat16()
     assert torch.equal(kept(x), _packed_linear(x, kept.packed, None))
 

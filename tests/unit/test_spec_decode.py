@@ -36,6 +36,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
     ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": "4"}, "disable_by_batch_size"),
     ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": True}, "disable_by_batch_size"),
     ('{"method": "ngram", "num_speculative_tokens": ', "JSON"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "backoff": "sometimes"}, "backoff"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "backoff": False}, "backoff"),
 ])
 def test_a_configuration_that_cannot_work_is_refused_naming_the_knob(value, knob):
     with pytest.raises(ValueError, match=knob):
@@ -131,6 +133,17 @@ def test_back_off_skips_drafting_after_failures_and_recovers_after_success():
     assert drafter.propose(tokens, 4) == [3, 1]
     drafter.observe(2, 1)  # one of two kept: one more than kept
     assert drafter.propose(tokens, 4) == [3, 1]
+
+
+def test_with_the_back_off_off_every_draft_offers_k():
+    config = SpeculativeConfig.parse({**NGRAM, "backoff": "off"})
+    assert config.as_dict()["backoff"] == "off" and SpeculativeConfig.parse(config.as_dict()) == config
+    assert SpeculativeConfig.parse(NGRAM).backoff == "auto"
+    drafter = NgramDrafter(config)
+    tokens = [1, 2, 3, 1, 2]
+    for accepted in (0, 0, 1, 3):
+        assert drafter.propose(tokens, 4) == [3, 1, 2]
+        drafter.observe(3, accepted)
 
 
 # --- the scheduler ---

@@ -39,6 +39,24 @@ def spec(model_dir):
                speculative_config=SPEC)
 
 
+def test_the_engine_resolves_the_back_off_from_a_verifying_rows_cost(spec, model_dir):
+    """backoff "auto": timed at start where the engine has a native step (off when a row costs
+    less than BACKOFF_MIN_ROW_COST of a step), on where it has none to time."""
+    from engine_service.config import BACKOFF_MIN_ROW_COST
+
+    engine = spec.engine
+    if engine.runner.native_decode is not None:
+        assert engine.spec_row_cost is not None and engine.spec_row_cost >= 0
+        assert engine.speculative_config.backoff == ("off" if engine.spec_row_cost < BACKOFF_MIN_ROW_COST else "on")
+    else:
+        assert engine.spec_row_cost is None and engine.speculative_config.backoff == "on"
+    assert engine.scheduler.speculative_config.backoff == engine.speculative_config.backoff
+    eager = LLM(str(model_dir), kv_cache_memory=16 << 20, enforce_eager=True, speculative_config=SPEC)
+    assert eager.engine.spec_row_cost is None and eager.engine.speculative_config.backoff == "on"
+    forced = LLM(str(model_dir), kv_cache_memory=16 << 20, enforce_eager=True, speculative_config={**SPEC, "backoff": "off"})
+    assert forced.engine.speculative_config.backoff == "off"
+
+
 @pytest.fixture(scope="module")
 def plain_greedy(plain):
     return [o.outputs[0] for o in plain.generate(PROMPTS, GREEDY)]

@@ -69,15 +69,16 @@ static void write_cache(void *cache, int cache_bf16, int64_t slot, const float *
     }
 }
 
-/* y[rows][n_out] = x[rows][k] W^T; bfloat16: one row, through the bf16 scratch xb / yb */
+/* y[rows][n_out] = x[rows][k] W^T; bfloat16 through the bf16 scratch xb / yb */
 static int product(int kind, const StackWeight *w, const float *x, float *y, int64_t rows, uint16_t *xb,
                    uint16_t *yb) {
     if (kind == STACK_INT4)
         return q4_linear_f32((const uint8_t *)w->data, w->scales_zeros, x, y, rows, w->n_out, w->n_pad, w->k,
                              w->extra);
-    for (int64_t i = 0; i < w->k; i++) xb[i] = f32_to_bf16(x[i]);
-    const int rc = packed_gemv_bf16((const uint16_t *)w->data, xb, NULL, yb, w->n_out, w->k, w->n_pad, w->extra);
-    for (int64_t i = 0; i < w->n_out; i++) y[i] = bf16_to_f32(yb[i]);
+    for (int64_t i = 0; i < rows * w->k; i++) xb[i] = f32_to_bf16(x[i]);
+    const int rc = packed_gemm_bf16((const uint16_t *)w->data, xb, NULL, yb, rows, w->n_out, w->k, w->n_pad,
+                                    w->extra);
+    for (int64_t i = 0; i < rows * w->n_out; i++) y[i] = bf16_to_f32(yb[i]);
     return rc;
 }
 
@@ -96,7 +97,7 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
     const int kind = s->kind, bf = kind == STACK_BF16;
     if (rows <= 0 || d % 2 != 0) return 2;
     if (kind == STACK_INT4 ? (!q4_gemv_supported() || rows > Q4_MAX_ROWS)
-                           : (kind != STACK_BF16 || !packed_gemv_bf16_supported() || rows != 1))
+                           : (kind != STACK_BF16 || !packed_gemv_bf16_supported() || rows > packed_gemm_bf16_max_rows()))
         return 2;
     for (int64_t r = 0; r < rows; r++)
         if (ids[r] < 0 || ids[r] >= s->vocab || positions[r] < 0 || positions[r] >= num_positions) return 2;
@@ -110,11 +111,12 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
      * the SiLU product; and the bfloat16 products' input and output */
     const int64_t per_row = 2 * hidden + qkv_size + 2 * q_size + 3 * inter;
     const int64_t widest = 2 * inter > qkv_size ? 2 * inter : qkv_size;
-    float *scratch = (float *)malloc(sizeof(float) * (size_t)(rows * per_row) + sizeof(uint16_t) * (size_t)(2 * widest));
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)(rows * per_row) +
+                                     sizeof(uint16_t) * (size_t)(2 * rows * widest));
     if (scratch == NULL) return 1;
     float *x = scratch, *normed = x + rows * hidden, *qkv = normed + rows * hidden, *q = qkv + rows * qkv_size;
     float *attn = q + rows * q_size, *gate_up = attn + rows * q_size, *act = gate_up + rows * 2 * inter;
-    uint16_t *xb = (uint16_t *)(act + rows * inter), *yb = xb + widest;
+    uint16_t *xb = (uint16_t *)(act + rows * inter), *yb = xb + rows * widest;
     int rc = 0;
 
     for (int64_t r = 0; r < rows; r++)

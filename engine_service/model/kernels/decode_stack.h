@@ -11,7 +11,7 @@ extern "C" {
 #endif
 
 #define STACK_INT4 0 /* q4_gemv.h's layout; float32 activations; up to Q4_MAX_ROWS rows */
-#define STACK_BF16 1 /* packed_gemv.h's layout (oneDNN's, read in place); bfloat16 activations; one row */
+#define STACK_BF16 1 /* packed_gemv.h's layout (oneDNN's, read in place); bfloat16 activations; up to packed_gemm_bf16_max_rows() rows */
 
 /* One projection: n_out outputs, k inputs. int4: data = codes, scales_zeros, n_pad rows, extra =
  * the group size. bfloat16: data = the packed weight, scales_zeros NULL, n_pad x extra (k padded). */

@@ -1,4 +1,5 @@
-/* One activation row times a bfloat16 weight in oneDNN's packed layout, for one-stream decode.
+/* A few activation rows times a bfloat16 weight in oneDNN's packed layout, for decode steps of one
+ * stream (its speculative drafts included) and of small batches.
  *
  * Why: oneDNN's own product for one row (brgemm on AMX tiles of 16 rows) streams the weights at
  * ~18 GB/s on the development VM, where a plain read reaches ~26 GB/s; a decode step of one stream
@@ -14,7 +15,15 @@
  *
  * Sums are float32, in input order per output (pairs), then the bias, then one rounding to
  * bfloat16. oneDNN blocks the sum differently, so a few outputs in ten thousand differ from its by
- * one bfloat16 ulp (tests/unit/test_prepacked.py bounds them against a float64 reference). */
+ * one bfloat16 ulp (tests/unit/test_prepacked.py bounds them against a float64 reference).
+ *
+ * Two to PG_AMX_ROWS rows go through AMX's tile multiply where the CPU has it: the layout's chunk is
+ * four B tiles as it lies (16 input pairs x 16 outputs each, rows 256 bytes apart), so a step of
+ * several rows reads each weight once, as one row does, and its tile multiplies cost about the
+ * same at 2 rows as at 16. One row keeps VDPBF16PS, which streams faster than tile loads. The two
+ * sum the same products in the same order, but the tile multiply rounds its float32 sums its own
+ * way: a few outputs in ten thousand differ from the one-row kernel's by one ulp. A row's output
+ * through the tiles does not depend on the rows beside it. */
 #include "packed_gemv.h"
 
 #include <immintrin.h>
@@ -62,33 +71,129 @@ static void block_sums(const uint16_t *block, const uint16_t *x, int64_t chunks,
     _mm512_storeu_ps(out + 48, acc3);
 }
 
-int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t n_out,
-                     int64_t k_in, int64_t n_pad, int64_t k_pad) {
-    if (!packed_gemv_sizes_ok(n_out, k_in, n_pad, k_pad)) return 2;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PG_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} PgTileConfig;
+
+/* the kernel grants AMX's register state to a process that asks (Linux 5.16+); asked once */
+static int amx_usable(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+
+/* tiles 0-3: a block's four 16-output sums (nrows x 16 float32); 4: the rows' 32 inputs of a chunk;
+ * 5-7: a chunk's 16 input pairs for 16 outputs */
+static void amx_configure(int nrows) {
+    PgTileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 5; t++) cfg.rows[t] = (uint8_t)nrows, cfg.colsb[t] = 64;
+    for (int t = 5; t < 8; t++) cfg.rows[t] = PG_BLOCK_K / 2, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* the 64 sums of one block for the configured rows (lying ldx elements apart), into out[r * 64 ...] */
+static void block_sums_amx(const uint16_t *block, const uint16_t *x, int64_t ldx, int64_t chunks, float *out) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < chunks; c++) {
+        const uint16_t *chunk = block + c * CHUNK;
+        /* tile loads do not train the hardware prefetcher: every line of the chunk two ahead (only
+         * two lines a chunk, as the one-row kernel asks, ran 1.7x slower) */
+        for (int line = 0; line < CHUNK * 2 / 64; line++)
+            _mm_prefetch((const char *)(chunk + 2 * CHUNK) + 64 * line, _MM_HINT_T0);
+        _tile_loadd(4, x + c * PG_BLOCK_K, ldx * 2);
+        _tile_loadd(5, chunk, 4 * 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, chunk + 32, 4 * 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, chunk + 64, 4 * 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, chunk + 96, 4 * 64);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, out, PG_BLOCK_N * 4);
+    _tile_stored(1, out + 16, PG_BLOCK_N * 4);
+    _tile_stored(2, out + 32, PG_BLOCK_N * 4);
+    _tile_stored(3, out + 48, PG_BLOCK_N * 4);
+}
+#endif
+
+int packed_gemm_bf16_max_rows(void) {
+#if defined(PG_AMX)
+    return amx_usable() ? PG_AMX_ROWS : 1;
+#else
+    return 1;
+#endif
+}
+
+int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t rows,
+                     int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_pad) {
+    if (rows < 1 || rows > packed_gemm_bf16_max_rows() || !packed_gemv_sizes_ok(n_out, k_in, n_pad, k_pad)) return 2;
     /* an input that is not whole chunks is padded with zeros (the weight's padding is zeros too) */
     uint16_t *padded = NULL;
     if (k_pad != k_in) {
-        padded = (uint16_t *)calloc((size_t)k_pad, sizeof *padded);
+        padded = (uint16_t *)calloc((size_t)(rows * k_pad), sizeof *padded);
         if (padded == NULL) return 1;
-        memcpy(padded, x, (size_t)k_in * sizeof *padded);
+        for (int64_t m = 0; m < rows; m++) memcpy(padded + m * k_pad, x + m * k_in, (size_t)k_in * sizeof *padded);
     }
     const uint16_t *xp = padded != NULL ? padded : x;
+    const int64_t ldx = padded != NULL ? k_pad : k_in;
     const int64_t blocks = n_pad / PG_BLOCK_N, chunks = k_pad / PG_BLOCK_K;
-    _Pragma("omp parallel for schedule(static)")
-    for (int64_t b = 0; b < blocks; b++) {
-        float sums[PG_BLOCK_N];
-        block_sums(w + b * chunks * CHUNK, xp, chunks, sums);
-        const int64_t first = b * PG_BLOCK_N, rows = n_out - first < PG_BLOCK_N ? n_out - first : PG_BLOCK_N;
-        for (int64_t r = 0; r < rows; r++)
-            y[first + r] = f32_to_bf16(bias != NULL ? sums[r] + bf16_to_f32(bias[first + r]) : sums[r]);
+    _Pragma("omp parallel")
+    {
+#if defined(PG_AMX)
+        if (rows > 1) amx_configure((int)rows);
+#endif
+        _Pragma("omp for schedule(static)")
+        for (int64_t b = 0; b < blocks; b++) {
+            float sums[PG_MAX_ROWS * PG_BLOCK_N];
+#if defined(PG_AMX)
+            if (rows > 1) block_sums_amx(w + b * chunks * CHUNK, xp, ldx, chunks, sums);
+            else
+#endif
+            block_sums(w + b * chunks * CHUNK, xp, chunks, sums);
+            const int64_t first = b * PG_BLOCK_N, count = n_out - first < PG_BLOCK_N ? n_out - first : PG_BLOCK_N;
+            for (int64_t m = 0; m < rows; m++)
+                for (int64_t r = 0; r < count; r++) {
+                    const float sum = sums[m * PG_BLOCK_N + r];
+                    y[m * n_out + first + r] = f32_to_bf16(bias != NULL ? sum + bf16_to_f32(bias[first + r]) : sum);
+                }
+        }
+#if defined(PG_AMX)
+        if (rows > 1) _tile_release(); /* so the kernel need not save this thread's tiles */
+#endif
     }
     free(padded);
     return 0;
 }
 
+int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t n_out,
+                     int64_t k_in, int64_t n_pad, int64_t k_pad) {
+    return packed_gemm_bf16(w, x, bias, y, 1, n_out, k_in, n_pad, k_pad);
+}
+
 #else
 
 int packed_gemv_bf16_supported(void) { return 0; }
+
+int packed_gemm_bf16_max_rows(void) { return 0; }
+
+int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t rows,
+                     int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_pad) {
+    (void)w, (void)x, (void)bias, (void)y, (void)rows, (void)n_out, (void)k_in, (void)n_pad, (void)k_pad;
+    return 2;
+}
 
 int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t n_out,
                      int64_t k_in, int64_t n_pad, int64_t k_pad) {

@@ -1,4 +1,4 @@
-/* One activation row times a bfloat16 weight that oneDNN packed at load (packed_gemv.c). */
+/* A few activation rows times a bfloat16 weight that oneDNN packed at load (packed_gemv.c). */
 #ifndef SLUICE_PACKED_GEMV_H
 #define SLUICE_PACKED_GEMV_H
 
@@ -11,6 +11,9 @@ extern "C" {
 /* oneDNN's "AB16b64a2b" weight layout: blocks of PG_BLOCK_N output rows by PG_BLOCK_K inputs */
 #define PG_BLOCK_N 64
 #define PG_BLOCK_K 32
+/* the most rows one call takes where the CPU has AMX (an AMX tile's rows) */
+#define PG_AMX_ROWS 16
+#define PG_MAX_ROWS PG_AMX_ROWS
 
 /* 1 when this build can run the kernel (the CPU has AVX512-BF16), else 0 */
 int packed_gemv_bf16_supported(void);
@@ -25,6 +28,16 @@ int packed_gemv_sizes_ok(int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_p
  * layout's (packed_gemv_sizes_ok). */
 int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t n_out,
                      int64_t k_in, int64_t n_pad, int64_t k_pad);
+
+/* the most rows packed_gemm_bf16 takes in this process: PG_AMX_ROWS where the CPU has AMX and Linux
+ * grants it, 1 with AVX512-BF16 alone, 0 without */
+int packed_gemm_bf16_max_rows(void);
+
+/* packed_gemv_bf16 for `rows` rows (1 to packed_gemm_bf16_max_rows()): x[rows][k_in] and
+ * y[rows][n_out], each row's output independent of the others. Returns as packed_gemv_bf16, and 2
+ * for a row count out of range. */
+int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t rows,
+                     int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_pad);
 
 #ifdef __cplusplus
 }

@@ -8,9 +8,10 @@
 // times a decode step (docs/performance.md). Here it is a map lookup and one dispatcher call to
 // mkldnn::_linear_pointwise, the operator inductor's own freezing emits.
 //
-// One row of bfloat16 (one stream's decode) runs packed_gemv.c on the same packed weight instead,
-// when the layer registered the weight's address: prepacked.py does that only after checking, at
-// load, that the packed buffer is the layout the kernel reads.
+// A few rows of bfloat16 (one stream's decode step, its drafts, a small batch: up to
+// packed_gemm_bf16_max_rows) run packed_gemv.c on the same packed weight instead, when the layer
+// registered the weight's address: prepacked.py does that only after checking, at load, that the
+// packed buffer is the layout the kernel reads.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -71,6 +72,8 @@ void prepacked_register(Tensor handle, Tensor packed, int64_t gemv_data, int64_t
 
 bool packed_gemv_supported() { return packed_gemv_bf16_supported() != 0; }
 
+int64_t packed_gemv_max_rows() { return packed_gemm_bf16_max_rows(); }
+
 void prepacked_unregister(Tensor handle) {
   const int64_t key = handle_value(handle);
   std::lock_guard<std::mutex> guard(registry_lock);
@@ -86,8 +89,9 @@ Tensor prepacked_linear(Tensor x, Tensor handle, std::optional<Tensor> bias, int
     STD_TORCH_CHECK(found != registry().end(), "prepacked_linear: no packed weight under this handle");
     packed = found->second;
   }
+  const int64_t rows = x.dim() >= 1 && packed->in_features > 0 ? x.numel() / packed->in_features : 0;
   if (packed->gemv != nullptr && x.scalar_type() == ScalarType::BFloat16 && x.is_contiguous() && x.dim() >= 1 &&
-      x.size(x.dim() - 1) == packed->in_features && x.numel() == packed->in_features &&
+      x.size(x.dim() - 1) == packed->in_features && rows >= 1 && rows <= packed_gemm_bf16_max_rows() &&
       out_features == packed->out_features &&
       (!bias.has_value() || (bias->scalar_type() == ScalarType::BFloat16 && bias->is_contiguous() &&
                              bias->numel() == out_features))) {
@@ -95,11 +99,11 @@ Tensor prepacked_linear(Tensor x, Tensor handle, std::optional<Tensor> bias, int
     for (int64_t d = 0; d < x.dim(); d++) sizes.push_back(x.size(d));
     sizes.back() = out_features;
     Tensor out = torch::stable::new_empty(x, sizes);
-    const int rc = packed_gemv_bf16(
+    const int rc = packed_gemm_bf16(
         packed->gemv, static_cast<const uint16_t *>(x.data_ptr()),
         bias.has_value() ? static_cast<const uint16_t *>(bias->data_ptr()) : nullptr,
-        static_cast<uint16_t *>(out.data_ptr()), packed->out_features, packed->in_features, packed->out_padded,
-        packed->in_padded);
+        static_cast<uint16_t *>(out.data_ptr()), rows, packed->out_features, packed->in_features,
+        packed->out_padded, packed->in_padded);
     STD_TORCH_CHECK(rc == 0, "prepacked_linear: the bfloat16 GEMV failed (", rc, ")");
     return out;
   }
@@ -127,5 +131,6 @@ STABLE_TORCH_LIBRARY_IMPL(sluice, CPU, m) {
 STABLE_TORCH_LIBRARY_IMPL(sluice, CompositeExplicitAutograd, m) {
   m.impl("prepacked_register", TORCH_BOX(&prepacked_register));
   m.impl("packed_gemv_supported", TORCH_BOX(&packed_gemv_supported));
+  m.impl("packed_gemv_max_rows", TORCH_BOX(&packed_gemv_max_rows));
   m.impl("prepacked_unregister", TORCH_BOX(&prepacked_unregister));
 }
