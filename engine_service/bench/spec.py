@@ -6,7 +6,8 @@ by side in one run, on two workloads:
   chat template, greedy, one request at a time: the outputs repeat the input, so drafts are kept;
 - **random** (W1's shape, smaller): random-token prompts of ``--random-prompt-len`` tokens with
   ``--random-output-len`` greedy tokens, EOS ignored, all submitted at once: drafts are rarely
-  right, and the back-off must keep speculation from costing anything.
+  right, and speculation must not cost anything: the back-off pauses a request's drafts where its
+  verifying rows cost enough to matter (``speculative_config.backoff``, printed with the table).
 
 One engine is loaded, with ``speculative_config``; each request runs with speculation and
 without it in turn (alternating which goes first; "without" is the same engine with its
