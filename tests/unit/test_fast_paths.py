@@ -89,6 +89,20 @@ def test_native_decode_attention_matches_reference(heads, kv_heads, block_size, 
     assert torch.equal(strided, got)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_attention_softmax_holds_for_scores_in_the_thousands(dtype):
+    """Each partition's softmax subtracts the partition's largest score (vector code, its tail
+    masked): scores of thousands, whose exponentials overflow float32 by far, still give the
+    reference's output, for every context length of the case (tails of 1 to 15 scores)."""
+    kernel = load_paged_decode_attention()
+    q, k_cache, v_cache, meta = _random_paged_case(9, 3, 16, dtype, 64)
+    q = (q.float() * 40).to(dtype)  # scores ~ 0.3 * 40 * 8 * N(0, 1): hundreds to thousands
+    ref = decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, 0.3)
+    got = kernel.op(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, 0.3)
+    assert torch.isfinite(got.float()).all()
+    torch.testing.assert_close(got.float(), ref, atol=2e-5 if dtype == torch.float32 else 2e-2, rtol=1e-4)
+
+
 @pytest.mark.parametrize("head_dim", [24, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_decode_attention_is_batch_and_thread_invariant(dtype, head_dim):
