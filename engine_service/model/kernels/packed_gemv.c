@@ -21,9 +21,9 @@
  * four B tiles as it lies (16 input pairs x 16 outputs each, rows 256 bytes apart), so a step of
  * several rows reads each weight once, as one row does, and its tile multiplies cost about the
  * same at 2 rows as at 16. One row keeps VDPBF16PS, which streams faster than tile loads. The two
- * sum the same products in the same order, but the tile multiply rounds its float32 sums its own
- * way: a few outputs in ten thousand differ from the one-row kernel's by one ulp. A row's output
- * through the tiles does not depend on the rows beside it. */
+ * multiply the same bfloat16 pairs into float32 sums, but the tile multiply rounds its sums its own
+ * way (docs/performance.md, sixth round): a few outputs in ten thousand differ from the one-row
+ * kernel's by one ulp. A row's output through the tiles does not depend on the rows beside it. */
 #include "packed_gemv.h"
 
 #include <immintrin.h>
