@@ -300,8 +300,10 @@ class LLMEngine:
         if native is None or not native.runs(rows):
             logger.info("speculative decoding: back-off on (no native step of %d rows to time)", rows)
             return dataclasses.replace(spec, backoff="on")
-        one = min(native.time_rows(scratch_slot, 1, repeats=3) for _ in range(3))
-        many = min(native.time_rows(scratch_slot, rows, repeats=3) for _ in range(3))
+        one = many = float("inf")
+        for _ in range(3):  # alternating, so a change in the machine's speed touches both
+            one = min(one, native.time_rows(scratch_slot, 1, repeats=3))
+            many = min(many, native.time_rows(scratch_slot, rows, repeats=3))
         self.spec_row_cost = max(0.0, many - one) / (rows - 1) / one
         backoff = "on" if self.spec_row_cost >= BACKOFF_MIN_ROW_COST else "off"
         logger.info("speculative decoding: a verifying row costs %.3f of a one-row step (%.2f ms, %d rows %.2f ms): "
