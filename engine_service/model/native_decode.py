@@ -201,8 +201,8 @@ class NativeDecode:
         return out
 
     def time_rows(self, scratch_slot: int, rows: int, repeats: int = 5) -> float:
-        """The fastest of ``repeats`` steps of ``rows`` rows that write only ``scratch_slot``, in
-        seconds (call ``warm_up`` first)."""
+        """The fastest of ``repeats`` steps of ``rows`` rows that write only ``scratch_slot`` (each row
+        token 0 at position 0), in seconds; ``warm_up`` first, so the first call's costs are paid."""
         block_size = self.kv_caches[0][0].shape[1]
         self.model.rotary.ensure_positions(1)
         ids = torch.zeros(rows, dtype=torch.long)
@@ -220,13 +220,4 @@ class NativeDecode:
     def warm_up(self, scratch_slot: int) -> float:
         """One dummy decode writing only ``scratch_slot`` (a slot no request owns): the first call
         pays the kernels' first-touch costs. Returns the seconds it took."""
-        started = time.perf_counter()
-        block_size = self.kv_caches[0][0].shape[1]
-        self.model.rotary.ensure_positions(1)
-        one = torch.zeros(1, dtype=torch.long)
-        meta = AttentionMetadata(slot_mapping=torch.full((1,), scratch_slot, dtype=torch.long), prefills=[],
-                                 decode_token_index=None,
-                                 decode_block_tables=torch.full((1, 1), scratch_slot // block_size, dtype=torch.long),
-                                 decode_context_lens=torch.ones(1, dtype=torch.long))
-        self(one, one, meta)
-        return time.perf_counter() - started
+        return self.time_rows(scratch_slot, 1, repeats=1)

@@ -120,17 +120,24 @@ def test_a_decode_step_is_the_eager_forward_and_each_row_is_its_own(llm):
         assert torch.equal(_step(llm, [chunks[i]], native)[0], got[i])
 
 
-def test_draft_chunks_attend_to_their_own_new_tokens(llm):
-    """A verifying step: a request's last token and two drafts as three decode rows, each attending
-    to the cache slots the rows before it wrote in the same call."""
+def _verifying_step(llm, seed: int):
+    """A verifying step beside a plain decode: a request that knows 31 tokens (its prompt and one
+    sampled) forwards its last token and two drafts as three rows, another request one row. Returns
+    the request's tokens and blocks, the chunks, and the eager and native steps' hidden states."""
     runner = llm.engine.runner
     native = NativeDecode(runner.model, runner.kv_caches)
-    (tokens, blocks), (other, other_blocks) = _sequences(llm, [30, 17], seed=1)
-    # the request knows 31 tokens (its prompt and one sampled); the next two are drafts
+    (tokens, blocks), (other, other_blocks) = _sequences(llm, [30, 17], seed=seed)
     chunks = [_chunk(tokens[:31], blocks, 30, 3, drafts=tokens[31:33]), _chunk(other, other_blocks, 17, 1)]
     want = _step(llm, chunks, None)
     got = _step(llm, chunks, native)
-    assert got.shape == (4, runner.model.config.hidden_size)
+    assert got.shape == (4, runner.model.config.hidden_size) and got.dtype == want.dtype
+    return native, tokens, blocks, chunks, want, got
+
+
+def test_draft_chunks_attend_to_their_own_new_tokens(llm):
+    """A verifying step: a request's last token and two drafts as three decode rows, each attending
+    to the cache slots the rows before it wrote in the same call."""
+    native, tokens, blocks, chunks, want, got = _verifying_step(llm, seed=1)
     assert _distance(got, want) < 2 * _noise_floor(llm, chunks, want)
     # each draft row is the row a plain decode of that token gives (the same rows, one by one)
     for j in range(3):
@@ -177,12 +184,8 @@ def test_a_bfloat16_verifying_step_and_batch_are_the_eager_forward(bf16):
     if gemv_max_rows() < 4:
         pytest.skip("no AMX here: bfloat16 native steps take one row")
     runner = bf16.engine.runner
-    native = NativeDecode(runner.model, runner.kv_caches)
-    (tokens, blocks), (other, other_blocks) = _sequences(bf16, [30, 17], seed=4)
-    chunks = [_chunk(tokens[:31], blocks, 30, 3, drafts=tokens[31:33]), _chunk(other, other_blocks, 17, 1)]
-    want = _step(bf16, chunks, None)
-    got = _step(bf16, chunks, native)
-    assert got.shape == (4, runner.model.config.hidden_size) and got.dtype == torch.bfloat16
+    native, tokens, blocks, chunks, want, got = _verifying_step(bf16, seed=4)
+    assert got.dtype == torch.bfloat16
     assert _distance(got.float(), want.float()) < 2e-2
     logits_got, logits_want = runner.model.compute_logits(got), runner.model.compute_logits(want)
     assert torch.equal(logits_got.argmax(-1), logits_want.argmax(-1))
@@ -249,6 +252,40 @@ def test_an_engine_decodes_through_it(model_dir, monkeypatch):
     assert batched[0] == alone.token_ids
     for prompt, tokens in zip(prompts[1:], batched[1:], strict=True):
         assert engine.generate(prompt, params)[0].outputs[0].token_ids == tokens
+
+
+def test_an_engine_times_a_verifying_row_and_resolves_the_back_off(llm, model_dir, monkeypatch):
+    """speculative_config backoff "auto" on engines with a native step: the step is timed at one row
+    and at k + 1 rows at start, and the back-off is off exactly when a row cost less than
+    BACKOFF_MIN_ROW_COST of a step; the scheduler's drafters get the resolved setting. A bfloat16
+    engine then speculates through its multi-row native step."""
+    import engine_service.engine
+    from engine_service.config import BACKOFF_MIN_ROW_COST
+    from engine_service.model.prepacked import gemv_max_rows
+
+    monkeypatch.setattr(engine_service.engine, "compile_supported", lambda device: "no compiler (the test says)")
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+    engines = {"int4": LLM(str(model_dir), dtype="float32", quantization="int4", enforce_eager=False,
+                           block_size=BLOCK, kv_cache_memory=32 << 20, speculative_config=spec)}
+    if gemv_max_rows() > spec["num_speculative_tokens"]:  # AMX: bfloat16's native step takes k + 1 rows
+        engines["bfloat16"] = LLM(str(model_dir), dtype="bfloat16", enforce_eager=False, block_size=BLOCK,
+                                  kv_cache_memory=32 << 20, speculative_config=spec)
+    for engine in (e.engine for e in engines.values()):
+        assert engine.runner.native_decode is not None
+        cost = engine.spec_row_cost
+        assert cost is not None and 0 <= cost < 10, cost
+        resolved = "off" if cost < BACKOFF_MIN_ROW_COST else "on"
+        assert engine.speculative_config.backoff == engine.scheduler.speculative_config.backoff == resolved
+    if "bfloat16" in engines:
+        llm = engines["bfloat16"]
+        calls: list[int] = []
+        llm.engine.runner.native_decode = _Counting(llm.engine.runner.native_decode, calls)
+        text = "one two three four five six seven eight nine ten " * 3
+        out = llm.generate(f"Repeat: {text}\n{text}", SamplingParams(temperature=0.0, max_tokens=24,
+                                                                   ignore_eos=True))[0].outputs[0]
+        stats = llm.engine.scheduler.spec_stats
+        assert len(out.token_ids) == 24 and stats.num_accepted_tokens > 0
+        assert max(calls) > 1  # verifying steps of several rows took the native call
 
 
 class _Counting:

@@ -17,7 +17,7 @@
  * bfloat16. oneDNN blocks the sum differently, so a few outputs in ten thousand differ from its by
  * one bfloat16 ulp (tests/unit/test_prepacked.py bounds them against a float64 reference).
  *
- * Two to PG_AMX_ROWS rows go through AMX's tile multiply where the CPU has it: the layout's chunk is
+ * Two to PG_MAX_ROWS rows go through AMX's tile multiply where the CPU has it: the layout's chunk is
  * four B tiles as it lies (16 input pairs x 16 outputs each, rows 256 bytes apart), so a step of
  * several rows reads each weight once, as one row does, and its tile multiplies cost about the
  * same at 2 rows as at 16. One row keeps VDPBF16PS, which streams faster than tile loads. The two
@@ -73,32 +73,11 @@ static void block_sums(const uint16_t *block, const uint16_t *x, int64_t chunks,
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PG_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} PgTileConfig;
-
-/* the kernel grants AMX's register state to a process that asks (Linux 5.16+); asked once */
-static int amx_usable(void) {
-    static int state = -1;
-    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return state;
-}
-
-/* tiles 0-3: a block's four 16-output sums (nrows x 16 float32); 4: the rows' 32 inputs of a chunk;
- * 5-7: a chunk's 16 input pairs for 16 outputs */
-static void amx_configure(int nrows) {
-    PgTileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 5; t++) cfg.rows[t] = (uint8_t)nrows, cfg.colsb[t] = 64;
-    for (int t = 5; t < 8; t++) cfg.rows[t] = PG_BLOCK_K / 2, cfg.colsb[t] = 64;
-    _tile_loadconfig(&cfg);
-}
+/* tiles 0-3: a block's four 16-output sums (rows x 16 float32); 4: the rows' 32 inputs of a chunk
+ * (64 bytes); 5-7: a chunk's 16 input pairs for 16 outputs */
+#define PG_AMX_CONFIGURE(rows) amx_configure((rows), PG_BLOCK_K * 2, PG_BLOCK_K / 2)
 
 /* the 64 sums of one block for the configured rows (lying ldx elements apart), into out[r * 64 ...] */
 static void block_sums_amx(const uint16_t *block, const uint16_t *x, int64_t ldx, int64_t chunks, float *out) {
@@ -131,7 +110,7 @@ static void block_sums_amx(const uint16_t *block, const uint16_t *x, int64_t ldx
 
 int packed_gemm_bf16_max_rows(void) {
 #if defined(PG_AMX)
-    return amx_usable() ? PG_AMX_ROWS : 1;
+    return amx_usable() ? PG_MAX_ROWS : 1;
 #else
     return 1;
 #endif
@@ -153,7 +132,7 @@ int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
     _Pragma("omp parallel")
     {
 #if defined(PG_AMX)
-        if (rows > 1) amx_configure((int)rows);
+        if (rows > 1) PG_AMX_CONFIGURE((int)rows);
 #endif
         _Pragma("omp for schedule(static)")
         for (int64_t b = 0; b < blocks; b++) {

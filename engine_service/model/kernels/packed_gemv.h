@@ -12,8 +12,7 @@ extern "C" {
 #define PG_BLOCK_N 64
 #define PG_BLOCK_K 32
 /* the most rows one call takes where the CPU has AMX (an AMX tile's rows) */
-#define PG_AMX_ROWS 16
-#define PG_MAX_ROWS PG_AMX_ROWS
+#define PG_MAX_ROWS 16
 
 /* 1 when this build can run the kernel (the CPU has AVX512-BF16), else 0 */
 int packed_gemv_bf16_supported(void);
@@ -29,7 +28,7 @@ int packed_gemv_sizes_ok(int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_p
 int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t n_out,
                      int64_t k_in, int64_t n_pad, int64_t k_pad);
 
-/* the most rows packed_gemm_bf16 takes in this process: PG_AMX_ROWS where the CPU has AMX and Linux
+/* the most rows packed_gemm_bf16 takes in this process: PG_MAX_ROWS where the CPU has AMX and Linux
  * grants it, 1 with AVX512-BF16 alone, 0 without */
 int packed_gemm_bf16_max_rows(void);
 

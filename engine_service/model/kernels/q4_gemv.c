@@ -253,37 +253,13 @@ static void task_rows(const uint8_t *codes, const uint16_t *sz, int64_t b0, int 
  * per row, the float scaling of each 32 inputs' integer sums, instead of two VPDPBUSD per row and
  * load. The integer sums are exact, and the float operations on them are task_sums' in the same
  * order, so a row's output is bitwise the VPDPBUSD path's and independent of the rows beside it. */
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #define Q4_AMX 1
 #define AMX_ROWS 16
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* the kernel grants AMX's register state to a process that asks (Linux 5.16+); asked once */
-static int amx_usable(void) {
-    static int state = -1;
-    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return state;
-}
 
 /* tiles 0-3: the blocks' int32 sums (nrows x 16); 4: the activations (nrows x 32 bytes); 5-7:
  * blocks' codes (8 x 64 bytes) */
-static void amx_configure(int nrows) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 4; t++) cfg.rows[t] = (uint8_t)nrows, cfg.colsb[t] = 64;
-    cfg.rows[4] = (uint8_t)nrows, cfg.colsb[4] = Q4_XBLOCK;
-    for (int t = 5; t < 8; t++) cfg.rows[t] = Q4_XBLOCK / 4, cfg.colsb[t] = 64;
-    _tile_loadconfig(&cfg);
-}
+#define Q4_AMX_CONFIGURE(nrows) amx_configure((nrows), Q4_XBLOCK, Q4_XBLOCK / 4)
 
 /* block i's codes for activation block xb, unpacked into B buffer bb[i] */
 #define AMX_UNPACK(bb, i, xb)                                                                            \
@@ -419,7 +395,7 @@ static int run(const uint8_t *codes, const uint16_t *sz, const float *xf, int64_
             }
 #if defined(Q4_AMX)
             if (amx && nrows > 1) {
-                if (configured != nrows) amx_configure(nrows), configured = nrows;
+                if (configured != nrows) Q4_AMX_CONFIGURE(nrows), configured = nrows;
                 task_sums_amx(codes, sz, b0, nb, k, group, r, nrows, sums);
             } else
 #endif
