@@ -44,15 +44,24 @@ int packed_gemv_sizes_ok(int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_p
 
 int packed_gemv_bf16_supported(void) { return 1; }
 
+/* Every line of a chunk, into L2, two chunks ahead of its use. Why every line: the hardware
+ * prefetcher restarts at each 4 KB page (a chunk), and tile loads do not train it at all (two lines
+ * a chunk, as the one-row kernel once asked, left the tiles 1.7x slower). Why into L2: a prefetch
+ * into L1 holds one of the core's few fill buffers until its line arrives, which caps the lines in
+ * flight. Side by side on SmolLM2's 121 products streamed from memory, seven rows through the tiles
+ * ran 1.02-1.08x faster than with every line into L1, one row as fast as with two L1 prefetches a
+ * chunk (docs/performance.md, seventh round). */
+static inline void prefetch_chunk(const uint16_t *chunk) {
+    for (int line = 0; line < CHUNK * 2 / 64; line++) _mm_prefetch((const char *)chunk + 64 * line, _MM_HINT_T2);
+}
+
 /* the 64 sums of one block of rows, into out[64] */
 static void block_sums(const uint16_t *block, const uint16_t *x, int64_t chunks, float *out) {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     __m512 acc2 = _mm512_setzero_ps(), acc3 = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; c++) {
         const uint16_t *chunk = block + c * CHUNK;
-        /* two chunks ahead: the hardware prefetcher restarts at each 4 KB page */
-        _mm_prefetch((const char *)(chunk + 2 * CHUNK), _MM_HINT_T0);
-        _mm_prefetch((const char *)(chunk + 2 * CHUNK + CHUNK / 2), _MM_HINT_T0);
+        prefetch_chunk(chunk + 2 * CHUNK);
         const uint16_t *xc = x + c * PG_BLOCK_K;
         for (int pair = 0; pair < PG_BLOCK_K / 2; pair++) {
             const uint16_t *wp = chunk + pair * 2 * PG_BLOCK_N;
@@ -87,10 +96,7 @@ static void block_sums_amx(const uint16_t *block, const uint16_t *x, int64_t ldx
     _tile_zero(3);
     for (int64_t c = 0; c < chunks; c++) {
         const uint16_t *chunk = block + c * CHUNK;
-        /* tile loads do not train the hardware prefetcher: every line of the chunk two ahead (only
-         * two lines a chunk, as the one-row kernel asks, ran 1.7x slower) */
-        for (int line = 0; line < CHUNK * 2 / 64; line++)
-            _mm_prefetch((const char *)(chunk + 2 * CHUNK) + 64 * line, _MM_HINT_T0);
+        prefetch_chunk(chunk + 2 * CHUNK);
         _tile_loadd(4, x + c * PG_BLOCK_K, ldx * 2);
         _tile_loadd(5, chunk, 4 * 64);
         _tile_dpbf16ps(0, 4, 5);
