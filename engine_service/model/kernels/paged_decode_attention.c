@@ -107,25 +107,57 @@ DEFINE_SCORES16(scores16_bf16, uint16_t, vload_bf16)
 #endif
 
 #if defined(PDA_VECTOR)
-/* o = sum_t p_t v_t over the partition, one head, the output in registers */
-#define VECTOR_VALUES(VLOAD, sp, v_cache, table, start, end, block_size, token_stride, head_off,   \
-                      head_dim, out)                                                              \
-    do {                                                                                          \
-        __m512 acc[PDA_MAX_VEC];                                                                  \
-        for (int64_t c = 0; c < (head_dim) / 16; c++) acc[c] = _mm512_setzero_ps();              \
-        for (int64_t t = (start); t < (end);) {                                                   \
-            const int64_t blk = t / (block_size), first = t % (block_size);                       \
-            const int64_t run = (block_size) - first < (end) - t ? (block_size) - first : (end) - t; \
-            const __typeof__(v_cache) vp0 = (v_cache) + ((table)[blk] * (block_size) + first) * (token_stride) \
-                                            + (head_off);                                         \
-            for (int64_t i = 0; i < run; i++) {                                                   \
-                const __m512 p = _mm512_set1_ps((sp)[t - (start) + i]);                           \
-                for (int64_t c = 0; c < (head_dim) / 16; c++)                                     \
-                    acc[c] = _mm512_fmadd_ps(p, VLOAD(vp0 + i * (token_stride) + 16 * c), acc[c]); \
+/* o_h = sum_t p_h,t v_t over the partition for NH (1-3) query heads h0.. of one kv head, their
+ * outputs in registers. Why several heads at once: one head's sum is head_dim / 16 chains of
+ * dependent FMAs, which leave the FMA units waiting on their latency; NH heads make NH times as
+ * many chains, and read (and widen) each V row once for all of them. Each head's terms are still
+ * added in token order, so its output is the one-head loop's. */
+#define DEFINE_VALUES(NAME, NH, T, VLOAD)                                                         \
+static inline __attribute__((always_inline)) void NAME(                                          \
+        const float *restrict scores, const T *restrict v_cache, const int64_t *restrict table,   \
+        int64_t start, int64_t end, int64_t block_size, int64_t token_stride, int64_t head_off,   \
+        const int64_t head_dim, float *restrict o) {                                              \
+    __m512 acc[NH][PDA_MAX_VEC];                                                                  \
+    for (int j = 0; j < NH; j++)                                                                  \
+        for (int64_t c = 0; c < head_dim / 16; c++) acc[j][c] = _mm512_setzero_ps();              \
+    for (int64_t t = start; t < end;) {                                                           \
+        const int64_t blk = t / block_size, first = t % block_size;                               \
+        const int64_t run = block_size - first < end - t ? block_size - first : end - t;          \
+        const T *vp0 = v_cache + (table[blk] * block_size + first) * token_stride + head_off;     \
+        const float *sp = scores + t - start;                                                     \
+        for (int64_t i = 0; i < run; i++) {                                                       \
+            __m512 p[NH];                                                                         \
+            for (int j = 0; j < NH; j++) p[j] = _mm512_set1_ps(sp[j * PARTITION + i]);            \
+            for (int64_t c = 0; c < head_dim / 16; c++) {                                         \
+                const __m512 v = VLOAD(vp0 + i * token_stride + 16 * c);                          \
+                for (int j = 0; j < NH; j++) acc[j][c] = _mm512_fmadd_ps(p[j], v, acc[j][c]);     \
             }                                                                                     \
-            t += run;                                                                             \
         }                                                                                         \
-        for (int64_t c = 0; c < (head_dim) / 16; c++) _mm512_storeu_ps((out) + 16 * c, acc[c]);  \
+        t += run;                                                                                 \
+    }                                                                                             \
+    for (int j = 0; j < NH; j++)                                                                  \
+        for (int64_t c = 0; c < head_dim / 16; c++) _mm512_storeu_ps(o + j * head_dim + 16 * c, acc[j][c]); \
+}
+DEFINE_VALUES(values1_f32, 1, float, vload_f32)
+DEFINE_VALUES(values2_f32, 2, float, vload_f32)
+DEFINE_VALUES(values3_f32, 3, float, vload_f32)
+DEFINE_VALUES(values1_bf16, 1, uint16_t, vload_bf16)
+DEFINE_VALUES(values2_bf16, 2, uint16_t, vload_bf16)
+DEFINE_VALUES(values3_bf16, 3, uint16_t, vload_bf16)
+/* every head's output: each kv head's query heads three at a time */
+#define VECTOR_VALUES(SUFFIX, scores, v_cache, table, start, end, block_size, token_stride, heads,  \
+                      group, head_dim, o)                                                         \
+    do {                                                                                          \
+        for (int64_t h = 0; h < (heads);) {                                                       \
+            const int64_t kv = h / (group), left = (kv + 1) * (group) - h;                        \
+            const int64_t off = kv * (head_dim);                                                  \
+            const float *sh = (scores) + h * PARTITION;                                           \
+            float *oh = (o) + h * (head_dim);                                                     \
+            if (left >= 3) values3_##SUFFIX(sh, v_cache, table, start, end, block_size, token_stride, off, head_dim, oh); \
+            else if (left == 2) values2_##SUFFIX(sh, v_cache, table, start, end, block_size, token_stride, off, head_dim, oh); \
+            else values1_##SUFFIX(sh, v_cache, table, start, end, block_size, token_stride, off, head_dim, oh); \
+            h += left >= 3 ? 3 : left;                                                            \
+        }                                                                                         \
     } while (0)
 #define VECTOR_OK(head_dim) ((head_dim) % 16 == 0)
 #define VECTOR_SCORES(FN, ...) FN(__VA_ARGS__)
@@ -162,7 +194,7 @@ static inline float scores_max(const float *s, int64_t n) {
 /* One partition [start, end) of one sequence, all heads. scores: [heads][PARTITION] scratch; o:
  * [heads][head_dim] out; m, l: [heads] out. HEAD_DIM is a compile-time constant in the specialised
  * copies (64, 128), which lets the compiler unroll the row loops. */
-#define DEFINE_PARTITION(NAME, T, LOAD, SCORES16, VLOAD)                                          \
+#define DEFINE_PARTITION(NAME, T, LOAD, SCORES16, SUFFIX)                                          \
 static inline __attribute__((always_inline)) void NAME(                                          \
         const float *restrict q, const T *restrict k_cache, const T *restrict v_cache,            \
         const int64_t *restrict table, int64_t start, int64_t end, int64_t heads, int64_t group, \
@@ -218,15 +250,14 @@ static inline __attribute__((always_inline)) void NAME(                         
         m[h] = mx;                                                                                \
         l[h] = total;                                                                             \
     }                                                                                             \
-    /* one head at a time, its output in registers; the partition's V rows (prefetched during the    \
-     * score pass) are re-read from L1/L2 for each head of their kv head */                        \
+    /* the partition's V rows were prefetched during the score pass */                           \
+    if (VECTOR_OK(head_dim)) {                                                                    \
+        VECTOR_VALUES(SUFFIX, scores, v_cache, table, start, end, block_size, token_stride, heads,\
+                      group, head_dim, o);                                                        \
+        return;                                                                                   \
+    }                                                                                             \
     for (int64_t h = 0; h < heads; h++) {                                                         \
         const float *sp = scores + h * PARTITION;                                                 \
-        if (VECTOR_OK(head_dim)) {                                                                \
-            VECTOR_VALUES(VLOAD, sp, v_cache, table, start, end, block_size, token_stride,        \
-                          kv_of[h] * head_dim, head_dim, o + h * head_dim);                       \
-            continue;                                                                             \
-        }                                                                                         \
         float acc[HEAD_DIM_MAX];                                                                  \
         for (int64_t d = 0; d < head_dim; d++) acc[d] = 0.f;                                      \
         for (int64_t t = start; t < end;) {                                                       \
@@ -328,7 +359,7 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int64_t *bloc
 
 #define LOAD_F32(x) (x)
 #define LOAD_BF16(x) bf16_to_f32(x)
-DEFINE_PARTITION(partition_f32, float, LOAD_F32, scores16_f32, vload_f32)
-DEFINE_PARTITION(partition_bf16, uint16_t, LOAD_BF16, scores16_bf16, vload_bf16)
+DEFINE_PARTITION(partition_f32, float, LOAD_F32, scores16_f32, f32)
+DEFINE_PARTITION(partition_bf16, uint16_t, LOAD_BF16, scores16_bf16, bf16)
 DEFINE_KERNEL(paged_decode_attention_f32, float, partition_f32)
 DEFINE_KERNEL(paged_decode_attention_bf16, uint16_t, partition_bf16)
