@@ -17,6 +17,7 @@ from gateway.metrics import METRICS
 from gateway.responses.models import STREAM_EVENT_MODELS
 from gateway.responses.routes import router as responses_router
 from gateway.routes import STREAM_CHUNK_MODELS, router
+from sluice.heap import freeze_startup_heap
 
 log = logging.getLogger("sluice.gateway")
 
@@ -185,5 +186,8 @@ def create_app(config: GatewayConfig | None = None, *, broker: Broker | None = N
 
 
 def app_factory() -> FastAPI:
-    """For ``uvicorn --factory gateway.app:app_factory`` (the settings come from the environment)."""
-    return create_app(GatewayConfig.from_env())
+    """For ``uvicorn --factory gateway.app:app_factory`` (the settings come from the environment): the
+    app of one gateway process, its start-up heap then frozen (``sluice.heap``)."""
+    app = create_app(GatewayConfig.from_env())
+    log.info("%d start-up objects frozen out of the garbage collector's walks", freeze_startup_heap())
+    return app

@@ -257,6 +257,10 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    from sluice.heap import freeze_startup_heap
+
+    log.info("engine %s: %d start-up objects frozen out of the garbage collector's walks", settings.engine_id,
+             freeze_startup_heap())
     log.info("engine %s serving %r from %s", settings.engine_id, service.model, _redact(settings.redis_url))
     code = service.run()
     log.info("engine %s stopped", settings.engine_id)

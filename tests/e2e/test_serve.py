@@ -50,5 +50,7 @@ def test_serve_one_command_then_ctrl_c(model_dir, tmp_path):
     assert code == 0, output
     assert not _port_open(port) and not _port_open(grpc_port)
     assert "private Redis at redis://127.0.0.1:" in output
+    # the engine's start-up heap left the garbage collector's walks once it was loaded (sluice.heap)
+    assert "start-up objects frozen out of the garbage collector's walks" in output
     redis_port = int(output.split("private Redis at redis://127.0.0.1:")[1].split("/")[0])
     assert not _port_open(redis_port), "the private redis-server outlived sluice serve"
