@@ -65,13 +65,15 @@ def test_inplace_decode_attention_matches_reference(heads, kv_heads, block_size)
     torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
 
 
-# head sizes: multiples of 16 take the AVX-512 path (16 scores summed at once, the outputs of up to
-# three query heads of a kv head in registers; 64 is the default model's), 24 the portable loops;
-# blocks of 32 split a run in two; groups of 1 to 6 query heads a kv head take every split in threes
+# head sizes: multiples of 16 take the AVX-512 path (the outputs of up to three query heads of a kv
+# head in registers; 64 is the default model's): a bfloat16 K of whole 32s transposed so that a
+# token is a lane, a float32 K (and bfloat16 of 48) with 16 scores summed across lanes at once; 24
+# the portable loops; blocks of 32 split a run in two; groups of 1 to 6 query heads a kv head take
+# every split in threes
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,block_size,head_dim", [
     (9, 3, 16, 32), (4, 4, 4, 32), (8, 2, 8, 32), (6, 1, 16, 32), (9, 3, 16, 64), (4, 2, 32, 64),
-    (10, 2, 16, 64), (4, 2, 16, 128), (9, 3, 16, 24), (4, 2, 8, 24)])
+    (10, 2, 16, 64), (4, 2, 16, 128), (4, 2, 16, 48), (9, 3, 16, 24), (4, 2, 8, 24)])
 def test_native_decode_attention_matches_reference(heads, kv_heads, block_size, head_dim, dtype):
     kernel = load_paged_decode_attention()  # gcc is part of the test set-up: a build failure fails here
     q, k_cache, v_cache, meta = _random_paged_case(heads, kv_heads, block_size, dtype, head_dim)

@@ -103,7 +103,95 @@ static inline __attribute__((always_inline)) void NAME(                         
 }
 #define PDA_MAX_VEC (HEAD_DIM_MAX / 16)
 DEFINE_SCORES16(scores16_f32, float, vload_f32)
-DEFINE_SCORES16(scores16_bf16, uint16_t, vload_bf16)
+DEFINE_SCORES16(scores16_lanes_bf16, uint16_t, vload_bf16)
+
+/* r[j] lane i <- r[i] lane j: a 16 x 16 matrix of 32-bit values, transposed in registers */
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(u[i], u[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(u[i], u[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(u[i + 8], u[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(u[i + 8], u[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* NH (1-3) query heads' scores over a run's transposed K (kt[p]: the 16 tokens' input pair p, one
+ * token a lane): sum over the pairs of q[2p] k[2p] and q[2p+1] k[2p+1], even and odd inputs in two
+ * sums added at the end, into scores[j * PARTITION ...] for the n tokens */
+#define DEFINE_SCORES_T(NAME, NH)                                                                 \
+static inline __attribute__((always_inline)) void NAME(                                          \
+        const float *restrict q, const __m512i *restrict kt, __mmask16 mask, const int64_t head_dim, \
+        __m512 vscale, float *restrict scores) {                                                  \
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);                                     \
+    __m512 even[NH], odd[NH];                                                                     \
+    for (int j = 0; j < NH; j++) even[j] = _mm512_setzero_ps(), odd[j] = _mm512_setzero_ps();     \
+    for (int64_t p = 0; p < head_dim / 2; p++) {                                                  \
+        const __m512 ke = _mm512_castsi512_ps(_mm512_slli_epi32(kt[p], 16));                      \
+        const __m512 ko = _mm512_castsi512_ps(_mm512_and_si512(kt[p], high));                     \
+        for (int j = 0; j < NH; j++) {                                                            \
+            even[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * head_dim + 2 * p]), ke, even[j]);      \
+            odd[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * head_dim + 2 * p + 1]), ko, odd[j]);    \
+        }                                                                                         \
+    }                                                                                             \
+    for (int j = 0; j < NH; j++)                                                                  \
+        _mm512_mask_storeu_ps(scores + j * PARTITION, mask,                                       \
+                              _mm512_mul_ps(_mm512_add_ps(even[j], odd[j]), vscale));             \
+}
+DEFINE_SCORES_T(scores_t1, 1)
+DEFINE_SCORES_T(scores_t2, 2)
+DEFINE_SCORES_T(scores_t3, 3)
+
+/* scores[h * PARTITION + i] = scale * q_h . k_i for the run's n <= 16 tokens, bfloat16 K. Where
+ * head_dim is whole runs of 32: each kv head's 16 K rows are transposed once, in registers, so a
+ * token is a lane; then each query head's 16 scores are FMAs with its q broadcast, one input at a
+ * time, shared by up to three query heads, with no per-token horizontal sum. Why: summing each
+ * token's products across lanes (scores16_lanes) and widening K once per query head took most of
+ * the kernel's instructions (docs/performance.md, seventh round). */
+static inline __attribute__((always_inline)) void scores16_bf16(
+        const float *restrict q, const uint16_t *restrict kp, int64_t n, int64_t token_stride,
+        int64_t heads, const int32_t *kv_of, const int64_t head_dim, float scale, float *restrict scores) {
+    if (head_dim % 32 != 0) {
+        scores16_lanes_bf16(q, kp, n, token_stride, heads, kv_of, head_dim, scale, scores);
+        return;
+    }
+    const __mmask16 mask = (__mmask16)((1u << n) - 1u);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const int64_t kv_heads = token_stride / head_dim, group = heads / kv_heads;
+    for (int64_t g = 0; g < kv_heads; g++) {
+        __m512i kt[HEAD_DIM_MAX / 2];
+        for (int64_t b = 0; b < head_dim / 32; b++) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = i < n ? _mm512_loadu_si512(kp + i * token_stride + g * head_dim + 32 * b) : _mm512_setzero_si512();
+            transpose16(r);
+            for (int j = 0; j < 16; j++) kt[16 * b + j] = r[j];
+        }
+        for (int64_t h = g * group; h < (g + 1) * group;) {
+            const int64_t left = (g + 1) * group - h;
+            const float *qh = q + h * head_dim;
+            float *sh = scores + h * PARTITION;
+            if (left >= 3) scores_t3(qh, kt, mask, head_dim, vscale, sh);
+            else if (left == 2) scores_t2(qh, kt, mask, head_dim, vscale, sh);
+            else scores_t1(qh, kt, mask, head_dim, vscale, sh);
+            h += left >= 3 ? 3 : left;
+        }
+    }
+}
 #endif
 
 #if defined(PDA_VECTOR)
