@@ -15,7 +15,7 @@ from engine_service.config import EngineConfig, SchedulerConfig, SpeculativeConf
 from engine_service.core.request import FinishReason, Request, RequestStatus
 from engine_service.core.sampling_params import SamplingParams
 from engine_service.core.scheduler import Scheduler
-from engine_service.core.spec_decode import NgramDrafter
+from engine_service.core.spec_decode import COPY_WINDOW, NgramDrafter
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -107,6 +107,61 @@ def test_the_drafter_proposes_what_a_full_scan_finds_while_the_sequence_grows():
                                min(limit, config.num_speculative_tokens))
             assert drafter.propose(tokens, limit) == want, (tokens, limit)
             tokens.extend(rng.randrange(6) for _ in range(rng.randrange(1, 4)))
+
+
+def copy_reference(tokens: list[int], lo: int, hi: int, limit: int, cursor: int | None) -> tuple[list[int], int | None]:
+    """The drafter with a copy cursor, by full scans: for n from hi down to 1, the nearest
+    occurrence ending within COPY_WINDOW at or after the cursor, else (n >= lo) the most recent.
+    Returns the drafts and the end of the occurrence they came from."""
+    length = len(tokens)
+    for n in range(min(hi, length), 0, -1):
+        suffix = tokens[length - n:]
+        if cursor is not None:
+            near = [e for e in range(n, length) if tokens[e - n:e] == suffix and 0 <= e - cursor <= COPY_WINDOW]
+            if near:
+                return tokens[min(near):min(near) + limit], min(near)
+        if n >= lo:
+            ends = [e for e in range(n, length) if tokens[e - n:e] == suffix]
+            if ends:
+                return tokens[max(ends):max(ends) + limit], max(ends)
+    return [], None
+
+
+def test_the_copy_cursor_matches_a_full_scan_as_drafts_are_accepted():
+    rng = random.Random(1)
+    for trial in range(30):
+        config = SpeculativeConfig.parse({"num_speculative_tokens": 5, "prompt_lookup_max": 2 + trial % 3,
+                                          "prompt_lookup_min": 2, "backoff": "off"})
+        drafter = NgramDrafter(config)
+        tokens = [rng.randrange(8) for _ in range(rng.randrange(2, 40))]
+        cursor = None
+        for _ in range(50):
+            limit = rng.randrange(0, 7)
+            want, source = copy_reference(tokens, 2, config.prompt_lookup_max, min(limit, 5), cursor)
+            drafts = drafter.propose(tokens, limit)
+            assert drafts == want, (tokens, limit, cursor)
+            accepted = rng.randrange(len(drafts) + 1)
+            if drafts:
+                drafter.observe(len(drafts), accepted)
+                cursor = source + accepted + 1
+            tokens.extend(drafts[:accepted] + [rng.randrange(8)])
+
+
+def test_after_a_reworded_token_the_copy_goes_on_from_the_cursor():
+    """A passage copied with one token changed (the model writes 90 where the source has 5): no
+    2-gram of the output matches any more, and the most recent 1-gram occurrence (of 6) is not
+    where the copy is; the drafter picks the copy up right after the cursor."""
+    config = SpeculativeConfig.parse({"num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2,
+                                      "backoff": "off"})
+    passage = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+    prompt = passage + [6, 40, 41]  # 6 recurs later, followed by something else
+    drafter = NgramDrafter(config)
+    tokens = prompt + [0, 1, 2]  # the model starts copying: 1 2 matches the passage
+    assert drafter.propose(tokens, 4) == [3, 4, 5, 6]
+    drafter.observe(4, 2)  # 3 4 kept, then the model's own token replaces 5
+    tokens += [3, 4, 90, 6]  # ... and goes on with 6
+    assert NgramDrafter(config).propose(tokens, 4) == []  # without the cursor: no 2-gram matches
+    assert drafter.propose(tokens, 4) == [7, 8, 9, 10]  # with it: the 6 right after the cursor
 
 
 def test_the_drafter_indexes_each_token_once():
