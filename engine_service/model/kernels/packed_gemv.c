@@ -44,15 +44,18 @@ int packed_gemv_sizes_ok(int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_p
 
 int packed_gemv_bf16_supported(void) { return 1; }
 
-/* Every line of a chunk, into L2, two chunks ahead of its use. Why every line: the hardware
- * prefetcher restarts at each 4 KB page (a chunk), and tile loads do not train it at all (two lines
- * a chunk, as the one-row kernel once asked, left the tiles 1.7x slower). Why into L2: a prefetch
- * into L1 holds one of the core's few fill buffers until its line arrives, which caps the lines in
- * flight. Side by side on SmolLM2's 121 products streamed from memory, seven rows through the tiles
- * ran 1.02-1.08x faster than with every line into L1, one row as fast as with two L1 prefetches a
- * chunk (docs/performance.md, seventh round). */
-static inline void prefetch_chunk(const uint16_t *chunk) {
-    for (int line = 0; line < CHUNK * 2 / 64; line++) _mm_prefetch((const char *)chunk + 64 * line, _MM_HINT_T2);
+/* Every line of a chunk, into L2, two chunks ahead of its use, a few lines at a time between the
+ * current chunk's loads (the one-row kernel: 4 lines a pair; the tiles: 16 lines a tile). Why
+ * every line: the hardware prefetcher restarts at each 4 KB page (a chunk), and tile loads do not
+ * train it at all (two lines a chunk, as the one-row kernel once asked, left the tiles 1.7x
+ * slower). Why into L2: a prefetch into L1 holds one of the core's few fill buffers until its
+ * line arrives, which caps the lines in flight (seventh round). Why spread: 64 prefetches in a
+ * burst stall on those same buffers and hold the loads behind them; under perf, 38% of the tiles'
+ * samples sat on the burst. Spread out, a C harness streaming SmolLM2's 121 products ran seven
+ * rows through the tiles about as fast as one row had run, and one row faster too
+ * (docs/performance.md, eighth round). */
+static inline void prefetch_lines(const uint16_t *chunk, int first, int count) {
+    for (int line = first; line < first + count; line++) _mm_prefetch((const char *)chunk + 64 * line, _MM_HINT_T2);
 }
 
 /* the 64 sums of one block of rows, into out[64] */
@@ -61,9 +64,9 @@ static void block_sums(const uint16_t *block, const uint16_t *x, int64_t chunks,
     __m512 acc2 = _mm512_setzero_ps(), acc3 = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; c++) {
         const uint16_t *chunk = block + c * CHUNK;
-        prefetch_chunk(chunk + 2 * CHUNK);
         const uint16_t *xc = x + c * PG_BLOCK_K;
         for (int pair = 0; pair < PG_BLOCK_K / 2; pair++) {
+            prefetch_lines(chunk + 2 * CHUNK, 4 * pair, 4);
             const uint16_t *wp = chunk + pair * 2 * PG_BLOCK_N;
             uint32_t xp;
             memcpy(&xp, xc + 2 * pair, sizeof xp);
@@ -95,15 +98,18 @@ static void block_sums_amx(const uint16_t *block, const uint16_t *x, int64_t ldx
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t c = 0; c < chunks; c++) {
-        const uint16_t *chunk = block + c * CHUNK;
-        prefetch_chunk(chunk + 2 * CHUNK);
+        const uint16_t *chunk = block + c * CHUNK, *ahead = chunk + 2 * CHUNK;
         _tile_loadd(4, x + c * PG_BLOCK_K, ldx * 2);
+        prefetch_lines(ahead, 0, 16);
         _tile_loadd(5, chunk, 4 * 64);
         _tile_dpbf16ps(0, 4, 5);
+        prefetch_lines(ahead, 16, 16);
         _tile_loadd(6, chunk + 32, 4 * 64);
         _tile_dpbf16ps(1, 4, 6);
+        prefetch_lines(ahead, 32, 16);
         _tile_loadd(7, chunk + 64, 4 * 64);
         _tile_dpbf16ps(2, 4, 7);
+        prefetch_lines(ahead, 48, 16);
         _tile_loadd(5, chunk + 96, 4 * 64);
         _tile_dpbf16ps(3, 4, 5);
     }
