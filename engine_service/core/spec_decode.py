@@ -46,8 +46,8 @@ class NgramDrafter:
     the index's most recent one (sizes ``prompt_lookup_min`` and up). Why: the most recent
     occurrence of a short n-gram (" the", a line break) is often elsewhere in the passage, and
     after a reworded token no n-gram of ``prompt_lookup_min`` matches at all, while the passage
-    goes on right after the cursor. Replayed on the grounded bench's greedy outputs it keeps 3-5%
-    more tokens per step (docs/performance.md, eighth round). It only changes what is drafted,
+    goes on right after the cursor. Replayed on the grounded bench's greedy outputs it keeps
+    more tokens a step (docs/performance.md, eighth round). It only changes what is drafted,
     never what is kept: outputs stay plain decoding's.
     """
 
