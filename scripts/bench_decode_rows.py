@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,2,7,11")
     parser.add_argument("--contexts", default="16,320")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", type=Path, default=Path("bench-results/decode-rows.json"))
+    parser.add_argument("--json", type=lambda s: Path(s) if s else None, default=Path("bench-results/decode-rows.json"),
+                        help="where to write the results ('': nowhere)")
     args = parser.parse_args(argv)
 
     from engine_service import LLM

@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--no-copy-cursor", action="store_true", help="the drafter without its copy cursor")
-    parser.add_argument("--json", type=Path, default=Path("bench-results/replay-drafter.json"))
+    parser.add_argument("--json", type=lambda s: Path(s) if s else None, default=Path("bench-results/replay-drafter.json"),
+                        help="where to write the results ('': nowhere)")
     args = parser.parse_args(argv)
     if args.no_copy_cursor:
         spec_decode.COPY_WINDOW = -1  # an empty window: the most recent occurrence only
