@@ -20,7 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
-from engine_service.bench.spec import GROUNDED_TASKS
+from engine_service.bench.spec import grounded_prompts
 from engine_service.config import SpeculativeConfig
 from engine_service.core import spec_decode
 
@@ -31,9 +31,7 @@ def record(mode: str, output_len: int) -> list[tuple[list[int], list[int]]]:
     from engine_service.core.sampling_params import SamplingParams
 
     llm = LLM(None, **MODES[mode], kv_cache_memory=256 << 20)
-    tok = llm.get_tokenizer()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
-               for t in GROUNDED_TASKS]
+    prompts = grounded_prompts(llm.get_tokenizer())
     greedy = SamplingParams(temperature=0.0, max_tokens=output_len)
     # one at a time, as the bench's grounded workload runs: a batch's rows may round apart from a lone row's
     outs = [llm.generate([p], greedy)[0] for p in prompts]

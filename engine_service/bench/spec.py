@@ -80,6 +80,12 @@ GROUNDED_TASKS = [
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
+def grounded_prompts(tokenizer) -> list[str]:
+    """GROUNDED_TASKS as user turns rendered with the model's chat template."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": task}], add_generation_prompt=True)
+            for task in GROUNDED_TASKS]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")
     parser.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC), metavar="JSON",
@@ -185,11 +191,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"sluice bench spec: --rounds must be at least 1 (got {args.rounds})")
         return 2
     llm = _engine(args)
-    tok = llm.get_tokenizer()
-    rendered = [
-        tok.apply_chat_template([{"role": "user", "content": task}], add_generation_prompt=True)
-        for task in GROUNDED_TASKS
-    ]
+    rendered = grounded_prompts(llm.get_tokenizer())
     grounded = [rendered[i % len(rendered)] for i in range(args.num_grounded)]
     # warm-up: the first forward of each engine pays one-time costs (kernels, allocations)
     for speculate in (False, True):

@@ -5,8 +5,8 @@ A request drafts from its own tokens: an earlier occurrence of its last ``n`` to
 ``prompt_lookup_max`` down to ``prompt_lookup_min``) in prompt + output, and the up to
 ``num_speculative_tokens`` tokens that followed it there. Which occurrence: the nearest one at or
 just after the copy cursor, where the last draft's source left off, when there is one; else the
-most recent. Near the cursor a single token is match enough (see ``NgramDrafter``). The scheduler forwards the request's last
-token and the drafts as one chunk; the engine samples every position and keeps the drafts up to
+most recent. Near the cursor a single token is match enough (see ``NgramDrafter``). The
+scheduler forwards the request's last token and the drafts as one chunk; the engine samples every position and keeps the drafts up to
 the first one the model would not have produced, plus the model's own token at that position.
 
 Torch-free: the scheduler (``engine_service.core``) imports it.
@@ -52,7 +52,7 @@ class NgramDrafter:
     """
 
     __slots__ = ("sizes", "max_k", "backs_off", "_index", "_indexed", "k_next", "_skip", "_backoff", "_cursor",
-                 "_source", "_lo", "_hi")
+                 "_source")
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.sizes = tuple(range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1))  # longest first
@@ -63,7 +63,6 @@ class NgramDrafter:
         self.k_next = config.num_speculative_tokens  # drafts to offer next (the back-off's state)
         self._skip = 0  # decode steps left without drafting
         self._backoff = 1  # the next skip after a draft with nothing accepted
-        self._lo, self._hi = config.prompt_lookup_min, config.prompt_lookup_max
         self._cursor: int | None = None  # where the copy goes on (set by observe)
         self._source: int | None = None  # the end of the occurrence the last proposal came from
 
@@ -89,8 +88,8 @@ class NgramDrafter:
         length = len(tokens)
         self._extend(tokens, length)  # every end < length: earlier occurrences only
         index = self._index
-        cursor = self._cursor
-        for n in range(min(self._hi, length), 0, -1):
+        cursor, lo = self._cursor, self.sizes[-1]
+        for n in range(min(self.sizes[0], length), 0, -1):
             suffix = tokens[length - n:]
             end = None
             if cursor is not None:
@@ -98,7 +97,7 @@ class NgramDrafter:
                     if tokens[e - n:e] == suffix:
                         end = e
                         break
-            if end is None and n >= self._lo:
+            if end is None and n >= lo:
                 end = index[n].get(tuple(suffix))
             if end is not None:
                 self._source = end

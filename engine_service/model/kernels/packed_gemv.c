@@ -4,8 +4,8 @@
  * Why: oneDNN's own product for one row (brgemm on AMX tiles of 16 rows) streams the weights at
  * ~18 GB/s on the development VM, where a plain read reaches ~26 GB/s; a decode step of one stream
  * is nothing but those reads (docs/performance.md, "bfloat16 one-row products"). This kernel reads
- * the packed weight where it lies: the engine keeps one copy, oneDNN's, and batches of two or more
- * rows still go to oneDNN.
+ * the packed weight where it lies: the engine keeps one copy, oneDNN's, and products of more rows
+ * than packed_gemm_bf16_max_rows() still go to oneDNN.
  *
  * The layout (oneDNN's tag AB16b64a2b for a [N, K] weight, checked against the weight at load by
  * engine_service/model/prepacked.py): blocks of 64 output rows, each a run of K/32 chunks of 4 KB;
