@@ -51,9 +51,9 @@ int packed_gemv_bf16_supported(void) { return 1; }
  * slower). Why into L2: a prefetch into L1 holds one of the core's few fill buffers until its
  * line arrives, which caps the lines in flight (seventh round). Why spread: 64 prefetches in a
  * burst stall on those same buffers and hold the loads behind them; under perf, 38% of the tiles'
- * samples sat on the burst. Spread out, a C harness streaming SmolLM2's 121 products ran seven
- * rows through the tiles about as fast as one row had run, and one row faster too
- * (docs/performance.md, eighth round). */
+ * samples sat on the burst. Spread out, the tiles stream SmolLM2's 121 products faster
+ * (scripts/bench_prefetch.c; docs/performance.md, eighth round); the one-row loop runs as fast as
+ * it did. */
 static inline void prefetch_lines(const uint16_t *chunk, int first, int count) {
     for (int line = first; line < first + count; line++) _mm_prefetch((const char *)chunk + 64 * line, _MM_HINT_T2);
 }
