@@ -69,6 +69,10 @@ class FakeEngine:
         self._read_idle = asyncio.Event()  # set while paused with no XREADGROUP in flight
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._tasks: list = []
+        # Why a flag beside cancelling the loops: redis-py can turn the CancelledError of a
+        # command in flight into a ConnectionError, which the loops catch and go on after; the
+        # flag ends them at their next turn, so stop() does not sit out _close's bound.
+        self._stopping = False
 
     # -- control from the test thread --
     def start(self) -> FakeEngine:
@@ -79,6 +83,7 @@ class FakeEngine:
         return self
 
     def stop(self) -> None:
+        self._stopping = True
         for t in self._tasks:
             t.cancel()
         # _close bounds each of its waits, so this returns; the margin is for a loaded machine.
@@ -144,7 +149,7 @@ class FakeEngine:
         await self.r.set(contract.engine_key(self.engine_id), b"1", ex=int(contract.HEARTBEAT_TTL_S))
 
     async def _heartbeat(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 async with self._beat_lock:
                     if self.heartbeat:
@@ -162,7 +167,7 @@ class FakeEngine:
     async def _listen_cancels(self) -> None:
         ps = self.r.pubsub()
         await ps.ssubscribe(contract.CANCEL_CHANNEL)
-        while True:
+        while not self._stopping:
             try:
                 msg = await read_shard_message_async(ps, 1.0)
             except (redis.RedisError, OSError):
@@ -175,7 +180,7 @@ class FakeEngine:
         # Every shard of the queue (the card's count), as a real engine alone serves them:
         # non-blocking reads, a short pause when all are empty.
         streams = contract.request_streams(MODEL, contract.DEFAULT_QUEUE_SHARDS)
-        while True:
+        while not self._stopping:
             free = 16 if self.max_running is None else min(16, self.max_running - self.running)
             if self.paused or free <= 0:
                 if self.paused:
