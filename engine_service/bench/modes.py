@@ -11,7 +11,7 @@ def _mode(dtype: str, quantization: str | None = None, *, eager: bool = True, na
 
 # mode name -> the LLM keywords that make it. "-compiled": torch.compile's decode step; "-native":
 # the decode step as one native call (engine_service.model.native_decode: int4, and bfloat16's
-# steps of up to 16 rows where the CPU has AMX, else its single stream)
+# steps of up to 16 rows)
 MODES: dict[str, dict[str, Any]] = {
     "float32": _mode("float32"),
     "float32-compiled": _mode("float32", eager=False),

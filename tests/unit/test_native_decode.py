@@ -176,13 +176,12 @@ def test_a_bfloat16_stream_is_the_eager_forward(bf16):
 
 
 def test_a_bfloat16_verifying_step_and_batch_are_the_eager_forward(bf16):
-    """Several bfloat16 rows (AMX tiles): a request's token and two drafts beside another request,
-    near the eager forward (oneDNN's batch products); each row bitwise the same row in another
-    batch of two or more, and near what a one-row step gives."""
+    """Several bfloat16 rows (AMX tiles, or VDPBF16PS on groups of rows): a request's token and two
+    drafts beside another request, near the eager forward (oneDNN's batch products); each row
+    bitwise the same row in another batch of two or more, and near what a one-row step gives."""
     from engine_service.model.prepacked import gemv_max_rows
 
-    if gemv_max_rows() < 4:
-        pytest.skip("no AMX here: bfloat16 native steps take one row")
+    assert gemv_max_rows() >= 4
     runner = bf16.engine.runner
     native, tokens, blocks, chunks, want, got = _verifying_step(bf16, seed=4)
     assert got.dtype == torch.bfloat16
@@ -267,7 +266,7 @@ def test_an_engine_times_a_verifying_row_and_resolves_the_back_off(llm, model_di
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
     engines = {"int4": LLM(str(model_dir), dtype="float32", quantization="int4", enforce_eager=False,
                            block_size=BLOCK, kv_cache_memory=32 << 20, speculative_config=spec)}
-    if gemv_max_rows() > spec["num_speculative_tokens"]:  # AMX: bfloat16's native step takes k + 1 rows
+    if gemv_max_rows() > spec["num_speculative_tokens"]:  # bfloat16's native step takes k + 1 rows
         engines["bfloat16"] = LLM(str(model_dir), dtype="bfloat16", enforce_eager=False, block_size=BLOCK,
                                   kv_cache_memory=32 << 20, speculative_config=spec)
     for engine in (e.engine for e in engines.values()):

@@ -23,7 +23,9 @@
  * same at 2 rows as at 16. One row keeps VDPBF16PS, which streams faster than tile loads. The two
  * multiply the same bfloat16 pairs into float32 sums, but the tile multiply rounds its sums its own
  * way (docs/performance.md, sixth round): a few outputs in ten thousand differ from the one-row
- * kernel's by one ulp. A row's output through the tiles does not depend on the rows beside it. */
+ * kernel's by one ulp. A row's output through the tiles does not depend on the rows beside it.
+ * Without AMX, several rows take VDPBF16PS in groups (block_sums_rows), bit for bit the one-row
+ * kernel's. */
 #include "packed_gemv.h"
 
 #include <immintrin.h>
@@ -83,6 +85,69 @@ static void block_sums(const uint16_t *block, const uint16_t *x, int64_t chunks,
     _mm512_storeu_ps(out + 48, acc3);
 }
 
+/* Several rows where the CPU has no AMX (AMD Zen 4, Intel Cooper Lake): a group of up to
+ * PG_ROW_GROUP rows shares each 64-byte weight load, four accumulators a row (7 x 4 + 4 weight
+ * vectors: 32 registers; the compiler takes the broadcast input from memory). Seven, so that a
+ * verifying step of six drafts streams the weights in one pass (on Zen 4 it then costs what one row
+ * costs; docs/performance.md, ninth round). Groups after the first read the block
+ * again, from the caches (a block of 64 outputs is 4 KB an input chunk: 72 KB at K = 576, 192 KB at
+ * K = 1536, within L2), so the weights stream from memory once a step however many rows it has.
+ * Each row's sums are the one-row kernel's, bit for bit: the same VDPBF16PS on the same pairs in the
+ * same order, so a row's output does not depend on the rows beside it nor on their count. */
+#define PG_ROW_GROUP 7
+
+static inline __attribute__((always_inline)) void group_sums(const uint16_t *block, const uint16_t *x, int64_t ldx,
+                                                             int64_t chunks, const int rows, const int stream,
+                                                             float *out) {
+    __m512 acc[PG_ROW_GROUP][4];
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < 4; j++) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; c++) {
+        const uint16_t *chunk = block + c * CHUNK;
+        const uint16_t *xc = x + c * PG_BLOCK_K;
+        for (int pair = 0; pair < PG_BLOCK_K / 2; pair++) {
+            if (stream) prefetch_lines(chunk + 2 * CHUNK, 4 * pair, 4);
+            const uint16_t *wp = chunk + pair * 2 * PG_BLOCK_N;
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+            const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
+            for (int m = 0; m < rows; m++) {
+                uint32_t xp;
+                memcpy(&xp, xc + m * ldx + 2 * pair, sizeof xp);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp);
+                acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xv);
+                acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xv);
+                acc[m][2] = _mm512_dpbf16_ps(acc[m][2], w2, xv);
+                acc[m][3] = _mm512_dpbf16_ps(acc[m][3], w3, xv);
+            }
+        }
+    }
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + m * PG_BLOCK_N + 16 * j, acc[m][j]);
+}
+
+/* the 64 sums of one block for rows (2 to PG_MAX_ROWS) lying ldx elements apart, into out[r * 64 ...],
+ * in groups of as even a size as PG_ROW_GROUP allows */
+static void block_sums_rows(const uint16_t *block, const uint16_t *x, int64_t ldx, int rows, int64_t chunks,
+                            float *out) {
+    const int groups = (rows + PG_ROW_GROUP - 1) / PG_ROW_GROUP;
+    int done = 0;
+    for (int g = 0; g < groups; g++) {
+        const int left = groups - g, n = (rows - done + left - 1) / left, stream = g == 0;
+        const uint16_t *xg = x + done * ldx;
+        float *og = out + done * PG_BLOCK_N;
+        switch (n) { /* a constant row count each, so the accumulators stay in registers */
+        case 1: group_sums(block, xg, ldx, chunks, 1, stream, og); break;
+        case 2: group_sums(block, xg, ldx, chunks, 2, stream, og); break;
+        case 3: group_sums(block, xg, ldx, chunks, 3, stream, og); break;
+        case 4: group_sums(block, xg, ldx, chunks, 4, stream, og); break;
+        case 5: group_sums(block, xg, ldx, chunks, 5, stream, og); break;
+        case 6: group_sums(block, xg, ldx, chunks, 6, stream, og); break;
+        default: group_sums(block, xg, ldx, chunks, 7, stream, og); break;
+        }
+        done += n;
+    }
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PG_AMX 1
 #include "amx.h"
@@ -120,11 +185,14 @@ static void block_sums_amx(const uint16_t *block, const uint16_t *x, int64_t ldx
 }
 #endif
 
-int packed_gemm_bf16_max_rows(void) {
+int packed_gemm_bf16_max_rows(void) { return PG_MAX_ROWS; }
+
+/* 1 when several rows go through AMX's tiles in this process, 0 when through block_sums_rows */
+static int use_tiles(void) {
 #if defined(PG_AMX)
-    return amx_usable() ? PG_MAX_ROWS : 1;
+    return amx_usable();
 #else
-    return 1;
+    return 0;
 #endif
 }
 
@@ -141,19 +209,22 @@ int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
     const uint16_t *xp = padded != NULL ? padded : x;
     const int64_t ldx = padded != NULL ? k_pad : k_in;
     const int64_t blocks = n_pad / PG_BLOCK_N, chunks = k_pad / PG_BLOCK_K;
+    const int tiles = rows > 1 && use_tiles();
     _Pragma("omp parallel")
     {
 #if defined(PG_AMX)
-        if (rows > 1) PG_AMX_CONFIGURE((int)rows);
+        if (tiles) PG_AMX_CONFIGURE((int)rows);
 #endif
         _Pragma("omp for schedule(static)")
         for (int64_t b = 0; b < blocks; b++) {
             float sums[PG_MAX_ROWS * PG_BLOCK_N];
+            const uint16_t *block = w + b * chunks * CHUNK;
 #if defined(PG_AMX)
-            if (rows > 1) block_sums_amx(w + b * chunks * CHUNK, xp, ldx, chunks, sums);
+            if (tiles) block_sums_amx(block, xp, ldx, chunks, sums);
             else
 #endif
-            block_sums(w + b * chunks * CHUNK, xp, chunks, sums);
+            if (rows > 1) block_sums_rows(block, xp, ldx, (int)rows, chunks, sums);
+            else block_sums(block, xp, chunks, sums);
             const int64_t first = b * PG_BLOCK_N, count = n_out - first < PG_BLOCK_N ? n_out - first : PG_BLOCK_N;
             for (int64_t m = 0; m < rows; m++)
                 for (int64_t r = 0; r < count; r++) {
@@ -162,7 +233,7 @@ int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
                 }
         }
 #if defined(PG_AMX)
-        if (rows > 1) _tile_release(); /* so the kernel need not save this thread's tiles */
+        if (tiles) _tile_release(); /* so the kernel need not save this thread's tiles */
 #endif
     }
     free(padded);

@@ -11,7 +11,7 @@ extern "C" {
 /* oneDNN's "AB16b64a2b" weight layout: blocks of PG_BLOCK_N output rows by PG_BLOCK_K inputs */
 #define PG_BLOCK_N 64
 #define PG_BLOCK_K 32
-/* the most rows one call takes where the CPU has AMX (an AMX tile's rows) */
+/* the most rows one call takes (an AMX tile's rows) */
 #define PG_MAX_ROWS 16
 
 /* 1 when this build can run the kernel (the CPU has AVX512-BF16), else 0 */
@@ -28,8 +28,8 @@ int packed_gemv_sizes_ok(int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_p
 int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t n_out,
                      int64_t k_in, int64_t n_pad, int64_t k_pad);
 
-/* the most rows packed_gemm_bf16 takes in this process: PG_MAX_ROWS where the CPU has AMX and Linux
- * grants it, 1 with AVX512-BF16 alone, 0 without */
+/* the most rows packed_gemm_bf16 takes: PG_MAX_ROWS where the CPU has AVX512-BF16 (through AMX
+ * tiles where the CPU has them and Linux grants them, else VDPBF16PS on groups of rows), 0 without */
 int packed_gemm_bf16_max_rows(void);
 
 /* packed_gemv_bf16 for `rows` rows (1 to packed_gemm_bf16_max_rows()): x[rows][k_in] and
