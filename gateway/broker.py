@@ -235,6 +235,9 @@ class Broker:
         down (requests then get 503). A URL of the wrong topology raises ``RedisURLError``."""
         try:
             await asyncio.wait_for(check_topology_async(self.redis, self.redis_url), wait_s)
+            # The liveness key before the first request, not at the housekeeper's first tick: an
+            # engine holding a request of a gateway without a key counts it as missing from then.
+            await asyncio.wait_for(self.heartbeat(), wait_s)
         except (TimeoutError, *TRANSIENT_ERRORS):
             log.warning("Redis at %s does not answer yet; will keep trying", redact(self.redis_url))
         self.ready = asyncio.Event()

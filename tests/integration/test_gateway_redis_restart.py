@@ -283,6 +283,16 @@ def test_gateway_names_itself_and_keeps_its_liveness_key(make_gateway, fake_engi
     assert not redis_client.exists(key)
 
 
+def test_the_liveness_key_exists_once_the_gateway_has_started(make_gateway, redis_client):
+    """Before the first request can arrive: an engine counts a request's gateway as missing from
+    the first check that finds no key, so a gateway killed within its first heartbeat interval had
+    its requests aborted before GATEWAY_LOST_AFTER_S of a lapsed key (an e2e test caught it)."""
+    gw = make_gateway()
+    key = contract.gateway_key(gw.app.state.broker.gateway_id)
+    assert redis_client.exists(key), "no liveness key when the gateway reported its start"
+    assert 0 < redis_client.pttl(key) <= contract.GATEWAY_HEARTBEAT_TTL_S * 1000
+
+
 def test_restart_with_persistence_keeps_queued_fails_running(restartable_redis, make_fake_engine, make_gateway):
     """Redis restarted WITH its data (a clean shutdown saves the snapshot): the request an engine was
     running gets a retryable 503 (its events published while the gateway was resubscribing are
