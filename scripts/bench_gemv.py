@@ -1,6 +1,7 @@
-"""One bfloat16 row through every projection of SmolLM2-135M: the native GEMV on oneDNN's packed
-weight (kernels/packed_gemv.c) against oneDNN's own product on the same weight.
-`python scripts/bench_gemv.py [--repeats 15] [--json PATH]`.
+"""One bfloat16 row (`--rows N`: N rows, up to 16) through every projection of SmolLM2-135M: the
+native kernel on oneDNN's packed weight (kernels/packed_gemv.c: one row VDPBF16PS; several AMX tiles,
+or VDPBF16PS on groups of rows without AMX) against oneDNN's own product on the same weight.
+`python scripts/bench_gemv.py [--rows 1] [--repeats 15] [--json PATH]`.
 
 `--int4`: one row (`--rows N`: N rows) through the same projections quantized to int4, the native
 kernel on its own layout (kernels/q4_gemv.c) against torch's packed int4 kernel, both taking the
@@ -90,7 +91,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--int4", action="store_true", help="the int4 kernels instead of the bfloat16 GEMV")
-    p.add_argument("--rows", type=int, default=1, help="rows per product (--int4)")
+    p.add_argument("--rows", type=int, default=1, help="rows per product")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if args.json is None:
@@ -105,7 +106,11 @@ def main() -> None:
     layers = [PrepackedLinear((torch.randn(n, k, generator=gen) * 0.05).bfloat16(), None) for _, n, k in shapes]
     if not all(layer.gemv for layer in layers):
         raise SystemExit("oneDNN chose a layout the GEMV does not read for some shape here")
-    xs = {k: torch.randn(1, k, generator=gen).bfloat16() for _, _, k in shapes}
+    from engine_service.model.prepacked import gemv_max_rows
+
+    if not 1 <= args.rows <= gemv_max_rows():
+        raise SystemExit(f"--rows must be 1..{gemv_max_rows()} here")
+    xs = {k: torch.randn(args.rows, k, generator=gen).bfloat16() for _, _, k in shapes}
     nbytes = sum(n * k * 2 for _, n, k in shapes)
 
     def gemv() -> None:
@@ -123,7 +128,7 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - started)
     rows = []
-    print(f"one bfloat16 row through {len(shapes)} projections ({nbytes / 1e6:.0f} MB), torch threads "
+    print(f"{args.rows} bfloat16 row(s) through {len(shapes)} projections ({nbytes / 1e6:.0f} MB), torch threads "
           f"{torch.get_num_threads()}, median of {args.repeats}")
     print(f"{'path':<12} {'ms':>8} {'GB/s':>7}")
     for name, samples in times.items():
@@ -133,8 +138,8 @@ def main() -> None:
     ratio = rows[1]["ms"] / rows[0]["ms"]
     print(f"oneDNN / GEMV: {ratio:.2f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"bytes": nbytes, "repeats": args.repeats, "threads": torch.get_num_threads(),
-                                     "rows": rows, "onednn_over_gemv": round(ratio, 3)}, indent=2) + "\n")
+    args.json.write_text(json.dumps({"bytes": nbytes, "rows_per_product": args.rows, "repeats": args.repeats,
+                                     "threads": torch.get_num_threads(), "rows": rows, "onednn_over_gemv": round(ratio, 3)}, indent=2) + "\n")
     print(f"wrote {args.json}")
 
 
