@@ -26,6 +26,7 @@ from engine_service.model.prepacked import (
     PrepackedLinear,
     _gemv_supported,
     _packed_linear,
+    gemv_max_rows,
     prepacked_linear_op,
 )
 
@@ -106,8 +107,6 @@ def main() -> None:
     layers = [PrepackedLinear((torch.randn(n, k, generator=gen) * 0.05).bfloat16(), None) for _, n, k in shapes]
     if not all(layer.gemv for layer in layers):
         raise SystemExit("oneDNN chose a layout the GEMV does not read for some shape here")
-    from engine_service.model.prepacked import gemv_max_rows
-
     if not 1 <= args.rows <= gemv_max_rows():
         raise SystemExit(f"--rows must be 1..{gemv_max_rows()} here")
     xs = {k: torch.randn(args.rows, k, generator=gen).bfloat16() for _, _, k in shapes}

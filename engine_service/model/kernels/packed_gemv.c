@@ -86,8 +86,8 @@ static void block_sums(const uint16_t *block, const uint16_t *x, int64_t chunks,
 }
 
 /* Several rows where the CPU has no AMX (AMD Zen 4, Intel Cooper Lake): a group of up to
- * PG_ROW_GROUP rows shares each 64-byte weight load, four accumulators a row (7 x 4 + 4 weight
- * vectors: 32 registers; the compiler takes the broadcast input from memory). Seven, so that a
+ * PG_ROW_GROUP rows shares each 64-byte weight load, four accumulators a row (7 x 4 accumulators
+ * and 4 weight vectors: the 32 vector registers). Seven, so that a
  * verifying step of six drafts streams the weights in one pass (on Zen 4 it then costs what one row
  * costs; docs/performance.md, ninth round). Groups after the first read the block
  * again, from the caches (a block of 64 outputs is 4 KB an input chunk: 72 KB at K = 576, 192 KB at
