@@ -9,9 +9,18 @@ that a machine whose speed drifts slows them alike; only the ratios of one run m
 
 Per system: TTFT (prompt in to first token), TPOT and decode tokens/s (the tokens after the first
 over their time), and the ratio of its decode tokens/s to llama.cpp's. A memory-read microbench in
-the same run (a ``sum`` over a buffer far larger than the caches) gives the read bandwidth; each
-Sluice mode's weight bytes per token over it is that mode's bandwidth bound on one stream, and the
-bench prints what share of it the mode reaches.
+the same run (a ``sum`` over a buffer far larger than the caches, repeated for a quarter second)
+gives the read bandwidth just before and just after each system's run; a Sluice run's weight bytes
+per token over the mean of its two readings is that run's bandwidth bound on one stream, and the
+bench prints what share of it the mode reaches (the median over its runs).
+
+Why readings beside each run, sustained: on a VM the machine's read bandwidth can move within
+seconds, by more than the shares it is compared with. On an AMD EPYC (Zen 4) VM of two vCPUs, a
+two-thread read ran at ~31 GB/s while the two vCPUs shared one CCD (a cache line crossed between
+them in ~28 ns) and at ~48 GB/s while they sat on two (~165 ns), the hypervisor moving them
+between the two placements (docs/performance.md, tenth round). A best-of-five reading of a few
+milliseconds once per iteration caught the fast placement in most iterations while the decode runs
+between them mostly had the slow one.
 """
 
 from __future__ import annotations
@@ -69,22 +78,23 @@ def find_gguf(explicit: Path | None) -> Path:
     return cached if cached.is_file() else fetch_default_gguf(cached.parent)
 
 
-def read_bandwidth_gb_s(threads: int, mbytes: int = 512, repeats: int = 5) -> float:
-    """The best of ``repeats`` reads of a ``mbytes`` buffer (a float32 ``sum``, vectorised on
-    ``threads`` threads), in GB/s: what a product that streams its weights could reach at most."""
+def read_bandwidth_gb_s(threads: int, mbytes: int = 512, seconds: float = 0.25) -> float:
+    """The sustained read rate of a ``mbytes`` buffer (a float32 ``sum``, vectorised on ``threads``
+    threads), read over and over for at least ``seconds`` after one untimed read, in GB/s: what a
+    decode stream, which reads its weights over and over, could reach at most at that moment."""
     import torch
 
     torch.set_num_threads(threads)
     buf = torch.ones(mbytes * (1 << 20) // 4)
     buf.sum()
-    best = min(_timed(buf.sum) for _ in range(repeats))
-    return buf.numel() * 4 / best / 1e9
-
-
-def _timed(fn) -> float:
+    reads = 0
     started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
+    while True:
+        buf.sum()
+        reads += 1
+        elapsed = time.perf_counter() - started
+        if elapsed >= seconds:
+            return reads * buf.numel() * 4 / elapsed / 1e9
 
 
 class LlamaCppStream:
@@ -257,11 +267,20 @@ def run(args: argparse.Namespace) -> int:
     rows += [StreamRow(f"sluice {e.mode}", weight_bytes_per_token=e.weight_bytes) for e in engines]
     systems = [anchor, *engines]
     agreement: dict[str, list[float]] = {e.mode: [] for e in engines}
-    bandwidth = []
+    bandwidth: list[float] = []  # every reading, in order
+    beside: list[list[float]] = [[] for _ in systems]  # per system and run: its two readings' mean
     for it, prompt in enumerate(prompts):  # the first prompt warms every system up
-        outputs = [system.run(prompt, args.output_len, row if it else None) for system, row in zip(systems, rows, strict=True)]
+        outputs = []
+        reading = read_bandwidth_gb_s(args.threads) if it else None
+        for system, row, runs in zip(systems, rows, beside, strict=True):
+            outputs.append(system.run(prompt, args.output_len, row if it else None))
+            if reading is not None:
+                after = read_bandwidth_gb_s(args.threads)
+                bandwidth.append(reading)
+                runs.append((reading + after) / 2)
+                reading = after
         if it:
-            bandwidth.append(read_bandwidth_gb_s(args.threads))
+            bandwidth.append(reading)
             for engine, out in zip(engines, outputs[1:], strict=True):
                 same = next((i for i, (a, b) in enumerate(zip(out, outputs[0], strict=False)) if a != b), len(out))
                 agreement[engine.mode].append(same)
@@ -273,22 +292,27 @@ def run(args: argparse.Namespace) -> int:
     base = mean(rows[0].decode_tok_s)
     print(f"\nsluice bench anchor: one stream, prompt {args.input_len} tokens, {args.output_len} greedy tokens "
           f"(EOS ignored), {args.num_iters} iterations, {args.threads} threads; read bandwidth {bw:.1f} GB/s "
-          f"(median; {min(bandwidth):.1f}-{max(bandwidth):.1f})")
+          f"(median of {len(bandwidth)} sustained readings beside the runs; {min(bandwidth):.1f}-{max(bandwidth):.1f}); "
+          f"'of bw bound': the median over a mode's runs of its speed over the bound its two readings give")
     print(f"{'system':<44}{'TTFT ms':>9}{'TPOT ms':>9}{'decode tok/s':>14}{'range':>15}{'x llama.cpp':>12}"
           f"{'of bw bound':>12}")
     summary = []
-    for row in rows:
+    for row, runs in zip(rows, beside, strict=True):
         tok_s = mean(row.decode_tok_s)
         ratio = tok_s / base if tok_s and base else None
-        bound = bw * 1e9 / row.weight_bytes_per_token if row.weight_bytes_per_token else None
-        share = tok_s / bound if tok_s and bound else None
+        bytes_per_token = row.weight_bytes_per_token
+        shares = [t * bytes_per_token / (gb_s * 1e9) for t, gb_s in zip(row.decode_tok_s, runs, strict=True)
+                  ] if bytes_per_token else []
+        share = statistics.median(shares) if shares else None
+        bound = statistics.median(runs) * 1e9 / bytes_per_token if bytes_per_token and runs else None
         spread = f"{min(row.decode_tok_s):.1f}-{max(row.decode_tok_s):.1f}" if row.decode_tok_s else "-"
         print(f"{row.system:<44}{mean(row.ttft_ms) or 0:>9.1f}{mean(row.tpot_ms) or 0:>9.2f}{tok_s or 0:>14.1f}"
               f"{spread:>15}{ratio or 0:>12.2f}" + (f"{share:>12.2f}" if share else f"{'-':>12}"))
         summary.append({"system": row.system, "ttft_ms": mean(row.ttft_ms), "tpot_ms": mean(row.tpot_ms),
                         "decode_tok_s": tok_s, "decode_tok_s_runs": row.decode_tok_s, "ratio_to_llama_cpp": ratio,
                         "weight_bytes_per_token": row.weight_bytes_per_token,
-                        "bandwidth_bound_tok_s": bound, "share_of_bandwidth_bound": share})
+                        "bandwidth_bound_tok_s": bound, "share_of_bandwidth_bound": share,
+                        "read_bandwidth_beside_runs_gb_s": runs, "share_of_bandwidth_bound_runs": shares})
     for mode, same in agreement.items():
         print(f"sluice {mode}: greedy tokens equal to llama.cpp's before the first difference: "
               f"{', '.join(str(s) for s in same)} of {args.output_len}")

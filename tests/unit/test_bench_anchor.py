@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import statistics
 import time
 
 import pytest
@@ -82,9 +83,18 @@ def test_the_systems_take_turns_on_the_same_prompts(model_dir, tmp_path, monkeyp
     assert llama["system"].startswith("llama.cpp stand-in") and sluice["system"] == "sluice float32"
     assert len(sluice["decode_tok_s_runs"]) == 2 and llama["ratio_to_llama_cpp"] == 1.0
     assert sluice["ratio_to_llama_cpp"] == pytest.approx(sluice["decode_tok_s"] / llama["decode_tok_s"])
-    assert result["read_bandwidth_gb_s"] > 0
-    assert sluice["share_of_bandwidth_bound"] == pytest.approx(
-        sluice["decode_tok_s"] / (result["read_bandwidth_gb_s"] * 1e9 / sluice["weight_bytes_per_token"]))
+    # a reading before the first system and after each system's run, per measured iteration
+    readings = result["read_bandwidth_runs_gb_s"]
+    assert len(readings) == 2 * 3 and all(r > 0 for r in readings)
+    assert result["read_bandwidth_gb_s"] == pytest.approx(statistics.median(readings))
+    # each run's bound is the mean of the readings on either side of it; the share is the median
+    assert sluice["read_bandwidth_beside_runs_gb_s"] == pytest.approx(
+        [(readings[1] + readings[2]) / 2, (readings[4] + readings[5]) / 2])
+    shares = [tok_s * sluice["weight_bytes_per_token"] / (gb_s * 1e9)
+              for tok_s, gb_s in zip(sluice["decode_tok_s_runs"], sluice["read_bandwidth_beside_runs_gb_s"], strict=True)]
+    assert sluice["share_of_bandwidth_bound_runs"] == pytest.approx(shares)
+    assert sluice["share_of_bandwidth_bound"] == pytest.approx(statistics.median(shares))
+    assert llama["share_of_bandwidth_bound"] is None
     assert len(result["agreement_with_llama_cpp"]["float32"]) == 2
     text = capsys.readouterr().out
     assert "x llama.cpp" in text and "read bandwidth" in text
