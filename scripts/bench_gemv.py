@@ -1,7 +1,9 @@
 """One bfloat16 row (`--rows N`: N rows, up to 16) through every projection of SmolLM2-135M: the
 native kernel on oneDNN's packed weight (kernels/packed_gemv.c: one row VDPBF16PS; several AMX tiles,
 or VDPBF16PS on groups of rows without AMX) against oneDNN's own product on the same weight.
-`python scripts/bench_gemv.py [--rows 1] [--repeats 15] [--json PATH]`.
+`python scripts/bench_gemv.py [--rows 1] [--repeats 15] [--prefetch-ab] [--json PATH]`;
+`--prefetch-ab` adds the kernel with its one-row prefetch forced on and off (the CPU decides it
+otherwise: off on AMD), the paths alternating.
 
 `--int4`: one row (`--rows N`: N rows) through the same projections quantized to int4, the native
 kernel on its own layout (kernels/q4_gemv.c) against torch's packed int4 kernel, both taking the
@@ -93,6 +95,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--int4", action="store_true", help="the int4 kernels instead of the bfloat16 GEMV")
     p.add_argument("--rows", type=int, default=1, help="rows per product")
+    p.add_argument("--prefetch-ab", action="store_true",
+                   help="also time the bfloat16 kernel with its one-row software prefetch forced on and off, alternating")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if args.json is None:
@@ -120,21 +124,41 @@ def main() -> None:
         for (_, _, k), layer in zip(shapes, layers, strict=True):
             _packed_linear(xs[k], layer.packed, None)
 
-    times: dict[str, list[float]] = {"native GEMV": [], "oneDNN": []}
+    paths = [("native GEMV", gemv), ("oneDNN", onednn)]
+    if args.prefetch_ab:
+        from engine_service.model.native import native_library
+
+        set_prefetch = native_library().packed_gemv_set_prefetch
+        default = set_prefetch(-1)
+
+        def with_prefetch(mode: int):
+            def run() -> None:
+                set_prefetch(mode)
+                try:
+                    gemv()
+                finally:
+                    set_prefetch(-1)
+            return run
+
+        paths = [(f"native GEMV (this CPU's default: prefetch {'on' if default else 'off'})", gemv),
+                 ("native, prefetch on", with_prefetch(1)), ("native, prefetch off", with_prefetch(0)),
+                 ("oneDNN", onednn)]
+    times: dict[str, list[float]] = {name: [] for name, _ in paths}
     for _ in range(args.repeats):
-        for name, fn in (("native GEMV", gemv), ("oneDNN", onednn)):
+        for name, fn in paths:
             started = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - started)
     rows = []
     print(f"{args.rows} bfloat16 row(s) through {len(shapes)} projections ({nbytes / 1e6:.0f} MB), torch threads "
           f"{torch.get_num_threads()}, median of {args.repeats}")
-    print(f"{'path':<12} {'ms':>8} {'GB/s':>7}")
+    width = max(12, *(len(name) for name in times))
+    print(f"{'path':<{width}} {'ms':>8} {'GB/s':>7}")
     for name, samples in times.items():
         ms = statistics.median(samples) * 1e3
         rows.append({"path": name, "ms": round(ms, 3), "gb_per_s": round(nbytes / ms / 1e6, 2)})
-        print(f"{name:<12} {ms:>8.2f} {nbytes / ms / 1e6:>7.1f}")
-    ratio = rows[1]["ms"] / rows[0]["ms"]
+        print(f"{name:<{width}} {ms:>8.2f} {nbytes / ms / 1e6:>7.1f}")
+    ratio = rows[-1]["ms"] / rows[0]["ms"]
     print(f"oneDNN / GEMV: {ratio:.2f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"bytes": nbytes, "rows_per_product": args.rows, "repeats": args.repeats,

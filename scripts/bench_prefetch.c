@@ -121,7 +121,7 @@ int main(int argc, char **argv) {
                         const uint16_t *block = w[i] + b * chunks * CHUNK;
                         if (amx && shipped) block_sums_amx(block, x, k[i], chunks, sums);
                         else if (amx) tiles_burst(block, x, k[i], chunks, sums);
-                        else if (shipped) block_sums(block, x, chunks, sums);
+                        else if (shipped) block_sums(block, x, chunks, 1, sums);
                         else one_row_burst(block, x, chunks, sums);
                         sink += sums[0];
                     }

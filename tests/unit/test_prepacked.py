@@ -91,6 +91,32 @@ def test_one_row_runs_the_native_gemv_to_the_types_rounding(out_features, in_fea
         assert torch.equal(prepacked_linear_op(x, layer.handle, layer.bias, out_features), got)
 
 
+def test_one_row_is_the_same_with_and_without_its_prefetch():
+    """The one-row loop prefetches on some CPUs and not on others (packed_gemv.c): both loops must
+    compute the same sums, bit for bit, and the CPU's own choice must be one of them."""
+    _gemv_or_skip()
+    from engine_service.model.native import native_library
+
+    set_prefetch = native_library().packed_gemv_set_prefetch
+    gen = torch.Generator().manual_seed(7)
+    weight = (torch.randn(3072, 576, generator=gen) * 0.05).bfloat16()
+    layer = PrepackedLinear(weight, None)
+    x = torch.randn(1, 576, generator=gen).bfloat16()
+    try:
+        assert set_prefetch(1) == 1
+        on = prepacked_linear_op(x, layer.handle, None, 3072)
+        assert set_prefetch(0) == 0
+        off = prepacked_linear_op(x, layer.handle, None, 3072)
+    finally:
+        default = set_prefetch(-1)
+    assert default in (0, 1)
+    assert torch.equal(on, off)
+    assert torch.equal(layer(x), on)
+    exact = x.double() @ weight.double().t()
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    assert ((on.double() - exact).abs() <= ulp).all()
+
+
 def test_the_kernel_takes_up_to_its_rows_and_onednn_the_rest():
     """Register a layer's handle with ANOTHER weight's packed buffer for the native kernel: up to
     gemv_max_rows() rows then give that weight's product (the kernel ran, through the eager

@@ -60,15 +60,38 @@ static inline void prefetch_lines(const uint16_t *chunk, int first, int count) {
     for (int line = first; line < first + count; line++) _mm_prefetch((const char *)chunk + 64 * line, _MM_HINT_T2);
 }
 
-/* the 64 sums of one block of rows, into out[64] */
-static void block_sums(const uint16_t *block, const uint16_t *x, int64_t chunks, float *out) {
+/* Whether the one-row loop prefetches (groups of rows and the tiles always do): not on AMD. On an
+ * AMD EPYC (Zen 4) VM the hardware prefetcher streams one row's chunks on its own and the
+ * prefetches only cost: SmolLM2's 121 products ran 13-15% faster without them at one row, and 3-5%
+ * slower without them at seven, each variant alternating with the other in one process
+ * (scripts/bench_gemv.py --prefetch-ab; docs/performance.md, tenth round). The Intel VM of the
+ * earlier rounds measured no loss from them at one row and needed them for the tiles, so Intel
+ * keeps them. -1 until decided at the first product; packed_gemv_set_prefetch overrides it. */
+static int prefetch_mode = -1;
+
+static int stream_prefetch(void) {
+    if (prefetch_mode < 0) {
+        __builtin_cpu_init();
+        prefetch_mode = !__builtin_cpu_is("amd");
+    }
+    return prefetch_mode;
+}
+
+int packed_gemv_set_prefetch(int mode) {
+    prefetch_mode = mode < 0 ? -1 : mode != 0;
+    return stream_prefetch();
+}
+
+/* the 64 sums of one block of rows, into out[64]; `stream`: prefetch the chunks two ahead */
+static inline __attribute__((always_inline)) void block_sums(const uint16_t *block, const uint16_t *x,
+                                                             int64_t chunks, const int stream, float *out) {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     __m512 acc2 = _mm512_setzero_ps(), acc3 = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; c++) {
         const uint16_t *chunk = block + c * CHUNK;
         const uint16_t *xc = x + c * PG_BLOCK_K;
         for (int pair = 0; pair < PG_BLOCK_K / 2; pair++) {
-            prefetch_lines(chunk + 2 * CHUNK, 4 * pair, 4);
+            if (stream) prefetch_lines(chunk + 2 * CHUNK, 4 * pair, 4);
             const uint16_t *wp = chunk + pair * 2 * PG_BLOCK_N;
             uint32_t xp;
             memcpy(&xp, xc + 2 * pair, sizeof xp);
@@ -209,7 +232,7 @@ int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
     const uint16_t *xp = padded != NULL ? padded : x;
     const int64_t ldx = padded != NULL ? k_pad : k_in;
     const int64_t blocks = n_pad / PG_BLOCK_N, chunks = k_pad / PG_BLOCK_K;
-    const int tiles = rows > 1 && use_tiles();
+    const int tiles = rows > 1 && use_tiles(), prefetch = stream_prefetch();
     _Pragma("omp parallel")
     {
 #if defined(PG_AMX)
@@ -224,7 +247,8 @@ int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
             else
 #endif
             if (rows > 1) block_sums_rows(block, xp, ldx, (int)rows, chunks, sums);
-            else block_sums(block, xp, chunks, sums);
+            else if (prefetch) block_sums(block, xp, chunks, 1, sums);
+            else block_sums(block, xp, chunks, 0, sums);
             const int64_t first = b * PG_BLOCK_N, count = n_out - first < PG_BLOCK_N ? n_out - first : PG_BLOCK_N;
             for (int64_t m = 0; m < rows; m++)
                 for (int64_t r = 0; r < count; r++) {
@@ -248,6 +272,11 @@ int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
 #else
 
 int packed_gemv_bf16_supported(void) { return 0; }
+
+int packed_gemv_set_prefetch(int mode) {
+    (void)mode;
+    return 0;
+}
 
 int packed_gemm_bf16_max_rows(void) { return 0; }
 

@@ -28,6 +28,11 @@ int packed_gemv_sizes_ok(int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_p
 int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t n_out,
                      int64_t k_in, int64_t n_pad, int64_t k_pad);
 
+/* whether one-row products prefetch their weights (several rows always do): 1 on, 0 off, -1 the
+ * CPU's default (off on AMD, on elsewhere); returns the setting now in force. For benches: set it
+ * before a product runs, not while one does. */
+int packed_gemv_set_prefetch(int mode);
+
 /* the most rows packed_gemm_bf16 takes: PG_MAX_ROWS where the CPU has AVX512-BF16 (through AMX
  * tiles where the CPU has them and Linux grants them, else VDPBF16PS on groups of rows), 0 without */
 int packed_gemm_bf16_max_rows(void);
