@@ -16,11 +16,10 @@ bench prints what share of it the mode reaches (the median over its runs).
 
 Why readings beside each run, sustained: on a VM the machine's read bandwidth can move within
 seconds, by more than the shares it is compared with. On an AMD EPYC (Zen 4) VM of two vCPUs, a
-two-thread read ran at ~31 GB/s while the two vCPUs shared one CCD (a cache line crossed between
-them in ~28 ns) and at ~48 GB/s while they sat on two (~165 ns), the hypervisor moving them
-between the two placements (docs/performance.md, tenth round). A best-of-five reading of a few
-milliseconds once per iteration caught the fast placement in most iterations while the decode runs
-between them mostly had the slow one.
+two-thread read was far faster while the hypervisor had the two vCPUs on two CCDs than while they
+shared one, and it moved them between the two placements (docs/performance.md, tenth round;
+scripts/bench_placement.c). A best-of-five reading of a few milliseconds once per iteration caught
+the fast placement in most iterations while the decode runs between them mostly had the slow one.
 """
 
 from __future__ import annotations
