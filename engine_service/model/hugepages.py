@@ -6,7 +6,8 @@ On the development VM the 121 projections of one decode step took 50-62 ms from 
 allocations and 25-27 ms from huge-page memory, the same bytes (docs/performance.md). torch only
 asks for huge pages when ``THP_MEM_ALLOC_ENABLE=1`` is set before its first allocation, which an
 engine embedded in someone's process cannot promise, so the engine places its large tensors
-itself, each in an anonymous mapping advised ``MADV_HUGEPAGE`` before it is touched. Where the advice is unavailable (not Linux, THP ``never``) this is an ordinary allocation.
+itself in anonymous mappings advised ``MADV_HUGEPAGE`` before they are touched: one each from a
+huge page up, one shared by the smaller ones. Where the advice is unavailable (not Linux, THP ``never``) this is an ordinary allocation.
 """
 
 from __future__ import annotations
@@ -19,17 +20,17 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-ALIGN = 2 << 20  # tensors start on 2 MiB boundaries: whole huge pages, no page shared by two tensors
-MIN_BYTES = 1 << 20  # smaller tensors stay where they are (norm weights, tables)
+ALIGN = 2 << 20  # a tensor of a huge page or more starts on a 2 MiB boundary, in a mapping of its own
+MIN_BYTES = 64 << 10  # smaller tensors stay where they are (norm weights, biases)
+PACK_ALIGN = 64  # a smaller tensor's offset in a shared mapping: a cache line, what the kernels load
 
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def hugepage_buffer(nbytes: int) -> torch.Tensor:
-    """A zero-filled uint8 tensor of ``nbytes`` in one anonymous mapping advised for huge pages.
-    The mapping lives as long as the tensor (and every view of it)."""
+def _advised_region(nbytes: int) -> mmap.mmap:
+    """A zero-filled anonymous mapping of at least ``nbytes``, whole huge pages, advised for them."""
     size = max(_round_up(nbytes, ALIGN), ALIGN)
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
@@ -38,7 +39,13 @@ def hugepage_buffer(nbytes: int) -> torch.Tensor:
             region.madvise(advice)
         except OSError as exc:  # THP disabled or unsupported: ordinary pages
             logger.debug("MADV_HUGEPAGE refused: %s", exc)
-    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes)
+    return region
+
+
+def hugepage_buffer(nbytes: int) -> torch.Tensor:
+    """A zero-filled uint8 tensor of ``nbytes`` in one anonymous mapping advised for huge pages.
+    The mapping lives as long as the tensor (and every view of it)."""
+    return torch.frombuffer(_advised_region(nbytes), dtype=torch.uint8, count=nbytes)
 
 
 def hugepage_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
@@ -51,9 +58,34 @@ def hugepage_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[t
             for shape, dtype in specs]
 
 
+def packed_hugepage_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Zero-filled tensors of the given shapes and dtypes, side by side in one huge-page mapping,
+    each starting on a cache line.
+
+    For tensors smaller than a huge page (an int4 model's projections: a few hundred KB each): in a
+    mapping each, every one would take a 2 MiB page of its own; left where torch put them (as they
+    were, below a MiB), they sit on 4 KiB pages, where an int4 decode step's products ran slower
+    than from one shared mapping (docs/performance.md, tenth round). Each tensor is its own storage (``torch.frombuffer``
+    at its offset), so torch sees no aliasing between them; they are for weights, never for
+    tensors a graph mutates (``hugepage_tensors``' note)."""
+    sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs]
+    if any(size <= 0 for size in sizes):
+        raise ValueError("packed_hugepage_tensors takes non-empty tensors only")
+    offsets, end = [], 0
+    for size in sizes:
+        offsets.append(end)
+        end = _round_up(end + size, PACK_ALIGN)
+    if not specs:
+        return []
+    region = _advised_region(end)
+    return [torch.frombuffer(region, dtype=torch.uint8, count=size, offset=offset).view(dtype).view(shape)
+            for (shape, dtype), size, offset in zip(specs, sizes, offsets, strict=True)]
+
+
 def move_to_hugepages(module: nn.Module) -> int:
-    """Copy the module's large CPU parameters and buffers into huge-page mappings (same values,
-    same dtypes; ties stay tied). Returns the bytes moved."""
+    """Copy the module's CPU parameters and buffers of MIN_BYTES or more into huge-page mappings
+    (same values, same dtypes; ties stay tied): a mapping each from a huge page up, one shared by
+    the smaller ones (``packed_hugepage_tensors``). Returns the bytes moved."""
     seen: dict[int, torch.Tensor] = {}
     slots: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
     for owner in module.modules():
@@ -67,8 +99,12 @@ def move_to_hugepages(module: nn.Module) -> int:
     unique = list(seen.values())
     if not unique:
         return 0
-    placed = dict(zip((id(t) for t in unique),
-                      hugepage_tensors([(tuple(t.shape), t.dtype) for t in unique]), strict=True))
+    large = [t for t in unique if t.nbytes >= ALIGN]
+    small = [t for t in unique if t.nbytes < ALIGN]
+    placed = dict(zip((id(t) for t in large),
+                      hugepage_tensors([(tuple(t.shape), t.dtype) for t in large]), strict=True))
+    placed.update(zip((id(t) for t in small),
+                      packed_hugepage_tensors([(tuple(t.shape), t.dtype) for t in small]), strict=True))
     with torch.no_grad():
         for t in unique:
             placed[id(t)].copy_(t)

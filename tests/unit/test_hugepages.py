@@ -8,7 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from engine_service.model.hugepages import ALIGN, MIN_BYTES, hugepage_tensors, move_to_hugepages
+from engine_service.model.hugepages import (
+    ALIGN,
+    MIN_BYTES,
+    PACK_ALIGN,
+    hugepage_tensors,
+    move_to_hugepages,
+    packed_hugepage_tensors,
+)
 
 pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this OS")
 
@@ -42,6 +49,25 @@ def test_hugepage_tensors_are_zeroed_aligned_and_advised():
     assert a.sum().item() == 1.5 * a.numel() and not b.sub(2).any()  # disjoint, writable
 
 
+def test_packed_hugepage_tensors_share_one_advised_mapping_as_separate_storages():
+    specs = [((300, 7), torch.float32), ((1001,), torch.uint8), ((16, 33), torch.bfloat16)]
+    tensors = packed_hugepage_tensors(specs)
+    for t, (shape, dtype) in zip(tensors, specs, strict=True):
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and not t.any()
+        assert t.data_ptr() % PACK_ALIGN == 0
+        assert "hg" in _vm_flags(t.data_ptr())
+    # side by side in one mapping, in order, none overlapping the next
+    for a, b in zip(tensors, tensors[1:], strict=False):
+        assert a.data_ptr() + a.nbytes <= b.data_ptr() < a.data_ptr() + a.nbytes + PACK_ALIGN
+    # separate storages (no aliasing as torch sees it), and writing one leaves the others alone
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors)
+    tensors[1].fill_(255)
+    assert not tensors[0].any() and not tensors[2].any() and bool((tensors[1] == 255).all())
+    with pytest.raises(ValueError, match="non-empty"):
+        packed_hugepage_tensors([((0, 4), torch.float32)])
+    assert packed_hugepage_tensors([]) == []
+
+
 class _Tied(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -50,6 +76,8 @@ class _Tied(nn.Module):
         self.head.weight = self.embed.weight
         self.small = nn.Linear(8, 8)
         self.register_buffer("table", torch.arange(300_000, dtype=torch.float32))
+        self.mid = nn.Linear(128, 256, bias=False)  # 128 KiB: between MIN_BYTES and a huge page
+        self.register_buffer("codes", torch.arange(200_000, dtype=torch.int32).to(torch.uint8))
 
 
 def test_move_to_hugepages_keeps_values_ties_and_small_tensors():
@@ -57,14 +85,23 @@ def test_move_to_hugepages_keeps_values_ties_and_small_tensors():
     before = {k: v.clone() for k, v in module.state_dict().items()}
     small_ptr = module.small.weight.data_ptr()
     moved = move_to_hugepages(module)
-    assert moved == 1024 * 512 * 4 + 300_000 * 4  # the tied weight once, plus the buffer
+    # the tied weight once, the buffers, the mid-sized weight
+    assert moved == 1024 * 512 * 4 + 300_000 * 4 + 128 * 256 * 4 + 200_000
     for k, v in module.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert module.head.weight is module.embed.weight, "a tie was split"
-    assert isinstance(module.embed.weight, nn.Parameter)
+    assert isinstance(module.embed.weight, nn.Parameter) and isinstance(module.mid.weight, nn.Parameter)
     assert module.small.weight.data_ptr() == small_ptr and module.small.weight.nbytes < MIN_BYTES
-    for tensor in (module.embed.weight, module.table):
+    for tensor in (module.embed.weight, module.table, module.mid.weight, module.codes):
         assert "hg" in _vm_flags(tensor.data_ptr())
+    # a huge page or more starts on a boundary; the smaller ones lie side by side in one mapping
+    # (adjacent mappings may merge in /proc/self/maps, so the packing is what is checked)
+    assert module.embed.weight.data_ptr() % ALIGN == 0
+    packed = [module.table, module.mid.weight, module.codes]
+    start = min(t.data_ptr() for t in packed)
+    end = max(t.data_ptr() + t.nbytes for t in packed)
+    assert end - start <= sum(t.nbytes for t in packed) + len(packed) * PACK_ALIGN
+    assert all(t.data_ptr() % PACK_ALIGN == 0 for t in packed)
     x = torch.randint(0, 1024, (4,))
     weight = before["embed.weight"]
     assert torch.equal(module.head(module.embed(x)), nn.functional.linear(weight[x], weight))
@@ -81,3 +118,21 @@ def test_loaded_model_and_kv_cache_live_in_advised_memory(model_dir):
         assert "hg" in _vm_flags(p.data_ptr())
     k_cache, v_cache = engine.runner.kv_caches[0]
     assert "hg" in _vm_flags(k_cache.data_ptr()) and "hg" in _vm_flags(v_cache.data_ptr())
+
+
+@pytest.mark.model
+def test_an_int4_models_codes_and_scales_live_in_advised_memory(model_dir):
+    """Every int4 projection of SmolLM2 is under a MiB (codes and scales): they share mappings
+    advised for huge pages instead of staying on ordinary pages, and still decode as before."""
+    from engine_service import LLM, SamplingParams
+    from engine_service.model.quantization import QuantizedLinear
+
+    llm = LLM(str(model_dir), dtype="float32", quantization="int4", enforce_eager=True, kv_cache_memory=32 << 20)
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    buffers = [b for m in layers for b in m.buffers() if b.nbytes >= MIN_BYTES]
+    assert len(buffers) >= 4 * llm.engine.model_config.num_hidden_layers
+    assert any(b.nbytes < ALIGN for b in buffers)
+    for b in buffers:
+        assert "hg" in _vm_flags(b.data_ptr())
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 8
