@@ -54,8 +54,8 @@ int packed_gemv_bf16_supported(void) { return 1; }
  * line arrives, which caps the lines in flight (seventh round). Why spread: 64 prefetches in a
  * burst stall on those same buffers and hold the loads behind them; under perf, 38% of the tiles'
  * samples sat on the burst. Spread out, the tiles stream SmolLM2's 121 products faster
- * (scripts/bench_prefetch.c; docs/performance.md, eighth round); the one-row loop runs as fast as
- * it did. */
+ * (scripts/bench_prefetch.c; docs/performance.md, eighth round); the one-row loop ran as fast as
+ * it did there, and runs without them on AMD (stream_prefetch below). */
 static inline void prefetch_lines(const uint16_t *chunk, int first, int count) {
     for (int line = first; line < first + count; line++) _mm_prefetch((const char *)chunk + 64 * line, _MM_HINT_T2);
 }
@@ -82,7 +82,10 @@ int packed_gemv_set_prefetch(int mode) {
     return stream_prefetch();
 }
 
-/* the 64 sums of one block of rows, into out[64]; `stream`: prefetch the chunks two ahead */
+/* the 64 sums of one block of rows, into out[64]; `stream`: prefetch the chunks two ahead. The same
+ * sums as group_sums for one row, kept as its own loop because it is one stream's whole step:
+ * group_sums(rows = 1) ran ~1% slower through the 121 products, the two alternating in one C
+ * harness (docs/performance.md, tenth round). */
 static inline __attribute__((always_inline)) void block_sums(const uint16_t *block, const uint16_t *x,
                                                              int64_t chunks, const int stream, float *out) {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
