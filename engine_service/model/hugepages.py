@@ -68,6 +68,8 @@ def packed_hugepage_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]]) ->
     than from one shared mapping (docs/performance.md, tenth round). Each tensor is its own storage (``torch.frombuffer``
     at its offset), so torch sees no aliasing between them; they are for weights, never for
     tensors a graph mutates (``hugepage_tensors``' note)."""
+    if not specs:
+        return []
     sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs]
     if any(size <= 0 for size in sizes):
         raise ValueError("packed_hugepage_tensors takes non-empty tensors only")
@@ -75,8 +77,6 @@ def packed_hugepage_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]]) ->
     for size in sizes:
         offsets.append(end)
         end = _round_up(end + size, PACK_ALIGN)
-    if not specs:
-        return []
     region = _advised_region(end)
     return [torch.frombuffer(region, dtype=torch.uint8, count=size, offset=offset).view(dtype).view(shape)
             for (shape, dtype), size, offset in zip(specs, sizes, offsets, strict=True)]

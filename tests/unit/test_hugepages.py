@@ -123,7 +123,8 @@ def test_loaded_model_and_kv_cache_live_in_advised_memory(model_dir):
 @pytest.mark.model
 def test_an_int4_models_codes_and_scales_live_in_advised_memory(model_dir):
     """Every int4 projection of SmolLM2 is under a MiB (codes and scales): they share mappings
-    advised for huge pages instead of staying on ordinary pages, and still decode as before."""
+    advised for huge pages instead of staying on ordinary pages, and multiply as copies of them in
+    ordinary memory do."""
     from engine_service import LLM, SamplingParams
     from engine_service.model.quantization import QuantizedLinear
 
@@ -134,5 +135,10 @@ def test_an_int4_models_codes_and_scales_live_in_advised_memory(model_dir):
     assert any(b.nbytes < ALIGN for b in buffers)
     for b in buffers:
         assert "hg" in _vm_flags(b.data_ptr())
+    gen = torch.Generator().manual_seed(0)
+    for layer in layers[:8]:
+        x = torch.randn(3, layer.in_features, generator=gen)
+        plain = torch.ops.sluice.q4_linear(x, layer.codes.clone(), layer.scales_zeros.clone(), layer.out_features)
+        assert torch.equal(layer(x), plain)
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 8
