@@ -12,8 +12,14 @@ huge page up, one shared by the smaller ones. Where the advice is unavailable (n
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import logging
 import mmap
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -23,6 +29,7 @@ logger = logging.getLogger(__name__)
 ALIGN = 2 << 20  # a tensor of a huge page or more starts on a 2 MiB boundary, in a mapping of its own
 MIN_BYTES = 64 << 10  # smaller tensors stay where they are (norm weights, biases)
 PACK_ALIGN = 64  # a smaller tensor's offset in a shared mapping: a cache line, what the kernels load
+MADV_COLLAPSE = 25  # <linux/mman.h>, Linux 6.1+; Python's mmap module advises only its own mappings
 
 
 def _round_up(n: int, to: int) -> int:
@@ -118,3 +125,80 @@ def move_to_hugepages(module: nn.Module) -> int:
         else:
             owner._buffers[name] = new
     return sum(t.nbytes for t in unique)
+
+
+def _madvise() -> Callable[[int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+@functools.cache
+def collapse_unavailable() -> str | None:
+    """None when ``MADV_COLLAPSE`` works in this process (tried once on a mapping of its own), else
+    why not."""
+    madvise = _madvise()
+    if madvise is None:
+        return "not Linux"
+    region = mmap.mmap(-1, 2 * ALIGN, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        view = ctypes.c_char.from_buffer(region)
+        address = ctypes.addressof(view)
+        offset = _round_up(address, ALIGN) - address
+        region[offset] = 1  # a populated page: the kernel collapses nothing where nothing is mapped
+        failed = madvise(address + offset, ALIGN, MADV_COLLAPSE) != 0
+        code = ctypes.get_errno()
+        del view
+    finally:
+        region.close()
+    if failed:  # EINVAL: a kernel before 6.1, or THP "never"
+        return f"MADV_COLLAPSE failed with {errno.errorcode.get(code, code)}"
+    return None
+
+
+def collapse_to_hugepages(buffers: Iterable[tuple[int, int]]) -> int:
+    """Back the memory of ``buffers`` ((address, bytes) of allocations this process made through
+    someone else's allocator: oneDNN's packed weights) with huge pages where it lies, by
+    ``MADV_COLLAPSE``. Returns the bytes of the 2 MiB regions collapsed (0 where the kernel cannot).
+
+    Why in place: oneDNN allocates its packed weights through torch's allocator, on 4 KiB pages
+    under THP ``madvise``, and holds them in opaque tensors that cannot be moved into a mapping of
+    our own without a second copy of every weight. Each 2 MiB region around a buffer is collapsed
+    whole, so a region's neighbours (other allocations, free heap) move onto the huge page with it:
+    the kernel copies the contents under the page-table lock, so nothing in the process sees a
+    change but the page size, and memory grows by at most the unpopulated part of the regions at
+    the buffers' edges. A region the kernel refuses (it straddles two mappings, or no huge page is
+    free) stays as it was."""
+    spans: list[list[int]] = []
+    for address, nbytes in sorted(buffers):
+        if nbytes <= 0:
+            continue
+        lo, hi = address // ALIGN * ALIGN, _round_up(address + nbytes, ALIGN)
+        if spans and lo <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], hi)
+        else:
+            spans.append([lo, hi])
+    if not spans:
+        return 0
+    why_not = collapse_unavailable()
+    if why_not is not None:
+        logger.info("buffers stay on 4 KiB pages: %s", why_not)
+        return 0
+    madvise = _madvise()
+    assert madvise is not None
+    collapsed, refused = 0, Counter[str]()
+    for lo, hi in spans:
+        for region in range(lo, hi, ALIGN):
+            if madvise(region, ALIGN, MADV_COLLAPSE) == 0:
+                collapsed += ALIGN
+            else:
+                code = ctypes.get_errno()
+                refused[errno.errorcode.get(code, str(code))] += 1
+    if refused:
+        logger.info("MADV_COLLAPSE refused %s of %d regions", dict(refused), sum(refused.values()) + collapsed // ALIGN)
+    return collapsed

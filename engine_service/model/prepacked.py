@@ -32,6 +32,7 @@ import weakref
 import torch
 from torch import nn
 
+from engine_service.model.hugepages import collapse_to_hugepages
 from engine_service.model.linear_swap import swap_linears
 
 logger = logging.getLogger(__name__)
@@ -217,5 +218,23 @@ def prepack_model(model: nn.Module) -> int:
         logger.info("linear weights not prepacked: %s", why_not)
         return 0
     count = len(swap_linears(model, PrepackedLinear))
-    logger.info("prepacked %d linear layers for oneDNN (%s)", count, weight.dtype)
+    huge = collapse_to_hugepages(packed_buffers(model))
+    logger.info("prepacked %d linear layers for oneDNN (%s), %d MiB of them on huge pages", count, weight.dtype,
+                huge >> 20)
     return count
+
+
+def packed_buffers(model: nn.Module) -> list[tuple[int, int]]:
+    """(address, bytes) of every prepacked layer's oneDNN buffer in ``model``.
+
+    A decode step streams them all, and oneDNN leaves them on 4 KiB pages; collapsed onto huge pages
+    where they lie (``collapse_to_hugepages``) they stream faster (docs/performance.md, eleventh
+    round)."""
+    buffers = []
+    for module in model.modules():
+        if isinstance(module, PrepackedLinear):
+            try:
+                buffers.append((torch.ops.mkldnn.data_ptr(module.packed), torch.ops.mkldnn._nbytes(module.packed)))
+            except (RuntimeError, AttributeError):  # a torch without these accessors: leave it be
+                continue
+    return buffers

@@ -12,6 +12,8 @@ from engine_service.model.hugepages import (
     ALIGN,
     MIN_BYTES,
     PACK_ALIGN,
+    collapse_to_hugepages,
+    collapse_unavailable,
     hugepage_tensors,
     move_to_hugepages,
     packed_hugepage_tensors,
@@ -32,6 +34,25 @@ def _vm_flags(address: int) -> set[str]:
             elif mapping and line.startswith("VmFlags:"):
                 return set(line.split()[1:])
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _anon_huge_kb(address: int) -> int:
+    """AnonHugePages (kB) of the mapping of this process that holds ``address``."""
+    mapping = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                start, end = (int(x, 16) for x in head.split("-"))
+                mapping = start <= address < end
+            elif mapping and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _thp_mode() -> str:
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        return f.read().split("[")[1].split("]")[0]
 
 
 def test_hugepage_tensors_are_zeroed_aligned_and_advised():
@@ -142,3 +163,52 @@ def test_an_int4_models_codes_and_scales_live_in_advised_memory(model_dir):
         assert torch.equal(layer(x), plain)
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+def test_collapse_moves_a_buffer_onto_huge_pages_in_place():
+    """A buffer on 4 KiB pages in a mapping nobody advised (as oneDNN's packed weights lie) is
+    backed by huge pages where it lies, every 2 MiB region around it, its values untouched."""
+    if collapse_unavailable() is not None:
+        pytest.skip(f"this kernel cannot collapse: {collapse_unavailable()}")
+    region = mmap.mmap(-1, 5 * ALIGN, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(region, dtype=torch.uint8)
+    start = -whole.data_ptr() % ALIGN + ALIGN // 2  # half a huge page into the first aligned one
+    buffer = whole[start:start + 2 * ALIGN + 12345].view(-1)
+    buffer.copy_(torch.randint(0, 256, buffer.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
+    want = buffer.clone()
+    if _thp_mode() != "always":
+        assert _anon_huge_kb(buffer.data_ptr()) == 0
+    collapsed = collapse_to_hugepages([(buffer.data_ptr(), buffer.nbytes), (buffer.data_ptr() + 64, 100)])
+    # the buffer touches three aligned regions, all inside the mapping
+    assert collapsed == 3 * ALIGN
+    assert _anon_huge_kb(buffer.data_ptr()) >= 3 * ALIGN // 1024
+    assert torch.equal(buffer, want)
+    buffer[7] += 1  # still ordinary writable memory
+    assert buffer[7] == (int(want[7]) + 1) % 256
+
+
+def test_collapse_of_nothing_or_of_unmapped_memory_collapses_nothing():
+    assert collapse_to_hugepages([]) == 0
+    assert collapse_to_hugepages([(4096, 0)]) == 0
+    if collapse_unavailable() is None:
+        region = mmap.mmap(-1, 4 * ALIGN, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        address = torch.frombuffer(region, dtype=torch.uint8).data_ptr()
+        aligned = address - address % ALIGN + ALIGN
+        del region  # unmapped now: the kernel refuses, and nothing breaks
+        assert collapse_to_hugepages([(aligned, ALIGN)]) == 0
+
+
+@pytest.mark.model
+def test_a_bfloat16_models_packed_weights_are_collapsed_onto_huge_pages(model_dir):
+    """oneDNN allocates the packed weights on ordinary pages; loading collapses them where they lie."""
+    from engine_service.model.loader import load_model
+    from engine_service.model.prepacked import packed_buffers, prepack_unavailable
+
+    if prepack_unavailable(torch.bfloat16, torch.device("cpu")) is not None or collapse_unavailable() is not None:
+        pytest.skip("bfloat16 prepacking or MADV_COLLAPSE is unavailable here")
+    model = load_model(model_dir, torch.bfloat16)
+    buffers = packed_buffers(model)
+    assert len(buffers) == 4 * model.config.num_hidden_layers + 1
+    for address, nbytes in buffers:
+        assert _anon_huge_kb(address) >= ALIGN // 1024
+        assert _anon_huge_kb(address + nbytes - 1) >= ALIGN // 1024
