@@ -34,6 +34,10 @@ class Chunk(Protocol):
     # known ones, counted in ``num_tokens``; every position of such a chunk is sampled
 
 
+# Steps of up to this many one-token decodes are laid out by Runner._prepare_decodes.
+FEW_DECODES = 8
+
+
 def _drafts(chunk: Chunk) -> list[int] | None:
     return getattr(chunk, "draft_token_ids", None)
 
@@ -81,7 +85,10 @@ class ModelRunner:
     def prepare(self, chunks: Sequence[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Lay out one step. Per-token and per-decode arrays are built with whole-array numpy
         operations: the only per-request Python work is reading each chunk's fields and extending
-        two flat lists (its token ids and its block ids)."""
+        two flat lists (its token ids and its block ids). A step of a few one-token decodes takes
+        ``_prepare_decodes``."""
+        if len(chunks) <= FEW_DECODES and all(c.num_tokens == 1 and not _drafts(c) for c in chunks):
+            return self._prepare_decodes(chunks)
         bs = self.block_size
         n = len(chunks)
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
@@ -159,6 +166,38 @@ class ModelRunner:
         input_ids = self._tensor(np.asarray(token_ids, dtype=np.int64))
         return input_ids, self._tensor(positions), meta, sample_rows
 
+    def _prepare_decodes(self, chunks: Sequence[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                                  list[int]]:
+        """``prepare`` for a step of one-token decodes, a few of them: the same tensors, from
+        Python lists and one numpy array. Why: the step before it streamed every weight through the
+        caches, so each numpy or torch call here first fetches its own code and data from memory;
+        the general path's thirty-odd array operations cost a step of one stream more than its
+        Python lists do (docs/performance.md, eleventh round)."""
+        bs = self.block_size
+        n = len(chunks)
+        positions = [c.start for c in chunks]
+        nblocks = [p // bs + 1 for p in positions]  # a decode at position p attends to p + 1 tokens
+        tables = np.zeros((n, max(max(nblocks), self.min_decode_width)), dtype=np.int64)
+        token_ids, slots = [], []
+        for r, (chunk, p, nb) in enumerate(zip(chunks, positions, nblocks, strict=True)):
+            req = chunk.request
+            blocks = req.block_ids
+            tables[r, :nb] = blocks[:nb]
+            slots.append(blocks[p // bs] * bs + p % bs)
+            token_ids.append(req.all_token_ids[p])
+        self.model.rotary.ensure_positions(max(positions) + 1)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            prefills=[],
+            decode_token_index=None,
+            decode_block_tables=self._tensor(tables),
+            decode_context_lens=torch.tensor([p + 1 for p in positions], dtype=torch.long, device=self.device),
+            decode_kernel=self.decode_kernel,
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        sample_rows = [r for r, chunk in enumerate(chunks) if chunk.samples]
+        return input_ids, torch.tensor(positions, dtype=torch.long, device=self.device), meta, sample_rows
+
     def enable_compiled_decode(self, scratch_slot: int) -> float:
         """Compile the decode-only step (``engine_service.model.compiled``) and warm it up, writing
         only ``scratch_slot``. Returns the warm-up seconds."""
@@ -195,8 +234,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: Sequence[Chunk]) -> RunnerOutput:
         hidden, sample_rows = self.forward_hidden(chunks)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        sample_logits = self.model.compute_logits(hidden[rows])
+        if len(sample_rows) == hidden.shape[0] and sample_rows[-1] == len(sample_rows) - 1:
+            sampled = hidden  # every row samples (a decode step): no index, no copy
+        else:
+            sampled = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
+        sample_logits = self.model.compute_logits(sampled)
         out = RunnerOutput(sample_logits, [c.request for c in chunks if c.samples])
         if len(sample_rows) != len(out.sample_requests):
             out.sample_counts = [1 + len(_drafts(c) or ()) for c in chunks if c.samples]

@@ -225,6 +225,14 @@ def _chunk_cols(chunks: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.T
     return cols.clamp_(max=vocab - 1), valid
 
 
+# Up to this many greedy rows take torch's own ``argmax``, not ``fast_argmax``. Why: a decode step
+# streams every weight through the caches, so the sampler that runs after it finds its own code and
+# data evicted, and then each operator costs what fetching its working set from memory costs. One
+# row after a bfloat16 step of SmolLM2: one ``argmax`` cost a third of ``fast_argmax``'s ten
+# operators, though it is slower once they are warm (docs/performance.md, eleventh round).
+ARGMAX_ROWS = 4
+
+
 def fast_argmax(x: torch.Tensor, cmax: torch.Tensor | None = None) -> torch.Tensor:
     """``x.argmax(dim=1)`` (the first maximal index of each row) from the chunk maxima: the first
     chunk that holds the row's maximum, then the first maximum inside it. torch's CPU ``argmax`` is
@@ -490,7 +498,7 @@ class Sampler:
 
         if not meta.random_rows and not meta.needs_processing:
             # the all-greedy fast path: argmax, nothing else
-            tokens = raw.argmax(dim=1) if dense else fast_argmax(raw)
+            tokens = raw.argmax(dim=1) if dense or num <= ARGMAX_ROWS else fast_argmax(raw)
         elif dense:
             tokens = self._dense(raw, meta)
         else:

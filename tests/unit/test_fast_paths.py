@@ -226,6 +226,38 @@ def test_prepare_layout_equals_per_request_computation():
     assert sample_rows == ends.tolist()  # every chunk reaches the end of its tokens here
 
 
+@pytest.mark.parametrize("min_width", [1, 2])
+def test_a_few_decodes_are_laid_out_as_the_general_path_lays_them(monkeypatch, min_width):
+    """``_prepare_decodes`` (up to FEW_DECODES one-token decodes) builds the tensors the numpy path
+    builds: ids, positions, slots, padded block tables, lengths and the sampled rows."""
+    import engine_service.model.runner as runner_module
+
+    rng = random.Random(min_width)
+    bs = 16
+    runner = ModelRunner(_Model(), [(torch.zeros(1), torch.zeros(1))], bs, torch.device("cpu"))
+    runner.min_decode_width = min_width
+    free = list(range(10_000))
+    rng.shuffle(free)
+    for n in range(1, runner_module.FEW_DECODES + 1):
+        chunks = []
+        for i in range(n):  # contexts of one token, a block's edge either side, and longer
+            prompt = [rng.randrange(1000) for _ in range(rng.choice([1, bs - 1, bs, bs + 1, rng.randint(2, 200)]))]
+            req = Request(f"r{i}", prompt, SamplingParams())
+            req.block_ids = [free.pop() for _ in range(-(-len(prompt) // bs))]
+            chunks.append(Chunk(req, len(prompt) - 1, 1))
+        fast = runner.prepare(chunks)
+        monkeypatch.setattr(runner_module, "FEW_DECODES", 0)  # the general path
+        general = runner.prepare(chunks)
+        monkeypatch.undo()
+        for got, want in [(fast[0], general[0]), (fast[1], general[1]), (fast[2].slot_mapping, general[2].slot_mapping),
+                          (fast[2].decode_block_tables, general[2].decode_block_tables),
+                          (fast[2].decode_context_lens, general[2].decode_context_lens)]:
+            assert got.dtype == want.dtype == torch.long and torch.equal(got, want)
+        assert fast[2].prefills == general[2].prefills == [] and fast[2].decode_token_index is None
+        assert fast[2].decode_kernel is general[2].decode_kernel
+        assert fast[3] == general[3] == list(range(n))
+
+
 @pytest.fixture(scope="module")
 def reference_llm(model_dir):
     return LLM(str(model_dir), dtype="float32", enforce_eager=True, attention_backend="torch",
