@@ -80,11 +80,16 @@ def find_gguf(explicit: Path | None) -> Path:
 def read_bandwidth_gb_s(threads: int, mbytes: int = 512, seconds: float = 0.25) -> float:
     """The sustained read rate of a ``mbytes`` buffer (a float32 ``sum``, vectorised on ``threads``
     threads), read over and over for at least ``seconds`` after one untimed read, in GB/s: what a
-    decode stream, which reads its weights over and over, could reach at most at that moment."""
+    decode stream, which reads its weights over and over, could reach at most at that moment. The
+    buffer lies on huge pages, as the engine's weights do: the same sum reads a few GB/s less from
+    4 KiB pages, and the bound is the best the machine reads (docs/performance.md, eleventh round)."""
     import torch
 
+    from engine_service.model.hugepages import hugepage_buffer
+
     torch.set_num_threads(threads)
-    buf = torch.ones(mbytes * (1 << 20) // 4)
+    buf = hugepage_buffer(mbytes * (1 << 20)).view(torch.float32)
+    buf.fill_(1.0)
     buf.sum()
     reads = 0
     started = time.perf_counter()
