@@ -36,11 +36,15 @@
 #include "paged_decode_attention.h"
 
 #define PARTITION 128 /* the longest partition (the scratch row per head) */
-/* Up to this many context tokens in all, the call runs on the calling thread alone: waking the
- * pool and two barriers cost what a second core saves (one stream at context 128: the serial call
- * took the old kernel's two-thread time, side by side). Results do not depend on it: the
- * partitions never do. */
-#define SERIAL_TOKENS 256
+/* Up to this many context tokens in all (one partition: one task), the call runs on the calling
+ * thread alone. It was 256, from a bench of the kernel alone, warm, where waking the pool and two
+ * barriers cost what a second core saved at context 128. Inside a decode step the weights stream
+ * through the caches between two attention calls, and there two threads were faster from two
+ * partitions up: at context 128, 19 against 22 µs a layer, at 256, 25 against 40, serial and
+ * parallel alternating in one process; at 64 the one task ran 13 µs alone and 17 with the pool
+ * woken (docs/performance.md, eleventh round). Results do not depend on it: the partitions never
+ * do. */
+#define SERIAL_TOKENS 64
 
 /* Tokens per partition, a function of the context length only (batch invariance): short contexts
  * get shorter partitions, so one stream still has a task per core. */
