@@ -65,7 +65,7 @@ class _Stack(ctypes.Structure):
                 ("block_size", ctypes.c_int64), ("vocab", ctypes.c_int64), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("kind", ctypes.c_int), ("cache_bf16", ctypes.c_int),
                 ("embed", ctypes.c_void_p),
-                ("final_norm", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer))]
+                ("final_norm", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer)), ("head", _Weight)]
 
 
 _ERRORS = {1: "out of memory", 2: "a size or a token id out of range", 3: "the attention kernel refused the shape"}
@@ -156,11 +156,18 @@ class NativeDecode:
                    weight(layer.mlp.down_proj), ptr(k_cache), ptr(v_cache))
             for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True)])
         norm = model.model.norm
+        head = getattr(model, "lm_head", None)  # a tied model's own (prepacked or quantized) copy, if any
+        # the logits come out of the same call (``logits=True``) when the head is of the layers' kind
+        self.fuses_head = (isinstance(head, PrepackedLinear) and head.gemv_weight is not None
+                           if self.kind == STACK_BF16 else isinstance(head, QuantizedLinear) and head.native_q4)
+        self.fuses_head = self.fuses_head and getattr(head, "bias", None) is None
+        self.vocab_out = head.out_features if self.fuses_head else 0
         self._stack = _Stack(
             len(layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
             cfg.intermediate_size, kv_caches[0][0].shape[1], model.model.embed_tokens.weight.shape[0], float(norm.eps),
             float(layers[0].self_attn.scale), self.kind, int(kv_caches[0][0].dtype == torch.bfloat16),
-            ptr(model.model.embed_tokens.weight), ptr(norm.weight), self._layers)
+            ptr(model.model.embed_tokens.weight), ptr(norm.weight), self._layers,
+            weight(head) if self.fuses_head else _Weight())
         if self.kind == STACK_BF16:
             from engine_service.model.prepacked import gemv_max_rows
 
@@ -176,14 +183,20 @@ class NativeDecode:
         fn = native_library().decode_stack
         fn.restype = ctypes.c_int
         i64, vp = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ctypes.POINTER(_Stack), vp, vp, vp, vp, i64, vp, vp, i64, vp, i64, vp]
+        fn.argtypes = [ctypes.POINTER(_Stack), vp, vp, vp, vp, i64, vp, vp, i64, vp, i64, vp, vp]
         self._fn = fn
         self._stack_ref = ctypes.byref(self._stack)
 
     def runs(self, rows: int) -> bool:
         return rows < self.max_rows
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 logits: bool = False) -> torch.Tensor:
+        """The final hidden states [rows, hidden]; with ``logits`` (where ``fuses_head``), the
+        logits [rows, vocab] in float32 instead: ``model.compute_logits`` of those hidden states, bit
+        for bit, from the same call."""
+        if logits and not self.fuses_head:
+            raise ValueError("native decode: this model's output projection is not in the step")
         rows = input_ids.shape[0]
         rotary = self.model.rotary
         cos, sin = rotary.cos_table, rotary.sin_table  # float32, grown by the runner's prepare
@@ -193,10 +206,11 @@ class NativeDecode:
             raise ValueError("native decode: ids, positions, slots, block tables and lengths must be contiguous int64")
         if not (positions.shape[0] == meta.slot_mapping.shape[0] == tables.shape[0] == lens.shape[0] == rows):
             raise ValueError("native decode: one position, slot, block table and length per row")
-        out = torch.empty(rows, self._stack.hidden, dtype=self.dtype)
+        out = (torch.empty(rows, self.vocab_out, dtype=torch.float32) if logits
+               else torch.empty(rows, self._stack.hidden, dtype=self.dtype))
         rc = self._fn(self._stack_ref, input_ids.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                       cos.shape[0], meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-                      rows, out.data_ptr())
+                      rows, None if logits else out.data_ptr(), out.data_ptr() if logits else None)
         if rc != 0:
             raise RuntimeError(f"native decode step failed: {_ERRORS.get(rc, rc)}")
         return out

@@ -223,22 +223,33 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_hidden(self, chunks: Sequence[Chunk]) -> tuple[torch.Tensor, list[int]]:
         input_ids, positions, meta, sample_rows = self.prepare(chunks)
+        return self._forward(input_ids, positions, meta), sample_rows
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.native_decode is not None and not meta.prefills and self.native_decode.runs(input_ids.shape[0]):
-            hidden = self.native_decode(input_ids, positions, meta)
-        elif self.compiled_decode is not None and not meta.prefills:
-            hidden = self.compiled_decode(input_ids, positions, meta)
-        else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        return hidden, sample_rows
+            return self.native_decode(input_ids, positions, meta)
+        if self.compiled_decode is not None and not meta.prefills:
+            return self.compiled_decode(input_ids, positions, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta)
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[Chunk]) -> RunnerOutput:
-        hidden, sample_rows = self.forward_hidden(chunks)
-        if len(sample_rows) == hidden.shape[0] and sample_rows[-1] == len(sample_rows) - 1:
-            sampled = hidden  # every row samples (a decode step): no index, no copy
+        input_ids, positions, meta, sample_rows = self.prepare(chunks)
+        rows = input_ids.shape[0]
+        native = self.native_decode
+        if (native is not None and native.fuses_head and not meta.prefills and native.runs(rows)
+                and len(sample_rows) == rows):
+            # a decode step where every row samples (so none wants prompt logprobs, which only
+            # prompt positions before the last have): the logits come out of the native call itself
+            hidden = None
+            sample_logits = native(input_ids, positions, meta, logits=True)
         else:
-            sampled = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
-        sample_logits = self.model.compute_logits(sampled)
+            hidden = self._forward(input_ids, positions, meta)
+            if len(sample_rows) == rows:
+                sampled = hidden  # every row samples (sample_rows ascend): no index, no copy
+            else:
+                sampled = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
+            sample_logits = self.model.compute_logits(sampled)
         out = RunnerOutput(sample_logits, [c.request for c in chunks if c.samples])
         if len(sample_rows) != len(out.sample_requests):
             out.sample_counts = [1 + len(_drafts(c) or ()) for c in chunks if c.samples]
@@ -248,6 +259,7 @@ class ModelRunner:
             wanted = req.sampling_params.prompt_logprobs
             last_predictable = req.num_prompt_tokens - 1  # positions < this predict a prompt token
             if wanted is not None and chunk.start < last_predictable:
+                assert hidden is not None  # such a chunk does not sample, so the native head did not run
                 count = min(chunk.num_tokens, last_predictable - chunk.start)
                 targets = req.all_token_ids[chunk.start + 1 : chunk.start + 1 + count]
                 out.prompt_logits.append(PromptLogits(

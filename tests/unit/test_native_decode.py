@@ -197,6 +197,27 @@ def test_a_bfloat16_verifying_step_and_batch_are_the_eager_forward(bf16):
         assert _distance(alone.float(), got[j : j + 1].float()) < 2e-2
 
 
+@pytest.mark.parametrize("kind", ["int4", "bfloat16"])
+def test_the_logits_come_out_of_the_same_call_bit_for_bit(kind, request):
+    """With ``logits=True`` the step ends in the model's output projection: the logits equal
+    ``compute_logits`` of the hidden states the step returns without it, bit for bit (the same
+    product kernel; bfloat16 rounds them to bfloat16 as the head's own product does), for one row
+    and for a verifying step beside another request."""
+    llm = request.getfixturevalue("llm" if kind == "int4" else "bf16")
+    runner = llm.engine.runner
+    native = NativeDecode(runner.model, runner.kv_caches)
+    assert native.fuses_head
+    (tokens, blocks), (other, other_blocks) = _sequences(llm, [30, 17], seed=5)
+    for chunks in ([_chunk(other, other_blocks, 17, 1)],
+                   [_chunk(tokens[:31], blocks, 30, 3, drafts=tokens[31:33]), _chunk(other, other_blocks, 17, 1)]):
+        input_ids, positions, meta, _ = runner.prepare(chunks)
+        hidden = native(input_ids, positions, meta)
+        logits = native(input_ids, positions, meta, logits=True)
+        want = runner.model.compute_logits(hidden)
+        assert logits.dtype == want.dtype == torch.float32 and logits.shape == want.shape
+        assert torch.equal(logits, want)
+
+
 def test_models_it_cannot_run_are_named():
     class NotLlama(torch.nn.Module):
         pass
@@ -239,11 +260,13 @@ def test_an_engine_decodes_through_it(model_dir, monkeypatch):
     assert engine.engine.native_decode and engine.engine.runner.native_decode is not None
     assert engine.engine.runner.compiled_decode is None
     calls: list[int] = []
-    engine.engine.runner.native_decode = _Counting(engine.engine.runner.native_decode, calls)
+    logits_calls: list[bool] = []
+    engine.engine.runner.native_decode = _Counting(engine.engine.runner.native_decode, calls, logits_calls)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
     alone = engine.generate(prompts[0], params)[0].outputs[0]
     assert calls == [1] * (params.max_tokens - 1)  # every step after the prefill, one row each
+    assert all(logits_calls)  # each with its logits from the same call
     assert alone.text.startswith(" Paris")
     calls.clear()
     batched = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
@@ -288,12 +311,15 @@ def test_an_engine_times_a_verifying_row_and_resolves_the_back_off(llm, model_di
 
 
 class _Counting:
-    def __init__(self, native: NativeDecode, calls: list) -> None:
-        self.native, self.calls = native, calls
+    def __init__(self, native: NativeDecode, calls: list, logits_calls: list | None = None) -> None:
+        self.native, self.calls, self.logits_calls = native, calls, logits_calls
+        self.fuses_head = native.fuses_head
 
     def runs(self, rows: int) -> bool:
         return self.native.runs(rows)
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         self.calls.append(args[0].shape[0])
-        return self.native(*args)
+        if self.logits_calls is not None:
+            self.logits_calls.append(bool(kwargs.get("logits")))
+        return self.native(*args, **kwargs)

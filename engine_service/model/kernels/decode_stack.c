@@ -91,7 +91,7 @@ static int weight_ok(int kind, const StackWeight *w, int64_t n_out, int64_t k) {
 NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int64_t *positions,
                             const float *cos_table, const float *sin_table, int64_t num_positions,
                             const int64_t *slots, const int64_t *block_tables, int64_t table_width,
-                            const int64_t *context_lens, int64_t rows, void *out) {
+                            const int64_t *context_lens, int64_t rows, void *out, float *logits) {
     const int64_t hidden = s->hidden, d = s->head_dim, q_size = s->heads * d, kv_size = s->kv_heads * d;
     const int64_t qkv_size = q_size + 2 * kv_size, inter = s->intermediate;
     const int kind = s->kind, bf = kind == STACK_BF16;
@@ -101,6 +101,7 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
         return 2;
     for (int64_t r = 0; r < rows; r++)
         if (ids[r] < 0 || ids[r] >= s->vocab || positions[r] < 0 || positions[r] >= num_positions) return 2;
+    if (logits != NULL ? !weight_ok(kind, &s->head, s->head.n_out, hidden) : out == NULL) return 2;
     for (int64_t l = 0; l < s->num_layers; l++) {
         const StackLayer *layer = &s->layers[l];
         if (!weight_ok(kind, &layer->qkv, qkv_size, hidden) || !weight_ok(kind, &layer->o, hidden, q_size) ||
@@ -110,7 +111,8 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
     /* scratch, per row: the residual stream, a normed copy, q|k|v, q, the attention output, gate|up,
      * the SiLU product; and the bfloat16 products' input and output */
     const int64_t per_row = 2 * hidden + qkv_size + 2 * q_size + 3 * inter;
-    const int64_t widest = 2 * inter > qkv_size ? 2 * inter : qkv_size;
+    int64_t widest = 2 * inter > qkv_size ? 2 * inter : qkv_size;
+    if (logits != NULL && bf && s->head.n_out > widest) widest = s->head.n_out; /* the head's bfloat16 outputs */
     float *scratch = (float *)malloc(sizeof(float) * (size_t)(rows * per_row) +
                                      sizeof(uint16_t) * (size_t)(2 * rows * widest));
     if (scratch == NULL) return 1;
@@ -165,14 +167,18 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
         if ((rc = product(kind, &layer->down, act, normed, rows, xb, yb)) != 0) break;
         for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + normed[i], bf);
     }
-    if (rc == 0)
+    if (rc == 0) {
         for (int64_t r = 0; r < rows; r++) {
             rms_norm(x + r * hidden, s->final_norm, hidden, s->eps, bf, normed + r * hidden);
-            for (int64_t i = 0; i < hidden; i++) {
+            for (int64_t i = 0; out != NULL && i < hidden; i++) {
                 if (bf) ((uint16_t *)out)[r * hidden + i] = f32_to_bf16(normed[r * hidden + i]);
                 else ((float *)out)[r * hidden + i] = normed[r * hidden + i];
             }
         }
+        /* in the same call: after the layers' stream the caches hold nothing of the caller's, and each
+         * operator of the head's own call would first fetch its code and data from memory */
+        if (logits != NULL) rc = product(kind, &s->head, normed, logits, rows, xb, yb);
+    }
     free(scratch);
     return rc;
 }

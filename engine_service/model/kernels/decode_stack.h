@@ -38,17 +38,20 @@ typedef struct {
     const void *embed;      /* [vocab, hidden], the activations' dtype */
     const void *final_norm; /* [hidden] */
     const StackLayer *layers;
+    StackWeight head; /* the output projection, [vocab, hidden]; data NULL: none (no logits) */
 } DecodeStack;
 
 /* out[rows, hidden] (the activations' dtype) = the final norm of the stack's output for tokens
  * ids[rows] at positions[rows], each row a decode: its K/V written at slots[r], then attending to
  * context_lens[r] tokens through block_tables[r] (table_width columns). cos/sin: the rotary tables,
- * float32 [num_positions, head_dim]. Returns 0; 1 when scratch memory could not be had; 2 when a
- * size or an id is out of range or the CPU cannot run the products; 3 when the attention kernel
- * refused its shape. */
+ * float32 [num_positions, head_dim]. With logits (and the stack's head), logits[rows, head.n_out]
+ * = that output times the head, float32 (with bfloat16 activations, each rounded to bfloat16 first,
+ * as the head's own product rounds it); out may then be NULL. Returns 0; 1 when scratch memory
+ * could not be had; 2 when a size or an id is out of range, logits are asked of a stack without a
+ * head, or the CPU cannot run the products; 3 when the attention kernel refused its shape. */
 int decode_stack(const DecodeStack *stack, const int64_t *ids, const int64_t *positions, const float *cos_table,
                  const float *sin_table, int64_t num_positions, const int64_t *slots, const int64_t *block_tables,
-                 int64_t table_width, const int64_t *context_lens, int64_t rows, void *out);
+                 int64_t table_width, const int64_t *context_lens, int64_t rows, void *out, float *logits);
 
 #ifdef __cplusplus
 }
