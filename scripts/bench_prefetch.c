@@ -123,7 +123,7 @@ int main(int argc, char **argv) {
                         else if (amx) tiles_burst(block, x, k[i], chunks, sums);
                         else if (shipped) block_sums(block, x, chunks, 1, sums);
                         else one_row_burst(block, x, chunks, sums);
-                        sink += sums[0];
+                        sink += sums[0] + sums[16] + sums[32] + sums[48]; /* all four accumulators, so none is dropped */
                     }
                     if (amx) _tile_release();
                 }

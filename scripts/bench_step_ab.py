@@ -1,0 +1,116 @@
+"""Two of the engine's decode-step choices side by side in one engine, alternating: a step of one
+stream with the eleventh round's changes to what runs after the weights have flushed the caches
+(``Runner._prepare_decodes``, ``sampler.ARGMAX_ROWS``, the logits from the native call) against the
+same engine with them off; or (``--collapse``) oneDNN's packed weights collapsed onto huge pages
+against a second engine left on 4 KiB pages.
+
+`python scripts/bench_step_ab.py [--mode bfloat16-native] [--rounds 20]`
+`python scripts/bench_step_ab.py --collapse [--rounds 40]`
+
+Each round times 20 engine steps of each variant (one stream, greedy, a 256-token prompt, the
+context growing as it decodes) or, with ``--collapse``, 5 native steps and 5 LM-head products of
+each engine at context 320. Prints the medians and their ratio (docs/performance.md, eleventh
+round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+
+
+def steps_ab(mode: str, rounds: int) -> None:
+    import engine_service.model.runner as runner_module
+    import engine_service.sampling.sampler as sampler_module
+    from engine_service import LLM, SamplingParams
+    from engine_service.bench.modes import MODES
+
+    engine = LLM(None, **MODES[mode]).engine
+    native = engine.runner.native_decode
+    if native is None:
+        raise SystemExit(f"bench_step_ab: {mode} has no native decode step on this machine")
+    engine.add_request("p0", [100 + (j * 7) % 4000 for j in range(256)],
+                       SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True))
+    while engine.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                              for r in engine.scheduler.running):
+        engine.step()
+    few, argmax_rows, fuses = runner_module.FEW_DECODES, sampler_module.ARGMAX_ROWS, native.fuses_head
+    ms: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(rounds):
+        for new in (False, True):
+            runner_module.FEW_DECODES = few if new else 0
+            sampler_module.ARGMAX_ROWS = argmax_rows if new else 0
+            native.fuses_head = fuses and new
+            for _ in range(3):
+                engine.step()
+            started = time.perf_counter()
+            for _ in range(20):
+                engine.step()
+            ms[new].append((time.perf_counter() - started) / 20 * 1e3)
+    old, new = statistics.median(ms[False]), statistics.median(ms[True])
+    print(f"{mode}, one stream: a step {old:.3f} ms without the changes, {new:.3f} ms with them: {old / new:.3f}x "
+          f"(medians of {rounds} alternating rounds of 20 steps)")
+
+
+def collapse_ab(rounds: int) -> None:
+    import engine_service.model.prepacked as prepacked
+    from engine_service import LLM
+    from engine_service.bench.modes import MODES
+    from engine_service.model.attention import AttentionMetadata
+
+    collapse = prepacked.collapse_to_hugepages
+    prepacked.collapse_to_hugepages = lambda buffers: 0
+    plain = LLM(None, **MODES["bfloat16-native"], kv_cache_memory=128 << 20)
+    prepacked.collapse_to_hugepages = collapse
+    collapsed = LLM(None, **MODES["bfloat16-native"], kv_cache_memory=128 << 20)
+
+    def step(llm, context: int = 320):
+        runner = llm.engine.runner
+        native, block_size = runner.native_decode, runner.kv_caches[0][0].shape[1]
+        runner.model.rotary.ensure_positions(context)
+        positions = torch.tensor([context - 1])
+        meta = AttentionMetadata(slot_mapping=positions.clone(), prefills=[], decode_token_index=None,
+                                 decode_block_tables=torch.arange(-(-context // block_size)).unsqueeze(0),
+                                 decode_context_lens=positions + 1)
+        ids, hidden = torch.zeros(1, dtype=torch.long), torch.randn(1, runner.model.config.hidden_size).bfloat16()
+
+        def run() -> tuple[float, float]:
+            started = time.perf_counter()
+            native(ids, positions, meta)
+            middle = time.perf_counter()
+            runner.model.lm_head(hidden)
+            return middle - started, time.perf_counter() - middle
+        return run
+
+    runs = [step(plain), step(collapsed)]
+    gc.disable()
+    ms = [([], []), ([], [])]
+    for _ in range(rounds):
+        for i, run in enumerate(runs):
+            times = [run() for _ in range(5)]
+            ms[i][0].append(statistics.median(t[0] for t in times) * 1e3)
+            ms[i][1].append(statistics.median(t[1] for t in times) * 1e3)
+    (step4k, head4k), (step2m, head2m) = [(statistics.median(a), statistics.median(b)) for a, b in ms]
+    print(f"native step: {step4k:.3f} ms on 4 KiB pages, {step2m:.3f} collapsed ({step4k / step2m:.3f}x); "
+          f"LM head: {head4k:.3f} against {head2m:.3f} ({head4k / head2m:.3f}x); medians of {rounds} rounds")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", default="bfloat16-native")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--collapse", action="store_true", help="huge pages for oneDNN's packed weights, on and off")
+    args = parser.parse_args(argv)
+    if args.collapse:
+        collapse_ab(args.rounds or 40)
+    else:
+        steps_ab(args.mode, args.rounds or 20)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
