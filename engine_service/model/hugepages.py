@@ -194,10 +194,14 @@ def collapse_to_hugepages(buffers: Iterable[tuple[int, int]]) -> int:
     collapsed, refused = 0, Counter[str]()
     for lo, hi in spans:
         for region in range(lo, hi, ALIGN):
-            if madvise(region, ALIGN, MADV_COLLAPSE) == 0:
+            for _ in range(2):  # EAGAIN: a transient failure (a page lock held), worth one more try
+                ok = madvise(region, ALIGN, MADV_COLLAPSE) == 0
+                code = 0 if ok else ctypes.get_errno()
+                if code != errno.EAGAIN:
+                    break
+            if ok:
                 collapsed += ALIGN
             else:
-                code = ctypes.get_errno()
                 refused[errno.errorcode.get(code, str(code))] += 1
     if refused:
         logger.info("MADV_COLLAPSE refused %s of %d regions", dict(refused), sum(refused.values()) + collapsed // ALIGN)
