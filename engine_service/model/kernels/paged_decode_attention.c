@@ -297,17 +297,25 @@ static inline __attribute__((always_inline)) void NAME(                         
     for (int64_t h = 0; h < heads; h++) kv_of[h] = (int32_t)(h / group);                          \
     /* token by token, every head: a cached token's K row is read once for all of its query heads;  \
      * the same token of the next block's K and this block's V are prefetched on the way (a block's \
-     * rows are contiguous, but blocks are not, and the hardware prefetcher stops at each one) */   \
+     * rows are contiguous, but blocks are not, and the hardware prefetcher stops at each one), and \
+     * into L2 the K two blocks ahead and the next block's V. Why further: inside a decode step the \
+     * layer's weights have just flushed the caches, so every K/V line comes from memory; the     \
+     * longer reach made attention 1-11% faster there (docs/performance.md, eleventh round). */   \
     for (int64_t t = start; t < end;) {                                                           \
         const int64_t blk = t / block_size, first = t % block_size;                               \
         const int64_t run = block_size - first < end - t ? block_size - first : end - t;          \
         const T *kp = k_cache + (table[blk] * block_size + first) * token_stride;                 \
-        const T *ahead = t + run < end ? k_cache + table[blk + 1] * block_size * token_stride : kp; \
+        const int more = t + run < end, two_more = t + run + block_size < end;                    \
+        const T *ahead = more ? k_cache + table[blk + 1] * block_size * token_stride : kp;        \
+        const T *v_ahead = more ? v_cache + table[blk + 1] * block_size * token_stride : NULL;    \
+        const T *k_ahead2 = two_more ? k_cache + table[blk + 2] * block_size * token_stride : NULL; \
         const T *vp = v_cache + (table[blk] * block_size + first) * token_stride;                 \
         for (int64_t i = 0; i < run; i++) {                                                       \
             for (int64_t c = 0; c < token_stride * (int64_t)sizeof(T); c += 64) {                 \
                 __builtin_prefetch((const char *)(ahead + i * token_stride) + c);                 \
                 __builtin_prefetch((const char *)(vp + i * token_stride) + c);                    \
+                if (v_ahead) __builtin_prefetch((const char *)(v_ahead + i * token_stride) + c, 0, 2); \
+                if (k_ahead2) __builtin_prefetch((const char *)(k_ahead2 + i * token_stride) + c, 0, 2); \
             }                                                                                     \
         }                                                                                         \
         if (VECTOR_OK(head_dim)) {                                                                \
