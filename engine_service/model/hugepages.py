@@ -127,6 +127,7 @@ def move_to_hugepages(module: nn.Module) -> int:
     return sum(t.nbytes for t in unique)
 
 
+@functools.cache
 def _madvise() -> Callable[[int, int, int], int] | None:
     if not sys.platform.startswith("linux"):
         return None

@@ -158,9 +158,9 @@ class NativeDecode:
         norm = model.model.norm
         head = getattr(model, "lm_head", None)  # a tied model's own (prepacked or quantized) copy, if any
         # the logits come out of the same call (``logits=True``) when the head is of the layers' kind
-        self.fuses_head = (isinstance(head, PrepackedLinear) and head.gemv_weight is not None
-                           if self.kind == STACK_BF16 else isinstance(head, QuantizedLinear) and head.native_q4)
-        self.fuses_head = self.fuses_head and getattr(head, "bias", None) is None
+        same_kind = (isinstance(head, PrepackedLinear) and head.gemv_weight is not None if self.kind == STACK_BF16
+                     else isinstance(head, QuantizedLinear) and head.native_q4)
+        self.fuses_head = same_kind and head.bias is None
         self.vocab_out = head.out_features if self.fuses_head else 0
         self._stack = _Stack(
             len(layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,

@@ -22,8 +22,8 @@ from engine_service.model.hugepages import (
 pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this OS")
 
 
-def _vm_flags(address: int) -> set[str]:
-    """The VmFlags of the mapping of this process that holds ``address``."""
+def _smaps_field(address: int, field: str) -> list[str]:
+    """The values of ``field`` (e.g. "VmFlags") for the mapping of this process that holds ``address``."""
     mapping = None
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
@@ -31,23 +31,18 @@ def _vm_flags(address: int) -> set[str]:
             if "-" in head and all(c in "0123456789abcdef-" for c in head):
                 start, end = (int(x, 16) for x in head.split("-"))
                 mapping = start <= address < end
-            elif mapping and line.startswith("VmFlags:"):
-                return set(line.split()[1:])
+            elif mapping and line.startswith(field + ":"):
+                return line.split()[1:]
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _vm_flags(address: int) -> set[str]:
+    return set(_smaps_field(address, "VmFlags"))
 
 
 def _anon_huge_kb(address: int) -> int:
-    """AnonHugePages (kB) of the mapping of this process that holds ``address``."""
-    mapping = None
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and all(c in "0123456789abcdef-" for c in head):
-                start, end = (int(x, 16) for x in head.split("-"))
-                mapping = start <= address < end
-            elif mapping and line.startswith("AnonHugePages:"):
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
+    """AnonHugePages (kB) of the mapping that holds ``address``."""
+    return int(_smaps_field(address, "AnonHugePages")[0])
 
 
 def _thp_mode() -> str:
