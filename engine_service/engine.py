@@ -331,8 +331,9 @@ class LLMEngine:
             self._verify(scheduled, result, sampled, new_logprobs, drafted)
         elif result.sample_requests:
             # grammar bitmasks on the constrained rows only, before any sampling stage
-            self.grammars.apply_bitmask(result.sample_logits, result.sample_requests)
-            out = self.sampler(result.sample_logits, result.sample_requests)
+            masked = self.grammars.apply_bitmask(result.sample_logits, result.sample_requests)
+            out = self.sampler(result.sample_logits, result.sample_requests,
+                               argmax=None if masked else result.greedy_token_ids)
             for row, (req, token, lp) in enumerate(zip(result.sample_requests, out.token_ids, out.logprobs,
                                                        strict=True)):
                 kept = self.grammars.accept(req, token)  # the token budget may replace it

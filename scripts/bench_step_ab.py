@@ -1,16 +1,18 @@
 """Two of the engine's decode-step choices side by side in one engine, alternating: a step of one
 stream with the eleventh round's changes to what runs after the weights have flushed the caches
 (``Runner._prepare_decodes``, ``sampler.ARGMAX_ROWS``, the logits from the native call) against the
-same engine with them off; or (``--collapse``) oneDNN's packed weights collapsed onto huge pages
+same engine with them off; or (``--argmax``) the sampler taking the native step's argmax against
+computing its own; or (``--collapse``) oneDNN's packed weights collapsed onto huge pages
 against a second engine left on 4 KiB pages.
 
 `python scripts/bench_step_ab.py [--mode bfloat16-native] [--rounds 20]`
+`python scripts/bench_step_ab.py --argmax [--mode int4-native]`
 `python scripts/bench_step_ab.py --collapse [--rounds 40]`
 
 Each round times 20 engine steps of each variant (one stream, greedy, a 256-token prompt, the
 context growing as it decodes) or, with ``--collapse``, 5 native steps and 5 LM-head products of
-each engine at context 320. Prints the medians and their ratio (docs/performance.md, eleventh
-round).
+each engine at context 320. Prints the medians and their ratio (docs/performance.md, eleventh and
+twelfth rounds).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 import torch
 
 
-def steps_ab(mode: str, rounds: int) -> None:
+def steps_ab(mode: str, rounds: int, argmax_only: bool = False) -> None:
     import engine_service.model.runner as runner_module
     import engine_service.sampling.sampler as sampler_module
     from engine_service import LLM, SamplingParams
@@ -39,12 +41,28 @@ def steps_ab(mode: str, rounds: int) -> None:
                                               for r in engine.scheduler.running):
         engine.step()
     few, argmax_rows, fuses = runner_module.FEW_DECODES, sampler_module.ARGMAX_ROWS, native.fuses_head
+    execute, sampler = engine.runner.execute, engine.sampler
+    given: list[bool] = []
+
+    def without_argmax(chunks):  # the step as before: the sampler takes its own argmax
+        out = execute(chunks)
+        out.greedy_token_ids = None
+        return out
+
+    def counting(logits, requests, **kwargs):
+        given.append(kwargs.get("argmax") is not None)
+        return sampler(logits, requests, **kwargs)
+
+    engine.sampler = counting
     ms: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(rounds):
         for new in (False, True):
-            runner_module.FEW_DECODES = few if new else 0
-            sampler_module.ARGMAX_ROWS = argmax_rows if new else 0
-            native.fuses_head = fuses and new
+            if argmax_only:
+                engine.runner.execute = execute if new else without_argmax
+            else:
+                runner_module.FEW_DECODES = few if new else 0
+                sampler_module.ARGMAX_ROWS = argmax_rows if new else 0
+                native.fuses_head = fuses and new
             for _ in range(3):
                 engine.step()
             started = time.perf_counter()
@@ -52,8 +70,10 @@ def steps_ab(mode: str, rounds: int) -> None:
                 engine.step()
             ms[new].append((time.perf_counter() - started) / 20 * 1e3)
     old, new = statistics.median(ms[False]), statistics.median(ms[True])
-    print(f"{mode}, one stream: a step {old:.3f} ms without the changes, {new:.3f} ms with them: {old / new:.3f}x "
-          f"(medians of {rounds} alternating rounds of 20 steps)")
+    what = "the native step's argmax" if argmax_only else "the changes"
+    print(f"{mode}, one stream: a step {old:.3f} ms without {what}, {new:.3f} ms with: {old / new:.3f}x "
+          f"(medians of {rounds} alternating rounds of 20 steps; the sampler took a given argmax in "
+          f"{sum(given)} of {len(given)} steps)")
 
 
 def collapse_ab(rounds: int) -> None:
@@ -104,11 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", default="bfloat16-native")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--collapse", action="store_true", help="huge pages for oneDNN's packed weights, on and off")
+    parser.add_argument("--argmax", action="store_true",
+                        help="the native step's argmax handed to the sampler, on and off (twelfth round)")
     args = parser.parse_args(argv)
     if args.collapse:
         collapse_ab(args.rounds or 40)
     else:
-        steps_ab(args.mode, args.rounds or 20)
+        steps_ab(args.mode, args.rounds or 20, argmax_only=args.argmax)
     return 0
 
 

@@ -183,7 +183,7 @@ class NativeDecode:
         fn = native_library().decode_stack
         fn.restype = ctypes.c_int
         i64, vp = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ctypes.POINTER(_Stack), vp, vp, vp, vp, i64, vp, vp, i64, vp, i64, vp, vp]
+        fn.argtypes = [ctypes.POINTER(_Stack), vp, vp, vp, vp, i64, vp, vp, i64, vp, i64, vp, vp, vp]
         self._fn = fn
         self._stack_ref = ctypes.byref(self._stack)
 
@@ -191,13 +191,18 @@ class NativeDecode:
         return rows < self.max_rows
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 logits: bool = False) -> torch.Tensor:
+                 logits: bool = False, argmax: torch.Tensor | None = None) -> torch.Tensor:
         """The final hidden states [rows, hidden]; with ``logits`` (where ``fuses_head``), the
         logits [rows, vocab] in float32 instead: ``model.compute_logits`` of those hidden states, bit
-        for bit, from the same call."""
+        for bit, from the same call. With logits, ``argmax`` (int64 [rows]) is filled with each
+        row's ``argmax`` of them, torch's pick among equal values, computed while they are still in
+        the cache."""
         if logits and not self.fuses_head:
             raise ValueError("native decode: this model's output projection is not in the step")
         rows = input_ids.shape[0]
+        if argmax is not None and not (logits and argmax.dtype == torch.int64 and argmax.shape == (rows,)
+                                       and argmax.is_contiguous()):
+            raise ValueError("native decode: argmax needs logits=True and a contiguous int64 tensor of one per row")
         rotary = self.model.rotary
         cos, sin = rotary.cos_table, rotary.sin_table  # float32, grown by the runner's prepare
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
@@ -210,7 +215,8 @@ class NativeDecode:
                else torch.empty(rows, self._stack.hidden, dtype=self.dtype))
         rc = self._fn(self._stack_ref, input_ids.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                       cos.shape[0], meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-                      rows, None if logits else out.data_ptr(), out.data_ptr() if logits else None)
+                      rows, None if logits else out.data_ptr(), out.data_ptr() if logits else None,
+                      None if argmax is None else argmax.data_ptr())
         if rc != 0:
             raise RuntimeError(f"native decode step failed: {_ERRORS.get(rc, rc)}")
         return out

@@ -58,6 +58,9 @@ class RunnerOutput:
     # rows of ``sample_logits`` per request, in order, when a chunk carries drafts (1 + its drafts:
     # row j predicts the token after its j-th draft); None: one row each
     sample_counts: list[int] | None = None
+    # each row's argmax of ``sample_logits`` when the step computed it with them (the native step
+    # does); None: not computed. The sampler's all-greedy rows take it instead of an argmax of their own.
+    greedy_token_ids: list[int] | None = None
 
 
 class ModelRunner:
@@ -242,7 +245,8 @@ class ModelRunner:
             # a decode step where every row samples (so none wants prompt logprobs, which only
             # prompt positions before the last have): the logits come out of the native call itself
             hidden = None
-            sample_logits = native(input_ids, positions, meta, logits=True)
+            greedy = torch.empty(rows, dtype=torch.long)
+            sample_logits = native(input_ids, positions, meta, logits=True, argmax=greedy)
         else:
             hidden = self._forward(input_ids, positions, meta)
             if len(sample_rows) == rows:
@@ -251,6 +255,8 @@ class ModelRunner:
                 sampled = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
             sample_logits = self.model.compute_logits(sampled)
         out = RunnerOutput(sample_logits, [c.request for c in chunks if c.samples])
+        if hidden is None:
+            out.greedy_token_ids = greedy.tolist()
         if len(sample_rows) != len(out.sample_requests):
             out.sample_counts = [1 + len(_drafts(c) or ()) for c in chunks if c.samples]
         offset = 0

@@ -476,14 +476,19 @@ class Sampler:
         return u
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, requests: list[Request], *, dense: bool = False) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: list[Request], *, dense: bool = False,
+                 argmax: list[int] | None = None) -> SamplerOutput:
         """``dense=True`` runs the previous all-dense pipeline (the reference the sparse paths are
-        tested against: same tokens)."""
+        tested against: same tokens). ``argmax``: each row's ``argmax`` of ``logits`` as given, where
+        the caller computed it with them (the native decode step): a batch whose rows are all greedy
+        and unprocessed, without logprobs, takes those tokens instead of computing them again."""
         num = len(requests)
         if logits.dim() != 2 or logits.shape[0] != num or logits.shape[1] != self.vocab_size:
             raise ValueError(
                 f"logits of shape {tuple(logits.shape)} for {num} requests and a vocabulary of {self.vocab_size}"
             )
+        if argmax is not None and len(argmax) != num:
+            raise ValueError(f"{len(argmax)} argmax tokens for {num} requests")
         if not requests:
             return SamplerOutput(token_ids=[], logprobs=[])
         raw = logits if logits.dtype == torch.float32 else logits.float()
@@ -496,6 +501,8 @@ class Sampler:
         if lp_rows:
             raw_lp = raw if len(lp_rows) == num else raw.index_select(0, _rows(lp_rows, device))
 
+        if not meta.random_rows and not meta.needs_processing and argmax is not None and not lp_rows and not dense:
+            return SamplerOutput(token_ids=list(argmax), logprobs=[None] * num)
         if not meta.random_rows and not meta.needs_processing:
             # the all-greedy fast path: argmax, nothing else
             tokens = raw.argmax(dim=1) if dense or num <= ARGMAX_ROWS else fast_argmax(raw)

@@ -212,10 +212,37 @@ def test_the_logits_come_out_of_the_same_call_bit_for_bit(kind, request):
                    [_chunk(tokens[:31], blocks, 30, 3, drafts=tokens[31:33]), _chunk(other, other_blocks, 17, 1)]):
         input_ids, positions, meta, _ = runner.prepare(chunks)
         hidden = native(input_ids, positions, meta)
-        logits = native(input_ids, positions, meta, logits=True)
+        greedy = torch.full((input_ids.shape[0],), -1, dtype=torch.long)
+        logits = native(input_ids, positions, meta, logits=True, argmax=greedy)
         want = runner.model.compute_logits(hidden)
         assert logits.dtype == want.dtype == torch.float32 and logits.shape == want.shape
         assert torch.equal(logits, want)
+        assert torch.equal(greedy, want.argmax(dim=1))
+    with pytest.raises(ValueError, match="argmax"):
+        native(input_ids, positions, meta, argmax=greedy)  # no logits to take it of
+
+
+def test_the_steps_argmax_picks_as_torch_does():
+    """``stack_argmax``, the argmax the native step takes of its logits, against torch's on ties
+    (bfloat16 logits tie often), NaN, infinities and a row of -inf."""
+    import ctypes
+
+    from engine_service.model.native import native_library
+
+    fn = native_library().stack_argmax
+    fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_void_p, ctypes.c_int64]
+    g = torch.Generator().manual_seed(7)
+    rows = [torch.randn(49152, generator=g).to(torch.bfloat16).float() for _ in range(4)]
+    tied = torch.zeros(1000)
+    tied[[17, 400, 999]] = 3.0
+    nan = torch.randn(1000, generator=g)
+    nan[[300, 600]] = float("nan")
+    inf = torch.randn(1000, generator=g)
+    inf[[5, 700]] = float("inf")
+    rows += [tied, nan, inf, torch.full((33,), float("-inf")), torch.tensor([1.0])]
+    for row in rows:
+        assert fn(row.data_ptr(), row.numel()) == row.argmax().item()
+    assert fn(tied.data_ptr(), 0) == -1
 
 
 def test_models_it_cannot_run_are_named():

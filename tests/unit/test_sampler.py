@@ -247,6 +247,25 @@ def test_temperature_zero_is_argmax_bit_exact():
         assert out.logprobs == [None] * 33
 
 
+def test_a_given_argmax_is_taken_only_where_every_row_is_plain_greedy():
+    """The native step hands the sampler each row's argmax with the logits: an all-greedy batch
+    without processing or logprobs takes those tokens (given tokens that are not the argmax here, to
+    see which were taken); a batch with a penalised, a random or a logprobs row computes its own."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 50, generator=g)
+    given = ((logits.argmax(dim=1) + 1) % 50).tolist()
+    greedy = [make_request(SamplingParams(temperature=0.0), rid=str(i)) for i in range(3)]
+    assert Sampler(50)(logits, greedy, argmax=given).token_ids == given
+    assert Sampler(50)(logits, greedy).token_ids == logits.argmax(dim=1).tolist()
+    for other in (SamplingParams(temperature=0.0, repetition_penalty=1.5), SamplingParams(temperature=0.8, seed=1),
+                  SamplingParams(temperature=0.0, logprobs=2)):
+        batch = greedy[:2] + [make_request(other, rid="x")]
+        out = Sampler(50)(logits, batch, argmax=given).token_ids
+        assert out[:2] == logits[:2].argmax(dim=1).tolist()
+    with pytest.raises(ValueError, match="argmax"):
+        Sampler(50)(logits, greedy, argmax=given[:2])
+
+
 def test_greedy_rows_in_a_mixed_batch_are_argmax_of_processed_logits():
     g = torch.Generator().manual_seed(4)
     vocab = 300

@@ -88,10 +88,28 @@ static int weight_ok(int kind, const StackWeight *w, int64_t n_out, int64_t k) {
     return packed_gemv_sizes_ok(w->n_out, w->k, w->n_pad, w->extra);
 }
 
+/* Why here: after the step's weight stream, torch's argmax of one row found its code and data in
+ * memory, not the caches, and cost ~0.2 ms of a ~10 ms step (docs/performance.md, twelfth round);
+ * here the logits are still in this core's cache. */
+int64_t stack_argmax(const float *v, int64_t n) {
+    if (n <= 0) return -1;
+    float best = -INFINITY;
+    int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+    for (int64_t i = 0; i < n; i++) {
+        best = v[i] > best ? v[i] : best;
+        nan |= v[i] != v[i];
+    }
+    for (int64_t i = 0; i < n; i++)
+        if (nan ? v[i] != v[i] : v[i] == best) return i;
+    return 0; /* every value -inf */
+}
+
 NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int64_t *positions,
                             const float *cos_table, const float *sin_table, int64_t num_positions,
                             const int64_t *slots, const int64_t *block_tables, int64_t table_width,
-                            const int64_t *context_lens, int64_t rows, void *out, float *logits) {
+                            const int64_t *context_lens, int64_t rows, void *out, float *logits,
+                            int64_t *argmax) {
     const int64_t hidden = s->hidden, d = s->head_dim, q_size = s->heads * d, kv_size = s->kv_heads * d;
     const int64_t qkv_size = q_size + 2 * kv_size, inter = s->intermediate;
     const int kind = s->kind, bf = kind == STACK_BF16;
@@ -101,7 +119,7 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
         return 2;
     for (int64_t r = 0; r < rows; r++)
         if (ids[r] < 0 || ids[r] >= s->vocab || positions[r] < 0 || positions[r] >= num_positions) return 2;
-    if (logits != NULL ? !weight_ok(kind, &s->head, s->head.n_out, hidden) : out == NULL) return 2;
+    if (logits != NULL ? !weight_ok(kind, &s->head, s->head.n_out, hidden) : out == NULL || argmax != NULL) return 2;
     for (int64_t l = 0; l < s->num_layers; l++) {
         const StackLayer *layer = &s->layers[l];
         if (!weight_ok(kind, &layer->qkv, qkv_size, hidden) || !weight_ok(kind, &layer->o, hidden, q_size) ||
@@ -178,6 +196,8 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
         /* in the same call: after the layers' stream the caches hold nothing of the caller's, and each
          * operator of the head's own call would first fetch its code and data from memory */
         if (logits != NULL) rc = product(kind, &s->head, normed, logits, rows, xb, yb);
+        for (int64_t r = 0; rc == 0 && argmax != NULL && r < rows; r++)
+            argmax[r] = stack_argmax(logits + r * s->head.n_out, s->head.n_out);
     }
     free(scratch);
     return rc;

@@ -46,12 +46,19 @@ typedef struct {
  * context_lens[r] tokens through block_tables[r] (table_width columns). cos/sin: the rotary tables,
  * float32 [num_positions, head_dim]. With logits (and the stack's head), logits[rows, head.n_out]
  * = that output times the head, float32 (with bfloat16 activations, each rounded to bfloat16 first,
- * as the head's own product rounds it); out may then be NULL. Returns 0; 1 when scratch memory
+ * as the head's own product rounds it); out may then be NULL. With logits and argmax, argmax[rows] =
+ * each row's stack_argmax of its logits. Returns 0; 1 when scratch memory
  * could not be had; 2 when a size or an id is out of range, logits are asked of a stack without a
- * head, or the CPU cannot run the products; 3 when the attention kernel refused its shape. */
+ * head (or an argmax without logits), or the CPU cannot run the products; 3 when the attention
+ * kernel refused its shape. */
 int decode_stack(const DecodeStack *stack, const int64_t *ids, const int64_t *positions, const float *cos_table,
                  const float *sin_table, int64_t num_positions, const int64_t *slots, const int64_t *block_tables,
-                 int64_t table_width, const int64_t *context_lens, int64_t rows, void *out, float *logits);
+                 int64_t table_width, const int64_t *context_lens, int64_t rows, void *out, float *logits,
+                 int64_t *argmax);
+
+/* The index of v's largest value, the first of equal ones, as torch's argmax picks it: a NaN counts
+ * as the largest (the first NaN), and all -inf gives 0; -1 for n <= 0. */
+int64_t stack_argmax(const float *v, int64_t n);
 
 #ifdef __cplusplus
 }
