@@ -12,7 +12,7 @@ from engine_service.model.runner import ModelRunner
 from tests.model_helpers import Chunk, parity_prompts
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(1800)]
-NEW_TOKENS = 64
+NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def reference(model_dir, prompts):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None  # as ignore_eos: greedy runs the full 64 tokens
+    hf.generation_config.eos_token_id = None  # as ignore_eos: greedy runs the full NEW_TOKENS
     hf.generation_config.pad_token_id = 0
     results = []
     with torch.inference_mode():
