@@ -1,0 +1,238 @@
+/* SmolLM2-135M's bfloat16 decode step through decode_stack (one row, its output projection
+ * included) against what its weights alone cost: the same 121 products called back to back, and
+ * two-thread reads of the same bytes (one parallel region per buffer as the products have; all of
+ * them in one region, no barrier between; each thread's half read as 2 or 4 interleaved runs).
+ * Random weights on 2 MiB pages, a bfloat16 KV cache whose blocks lie scattered, the context
+ * growing from the first argument. The variants alternate within each step; medians.
+ *
+ *   gcc -O3 -march=native -fopenmp -fno-math-errno scripts/bench_stack.c \
+ *       engine_service/model/kernels/{decode_stack,packed_gemv,paged_decode_attention,q4_gemv}.c \
+ *       -lm -o /tmp/bench_stack
+ *   OMP_NUM_THREADS=2 /tmp/bench_stack [context] [rounds]
+ *
+ * Needs AVX512-BF16 and Linux (madvise). docs/performance.md, twelfth round. */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#include "../engine_service/model/kernels/decode_stack.h"
+#include "../engine_service/model/kernels/packed_gemv.h"
+
+#define LAYERS 30
+#define HIDDEN 576
+#define HEADS 9
+#define KV_HEADS 3
+#define HEAD_DIM 64
+#define INTER 1536
+#define VOCAB 49152
+#define BLOCK 16
+#define BLOCKS 256 /* per layer's cache: 4096 tokens */
+#define POSITIONS 4096
+#define HUGE_PAGE (2u << 20)
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static int cmp(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp);
+    return v[n / 2];
+}
+
+static uint32_t state = 1;
+static uint16_t random_bf16(void) { /* small values, so sums stay finite through 30 layers */
+    state ^= state << 13, state ^= state >> 17, state ^= state << 5;
+    return (uint16_t)(0x3c00 + (state & 0x7f)) | (uint16_t)((state >> 8 & 1) << 15);
+}
+
+static void *huge(size_t bytes) {
+    const size_t size = (bytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+    char *p = mmap(NULL, size + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) abort();
+    char *aligned = (char *)(((uintptr_t)p + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
+    madvise(aligned, size, MADV_HUGEPAGE);
+    return aligned;
+}
+
+static StackWeight weight(int64_t n, int64_t k) {
+    const int64_t n_pad = (n + PG_BLOCK_N - 1) / PG_BLOCK_N * PG_BLOCK_N;
+    uint16_t *w = huge(sizeof(uint16_t) * (size_t)(n_pad * k));
+    for (int64_t i = 0; i < n_pad * k; i++) w[i] = random_bf16();
+    return (StackWeight){w, NULL, n, n_pad, k, k};
+}
+
+static uint16_t *bf16_values(int64_t n, uint16_t value) {
+    uint16_t *p = malloc(sizeof(uint16_t) * (size_t)n);
+    for (int64_t i = 0; i < n; i++) p[i] = value ? value : random_bf16();
+    return p;
+}
+
+static const StackWeight *all[4 * LAYERS + 1];
+static double sink;
+
+/* the step's 121 products alone, as the stack calls them (bfloat16 in and out) */
+static void products(uint16_t *x, uint16_t *y) {
+    for (int i = 0; i < 4 * LAYERS + 1; i++) {
+        const StackWeight *w = all[i];
+        packed_gemm_bf16(w->data, x, NULL, y, 1, w->n_out, w->k, w->n_pad, w->extra);
+        sink += y[0];
+    }
+}
+
+/* a two-thread sum over the same weights, 64 bytes a load: what the machine reads */
+static void read_all(void) {
+    double total = 0;
+    for (int i = 0; i < 4 * LAYERS + 1; i++) {
+        const StackWeight *w = all[i];
+        const int64_t lines = w->n_pad * w->k * 2 / 64;
+        const char *base = w->data;
+        __m512i acc = _mm512_setzero_si512();
+#pragma omp parallel for schedule(static) reduction(+ : total)
+        for (int64_t t = 0; t < 2; t++) {
+            __m512i a = _mm512_setzero_si512();
+            for (int64_t j = t * lines / 2; j < (t + 1) * lines / 2; j++)
+                a = _mm512_add_epi32(a, _mm512_load_si512(base + 64 * j));
+            total += _mm512_reduce_add_epi32(a);
+        }
+        (void)acc;
+    }
+    sink += total;
+}
+
+/* the same reads in one parallel region: each thread its half of every buffer, no barrier between */
+static void read_one_region(void) {
+    double total = 0;
+#pragma omp parallel reduction(+ : total)
+    {
+        const int t = omp_get_thread_num(), n = omp_get_num_threads();
+        __m512i a = _mm512_setzero_si512();
+        for (int i = 0; i < 4 * LAYERS + 1; i++) {
+            const StackWeight *w = all[i];
+            const int64_t lines = w->n_pad * w->k * 2 / 64;
+            const char *base = w->data;
+            for (int64_t j = t * lines / n; j < (t + 1) * lines / n; j++)
+                a = _mm512_add_epi32(a, _mm512_load_si512(base + 64 * j));
+        }
+        total += _mm512_reduce_add_epi32(a);
+    }
+    sink += total;
+}
+
+/* each thread's half of each buffer read as S interleaved sub-streams (its half cut in S runs) */
+static void read_streams(int S) {
+    double total = 0;
+    for (int i = 0; i < 4 * LAYERS + 1; i++) {
+        const StackWeight *w = all[i];
+        const int64_t lines = w->n_pad * w->k * 2 / 64;
+        const char *base = w->data;
+#pragma omp parallel for schedule(static) reduction(+ : total)
+        for (int64_t t = 0; t < 2; t++) {
+            __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+            const int64_t lo = t * lines / 2, hi = (t + 1) * lines / 2, n = (hi - lo) / S;
+            if (S == 2) {
+                for (int64_t j = 0; j < n; j++) {
+                    a0 = _mm512_add_epi32(a0, _mm512_load_si512(base + 64 * (lo + j)));
+                    a1 = _mm512_add_epi32(a1, _mm512_load_si512(base + 64 * (lo + n + j)));
+                }
+            } else {
+                for (int64_t j = 0; j < n; j++) {
+                    a0 = _mm512_add_epi32(a0, _mm512_load_si512(base + 64 * (lo + j)));
+                    a1 = _mm512_add_epi32(a1, _mm512_load_si512(base + 64 * (lo + n + j)));
+                    a2 = _mm512_add_epi32(a2, _mm512_load_si512(base + 64 * (lo + 2 * n + j)));
+                    a3 = _mm512_add_epi32(a3, _mm512_load_si512(base + 64 * (lo + 3 * n + j)));
+                }
+            }
+            for (int64_t j = lo + S * n; j < hi; j++) a0 = _mm512_add_epi32(a0, _mm512_load_si512(base + 64 * j));
+            total += _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)));
+        }
+    }
+    sink += total;
+}
+
+int main(int argc, char **argv) {
+    const int64_t context = argc > 1 ? atoll(argv[1]) : 300;
+    const int rounds = argc > 2 ? atoi(argv[2]) : 15;
+    const int steps = 16; /* a round's steps; the context grows by one each */
+    static StackLayer layers[LAYERS];
+    int count = 0;
+    for (int l = 0; l < LAYERS; l++) {
+        StackLayer *s = &layers[l];
+        s->input_norm = bf16_values(HIDDEN, 0x3f80);
+        s->post_norm = bf16_values(HIDDEN, 0x3f80);
+        s->qkv = weight(HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM, HIDDEN);
+        s->o = weight(HIDDEN, HEADS * HEAD_DIM);
+        s->gate_up = weight(2 * INTER, HIDDEN);
+        s->down = weight(HIDDEN, INTER);
+        all[count++] = &s->qkv, all[count++] = &s->o, all[count++] = &s->gate_up, all[count++] = &s->down;
+        s->k_cache = bf16_values((int64_t)BLOCKS * BLOCK * KV_HEADS * HEAD_DIM, 0);
+        s->v_cache = bf16_values((int64_t)BLOCKS * BLOCK * KV_HEADS * HEAD_DIM, 0);
+    }
+    DecodeStack stack = {LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK, VOCAB, 1e-5f, 0.125f,
+                         STACK_BF16, 1, bf16_values((int64_t)VOCAB * HIDDEN, 0), bf16_values(HIDDEN, 0x3f80),
+                         layers, weight(VOCAB, HIDDEN)};
+    all[count++] = &stack.head;
+    float *cos_t = malloc(sizeof(float) * POSITIONS * HEAD_DIM), *sin_t = malloc(sizeof(float) * POSITIONS * HEAD_DIM);
+    for (int64_t i = 0; i < POSITIONS * HEAD_DIM; i++) cos_t[i] = 0.6f, sin_t[i] = 0.8f;
+    int64_t table[BLOCKS]; /* scattered, as a pool that has served other requests hands them out */
+    for (int64_t i = 0; i < BLOCKS; i++) table[i] = (i * 97 + 13) % BLOCKS;
+    float *logits = malloc(sizeof(float) * VOCAB);
+    uint16_t *x = bf16_values(INTER, 0), *y = malloc(sizeof(uint16_t) * VOCAB);
+
+    const double weight_bytes = ({
+        double b = 0;
+        for (int i = 0; i < count; i++) b += (double)all[i]->n_pad * all[i]->k * 2;
+        b;
+    });
+    double *t_stack = malloc(sizeof(double) * rounds), *t_prod = malloc(sizeof(double) * rounds),
+           *t_read = malloc(sizeof(double) * rounds), *t_one = malloc(sizeof(double) * rounds), *t_s2 = malloc(sizeof(double) * rounds), *t_s4 = malloc(sizeof(double) * rounds);
+    for (int r = -2; r < rounds; r++) {
+        double a = 0, b = 0, c = 0, d = 0, e2 = 0, e4 = 0;
+        for (int s = 0; s < steps; s++) {
+            const int64_t pos = context + s, id = (pos * 31) % VOCAB, slot = table[pos / BLOCK] * BLOCK + pos % BLOCK;
+            const int64_t len = pos + 1;
+            double t0 = now();
+            if (decode_stack(&stack, &id, &pos, cos_t, sin_t, POSITIONS, &slot, table, BLOCKS, &len, 1, NULL, logits, NULL))
+                abort();
+            double t1 = now();
+            products(x, y);
+            double t2 = now();
+            read_all();
+            double t3 = now();
+            read_one_region();
+            double t4 = now();
+            read_streams(2);
+            double t5 = now();
+            read_streams(4);
+            double t6 = now();
+            e2 += t5 - t4, e4 += t6 - t5;
+            a += t1 - t0, b += t2 - t1, c += t3 - t2, d += t4 - t3;
+            sink += logits[0];
+        }
+        if (r >= 0) t_stack[r] = a / steps, t_prod[r] = b / steps, t_read[r] = c / steps, t_one[r] = d / steps, t_s2[r] = e2 / steps, t_s4[r] = e4 / steps;
+    }
+    const double ms = median(t_stack, rounds) * 1e3, mp = median(t_prod, rounds) * 1e3, mr = median(t_read, rounds) * 1e3,
+                 mo = median(t_one, rounds) * 1e3;
+    printf("context %lld, %.1f MB of weights, medians of %d rounds of %d steps\n", (long long)context,
+           weight_bytes / 1e6, rounds, steps);
+    printf("%-28s%10s%12s%14s\n", "", "ms", "GB/s", "of the read");
+    printf("%-28s%10.3f%12.1f%14.3f\n", "decode_stack (with head)", ms, weight_bytes / ms / 1e6, mr / ms);
+    printf("%-28s%10.3f%12.1f%14.3f\n", "the 121 products alone", mp, weight_bytes / mp / 1e6, mr / mp);
+    printf("%-28s%10.3f%12.1f%14.3f\n", "a two-thread read", mr, weight_bytes / mr / 1e6, 1.0);
+    printf("%-28s%10.3f%12.1f%14.3f\n", "the read in one region", mo, weight_bytes / mo / 1e6, mr / mo);
+    const double m2 = median(t_s2, rounds) * 1e3, m4 = median(t_s4, rounds) * 1e3;
+    printf("%-28s%10.3f%12.1f%14.3f\n", "read, 2 streams a thread", m2, weight_bytes / m2 / 1e6, mr / m2);
+    printf("%-28s%10.3f%12.1f%14.3f\n", "read, 4 streams a thread", m4, weight_bytes / m4 / 1e6, mr / m4);
+    fprintf(stderr, "(sink %g)\n", sink);
+    return 0;
+}
