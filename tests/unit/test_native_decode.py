@@ -222,6 +222,41 @@ def test_the_logits_come_out_of_the_same_call_bit_for_bit(kind, request):
         native(input_ids, positions, meta, argmax=greedy)  # no logits to take it of
 
 
+def test_a_bfloat16_layer_in_one_parallel_region_is_the_same_step_bit_for_bit(bf16):
+    """A bfloat16 stack runs each layer's products inside one parallel region, every thread doing
+    the work between them on its own copy (``decode_stack_set_layer_regions``): its logits and
+    argmax equal those of the step whose products each fork and join the thread team, bit for bit,
+    for one row and for a verifying step of several rows beside another request, with every
+    thread count from one to three (one thread takes the plain path)."""
+    import ctypes
+
+    from engine_service.model.native import native_library
+
+    set_regions = native_library().decode_stack_set_layer_regions
+    set_regions.restype, set_regions.argtypes = ctypes.c_int, [ctypes.c_int]
+    runner = bf16.engine.runner
+    native = NativeDecode(runner.model, runner.kv_caches)
+    (tokens, blocks), (other, other_blocks) = _sequences(bf16, [40, 23], seed=9)
+    threads = torch.get_num_threads()
+    try:
+        for chunks in ([_chunk(other, other_blocks, 23, 1)],
+                       [_chunk(tokens[:41], blocks, 40, 4, drafts=tokens[41:44]), _chunk(other, other_blocks, 23, 1)]):
+            input_ids, positions, meta, _ = runner.prepare(chunks)
+            got = {}
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                for regions in (0, 1):
+                    assert set_regions(regions) == regions
+                    greedy = torch.empty(input_ids.shape[0], dtype=torch.long)
+                    got[n, regions] = (native(input_ids, positions, meta, logits=True, argmax=greedy), greedy)
+            want, want_greedy = got[1, 0]
+            for logits, greedy in got.values():
+                assert torch.equal(logits, want) and torch.equal(greedy, want_greedy)
+    finally:
+        set_regions(1)
+        torch.set_num_threads(threads)
+
+
 def test_the_steps_argmax_picks_as_torch_does():
     """``stack_argmax``, the argmax the native step takes of its logits, against torch's on ties
     (bfloat16 logits tie often), NaN, infinities and a row of -inf."""

@@ -20,6 +20,7 @@
 #include "decode_stack.h"
 
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -105,6 +106,171 @@ int64_t stack_argmax(const float *v, int64_t n) {
     return 0; /* every value -inf */
 }
 
+/* rotary on q and k (adjacent in q|k|v), q copied out, k and v written to the cache at each row's
+ * slot: before any row attends, since a row may attend to a slot another row of this step wrote
+ * (a draft chunk's tokens; prefix sharing), as the eager forward allows */
+NOCONTRACT static void rotate_and_cache(const DecodeStack *s, const StackLayer *layer, float *qkv, float *q,
+                                        int64_t rows, const int64_t *positions, const float *cos_table,
+                                        const float *sin_table, const int64_t *slots) {
+    const int64_t d = s->head_dim, q_size = s->heads * d, kv_size = s->kv_heads * d, qkv_size = q_size + 2 * kv_size;
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = qkv + r * qkv_size;
+        const float *cos = cos_table + positions[r] * d, *sin = sin_table + positions[r] * d;
+        rotate(row, s->heads + s->kv_heads, d, cos, sin, s->kind == STACK_BF16);
+        memcpy(q + r * q_size, row, sizeof(float) * (size_t)q_size);
+        write_cache(layer->k_cache, s->cache_bf16, slots[r], row + q_size, kv_size);
+        write_cache(layer->v_cache, s->cache_bf16, slots[r], row + q_size + kv_size, kv_size);
+    }
+}
+
+/* 0, or decode_stack's return code for the attention kernel's refusal */
+static int attention(const DecodeStack *s, const StackLayer *layer, const float *q, const int64_t *block_tables,
+                     int64_t table_width, const int64_t *context_lens, int64_t rows, float *attn) {
+    const int arc = s->cache_bf16
+        ? paged_decode_attention_bf16(q, (const uint16_t *)layer->k_cache, (const uint16_t *)layer->v_cache,
+                                      block_tables, table_width, context_lens, attn, rows, s->heads, s->kv_heads,
+                                      s->head_dim, s->block_size, s->scale)
+        : paged_decode_attention_f32(q, (const float *)layer->k_cache, (const float *)layer->v_cache, block_tables,
+                                     table_width, context_lens, attn, rows, s->heads, s->kv_heads, s->head_dim,
+                                     s->block_size, s->scale);
+    return arc == 0 ? 0 : arc == 1 ? 1 : 3;
+}
+
+NOCONTRACT static void silu_rows(const float *gate_up, int64_t rows, int64_t inter, int bf, float *act) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * inter, *u = g + inter;
+        float *a = act + r * inter;
+        if (bf)
+            for (int64_t i = 0; i < inter; i++) a[i] = rnd(rnd(g[i] / (1.0f + fast_exp(-g[i])), 1) * u[i], 1);
+        else
+            for (int64_t i = 0; i < inter; i++) a[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
+    }
+}
+
+/* the final norm into out, and the head's logits and their argmax */
+static int finish(const DecodeStack *s, const float *x, float *normed, int64_t rows, void *out, float *logits,
+                  int64_t *argmax, uint16_t *xb, uint16_t *yb) {
+    const int64_t hidden = s->hidden;
+    const int bf = s->kind == STACK_BF16;
+    for (int64_t r = 0; r < rows; r++) {
+        rms_norm(x + r * hidden, s->final_norm, hidden, s->eps, bf, normed + r * hidden);
+        for (int64_t i = 0; out != NULL && i < hidden; i++) {
+            if (bf) ((uint16_t *)out)[r * hidden + i] = f32_to_bf16(normed[r * hidden + i]);
+            else ((float *)out)[r * hidden + i] = normed[r * hidden + i];
+        }
+    }
+    /* in the same call: after the layers' stream the caches hold nothing of the caller's, and each
+     * operator of the head's own call would first fetch its code and data from memory */
+    if (logits == NULL) return 0;
+    const int rc = product(s->kind, &s->head, normed, logits, rows, xb, yb);
+    for (int64_t r = 0; rc == 0 && argmax != NULL && r < rows; r++)
+        argmax[r] = stack_argmax(logits + r * s->head.n_out, s->head.n_out);
+    return rc;
+}
+
+/* x[rows][k] -> bfloat16, each row k_pad wide with zeros past k */
+static void to_bf16_rows(const float *x, int64_t rows, int64_t k, int64_t k_pad, uint16_t *xb) {
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < k; i++) xb[r * k_pad + i] = f32_to_bf16(x[r * k + i]);
+        for (int64_t i = k; i < k_pad; i++) xb[r * k_pad + i] = 0;
+    }
+}
+
+/* a product inside the region, by the whole team: the input from this thread's own copy, the output
+ * through the shared bfloat16 buffer yb into this thread's own float copy y. Every thread must call it. */
+static void team_product(const StackWeight *w, const float *x, float *y, int64_t rows, uint16_t *xb,
+                         uint16_t *yb) {
+    to_bf16_rows(x, rows, w->k, w->extra, xb);
+    packed_gemm_bf16_team((const uint16_t *)w->data, xb, w->extra, yb, rows, w->n_out, w->n_pad, w->extra);
+    for (int64_t i = 0; i < rows * w->n_out; i++) y[i] = bf16_to_f32(yb[i]);
+}
+
+/* The bfloat16 layers with one parallel region a layer besides attention's, where they forked and
+ * joined the thread team for each product: the o, gate/up and down products of a layer and the next
+ * layer's qkv run in one region, each product's blocks shared out (packed_gemm_bf16_team) with one
+ * barrier at its end. The work between the products (residuals, norms, SiLU: a few thousand values)
+ * is done by every thread on its own copy of the residual stream and of the products' inputs, so it
+ * needs no barrier and every copy holds the same values; the products' outputs alternate between two
+ * shared buffers, so that a product's writes cannot reach the one a slower thread is still reading.
+ * The numbers are the one-region path's bit for bit: the same operations on the same values. Why:
+ * forking and joining the team cost ~2 us a product (docs/performance.md, twelfth round). */
+NOCONTRACT static int bf16_layers_in_regions(const DecodeStack *s, const int64_t *ids, const int64_t *positions,
+                                             const float *cos_table, const float *sin_table, const int64_t *slots,
+                                             const int64_t *block_tables, int64_t table_width,
+                                             const int64_t *context_lens, int64_t rows, void *out, float *logits,
+                                             int64_t *argmax) {
+    const int64_t hidden = s->hidden, q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size, inter = s->intermediate;
+    const int threads = omp_get_max_threads();
+    int64_t widest = 2 * inter > qkv_size ? 2 * inter : qkv_size, k_pad = 0;
+    if (logits != NULL && s->head.n_out > widest) widest = s->head.n_out;
+    const StackWeight *ws[4] = {&s->layers[0].qkv, &s->layers[0].o, &s->layers[0].gate_up, &s->layers[0].down};
+    for (int i = 0; i < 4; i++) k_pad = ws[i]->extra > k_pad ? ws[i]->extra : k_pad;
+    if (s->head.extra > k_pad) k_pad = s->head.extra;
+    /* per thread: the residual stream, a normed copy, a product's float output, the SiLU product, the
+     * products' bfloat16 input; shared: q, the attention output, two bfloat16 outputs */
+    const int64_t own = rows * (2 * hidden + widest + inter) + (rows * k_pad + 1) / 2;
+    const int64_t shared = rows * 2 * q_size + rows * widest; /* two bfloat16 buffers of `widest` */
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)(threads * own + shared));
+    if (scratch == NULL) return 1;
+    float *q = scratch + threads * own, *attn = q + rows * q_size;
+    uint16_t *yb0 = (uint16_t *)(attn + rows * q_size), *yb1 = yb0 + rows * widest;
+#define OWN(t) (scratch + (int64_t)(t) * own)
+#define X(t) OWN(t)
+#define NORMED(t) (OWN(t) + rows * hidden)
+#define TMP(t) (OWN(t) + 2 * rows * hidden)
+#define ACT(t) (OWN(t) + rows * (2 * hidden + widest))
+#define XB(t) ((uint16_t *)(OWN(t) + rows * (2 * hidden + widest + inter)))
+    for (int t = 0; t < threads; t++)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < hidden; i++) X(t)[r * hidden + i] = load(s->embed, ids[r] * hidden + i, 1);
+    /* the first layer's qkv before the loop: each pass of the loop ends in the next layer's */
+    for (int64_t r = 0; r < rows; r++)
+        rms_norm(X(0) + r * hidden, s->layers[0].input_norm, hidden, s->eps, 1, NORMED(0) + r * hidden);
+    int rc = product(STACK_BF16, &s->layers[0].qkv, NORMED(0), TMP(0), rows, XB(0), yb0);
+    if (rc == 0) rotate_and_cache(s, &s->layers[0], TMP(0), q, rows, positions, cos_table, sin_table, slots);
+    for (int64_t l = 0; l < s->num_layers && rc == 0; l++) {
+        const StackLayer *layer = &s->layers[l], *next = l + 1 < s->num_layers ? layer + 1 : NULL;
+        if ((rc = attention(s, layer, q, block_tables, table_width, context_lens, rows, attn)) != 0) break;
+        _Pragma("omp parallel num_threads(threads)")
+        {
+            const int t = omp_get_thread_num();
+            float *x = X(t), *normed = NORMED(t), *tmp = TMP(t), *act = ACT(t);
+            uint16_t *xb = XB(t);
+            team_product(&layer->o, attn, tmp, rows, xb, yb0); /* attn rounds to bfloat16 as it converts */
+            for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + tmp[i], 1);
+            for (int64_t r = 0; r < rows; r++)
+                rms_norm(x + r * hidden, layer->post_norm, hidden, s->eps, 1, normed + r * hidden);
+            team_product(&layer->gate_up, normed, tmp, rows, xb, yb1);
+            silu_rows(tmp, rows, inter, 1, act);
+            team_product(&layer->down, act, tmp, rows, xb, yb0);
+            for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + tmp[i], 1);
+            if (next != NULL) {
+                for (int64_t r = 0; r < rows; r++)
+                    rms_norm(x + r * hidden, next->input_norm, hidden, s->eps, 1, normed + r * hidden);
+                team_product(&next->qkv, normed, tmp, rows, xb, yb1);
+                if (t == 0) rotate_and_cache(s, next, tmp, q, rows, positions, cos_table, sin_table, slots);
+            }
+        }
+    }
+    if (rc == 0) rc = finish(s, X(0), NORMED(0), rows, out, logits, argmax, XB(0), yb0);
+#undef OWN
+#undef X
+#undef NORMED
+#undef TMP
+#undef ACT
+#undef XB
+    free(scratch);
+    return rc;
+}
+
+static int layer_regions = 1;
+
+int decode_stack_set_layer_regions(int on) {
+    layer_regions = on != 0;
+    return layer_regions;
+}
+
 NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int64_t *positions,
                             const float *cos_table, const float *sin_table, int64_t num_positions,
                             const int64_t *slots, const int64_t *block_tables, int64_t table_width,
@@ -126,6 +292,9 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
             !weight_ok(kind, &layer->gate_up, 2 * inter, hidden) || !weight_ok(kind, &layer->down, hidden, inter))
             return 2;
     }
+    if (kind == STACK_BF16 && omp_get_max_threads() > 1 && layer_regions)
+        return bf16_layers_in_regions(s, ids, positions, cos_table, sin_table, slots, block_tables, table_width,
+                                      context_lens, rows, out, logits, argmax);
     /* scratch, per row: the residual stream, a normed copy, q|k|v, q, the attention output, gate|up,
      * the SiLU product; and the bfloat16 products' input and output */
     const int64_t per_row = 2 * hidden + qkv_size + 2 * q_size + 3 * inter;
@@ -146,27 +315,8 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
         for (int64_t r = 0; r < rows; r++)
             rms_norm(x + r * hidden, layer->input_norm, hidden, s->eps, bf, normed + r * hidden);
         if ((rc = product(kind, &layer->qkv, normed, qkv, rows, xb, yb)) != 0) break;
-        for (int64_t r = 0; r < rows; r++) {
-            float *row = qkv + r * qkv_size;
-            const float *cos = cos_table + positions[r] * d, *sin = sin_table + positions[r] * d;
-            rotate(row, s->heads + s->kv_heads, d, cos, sin, bf); /* q and k are adjacent */
-            memcpy(q + r * q_size, row, sizeof(float) * (size_t)q_size);
-            /* written before any row attends: a row may attend to a slot another row of this step
-             * wrote (a draft chunk's tokens; prefix sharing), as the eager forward allows */
-            write_cache(layer->k_cache, s->cache_bf16, slots[r], row + q_size, kv_size);
-            write_cache(layer->v_cache, s->cache_bf16, slots[r], row + q_size + kv_size, kv_size);
-        }
-        const int arc = s->cache_bf16
-            ? paged_decode_attention_bf16(q, (const uint16_t *)layer->k_cache, (const uint16_t *)layer->v_cache,
-                                          block_tables, table_width, context_lens, attn, rows, s->heads,
-                                          s->kv_heads, d, s->block_size, s->scale)
-            : paged_decode_attention_f32(q, (const float *)layer->k_cache, (const float *)layer->v_cache,
-                                         block_tables, table_width, context_lens, attn, rows, s->heads, s->kv_heads,
-                                         d, s->block_size, s->scale);
-        if (arc != 0) {
-            rc = arc == 1 ? 1 : 3;
-            break;
-        }
+        rotate_and_cache(s, layer, qkv, q, rows, positions, cos_table, sin_table, slots);
+        if ((rc = attention(s, layer, q, block_tables, table_width, context_lens, rows, attn)) != 0) break;
         if (bf)
             for (int64_t i = 0; i < rows * q_size; i++) attn[i] = rnd(attn[i], 1);
         if ((rc = product(kind, &layer->o, attn, normed, rows, xb, yb)) != 0) break;
@@ -174,31 +324,11 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
         for (int64_t r = 0; r < rows; r++)
             rms_norm(x + r * hidden, layer->post_norm, hidden, s->eps, bf, normed + r * hidden);
         if ((rc = product(kind, &layer->gate_up, normed, gate_up, rows, xb, yb)) != 0) break;
-        for (int64_t r = 0; r < rows; r++) {
-            const float *g = gate_up + r * 2 * inter, *u = g + inter;
-            float *a = act + r * inter;
-            if (bf)
-                for (int64_t i = 0; i < inter; i++) a[i] = rnd(rnd(g[i] / (1.0f + fast_exp(-g[i])), 1) * u[i], 1);
-            else
-                for (int64_t i = 0; i < inter; i++) a[i] = g[i] / (1.0f + fast_exp(-g[i])) * u[i];
-        }
+        silu_rows(gate_up, rows, inter, bf, act);
         if ((rc = product(kind, &layer->down, act, normed, rows, xb, yb)) != 0) break;
         for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + normed[i], bf);
     }
-    if (rc == 0) {
-        for (int64_t r = 0; r < rows; r++) {
-            rms_norm(x + r * hidden, s->final_norm, hidden, s->eps, bf, normed + r * hidden);
-            for (int64_t i = 0; out != NULL && i < hidden; i++) {
-                if (bf) ((uint16_t *)out)[r * hidden + i] = f32_to_bf16(normed[r * hidden + i]);
-                else ((float *)out)[r * hidden + i] = normed[r * hidden + i];
-            }
-        }
-        /* in the same call: after the layers' stream the caches hold nothing of the caller's, and each
-         * operator of the head's own call would first fetch its code and data from memory */
-        if (logits != NULL) rc = product(kind, &s->head, normed, logits, rows, xb, yb);
-        for (int64_t r = 0; rc == 0 && argmax != NULL && r < rows; r++)
-            argmax[r] = stack_argmax(logits + r * s->head.n_out, s->head.n_out);
-    }
+    if (rc == 0) rc = finish(s, x, normed, rows, out, logits, argmax, xb, yb);
     free(scratch);
     return rc;
 }

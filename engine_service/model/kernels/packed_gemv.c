@@ -222,6 +222,40 @@ static int use_tiles(void) {
 #endif
 }
 
+/* The block loop, shared out over the calling team (an orphaned omp for, its barrier at the end):
+ * inside a parallel region each thread takes its blocks, outside one the caller takes them all.
+ * x is whole chunks wide (k_pad), rows ldx elements apart. */
+static void team_blocks(const uint16_t *w, const uint16_t *xp, int64_t ldx, const uint16_t *bias, uint16_t *y,
+                        int64_t rows, int64_t n_out, int64_t n_pad, int64_t k_pad, int tiles, int prefetch) {
+    const int64_t blocks = n_pad / PG_BLOCK_N, chunks = k_pad / PG_BLOCK_K;
+#if defined(PG_AMX)
+    if (tiles) PG_AMX_CONFIGURE((int)rows);
+#else
+    (void)tiles;
+#endif
+    _Pragma("omp for schedule(static)")
+    for (int64_t b = 0; b < blocks; b++) {
+        float sums[PG_MAX_ROWS * PG_BLOCK_N];
+        const uint16_t *block = w + b * chunks * CHUNK;
+#if defined(PG_AMX)
+        if (tiles) block_sums_amx(block, xp, ldx, chunks, sums);
+        else
+#endif
+        if (rows > 1) block_sums_rows(block, xp, ldx, (int)rows, chunks, sums);
+        else if (prefetch) block_sums(block, xp, chunks, 1, sums);
+        else block_sums(block, xp, chunks, 0, sums);
+        const int64_t first = b * PG_BLOCK_N, count = n_out - first < PG_BLOCK_N ? n_out - first : PG_BLOCK_N;
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t r = 0; r < count; r++) {
+                const float sum = sums[m * PG_BLOCK_N + r];
+                y[m * n_out + first + r] = f32_to_bf16(bias != NULL ? sum + bf16_to_f32(bias[first + r]) : sum);
+            }
+    }
+#if defined(PG_AMX)
+    if (tiles) _tile_release(); /* so the kernel need not save this thread's tiles */
+#endif
+}
+
 int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t rows,
                      int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_pad) {
     if (rows < 1 || rows > packed_gemm_bf16_max_rows() || !packed_gemv_sizes_ok(n_out, k_in, n_pad, k_pad)) return 2;
@@ -234,37 +268,16 @@ int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
     }
     const uint16_t *xp = padded != NULL ? padded : x;
     const int64_t ldx = padded != NULL ? k_pad : k_in;
-    const int64_t blocks = n_pad / PG_BLOCK_N, chunks = k_pad / PG_BLOCK_K;
     const int tiles = rows > 1 && use_tiles(), prefetch = stream_prefetch();
     _Pragma("omp parallel")
-    {
-#if defined(PG_AMX)
-        if (tiles) PG_AMX_CONFIGURE((int)rows);
-#endif
-        _Pragma("omp for schedule(static)")
-        for (int64_t b = 0; b < blocks; b++) {
-            float sums[PG_MAX_ROWS * PG_BLOCK_N];
-            const uint16_t *block = w + b * chunks * CHUNK;
-#if defined(PG_AMX)
-            if (tiles) block_sums_amx(block, xp, ldx, chunks, sums);
-            else
-#endif
-            if (rows > 1) block_sums_rows(block, xp, ldx, (int)rows, chunks, sums);
-            else if (prefetch) block_sums(block, xp, chunks, 1, sums);
-            else block_sums(block, xp, chunks, 0, sums);
-            const int64_t first = b * PG_BLOCK_N, count = n_out - first < PG_BLOCK_N ? n_out - first : PG_BLOCK_N;
-            for (int64_t m = 0; m < rows; m++)
-                for (int64_t r = 0; r < count; r++) {
-                    const float sum = sums[m * PG_BLOCK_N + r];
-                    y[m * n_out + first + r] = f32_to_bf16(bias != NULL ? sum + bf16_to_f32(bias[first + r]) : sum);
-                }
-        }
-#if defined(PG_AMX)
-        if (tiles) _tile_release(); /* so the kernel need not save this thread's tiles */
-#endif
-    }
+    team_blocks(w, xp, ldx, bias, y, rows, n_out, n_pad, k_pad, tiles, prefetch);
     free(padded);
     return 0;
+}
+
+void packed_gemm_bf16_team(const uint16_t *w, const uint16_t *x, int64_t ldx, uint16_t *y, int64_t rows,
+                           int64_t n_out, int64_t n_pad, int64_t k_pad) {
+    team_blocks(w, x, ldx, NULL, y, rows, n_out, n_pad, k_pad, rows > 1 && use_tiles(), stream_prefetch());
 }
 
 int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t n_out,
@@ -287,6 +300,11 @@ int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
                      int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_pad) {
     (void)w, (void)x, (void)bias, (void)y, (void)rows, (void)n_out, (void)k_in, (void)n_pad, (void)k_pad;
     return 2;
+}
+
+void packed_gemm_bf16_team(const uint16_t *w, const uint16_t *x, int64_t ldx, uint16_t *y, int64_t rows,
+                           int64_t n_out, int64_t n_pad, int64_t k_pad) {
+    (void)w, (void)x, (void)ldx, (void)y, (void)rows, (void)n_out, (void)n_pad, (void)k_pad;
 }
 
 int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t n_out,
