@@ -2,13 +2,13 @@
 stream with the eleventh round's changes to what runs after the weights have flushed the caches
 (``Runner._prepare_decodes``, ``sampler.ARGMAX_ROWS``, the logits from the native call) against the
 same engine with them off; or (``--argmax``) the sampler taking the native step's argmax against
-computing its own; or (``--layer-regions``) a bfloat16 layer's products in one parallel region
-against one region a product; or (``--collapse``) oneDNN's packed weights collapsed onto huge pages
-against a second engine left on 4 KiB pages.
+computing its own; or (``--one-region``) a bfloat16 step's layers in one parallel region against
+one region for each product and each attention; or (``--collapse``) oneDNN's packed weights
+collapsed onto huge pages against a second engine left on 4 KiB pages.
 
 `python scripts/bench_step_ab.py [--mode bfloat16-native] [--rounds 20]`
 `python scripts/bench_step_ab.py --argmax [--mode int4-native]`
-`python scripts/bench_step_ab.py --layer-regions`
+`python scripts/bench_step_ab.py --one-region`
 `python scripts/bench_step_ab.py --collapse [--rounds 40]`
 
 Each round times 20 engine steps of each variant (one stream, greedy, a 256-token prompt, the
@@ -27,7 +27,7 @@ import time
 import torch
 
 
-def steps_ab(mode: str, rounds: int, argmax_only: bool = False, layer_regions: bool = False) -> None:
+def steps_ab(mode: str, rounds: int, argmax_only: bool = False, one_region: bool = False) -> None:
     import engine_service.model.runner as runner_module
     import engine_service.sampling.sampler as sampler_module
     from engine_service import LLM, SamplingParams
@@ -56,17 +56,17 @@ def steps_ab(mode: str, rounds: int, argmax_only: bool = False, layer_regions: b
         return sampler(logits, requests, **kwargs)
 
     engine.sampler = counting
-    if layer_regions:
+    if one_region:
         import ctypes
 
         from engine_service.model.native import native_library
 
-        set_regions = native_library().decode_stack_set_layer_regions
+        set_regions = native_library().decode_stack_set_one_region
         set_regions.restype, set_regions.argtypes = ctypes.c_int, [ctypes.c_int]
     ms: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(rounds):
         for new in (False, True):
-            if layer_regions:
+            if one_region:
                 set_regions(int(new))
             elif argmax_only:
                 engine.runner.execute = execute if new else without_argmax
@@ -81,7 +81,7 @@ def steps_ab(mode: str, rounds: int, argmax_only: bool = False, layer_regions: b
                 engine.step()
             ms[new].append((time.perf_counter() - started) / 20 * 1e3)
     old, new = statistics.median(ms[False]), statistics.median(ms[True])
-    what = ("a parallel region a layer" if layer_regions else "the native step's argmax" if argmax_only
+    what = ("the step in one parallel region" if one_region else "the native step's argmax" if argmax_only
             else "the changes")
     print(f"{mode}, one stream: a step {old:.3f} ms without {what}, {new:.3f} ms with: {old / new:.3f}x "
           f"(medians of {rounds} alternating rounds of 20 steps; the sampler took a given argmax in "
@@ -138,13 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--collapse", action="store_true", help="huge pages for oneDNN's packed weights, on and off")
     parser.add_argument("--argmax", action="store_true",
                         help="the native step's argmax handed to the sampler, on and off (twelfth round)")
-    parser.add_argument("--layer-regions", action="store_true",
-                        help="bfloat16: a layer's products in one parallel region, on and off (twelfth round)")
+    parser.add_argument("--one-region", action="store_true",
+                        help="bfloat16: the step's layers in one parallel region, on and off (twelfth round)")
     args = parser.parse_args(argv)
     if args.collapse:
         collapse_ab(args.rounds or 40)
     else:
-        steps_ab(args.mode, args.rounds or 20, argmax_only=args.argmax, layer_regions=args.layer_regions)
+        steps_ab(args.mode, args.rounds or 20, argmax_only=args.argmax, one_region=args.one_region)
     return 0
 
 

@@ -222,17 +222,18 @@ def test_the_logits_come_out_of_the_same_call_bit_for_bit(kind, request):
         native(input_ids, positions, meta, argmax=greedy)  # no logits to take it of
 
 
-def test_a_bfloat16_layer_in_one_parallel_region_is_the_same_step_bit_for_bit(bf16):
-    """A bfloat16 stack runs each layer's products inside one parallel region, every thread doing
-    the work between them on its own copy (``decode_stack_set_layer_regions``): its logits and
-    argmax equal those of the step whose products each fork and join the thread team, bit for bit,
-    for one row and for a verifying step of several rows beside another request, with every
-    thread count from one to three (one thread takes the plain path)."""
+def test_a_bfloat16_step_in_one_parallel_region_is_the_same_step_bit_for_bit(bf16):
+    """A bfloat16 stack runs its layers inside one parallel region, every thread doing the work
+    between the products and attentions on its own copy (``decode_stack_set_one_region``): its
+    logits and argmax equal those of the step that forks and joins the thread team for each
+    product and each attention, bit for bit, for one row and for a verifying step of several rows
+    beside another request, with every thread count from one to three (one thread takes the
+    plain path)."""
     import ctypes
 
     from engine_service.model.native import native_library
 
-    set_regions = native_library().decode_stack_set_layer_regions
+    set_regions = native_library().decode_stack_set_one_region
     set_regions.restype, set_regions.argtypes = ctypes.c_int, [ctypes.c_int]
     runner = bf16.engine.runner
     native = NativeDecode(runner.model, runner.kv_caches)

@@ -185,10 +185,10 @@ static void team_product(const StackWeight *w, const float *x, float *y, int64_t
     for (int64_t i = 0; i < rows * w->n_out; i++) y[i] = bf16_to_f32(yb[i]);
 }
 
-/* The bfloat16 layers with one parallel region a layer besides attention's, where they forked and
- * joined the thread team for each product: the o, gate/up and down products of a layer and the next
- * layer's qkv run in one region, each product's blocks shared out (packed_gemm_bf16_team) with one
- * barrier at its end. The work between the products (residuals, norms, SiLU: a few thousand values)
+/* The bfloat16 layers in one parallel region, where they forked and joined the thread team for each
+ * product and each attention: each product's blocks and each attention's partitions are shared out
+ * (packed_gemm_bf16_team, paged_decode_attention_*_team) with a barrier at the end, and one more
+ * after the thread that writes the next layer's q and K/V has written them. The work between the products (residuals, norms, SiLU: a few thousand values)
  * is done by every thread on its own copy of the residual stream and of the products' inputs, so it
  * needs no barrier and every copy holds the same values; the products' outputs alternate between two
  * shared buffers, so that a product's writes cannot reach the one a slower thread is still reading.
@@ -227,16 +227,32 @@ NOCONTRACT static int bf16_layers_in_regions(const DecodeStack *s, const int64_t
     /* the first layer's qkv before the loop: each pass of the loop ends in the next layer's */
     for (int64_t r = 0; r < rows; r++)
         rms_norm(X(0) + r * hidden, s->layers[0].input_norm, hidden, s->eps, 1, NORMED(0) + r * hidden);
-    int rc = product(STACK_BF16, &s->layers[0].qkv, NORMED(0), TMP(0), rows, XB(0), yb0);
+    PdaPlan plan; /* the step's attention partitions, the same in every layer */
+    const int prc = pda_plan(&plan, context_lens, rows, s->heads, s->kv_heads, s->head_dim, threads);
+    if (prc != 0) {
+        free(scratch);
+        return prc == 1 ? 1 : 3;
+    }
+    const int rc = product(STACK_BF16, &s->layers[0].qkv, NORMED(0), TMP(0), rows, XB(0), yb0);
     if (rc == 0) rotate_and_cache(s, &s->layers[0], TMP(0), q, rows, positions, cos_table, sin_table, slots);
-    for (int64_t l = 0; l < s->num_layers && rc == 0; l++) {
-        const StackLayer *layer = &s->layers[l], *next = l + 1 < s->num_layers ? layer + 1 : NULL;
-        if ((rc = attention(s, layer, q, block_tables, table_width, context_lens, rows, attn)) != 0) break;
-        _Pragma("omp parallel num_threads(threads)")
-        {
-            const int t = omp_get_thread_num();
-            float *x = X(t), *normed = NORMED(t), *tmp = TMP(t), *act = ACT(t);
-            uint16_t *xb = XB(t);
+    if (rc == 0) {
+      _Pragma("omp parallel num_threads(threads)")
+      {
+        const int t = omp_get_thread_num();
+        float *x = X(t), *normed = NORMED(t), *tmp = TMP(t), *act = ACT(t);
+        uint16_t *xb = XB(t);
+        for (int64_t l = 0; l < s->num_layers; l++) {
+            const StackLayer *layer = &s->layers[l], *next = l + 1 < s->num_layers ? layer + 1 : NULL;
+            if (s->cache_bf16)
+                paged_decode_attention_bf16_team(&plan, q, (const uint16_t *)layer->k_cache,
+                                                 (const uint16_t *)layer->v_cache, block_tables, table_width,
+                                                 context_lens, attn, rows, s->heads, s->kv_heads, s->head_dim,
+                                                 s->block_size, s->scale);
+            else
+                paged_decode_attention_f32_team(&plan, q, (const float *)layer->k_cache,
+                                                (const float *)layer->v_cache, block_tables, table_width,
+                                                context_lens, attn, rows, s->heads, s->kv_heads, s->head_dim,
+                                                s->block_size, s->scale);
             team_product(&layer->o, attn, tmp, rows, xb, yb0); /* attn rounds to bfloat16 as it converts */
             for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + tmp[i], 1);
             for (int64_t r = 0; r < rows; r++)
@@ -250,10 +266,13 @@ NOCONTRACT static int bf16_layers_in_regions(const DecodeStack *s, const int64_t
                     rms_norm(x + r * hidden, next->input_norm, hidden, s->eps, 1, normed + r * hidden);
                 team_product(&next->qkv, normed, tmp, rows, xb, yb1);
                 if (t == 0) rotate_and_cache(s, next, tmp, q, rows, positions, cos_table, sin_table, slots);
+                _Pragma("omp barrier") /* q and the cache, before anyone attends */
             }
         }
+      }
     }
-    if (rc == 0) rc = finish(s, X(0), NORMED(0), rows, out, logits, argmax, XB(0), yb0);
+    pda_plan_free(&plan);
+    const int frc = rc == 0 ? finish(s, X(0), NORMED(0), rows, out, logits, argmax, XB(0), yb0) : rc;
 #undef OWN
 #undef X
 #undef NORMED
@@ -261,14 +280,14 @@ NOCONTRACT static int bf16_layers_in_regions(const DecodeStack *s, const int64_t
 #undef ACT
 #undef XB
     free(scratch);
-    return rc;
+    return frc;
 }
 
-static int layer_regions = 1;
+static int one_region = 1;
 
-int decode_stack_set_layer_regions(int on) {
-    layer_regions = on != 0;
-    return layer_regions;
+int decode_stack_set_one_region(int on) {
+    one_region = on != 0;
+    return one_region;
 }
 
 NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int64_t *positions,
@@ -292,7 +311,7 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
             !weight_ok(kind, &layer->gate_up, 2 * inter, hidden) || !weight_ok(kind, &layer->down, hidden, inter))
             return 2;
     }
-    if (kind == STACK_BF16 && omp_get_max_threads() > 1 && layer_regions)
+    if (kind == STACK_BF16 && omp_get_max_threads() > 1 && one_region)
         return bf16_layers_in_regions(s, ids, positions, cos_table, sin_table, slots, block_tables, table_width,
                                       context_lens, rows, out, logits, argmax);
     /* scratch, per row: the residual stream, a normed copy, q|k|v, q, the attention output, gate|up,

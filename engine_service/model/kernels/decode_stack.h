@@ -56,10 +56,10 @@ int decode_stack(const DecodeStack *stack, const int64_t *ids, const int64_t *po
                  int64_t table_width, const int64_t *context_lens, int64_t rows, void *out, float *logits,
                  int64_t *argmax);
 
-/* Whether a bfloat16 stack runs each layer's products in one parallel region (1, the default) or
- * each product in its own (0); the two give the same numbers bit for bit. For tests and benches:
+/* Whether a bfloat16 stack runs its layers in one parallel region (1, the default) or forks and
+ * joins the thread team for each product and each attention (0); the two give the same numbers bit for bit. For tests and benches:
  * set it between steps. Returns the setting now in force. */
-int decode_stack_set_layer_regions(int on);
+int decode_stack_set_one_region(int on);
 
 /* The index of v's largest value, the first of equal ones, as torch's argmax picks it: a NaN counts
  * as the largest (the first NaN), and all -inf gives 0; -1 for n <= 0. */

@@ -380,80 +380,117 @@ static inline __attribute__((always_inline)) void NAME(                         
     FN(qb, k_cache, v_cache, table, start, end, heads, group, kv_heads, block_size, HD, scale,    \
        scores, o, m, l)
 
-#define DEFINE_KERNEL(NAME, T, PART)                                                              \
-int NAME(const float *q, const T *k_cache, const T *v_cache, const int64_t *block_tables,         \
-         int64_t table_width, const int64_t *context_lens, float *out, int64_t batch,             \
-         int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale) {    \
-    if (kv_heads <= 0 || heads % kv_heads != 0 || heads > MAX_HEADS || head_dim > HEAD_DIM_MAX)   \
-        return 2;                                                                                 \
-    const int64_t group = heads / kv_heads;                                                       \
-    /* first_task[b]: index of sequence b's first partition; task_seq[task]: its sequence */      \
-    int64_t *first_task = (int64_t *)malloc(sizeof(int64_t) * (batch + 1));                       \
-    if (first_task == NULL) return 1;                                                             \
-    int64_t tasks = 0, total_len = 0;                                                             \
-    for (int64_t b = 0; b < batch; b++) {                                                         \
-        first_task[b] = tasks;                                                                    \
-        const int64_t len = context_lens[b];                                                      \
-        total_len += len > 0 ? len : 0;                                                           \
-        tasks += len > 0 ? (len + partition_len(len) - 1) / partition_len(len) : 0;               \
-    }                                                                                             \
-    first_task[batch] = tasks;                                                                    \
-    const int64_t threads = omp_get_max_threads();                                                \
+int pda_plan(PdaPlan *plan, const int64_t *context_lens, int64_t batch, int64_t heads, int64_t kv_heads,
+             int64_t head_dim, int threads) {
+    memset(plan, 0, sizeof *plan);
+    if (kv_heads <= 0 || heads % kv_heads != 0 || heads > MAX_HEADS || head_dim > HEAD_DIM_MAX || threads < 1)
+        return 2;
+    /* first_task[b]: index of sequence b's first partition; task_seq[task]: its sequence */
+    plan->first_task = (int64_t *)malloc(sizeof(int64_t) * (batch + 1));
+    if (plan->first_task == NULL) return 1;
+    int64_t tasks = 0, total_len = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        plan->first_task[b] = tasks;
+        const int64_t len = context_lens[b];
+        total_len += len > 0 ? len : 0;
+        tasks += len > 0 ? (len + partition_len(len) - 1) / partition_len(len) : 0;
+    }
+    plan->first_task[batch] = tasks;
+    plan->tasks = tasks;
+    plan->total_len = total_len;
+    plan->task_seq = (int64_t *)malloc(sizeof(int64_t) * (tasks + 1));
+    plan->partials = (float *)malloc(sizeof(float) * (tasks * heads * (head_dim + 2) + 1)); /* o, m, l a task */
+    plan->scores = (float *)malloc(sizeof(float) * threads * heads * PARTITION); /* a partition's, a thread */
+    plan->threads = threads;
+    if (plan->task_seq == NULL || plan->partials == NULL || plan->scores == NULL) {
+        pda_plan_free(plan);
+        return 1;
+    }
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t task = plan->first_task[b]; task < plan->first_task[b + 1]; task++) plan->task_seq[task] = b;
+    return 0;
+}
+
+void pda_plan_free(PdaPlan *plan) {
+    free(plan->first_task);
+    free(plan->task_seq);
+    free(plan->partials);
+    free(plan->scores);
+    memset(plan, 0, sizeof *plan);
+}
+
+int pda_parallel(const PdaPlan *plan) { return plan->total_len > SERIAL_TOKENS; }
+
+/* The kernel's work, shared out over the calling team: the partitions (omp for, or one thread when
+ * the context is too short to share), then the combine (omp for); a barrier after each. */
+#define DEFINE_TEAM(NAME, T, PART)                                                                \
+void NAME(const PdaPlan *plan, const float *q, const T *k_cache, const T *v_cache,                \
+          const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,          \
+          float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,           \
+          int64_t block_size, float scale) {                                                      \
+    const int64_t group = heads / kv_heads, tasks = plan->tasks;                                  \
+    const int64_t *first_task = plan->first_task, *task_seq = plan->task_seq;                     \
     const int64_t per_task = heads * (head_dim + 2);      /* o, m, l of one partition */           \
-    const int64_t per_thread = heads * PARTITION;          /* one partition's scores */            \
-    int64_t *task_seq = (int64_t *)malloc(sizeof(int64_t) * (tasks + 1));                         \
-    float *partials = (float *)malloc(sizeof(float) * (tasks * per_task + 1));                    \
-    float *scratch = (float *)malloc(sizeof(float) * threads * per_thread);                       \
-    if (task_seq == NULL || partials == NULL || scratch == NULL) {                                \
-        free(first_task); free(task_seq); free(partials); free(scratch);                          \
-        return 1;                                                                                 \
-    }                                                                                             \
-    for (int64_t b = 0; b < batch; b++)                                                           \
-        for (int64_t task = first_task[b]; task < first_task[b + 1]; task++) task_seq[task] = b;  \
-    _Pragma("omp parallel if(total_len > SERIAL_TOKENS)")                                         \
-    {                                                                                             \
-        const int64_t me = omp_get_thread_num();                                                  \
-        float *scores = scratch + me * per_thread;                                                \
-        _Pragma("omp for schedule(dynamic, 1)")                                                   \
-        for (int64_t task = 0; task < tasks; task++) {                                            \
-            const int64_t b = task_seq[task];                                                     \
+    float *partials = plan->partials;                                                             \
+    float *scores = plan->scores + (int64_t)omp_get_thread_num() * heads * PARTITION;             \
+    const int shared = pda_parallel(plan) && omp_get_num_threads() > 1;                           \
+    _Pragma("omp for schedule(dynamic, 1)")                                                       \
+    for (int64_t task = 0; task < (shared ? tasks : 1); task++) {                                 \
+        /* short contexts: one thread takes every task (the others have none) */                  \
+        for (int64_t t = shared ? task : 0; t < (shared ? task + 1 : tasks); t++) {               \
+            const int64_t b = task_seq[t];                                                        \
             const int64_t len = context_lens[b], span = partition_len(len);                       \
-            const int64_t start = (task - first_task[b]) * span;                                  \
+            const int64_t start = (t - first_task[b]) * span;                                     \
             const int64_t end = start + span < len ? start + span : len;                          \
             const float *qb = q + b * heads * head_dim;                                           \
             const int64_t *table = block_tables + b * table_width;                                \
-            float *o = partials + task * per_task, *m = o + heads * head_dim, *l = m + heads;     \
+            float *o = partials + t * per_task, *m = o + heads * head_dim, *l = m + heads;        \
             if (head_dim == 64) RUN_PARTITION(PART, 64);                                          \
             else if (head_dim == 128) RUN_PARTITION(PART, 128);                                   \
             else RUN_PARTITION(PART, head_dim);                                                   \
         }                                                                                         \
-        /* combine each (sequence, head) over its partitions */                                   \
-        _Pragma("omp for schedule(static)")                                                       \
-        for (int64_t bh = 0; bh < batch * heads; bh++) {                                          \
-            const int64_t b = bh / heads, h = bh % heads;                                         \
-            const int64_t parts = first_task[b + 1] - first_task[b];                              \
-            float *ob = out + bh * head_dim;                                                      \
-            float acc[HEAD_DIM_MAX];                                                              \
-            for (int64_t d = 0; d < head_dim; d++) acc[d] = 0.f;                                  \
-            float mx = -INFINITY, total = 0.f;                                                    \
-            for (int64_t p = 0; p < parts; p++) {                                                 \
-                const float *part = partials + (first_task[b] + p) * per_task;                    \
-                const float mp = part[heads * head_dim + h];                                      \
-                mx = mp > mx ? mp : mx;                                                           \
-            }                                                                                     \
-            for (int64_t p = 0; p < parts; p++) {                                                 \
-                const float *part = partials + (first_task[b] + p) * per_task;                    \
-                const float w = fast_exp(part[heads * head_dim + h] - mx);                 \
-                total += w * part[heads * head_dim + heads + h];                                  \
-                const float *op = part + h * head_dim;                                            \
-                _Pragma("omp simd")                                                               \
-                for (int64_t d = 0; d < head_dim; d++) acc[d] += w * op[d];                       \
-            }                                                                                     \
-            const float inv = parts > 0 ? 1.f / total : 0.f;                                      \
-            for (int64_t d = 0; d < head_dim; d++) ob[d] = acc[d] * inv;                          \
-        }                                                                                         \
     }                                                                                             \
-    free(first_task); free(task_seq); free(partials); free(scratch);                              \
+    /* combine each (sequence, head) over its partitions */                                       \
+    _Pragma("omp for schedule(static)")                                                           \
+    for (int64_t bh = 0; bh < batch * heads; bh++) {                                              \
+        const int64_t b = bh / heads, h = bh % heads;                                             \
+        const int64_t parts = first_task[b + 1] - first_task[b];                                  \
+        float *ob = out + bh * head_dim;                                                          \
+        float acc[HEAD_DIM_MAX];                                                                  \
+        for (int64_t d = 0; d < head_dim; d++) acc[d] = 0.f;                                      \
+        float mx = -INFINITY, total = 0.f;                                                        \
+        for (int64_t p = 0; p < parts; p++) {                                                     \
+            const float *part = partials + (first_task[b] + p) * per_task;                        \
+            const float mp = part[heads * head_dim + h];                                          \
+            mx = mp > mx ? mp : mx;                                                               \
+        }                                                                                         \
+        for (int64_t p = 0; p < parts; p++) {                                                     \
+            const float *part = partials + (first_task[b] + p) * per_task;                        \
+            const float w = fast_exp(part[heads * head_dim + h] - mx);                            \
+            total += w * part[heads * head_dim + heads + h];                                      \
+            const float *op = part + h * head_dim;                                                \
+            _Pragma("omp simd")                                                                   \
+            for (int64_t d = 0; d < head_dim; d++) acc[d] += w * op[d];                           \
+        }                                                                                         \
+        const float inv = parts > 0 ? 1.f / total : 0.f;                                          \
+        for (int64_t d = 0; d < head_dim; d++) ob[d] = acc[d] * inv;                              \
+    }                                                                                             \
+}
+
+/* The entry point: a plan, then a parallel region of its own (the calling thread alone for a short
+ * context), then the plan freed. */
+#define DEFINE_KERNEL(NAME, TEAM, T)                                                              \
+int NAME(const float *q, const T *k_cache, const T *v_cache, const int64_t *block_tables,         \
+         int64_t table_width, const int64_t *context_lens, float *out, int64_t batch,             \
+         int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale) {    \
+    PdaPlan plan;                                                                                 \
+    const int rc = pda_plan(&plan, context_lens, batch, heads, kv_heads, head_dim,                \
+                            omp_get_max_threads());                                               \
+    if (rc != 0) return rc;                                                                       \
+    _Pragma("omp parallel if(pda_parallel(&plan))")                                               \
+    TEAM(&plan, q, k_cache, v_cache, block_tables, table_width, context_lens, out, batch, heads,  \
+         kv_heads, head_dim, block_size, scale);                                                  \
+    pda_plan_free(&plan);                                                                         \
     return 0;                                                                                     \
 }
 
@@ -461,5 +498,7 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int64_t *bloc
 #define LOAD_BF16(x) bf16_to_f32(x)
 DEFINE_PARTITION(partition_f32, float, LOAD_F32, scores16_f32, f32)
 DEFINE_PARTITION(partition_bf16, uint16_t, LOAD_BF16, scores16_bf16, bf16)
-DEFINE_KERNEL(paged_decode_attention_f32, float, partition_f32)
-DEFINE_KERNEL(paged_decode_attention_bf16, uint16_t, partition_bf16)
+DEFINE_TEAM(paged_decode_attention_f32_team, float, partition_f32)
+DEFINE_TEAM(paged_decode_attention_bf16_team, uint16_t, partition_bf16)
+DEFINE_KERNEL(paged_decode_attention_f32, paged_decode_attention_f32_team, float)
+DEFINE_KERNEL(paged_decode_attention_bf16, paged_decode_attention_bf16_team, uint16_t)

@@ -24,6 +24,31 @@ int paged_decode_attention_bf16(const float *q, const uint16_t *k_cache, const u
                                 int64_t heads, int64_t kv_heads, int64_t head_dim,
                                 int64_t block_size, float scale);
 
+/* A step's attention laid out once (its partitions and work buffers), for calls from inside a
+ * parallel region: the context lengths must stay as planned. threads: the most threads a team
+ * calling it will have. Returns 0, 1 (out of memory: nothing to free) or 2 (a shape outside the
+ * limits). */
+typedef struct {
+    int64_t tasks, total_len;
+    int64_t *first_task, *task_seq;
+    float *partials, *scores;
+    int threads;
+} PdaPlan;
+int pda_plan(PdaPlan *plan, const int64_t *context_lens, int64_t batch, int64_t heads, int64_t kv_heads,
+             int64_t head_dim, int threads);
+void pda_plan_free(PdaPlan *plan);
+
+/* The kernels' work for a team already running: every thread of the team calls it with the same
+ * arguments, and it ends in a barrier. The same results, bit for bit, as the entry points above. */
+void paged_decode_attention_f32_team(const PdaPlan *plan, const float *q, const float *k_cache,
+                                     const float *v_cache, const int64_t *block_tables, int64_t table_width,
+                                     const int64_t *context_lens, float *out, int64_t batch, int64_t heads,
+                                     int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale);
+void paged_decode_attention_bf16_team(const PdaPlan *plan, const float *q, const uint16_t *k_cache,
+                                      const uint16_t *v_cache, const int64_t *block_tables, int64_t table_width,
+                                      const int64_t *context_lens, float *out, int64_t batch, int64_t heads,
+                                      int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale);
+
 #ifdef __cplusplus
 }
 #endif
