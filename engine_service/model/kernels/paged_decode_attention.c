@@ -4,7 +4,9 @@
  * Built at first use by engine_service/model/native.py (gcc -O3 -march=native -fopenmp) and called
  * as the torch operator sluice::paged_decode_attention (paged_decode_attention_op.cpp). It links
  * the OpenMP runtime torch already loaded (same soname, libgomp.so.1), so it shares torch's thread
- * pool instead of starting a second one.
+ * pool instead of starting a second one. A caller already inside a parallel region (decode_stack.c's
+ * bfloat16 step) plans the step's partitions once (pda_plan) and calls the team body, which its
+ * threads share out, instead of the entry points, which fork a region of their own.
  *
  * Layouts (contiguous):
  *   q, out        [batch, heads, head_dim]                       float32
@@ -419,7 +421,7 @@ void pda_plan_free(PdaPlan *plan) {
     memset(plan, 0, sizeof *plan);
 }
 
-int pda_parallel(const PdaPlan *plan) { return plan->total_len > SERIAL_TOKENS; }
+static int pda_parallel(const PdaPlan *plan) { return plan->total_len > SERIAL_TOKENS; }
 
 /* The kernel's work, shared out over the calling team: the partitions (omp for, or one thread when
  * the context is too short to share), then the combine (omp for); a barrier after each. */
