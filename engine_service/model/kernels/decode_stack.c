@@ -188,13 +188,14 @@ static void team_product(const StackWeight *w, const float *x, float *y, int64_t
 /* The bfloat16 layers in one parallel region, where they forked and joined the thread team for each
  * product and each attention: each product's blocks and each attention's partitions are shared out
  * (packed_gemm_bf16_team, paged_decode_attention_*_team) with a barrier at the end, and one more
- * after the thread that writes the next layer's q and K/V has written them. The work between the products (residuals, norms, SiLU: a few thousand values)
- * is done by every thread on its own copy of the residual stream and of the products' inputs, so it
- * needs no barrier and every copy holds the same values; the products' outputs alternate between two
- * shared buffers, so that a product's writes cannot reach the one a slower thread is still reading.
- * The numbers are the one-region path's bit for bit: the same operations on the same values. Why:
- * forking and joining the team cost ~2 us a product (docs/performance.md, twelfth round). */
-NOCONTRACT static int bf16_layers_in_regions(const DecodeStack *s, const int64_t *ids, const int64_t *positions,
+ * after the thread that writes the next layer's q and K/V has written them. The work between the
+ * products (residuals, norms, SiLU: a few thousand values) is done by every thread on its own copy of
+ * the residual stream and of the products' inputs, so it needs no barrier and every copy holds the
+ * same values; the products' outputs alternate between two shared buffers, so that a product's
+ * writes cannot reach the one a slower thread is still reading. The numbers are those of
+ * decode_stack's region-per-call loop bit for bit: the same operations on the same values. Why:
+ * forking and joining the team cost ~2 us each time (docs/performance.md, twelfth round). */
+NOCONTRACT static int bf16_layers_in_one_region(const DecodeStack *s, const int64_t *ids, const int64_t *positions,
                                              const float *cos_table, const float *sin_table, const int64_t *slots,
                                              const int64_t *block_tables, int64_t table_width,
                                              const int64_t *context_lens, int64_t rows, void *out, float *logits,
@@ -312,7 +313,7 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
             return 2;
     }
     if (kind == STACK_BF16 && omp_get_max_threads() > 1 && one_region)
-        return bf16_layers_in_regions(s, ids, positions, cos_table, sin_table, slots, block_tables, table_width,
+        return bf16_layers_in_one_region(s, ids, positions, cos_table, sin_table, slots, block_tables, table_width,
                                       context_lens, rows, out, logits, argmax);
     /* scratch, per row: the residual stream, a normed copy, q|k|v, q, the attention output, gate|up,
      * the SiLU product; and the bfloat16 products' input and output */

@@ -403,7 +403,6 @@ int pda_plan(PdaPlan *plan, const int64_t *context_lens, int64_t batch, int64_t 
     plan->task_seq = (int64_t *)malloc(sizeof(int64_t) * (tasks + 1));
     plan->partials = (float *)malloc(sizeof(float) * (tasks * heads * (head_dim + 2) + 1)); /* o, m, l a task */
     plan->scores = (float *)malloc(sizeof(float) * threads * heads * PARTITION); /* a partition's, a thread */
-    plan->threads = threads;
     if (plan->task_seq == NULL || plan->partials == NULL || plan->scores == NULL) {
         pda_plan_free(plan);
         return 1;

@@ -26,13 +26,12 @@ int paged_decode_attention_bf16(const float *q, const uint16_t *k_cache, const u
 
 /* A step's attention laid out once (its partitions and work buffers), for calls from inside a
  * parallel region: the context lengths must stay as planned. threads: the most threads a team
- * calling it will have. Returns 0, 1 (out of memory: nothing to free) or 2 (a shape outside the
+ * calling it will have (the scores scratch has a row for each). Returns 0, 1 (out of memory: nothing to free) or 2 (a shape outside the
  * limits). */
 typedef struct {
     int64_t tasks, total_len;
     int64_t *first_task, *task_seq;
     float *partials, *scores;
-    int threads;
 } PdaPlan;
 int pda_plan(PdaPlan *plan, const int64_t *context_lens, int64_t batch, int64_t heads, int64_t kv_heads,
              int64_t head_dim, int threads);
