@@ -12,23 +12,11 @@
 #include "../engine_service/model/kernels/packed_gemv.c"
 
 #include <stdio.h>
-#include <sys/mman.h>
-#include <time.h>
+
+#include "bench_harness.h"
 
 #define REPS 25
 #define PRODUCTS 121
-#define HUGE_PAGE (2u << 20)
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-static int cmp(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 static uint32_t state = 1;
 static uint16_t random_bf16(void) { /* xorshift: values near 1, never constant pages */
@@ -38,13 +26,7 @@ static uint16_t random_bf16(void) { /* xorshift: values near 1, never constant p
 
 /* bytes on 4 KiB pages (an ordinary allocation) or in a mapping advised for huge pages */
 static uint16_t *allocate(size_t bytes, int huge) {
-    if (!huge) return aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
-    const size_t size = (bytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
-    char *p = mmap(NULL, size + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) return NULL;
-    char *aligned = (char *)(((uintptr_t)p + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
-    madvise(aligned, size, MADV_HUGEPAGE);
-    return (uint16_t *)aligned;
+    return huge ? huge_alloc(bytes) : aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
 }
 
 int main(void) {
@@ -109,7 +91,7 @@ int main(void) {
     for (int i = 0; i < count; i++) bytes += (double)(n[i] * k[i] * 2);
     printf("121 one-row products, two threads, ms (median of %d; min), GB/s at the median\n", REPS);
     for (int v = 0; v < 4; v++) {
-        qsort(ms[v], REPS, sizeof(double), cmp);
+        qsort(ms[v], REPS, sizeof(double), cmp_doubles);
         printf("  %-16s %7.2f  %7.2f  %5.1f\n", names[v], ms[v][REPS / 2], ms[v][0], bytes / ms[v][REPS / 2] / 1e6);
     }
     return sink == 12345.f;

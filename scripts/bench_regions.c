@@ -10,23 +10,16 @@
  * Needs AVX512-BF16 and Linux (madvise). docs/performance.md, twelfth round. */
 #include "../engine_service/model/kernels/packed_gemv.c"
 #include <stdio.h>
-#include <sys/mman.h>
-#include <time.h>
+
+#include "bench_harness.h"
+
 #define P 121
-#define HUGE_PAGE (2u << 20)
-static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
-static int cmp(const void *a, const void *b) { double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }
-static void *huge(size_t bytes) {
-    const size_t size = (bytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
-    char *p = mmap(NULL, size + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    char *a = (char *)(((uintptr_t)p + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
-    madvise(a, size, MADV_HUGEPAGE); return a;
-}
+
 int main(void) {
     int64_t n[P], k[P]; uint16_t *w[P]; int c = 0;
     for (int l = 0; l < 30; l++) { n[c] = 960, k[c++] = 576; n[c] = 576, k[c++] = 576; n[c] = 3072, k[c++] = 576; n[c] = 576, k[c++] = 1536; }
     n[c] = 49152, k[c++] = 576;
-    for (int i = 0; i < P; i++) { w[i] = huge((size_t)n[i] * k[i] * 2); for (int64_t j = 0; j < n[i] * k[i]; j++) w[i][j] = 0x3c00 + (j & 0x7f); }
+    for (int i = 0; i < P; i++) { w[i] = huge_alloc((size_t)n[i] * k[i] * 2); if (w[i] == NULL) return 1; for (int64_t j = 0; j < n[i] * k[i]; j++) w[i][j] = 0x3c00 + (j & 0x7f); }
     uint16_t *x = malloc(2 * 1536), *y = malloc(2 * 49152); for (int i = 0; i < 1536; i++) x[i] = 0x3c00;
     double sink = 0, ta[30], tb[30];
     for (int r = -2; r < 30; r++) {
@@ -50,6 +43,6 @@ int main(void) {
         double t2 = now();
         if (r >= 0) ta[r] = t1 - t0, tb[r] = t2 - t1;
     }
-    qsort(ta, 30, sizeof(double), cmp); qsort(tb, 30, sizeof(double), cmp);
-    printf("own regions %.3f ms, one region %.3f ms: %.3fx (sink %g)\n", ta[15] * 1e3, tb[15] * 1e3, ta[15] / tb[15], sink);
+    const double ma = median(ta, 30), mb = median(tb, 30);
+    printf("own regions %.3f ms, one region %.3f ms: %.3fx (sink %g)\n", ma * 1e3, mb * 1e3, ma / mb, sink);
 }

@@ -16,11 +16,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <time.h>
 
 #include "../engine_service/model/kernels/decode_stack.h"
 #include "../engine_service/model/kernels/packed_gemv.h"
+#include "bench_harness.h"
 
 #define LAYERS 30
 #define HIDDEN 576
@@ -32,23 +31,6 @@
 #define BLOCK 16
 #define BLOCKS 256 /* per layer's cache: 4096 tokens */
 #define POSITIONS 4096
-#define HUGE_PAGE (2u << 20)
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-static int cmp(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp);
-    return v[n / 2];
-}
 
 static uint32_t state = 1;
 static uint16_t random_bf16(void) { /* small values, so sums stay finite through 30 layers */
@@ -57,12 +39,9 @@ static uint16_t random_bf16(void) { /* small values, so sums stay finite through
 }
 
 static void *huge(size_t bytes) {
-    const size_t size = (bytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
-    char *p = mmap(NULL, size + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) abort();
-    char *aligned = (char *)(((uintptr_t)p + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
-    madvise(aligned, size, MADV_HUGEPAGE);
-    return aligned;
+    void *p = huge_alloc(bytes);
+    if (p == NULL) abort();
+    return p;
 }
 
 static StackWeight weight(int64_t n, int64_t k) {
