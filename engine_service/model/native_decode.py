@@ -185,6 +185,10 @@ class NativeDecode:
         i64, vp = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ctypes.POINTER(_Stack), vp, vp, vp, vp, i64, vp, vp, i64, vp, i64, vp, vp, vp]
         self._fn = fn
+        steps_fn = native_library().decode_stack_steps
+        steps_fn.restype = ctypes.c_int
+        steps_fn.argtypes = [ctypes.POINTER(_Stack), vp, vp, vp, vp, i64, vp, vp, i64, vp, i64, i64, vp, vp]
+        self._steps_fn = steps_fn
         self._stack_ref = ctypes.byref(self._stack)
 
     def runs(self, rows: int) -> bool:
@@ -220,6 +224,38 @@ class NativeDecode:
         if rc != 0:
             raise RuntimeError(f"native decode step failed: {_ERRORS.get(rc, rc)}")
         return out
+
+    def greedy_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Several greedy decode steps in one call (``fuses_head`` only): ``positions``, ``slots`` and
+        ``context_lens`` are [steps, rows], step j's row r at ``positions[j, r]`` writing its K/V at
+        ``slots[j, r]``; the first step's inputs are ``input_ids`` [rows], each later one's the
+        argmax of the step before. ``block_tables`` [rows, width] must already hold every block the
+        last step reaches. Returns the tokens [steps, rows] (each step's argmax: what ``steps``
+        calls with ``argmax`` give, bit for bit) and the last step's logits [rows, vocab]."""
+        if not self.fuses_head:
+            raise ValueError("native decode: this model's output projection is not in the step")
+        if positions.dim() != 2:
+            raise ValueError("native decode: positions, slots and lengths are [steps, rows]")
+        steps, rows = positions.shape
+        tensors = (input_ids, positions, slots, block_tables, context_lens)
+        if any(t.dtype != torch.int64 or not t.is_contiguous() for t in tensors):
+            raise ValueError("native decode: ids, positions, slots, block tables and lengths must be contiguous int64")
+        if not (input_ids.shape == (rows,) and slots.shape == context_lens.shape == (steps, rows)
+                and block_tables.dim() == 2 and block_tables.shape[0] == rows):
+            raise ValueError("native decode: one id and block table per row, a position, slot and length per "
+                             "step and row")
+        rotary = self.model.rotary
+        cos, sin = rotary.cos_table, rotary.sin_table
+        tokens = torch.empty(steps, rows, dtype=torch.int64)
+        logits = torch.empty(rows, self.vocab_out, dtype=torch.float32)
+        rc = self._steps_fn(self._stack_ref, input_ids.data_ptr(), positions.data_ptr(), cos.data_ptr(),
+                            sin.data_ptr(), cos.shape[0], slots.data_ptr(), block_tables.data_ptr(),
+                            block_tables.shape[1], context_lens.data_ptr(), rows, steps, logits.data_ptr(),
+                            tokens.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"native decode steps failed: {_ERRORS.get(rc, rc)}")
+        return tokens, logits
 
     def time_rows(self, scratch_slot: int, rows: int, repeats: int = 5) -> float:
         """The fastest of ``repeats`` steps of ``rows`` rows that write only ``scratch_slot`` (each row

@@ -222,6 +222,42 @@ def test_the_logits_come_out_of_the_same_call_bit_for_bit(kind, request):
         native(input_ids, positions, meta, argmax=greedy)  # no logits to take it of
 
 
+@pytest.mark.parametrize("kind", ["int4", "bfloat16"])
+def test_greedy_steps_are_single_steps_bit_for_bit(kind, request):
+    """``greedy_steps`` (``num_scheduler_steps``): five decode steps of two rows in one call give
+    the tokens and the last logits that five single calls give, each fed the argmax of the one
+    before, bit for bit; a call it cannot take is refused."""
+    llm = request.getfixturevalue("llm" if kind == "int4" else "bf16")
+    runner = llm.engine.runner
+    native = NativeDecode(runner.model, runner.kv_caches)
+    seqs = _sequences(llm, [30, 17], seed=3)
+    starts, steps = [30, 17], 5
+    positions = torch.tensor([[p + j for p in starts] for j in range(steps)], dtype=torch.long)
+    slots = torch.tensor([[blocks[(p + j) // BLOCK] * BLOCK + (p + j) % BLOCK for (_, blocks), p in zip(seqs, starts)]
+                          for j in range(steps)], dtype=torch.long)
+    width = max(len(blocks) for _, blocks in seqs)
+    tables = torch.tensor([blocks + [0] * (width - len(blocks)) for _, blocks in seqs], dtype=torch.long)
+    ids = torch.tensor([tokens[p] for (tokens, _), p in zip(seqs, starts)], dtype=torch.long)
+    got, last = native.greedy_steps(ids, positions, slots, tables, positions + 1)
+    assert got.shape == (steps, 2) and last.shape == (2, native.vocab_out)
+    inputs = [list(tokens[: p + 1]) for (tokens, _), p in zip(seqs, starts)]
+    for j in range(steps):
+        chunks = [_chunk(inputs[r], seqs[r][1], starts[r] + j, 1) for r in range(2)]
+        input_ids, pos, meta, _ = runner.prepare(chunks)
+        greedy = torch.empty(2, dtype=torch.long)
+        logits = native(input_ids, pos, meta, logits=True, argmax=greedy)
+        assert torch.equal(greedy, got[j]), j
+        for r in range(2):
+            inputs[r].append(int(greedy[r]))
+    assert torch.equal(logits, last)
+    with pytest.raises(ValueError, match=r"\[steps, rows\]"):
+        native.greedy_steps(ids, positions[0], slots[0], tables, positions[0] + 1)
+    with pytest.raises(ValueError, match="one id and block table per row"):
+        native.greedy_steps(ids[:1], positions, slots, tables, positions + 1)
+    with pytest.raises(RuntimeError, match="out of range"):
+        native.greedy_steps(torch.tensor([native.vocab_out + 7, 1]), positions, slots, tables, positions + 1)
+
+
 def test_a_bfloat16_step_in_one_parallel_region_is_the_same_step_bit_for_bit(bf16):
     """A bfloat16 stack runs its layers inside one parallel region, every thread doing the work
     between the products and attentions on its own copy (``decode_stack_set_one_region``): its

@@ -352,3 +352,22 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
     free(scratch);
     return rc;
 }
+
+/* Why several steps in one call: between two steps of one stream the engine's Python (scheduling,
+ * the runner's inputs, sampling, the outputs) cost ~0.6 ms of a ~10.6 ms bfloat16 step, and it runs
+ * slowly because the step before has just streamed the weights through every cache; here the
+ * next step starts at once (docs/performance.md, thirteenth round). */
+int decode_stack_steps(const DecodeStack *s, const int64_t *ids, const int64_t *positions, const float *cos_table,
+                       const float *sin_table, int64_t num_positions, const int64_t *slots, const int64_t *block_tables,
+                       int64_t table_width, const int64_t *context_lens, int64_t rows, int64_t steps, float *logits,
+                       int64_t *tokens) {
+    if (steps < 1 || rows <= 0 || logits == NULL || tokens == NULL || s->head.data == NULL) return 2;
+    for (int64_t j = 0; j < steps; j++) {
+        const int64_t *in = j == 0 ? ids : tokens + (j - 1) * rows;
+        const int rc = decode_stack(s, in, positions + j * rows, cos_table, sin_table, num_positions, slots + j * rows,
+                                    block_tables, table_width, context_lens + j * rows, rows, NULL, logits,
+                                    tokens + j * rows);
+        if (rc != 0) return rc;
+    }
+    return 0;
+}

@@ -56,6 +56,18 @@ int decode_stack(const DecodeStack *stack, const int64_t *ids, const int64_t *po
                  int64_t table_width, const int64_t *context_lens, int64_t rows, void *out, float *logits,
                  int64_t *argmax);
 
+/* `steps` greedy decode steps in one call, each row's input after the first step being its argmax
+ * of the step before: step j runs decode_stack on positions[j * rows ...], slots[j * rows ...] and
+ * context_lens[j * rows ...] ([steps][rows] each) with the block tables given, and writes its
+ * argmax to tokens[j * rows ...]; logits[rows, head.n_out] is the scratch for each step's logits
+ * (the last step's are left there). The same steps as `steps` calls of decode_stack bit for bit.
+ * Returns decode_stack's codes (2 also for steps < 1 or a stack without a head); a step that
+ * fails ends the call, the steps before it written. */
+int decode_stack_steps(const DecodeStack *stack, const int64_t *ids, const int64_t *positions, const float *cos_table,
+                       const float *sin_table, int64_t num_positions, const int64_t *slots, const int64_t *block_tables,
+                       int64_t table_width, const int64_t *context_lens, int64_t rows, int64_t steps, float *logits,
+                       int64_t *tokens);
+
 /* Whether a bfloat16 stack runs its layers in one parallel region (1, the default) or forks and
  * joins the thread team for each product and each attention (0); the two give the same numbers bit for bit. For tests and benches:
  * set it between steps. Returns the setting now in force. */
