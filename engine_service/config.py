@@ -98,6 +98,12 @@ class EngineConfig:
         "own prompt and output and verifies them in one forward; \"disable_by_batch_size\": b drafts only in steps "
         "of at most b requests (docs/scheduler.md); default: none",
         metavar="JSON")
+    num_scheduler_steps: int = knob(
+        1, "decode steps per scheduling step (vLLM's name): with more than 1, a step whose every request decodes "
+        "greedily (no penalties, logit bias, logprobs, min_tokens still pending or structured output) and none "
+        "waits runs up to this many decode steps in one native call, the scheduler and the sampler once for them "
+        "all; tokens then reach clients in bursts of that many. Needs the native decode step with its output "
+        "projection (bfloat16 or int4 on CPU); not with --speculative-config (docs/scheduler.md)")
     # Benchmarks of the serving path only (engine_service.model.stub): fixed logits, no weights read.
     # Off the command line here: `sluice engine --stub-model` (hidden) sets it, and the engine
     # refuses it unless $SLUICE_BENCH_STUB_MODEL=1.
@@ -181,11 +187,30 @@ class SchedulerConfig:
     # fresh prefill of the whole budget attends to, B * (B + 1) / 2; 0: no limit
     max_num_batched_pairs: int | None = None
     speculative_config: SpeculativeConfig | None = None  # n-gram speculation (engine_service.core.spec_decode)
+    # greedy decode steps one scheduling step may run (EngineConfig.num_scheduler_steps), in batches of
+    # fewer than multi_step_max_rows rows (0: never; the engine sets it where the native step runs them)
+    num_scheduler_steps: int = EngineConfig.num_scheduler_steps
+    multi_step_max_rows: int = 0
 
     def resolved_watermark_blocks(self) -> int:
         if self.watermark_blocks is not None:
             return self.watermark_blocks
         return int(DEFAULT_WATERMARK_SHARE * self.num_blocks)
+
+
+# The most decode steps one scheduling step may run: a burst of tokens a client waits for.
+MAX_SCHEDULER_STEPS = 64
+
+
+def check_num_scheduler_steps(steps: Any, speculative: bool) -> None:
+    """Raise ValueError naming the knob when ``num_scheduler_steps`` cannot work."""
+    if type(steps) is not int:
+        raise ValueError(f"num_scheduler_steps must be an integer, got {steps!r}")
+    if not 1 <= steps <= MAX_SCHEDULER_STEPS:
+        raise ValueError(f"num_scheduler_steps must be between 1 and {MAX_SCHEDULER_STEPS}, got {steps}")
+    if steps > 1 and speculative:
+        raise ValueError("num_scheduler_steps above 1 and speculative_config cannot be combined: a speculating "
+                         "request verifies drafts every step")
 
 
 # The n-gram index keeps one entry per position and size: sizes are bounded so a token costs a

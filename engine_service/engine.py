@@ -17,7 +17,13 @@ from pathlib import Path
 
 import torch
 
-from engine_service.config import BACKOFF_MIN_ROW_COST, EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine_service.config import (
+    BACKOFF_MIN_ROW_COST,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    check_num_scheduler_steps,
+)
 from engine_service.core.outputs import EngineOutput, RequestMetrics
 from engine_service.core.request import Request
 from engine_service.core.sampling_params import SamplingParams
@@ -100,6 +106,7 @@ class LLMEngine:
         if self.speculative_config is not None:
             self.speculative_config.check(config.max_num_batched_tokens)
             logger.info("speculative decoding: %s", self.speculative_config.as_dict())
+        check_num_scheduler_steps(config.num_scheduler_steps, self.speculative_config is not None)
 
         started = time.perf_counter()
         num_blocks = config.num_blocks or num_blocks_for_budget(
@@ -152,6 +159,17 @@ class LLMEngine:
         if self.speculative_config is not None and self.speculative_config.backoff == "auto":
             self.speculative_config = self._resolve_backoff(self.speculative_config, num_blocks * config.block_size)
 
+        multi_step_rows = 0  # the scheduler runs several decode steps a step in batches under this many rows
+        if config.num_scheduler_steps > 1:
+            native = self.runner.native_decode
+            if native is not None and native.fuses_head:
+                multi_step_rows = native.max_rows
+                logger.info("up to %d greedy decode steps a step, in batches of up to %d rows",
+                            config.num_scheduler_steps, multi_step_rows - 1)
+            else:
+                logger.warning("--num-scheduler-steps %d runs as 1: it needs the native decode step with its output "
+                               "projection (%s)", config.num_scheduler_steps,
+                               "not this model's" if native is not None else "none here")
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks,
             block_size=config.block_size,
@@ -161,6 +179,8 @@ class LLMEngine:
             watermark_blocks=config.watermark_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
             speculative_config=self.speculative_config,
+            num_scheduler_steps=config.num_scheduler_steps,
+            multi_step_max_rows=multi_step_rows,
         ))
         self.vocab_size = self.model_config.vocab_size
         self.sampler = Sampler(self.vocab_size, self.device, seed=config.seed)
@@ -327,7 +347,11 @@ class LLMEngine:
         sampled: dict[str, int] = {}
         new_logprobs: dict[str, dict] = {}
         drafted: dict[str, tuple[int, list]] = {}  # verified drafts: outputs before, logprobs per token
-        if result.sample_counts is not None:
+        if result.step_token_ids is not None:
+            for req, tokens in zip(result.sample_requests, result.step_token_ids, strict=True):
+                sampled[req.request_id] = tokens
+                drafted[req.request_id] = (req.num_output_tokens, [])
+        elif result.sample_counts is not None:
             self._verify(scheduled, result, sampled, new_logprobs, drafted)
         elif result.sample_requests:
             # grammar bitmasks on the constrained rows only, before any sampling stage

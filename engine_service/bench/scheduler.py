@@ -66,15 +66,34 @@ class FakeKVRunner:
         bs = self.block_size
         return request.block_ids[pos // bs] * bs + pos % bs
 
+    def _steps(self, c) -> list[int]:
+        """A multi-step chunk (``num_steps``): each step writes its input at its slot, reads the
+        context back and "samples" the next input, as the native greedy steps do."""
+        req, tokens = c.request, []
+        context = list(req.all_token_ids[: c.start + 1])
+        for j in range(c.num_steps):
+            pos = c.start + j
+            self.slots[self.slot(req, pos)] = context[pos]
+            read = [self.slots[self.slot(req, q)] for q in range(pos + 1)]
+            if read != context:
+                raise AssertionError(f"request {req.request_id!r} reads a wrong KV context through its block table")
+            tokens.append(self.next_token(read))
+            context.append(tokens[-1])
+        return tokens
+
     def step(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
         """The sampled token per sampling chunk; for a chunk with drafts (speculative decoding), the
-        drafts kept while each equals the model's token before it, then the model's next token."""
+        drafts kept while each equals the model's token before it, then the model's next token; for a
+        multi-step chunk, each step's token."""
         for c in out.chunks:
             req = c.request
             for pos, token in enumerate(c.token_ids, start=c.start):
                 self.slots[self.slot(req, pos)] = token
         sampled: dict[str, int | list[int]] = {}
         for c in out.chunks:
+            if c.num_steps > 1:
+                sampled[c.request.request_id] = self._steps(c)
+                continue
             req = c.request
             drafts = c.draft_token_ids or []
             end = c.start + c.num_tokens

@@ -124,6 +124,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
 
+    def decodes_by_argmax(self, num_output_tokens: int) -> bool:
+        """Whether the token after ``num_output_tokens`` outputs is the argmax of the model's raw
+        logits and nothing else is asked of them: greedy, no logit bias, no penalty, no logprobs, no
+        structured output, and ``min_tokens`` reached (no stop token masked). The sampler's
+        metadata (``engine_service.sampling.metadata``) then leaves the row greedy and unprocessed,
+        so several such steps may run without it (``num_scheduler_steps``)."""
+        return (self.temperature < SAMPLING_EPS and not self.logit_bias and self.logprobs is None
+                and self.structured_outputs is None and num_output_tokens >= self.min_tokens
+                and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
+                and self.repetition_penalty == 1.0)
+
     @property
     def sampling_type(self) -> str:
         """``"greedy"``, ``"seeded"`` or ``"random"``."""

@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from engine_service.config import SchedulerConfig
+from engine_service.config import SchedulerConfig, check_num_scheduler_steps
 from engine_service.core.block_pool import ROOT_HASH, BlockPool, blocks_for_length, hash_block_tokens
 from engine_service.core.request import FinishReason, Request, RequestStatus
 from engine_service.core.scheduler_stats import SchedulerStats
@@ -95,6 +95,10 @@ class ScheduledChunk:
     # them); the engine samples every position of the chunk (``num_sample_rows``) and keeps the
     # drafts up to the first the model would not have produced
     draft_token_ids: list[int] | None = None
+    # greedy decode steps this chunk runs (``num_scheduler_steps``): a one-token decode whose KV slots
+    # reach num_steps tokens; each step's input is the step before's argmax, and the engine returns
+    # the num_steps tokens
+    num_steps: int = 1
 
     @property
     def num_draft_tokens(self) -> int:
@@ -181,6 +185,9 @@ class Scheduler:
         self.speculative_config = spec
         self.spec_stats = SpecDecodeStats(
             num_accepted_tokens_per_pos=[0] * (spec.num_speculative_tokens if spec is not None else 0))
+        check_num_scheduler_steps(config.num_scheduler_steps, spec is not None)
+        self.num_scheduler_steps = config.num_scheduler_steps
+        self.multi_step_max_rows = config.multi_step_max_rows
 
     # --- views ---
     @property
@@ -469,6 +476,9 @@ class Scheduler:
                     f"({pool.num_free_blocks}/{pool.num_total_blocks} blocks free)"
                 )
 
+        if (self.num_scheduler_steps > 1 and chunks and not preempted and not self._waiting
+                and len(chunks) < self.multi_step_max_rows):
+            self._multi_step(chunks)
         if chunks:
             self._stats.iterations += 1
         self._stats.schedule_calls += 1
@@ -492,30 +502,67 @@ class Scheduler:
             c = 1
         return c, c * weight
 
+    def _multi_step(self, chunks: list[ScheduledChunk]) -> None:
+        """Give a step of plain greedy decodes several decode steps (``num_scheduler_steps``): the
+        most that every request's ``max_tokens``, the context and the free blocks allow (beyond the
+        watermark: extra steps never preempt anyone, they shrink or vanish), the same for every row.
+        Runs after admission, and only when nothing waits: a request that arrives meanwhile waits
+        the burst out."""
+        steps = self.num_scheduler_steps
+        for chunk in chunks:
+            req = chunk.request
+            known = len(req._all_token_ids)
+            if (chunk.num_tokens != 1 or chunk.draft_token_ids or chunk.start + 1 != known
+                    or not req.sampling_params.decodes_by_argmax(known - req.num_prompt_tokens)):
+                return
+            steps = min(steps, 1 + self._extra_token_room(req, chunk.start, known, 0))
+        pool, bs = self.block_pool, self.block_size
+        while steps > 1:
+            need = sum(max(0, -(-(c.start + steps) // bs) - len(c.request.block_ids)) for c in chunks)
+            if need <= pool.num_free_blocks - self.watermark_blocks:
+                break
+            steps -= 1
+        if steps < 2:
+            return
+        for chunk in chunks:
+            req = chunk.request
+            grow = -(-(chunk.start + steps) // bs) - len(req.block_ids)
+            if grow > 0:
+                req.block_ids.extend(pool.allocate(grow))
+            # like drafts: the steps' KV counts as computed until update_from_output has their tokens
+            req.num_computed_tokens = chunk.start + steps
+            self._state[req.request_id].drafts_in_flight = steps - 1
+            chunk.num_steps = steps
+        self._stats.forwarded_tokens += len(chunks) * (steps - 1)
+
+    def _extra_token_room(self, req: Request, start: int, known: int, num_after: int) -> int:
+        """How many tokens a decoding request may compute this step beyond its one: within
+        ``max_tokens`` and the context (with the model's own token after them, the request holds at
+        most ``max_tokens`` outputs and ``max_model_len`` tokens, so its KV stays within what the
+        door promised), and within the free blocks beyond one per later running request
+        (``num_after``) and the watermark."""
+        limit = self.max_model_len - known - 1
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - (known - req.num_prompt_tokens) - 1)
+        if limit <= 0:
+            return 0
+        bs = self.block_size
+        have = len(req.block_ids)
+        base = max(have, -(-(start + 1) // bs))  # the blocks a plain decode needs
+        spare = self.block_pool.num_free_blocks - (base - have) - num_after - self.watermark_blocks
+        return max(0, min(limit, (base + max(0, spare)) * bs - start - 1))
+
     def _draft(self, req: Request, drafter: NgramDrafter, start: int, known: int, budget: int, pairs: int,
                num_after: int) -> list[int]:
         """The drafts of a decoding request this step: what its n-gram drafter proposes, within
 
         - the token budget, keeping one token for each of the ``num_after`` running requests after it
           (speculation never pushes a running request out of a step);
-        - ``max_tokens`` and the context: with every draft accepted plus the model's own token the
-          request holds at most ``max_tokens`` outputs and ``max_model_len`` tokens (so its KV stays
-          within what the door promised);
-        - the free blocks, beyond one per later running request and the watermark: drafts never
+        - ``max_tokens``, the context and the free blocks (``_extra_token_room``): drafts never
           preempt anyone, they shrink or vanish instead;
         - the step's attention pairs (a draft chunk attends like a prefill chunk)."""
-        limit = budget - 1 - num_after
-        max_tokens = req.sampling_params.max_tokens
-        if max_tokens is not None:
-            limit = min(limit, max_tokens - (known - req.num_prompt_tokens) - 1)
-        limit = min(limit, self.max_model_len - known - 1)
-        if limit <= 0:
-            return []
-        bs = self.block_size
-        have = len(req.block_ids)
-        base = max(have, -(-(start + 1) // bs))  # the blocks a plain decode needs
-        spare = self.block_pool.num_free_blocks - (base - have) - num_after - self.watermark_blocks
-        limit = min(limit, (base + max(0, spare)) * bs - start - 1)
+        limit = min(budget - 1 - num_after, self._extra_token_room(req, start, known, num_after))
         if limit <= 0:
             return []
         drafts = drafter.propose(req.all_token_ids, limit)
@@ -594,6 +641,11 @@ class Scheduler:
             if chunk.start + chunk.num_tokens != known and not chunk.draft_token_ids:
                 continue  # a prefill chunk that does not reach the end: nothing sampled
             token = sampled.get(req.request_id)
+            if chunk.num_steps > 1:
+                if self._update_multi_step(req, chunk, token):
+                    any_finished = True
+                result.append(req)
+                continue
             if chunk.draft_token_ids is not None or (token is not None and type(token) is not int):
                 if self._update_speculative(req, chunk, token):
                     any_finished = True
@@ -662,6 +714,34 @@ class Scheduler:
         if len(req.block_ids) > keep:
             self.block_pool.free(reversed(req.block_ids[keep:]))
             del req.block_ids[keep:]
+        if computed > st.high_water:
+            st.high_water = computed
+        self._register_full_blocks(req, st, computed)
+        return False
+
+    def _update_multi_step(self, req: Request, chunk: ScheduledChunk, tokens: int | list[int] | None) -> bool:
+        """Append a multi-step chunk's tokens, stopping at the first that ends the request (the
+        later ones were computed and are dropped with the request's blocks); when none does, every
+        step's KV is kept and the blocks they fill join the prefix cache. Returns whether the
+        request finished."""
+        st = self._state[req.request_id]
+        st.drafts_in_flight = 0
+        if type(tokens) is not list or len(tokens) != chunk.num_steps:
+            self._release(req)
+            req.finish(FinishReason.ERROR, error=f"the engine returned {tokens!r} for a step of {chunk.num_steps} "
+                       "decode steps: not one token a step")
+            return True
+        max_len = self.max_model_len
+        for token in tokens:
+            first = req.first_token_time is None
+            req.append_output_token(token)
+            if first:
+                req.first_token_time = self.clock()
+            if check_stop(req, max_len):
+                self._release(req)
+                self._stats.requests_finished += 1
+                return True
+        computed = chunk.start + chunk.num_steps
         if computed > st.high_water:
             st.high_water = computed
         self._register_full_blocks(req, st, computed)

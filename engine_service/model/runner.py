@@ -61,6 +61,9 @@ class RunnerOutput:
     # each row's argmax of ``sample_logits`` when the step computed it with them (the native step
     # does); None: not computed. The sampler's all-greedy rows take it instead of an argmax of their own.
     greedy_token_ids: list[int] | None = None
+    # a multi-step chunk's tokens (``ScheduledChunk.num_steps``), one list per request, in order: the
+    # step's native greedy steps took them; ``sample_logits`` then holds the last step's logits
+    step_token_ids: list[list[int]] | None = None
 
 
 class ModelRunner:
@@ -235,8 +238,38 @@ class ModelRunner:
             return self.compiled_decode(input_ids, positions, meta)
         return self.model(input_ids, positions, self.kv_caches, meta)
 
+    def _execute_steps(self, chunks: Sequence[Chunk], steps: int) -> RunnerOutput:
+        """A step of one-token greedy decodes, each run ``steps`` decode steps in one native call
+        (``NativeDecode.greedy_steps``): step j of a row at position start + j, its K/V in that
+        position's slot of the blocks the scheduler already gave the row."""
+        native = self.native_decode
+        if native is None or not native.fuses_head or not native.runs(len(chunks)):
+            raise RuntimeError(f"a step of {steps} decode steps needs the native decode step with its head")
+        bs = self.block_size
+        starts = [c.start for c in chunks]
+        width = max(max((p + steps - 1) // bs + 1 for p in starts), self.min_decode_width)
+        tables = np.zeros((len(chunks), width), dtype=np.int64)
+        for r, (chunk, p) in enumerate(zip(chunks, starts, strict=True)):
+            if getattr(chunk, "num_steps", 1) != steps or chunk.num_tokens != 1:
+                raise RuntimeError("a multi-step batch's chunks must all be one-token decodes of the same steps")
+            nb = (p + steps - 1) // bs + 1
+            tables[r, :nb] = chunk.request.block_ids[:nb]
+        positions = np.array(starts, dtype=np.int64)[None, :] + np.arange(steps, dtype=np.int64)[:, None]
+        rows = np.arange(len(chunks))[None, :]
+        slots = tables[rows, positions // bs] * bs + positions % bs
+        self.model.rotary.ensure_positions(int(positions.max()) + 1)
+        ids = torch.tensor([c.request.all_token_ids[p] for c, p in zip(chunks, starts, strict=True)], dtype=torch.long)
+        tokens, logits = native.greedy_steps(ids, torch.from_numpy(positions), torch.from_numpy(slots),
+                                             torch.from_numpy(tables), torch.from_numpy(positions + 1))
+        out = RunnerOutput(logits, [c.request for c in chunks])
+        out.step_token_ids = tokens.t().tolist()
+        return out
+
     @torch.inference_mode()
     def execute(self, chunks: Sequence[Chunk]) -> RunnerOutput:
+        steps = getattr(chunks[0], "num_steps", 1) if chunks else 1
+        if steps > 1:
+            return self._execute_steps(chunks, steps)
         input_ids, positions, meta, sample_rows = self.prepare(chunks)
         rows = input_ids.shape[0]
         native = self.native_decode

@@ -225,6 +225,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("--speculative-config: %s", exc)
         return 2
+    try:  # so does a number of scheduler steps that cannot work
+        from engine_service.config import check_num_scheduler_steps
+
+        check_num_scheduler_steps(getattr(args, "num_scheduler_steps", 1), spec is not None)
+    except ValueError as exc:
+        log.error("--num-scheduler-steps: %s", exc)
+        return 2
     try:
         if settings.metrics_port:  # fail now, not after loading the model
             check_port_free(settings.metrics_port, settings.metrics_host)

@@ -487,3 +487,24 @@ def test_input_logits_are_not_modified_and_workspace_is_reused():
         assert (again[0], again[1], again[2]) == (first[3], first[1], first[0])
     with pytest.raises(ValueError):
         s(torch.zeros(4, vocab + 1), reqs)
+
+
+@pytest.mark.parametrize("changes, outputs", [
+    ({}, 0), ({"temperature": 0.5}, 0), ({"temperature": 0.5, "seed": 2}, 0), ({"logprobs": 0}, 0),
+    ({"logit_bias": {3: 2.0}}, 0), ({"presence_penalty": 0.1}, 0), ({"frequency_penalty": -0.2}, 0),
+    ({"repetition_penalty": 1.1}, 0), ({"min_tokens": 2}, 1), ({"min_tokens": 2}, 2), ({"min_tokens": 2}, 3),
+    ({"min_tokens": 2, "ignore_eos": True}, 0), ({"structured_outputs": {"json_object": True}}, 0),
+])
+def test_decodes_by_argmax_is_what_the_sampler_leaves_greedy_and_unprocessed(changes, outputs):
+    """``SamplingParams.decodes_by_argmax``, which lets the scheduler run several greedy steps
+    without the sampler (``num_scheduler_steps``), promises no more than the sampler's metadata
+    grants: a greedy row, unprocessed, without logprobs. min_tokens with nothing to mask (EOS
+    ignored, no stop ids) is still refused: the promise may be narrower, never wider."""
+    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 8, **changes})
+    req = make_request(params, output=tuple(range(10, 10 + outputs)), eos=(1,))
+    meta = Sampler(len(LOGITS)).metadata([req])
+    plain = meta.greedy_rows == [0] and not meta.needs_processing and meta.num_logprobs == [None]
+    if params.decodes_by_argmax(outputs):
+        assert plain
+    expected = not changes or (changes == {"min_tokens": 2} and outputs >= 2)
+    assert params.decodes_by_argmax(outputs) is expected

@@ -36,6 +36,9 @@ def scenarios(draw, pressure: bool = False):
             st.integers(0, 3) if pressure else st.integers(0, 2) | st.integers(0, num_blocks + 1)
         ),
         enable_prefix_caching=draw(st.booleans()),
+        # several greedy decode steps a step (num_scheduler_steps) where no one waits
+        num_scheduler_steps=draw(st.sampled_from([1, 1, 3, 8])),
+        multi_step_max_rows=draw(st.integers(0, 6)),
     )
     pool_tokens = num_blocks * block_size
     # most requests are sized to pass the door (their KV fits the pool, so they compete for it);
@@ -140,7 +143,8 @@ def run_scenario(cfg: SchedulerConfig, specs: list[dict]) -> Scheduler:
         assert len(out.chunks) <= cfg.max_num_seqs
         assert len({c.request.request_id for c in out.chunks}) == len(out.chunks)
         for c in out.chunks:
-            assert c.num_tokens >= 1 and c.request.num_computed_tokens == c.start + c.num_tokens
+            assert c.num_tokens >= 1 and c.request.num_computed_tokens == c.start + c.num_tokens + c.num_steps - 1
+            assert c.num_steps == 1 or (c.num_tokens == 1 and len(out.chunks) < cfg.multi_step_max_rows)
         sampled = runner.step(out)  # the forward runs every scheduled chunk
         for rid in aborts_mid.get(step, []):
             for r in sched.abort_requests([rid]):
@@ -177,14 +181,17 @@ def run_scenario(cfg: SchedulerConfig, specs: list[dict]) -> Scheduler:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 5), st.integers(2, 12), st.integers(0, 4), st.booleans())
-def test_outputs_do_not_depend_on_pool_pressure_or_caching(block_size, budget, watermark, caching):
+@given(st.integers(1, 5), st.integers(2, 12), st.integers(0, 4), st.booleans(), st.sampled_from([1, 4]))
+def test_outputs_do_not_depend_on_pool_pressure_or_caching(block_size, budget, watermark, caching, steps):
     """Outputs depend on the context read back through the block tables: a tight pool (preemption,
-    recompute) and a roomy one, with and without the prefix cache, give the same tokens."""
+    recompute) and a roomy one, with and without the prefix cache, and with several decode steps a
+    step, give the same tokens."""
     prompts = [[1, 2, 3, 1, 2] * 2, [1, 2, 3, 1, 2, 3, 3], [2] * 9, [1, 2, 3, 1, 2] * 2 + [3]]
     results = []
-    for num_blocks, cache in ((blocks_for_length(22, block_size) + 1, caching), (200, False)):
+    for num_blocks, cache, multi in ((blocks_for_length(22, block_size) + 1, caching, steps), (200, False, 1)):
         cfg = SchedulerConfig(
+            num_scheduler_steps=multi,
+            multi_step_max_rows=5,
             num_blocks=num_blocks,
             block_size=block_size,
             max_num_seqs=4,
