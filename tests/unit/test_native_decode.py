@@ -233,14 +233,14 @@ def test_greedy_steps_are_single_steps_bit_for_bit(kind, request):
     seqs = _sequences(llm, [30, 17], seed=3)
     starts, steps = [30, 17], 5
     positions = torch.tensor([[p + j for p in starts] for j in range(steps)], dtype=torch.long)
-    slots = torch.tensor([[blocks[(p + j) // BLOCK] * BLOCK + (p + j) % BLOCK for (_, blocks), p in zip(seqs, starts)]
+    slots = torch.tensor([[blocks[(p + j) // BLOCK] * BLOCK + (p + j) % BLOCK for (_, blocks), p in zip(seqs, starts, strict=True)]
                           for j in range(steps)], dtype=torch.long)
     width = max(len(blocks) for _, blocks in seqs)
     tables = torch.tensor([blocks + [0] * (width - len(blocks)) for _, blocks in seqs], dtype=torch.long)
-    ids = torch.tensor([tokens[p] for (tokens, _), p in zip(seqs, starts)], dtype=torch.long)
+    ids = torch.tensor([tokens[p] for (tokens, _), p in zip(seqs, starts, strict=True)], dtype=torch.long)
     got, last = native.greedy_steps(ids, positions, slots, tables, positions + 1)
     assert got.shape == (steps, 2) and last.shape == (2, native.vocab_out)
-    inputs = [list(tokens[: p + 1]) for (tokens, _), p in zip(seqs, starts)]
+    inputs = [list(tokens[: p + 1]) for (tokens, _), p in zip(seqs, starts, strict=True)]
     for j in range(steps):
         chunks = [_chunk(inputs[r], seqs[r][1], starts[r] + j, 1) for r in range(2)]
         input_ids, pos, meta, _ = runner.prepare(chunks)
