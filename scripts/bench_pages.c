@@ -1,7 +1,7 @@
 /* The bfloat16 one-row products of SmolLM2-135M (121 of them, 269 MB in oneDNN's packed layout)
  * from 4 KiB pages and from 2 MiB huge pages, and each thread's share laid out in one contiguous
  * run instead of one buffer per product ("arena"). The loop is packed_gemv.c's own one-row loop
- * (block_sums, without its software prefetch, as on AMD), split between two threads as the
+ * (block_sums_256, the one-row loop without software prefetch, as on AMD), split between two threads as the
  * shipped kernel splits it (omp static over blocks of 64 outputs). The four variants alternate;
  * medians of 25. The weights are random bfloat16 values; every sum is kept live.
  *
@@ -80,7 +80,7 @@ int main(void) {
                     for (int64_t b = first; b < last; b++) {
                         const uint16_t *block = in_arena ? arena[huge][t] + offset[huge][t][i] + (b - first) * chunks * CHUNK
                                                          : separate[huge][i] + b * chunks * CHUNK;
-                        block_sums(block, x, chunks, 0, sums);
+                        block_sums_256(block, x, chunks, sums);
                         for (int r = 0; r < PG_BLOCK_N; r += 16) sink += sums[r] + sums[r + 1]; /* all four accumulators */
                     }
                 }

@@ -1,8 +1,8 @@
 /* SmolLM2-135M's 121 bfloat16 one-row products (269 MB in oneDNN's packed layout) each in its own
  * OpenMP parallel region, as packed_gemm_bf16 runs them, against all of them in one parallel
  * region whose threads meet at one barrier a product (an orphaned omp for): what forking and
- * joining the team for every product costs. The same loop either way (block_sums without software
- * prefetch, as on AMD); random weights on 2 MiB pages; the two alternate, medians of 30.
+ * joining the team for every product costs. The same loop either way (block_sums_256, the one-row
+ * loop without software prefetch, as on AMD); random weights on 2 MiB pages; the two alternate, medians of 30.
  *
  *   gcc -O3 -march=native -fopenmp -fno-math-errno scripts/bench_regions.c -o /tmp/bench_regions
  *   OMP_NUM_THREADS=2 /tmp/bench_regions
@@ -33,7 +33,7 @@ int main(void) {
                 #pragma omp for schedule(static)
                 for (int64_t b = 0; b < blocks; b++) {
                     float sums[PG_BLOCK_N];
-                    block_sums(w[i] + b * chunks * CHUNK, x, chunks, 0, sums);
+                    block_sums_256(w[i] + b * chunks * CHUNK, x, chunks, sums);
                     for (int j = 0; j < PG_BLOCK_N; j++) y[b * PG_BLOCK_N + j] = f32_to_bf16(sums[j]);
                 }
                 #pragma omp master

@@ -92,8 +92,9 @@ def test_one_row_runs_the_native_gemv_to_the_types_rounding(out_features, in_fea
 
 
 def test_one_row_is_the_same_with_and_without_its_prefetch():
-    """The one-row loop prefetches on some CPUs and not on others (packed_gemv.c): both loops must
-    compute the same sums, bit for bit, and the CPU's own choice must be one of them."""
+    """The one-row loop prefetches on some CPUs and not on others (packed_gemv.c: 512-bit loads with
+    prefetches, 256-bit ones without): both loops must compute the same sums, bit for bit, and the
+    CPU's own choice must be one of them."""
     _gemv_or_skip()
     from engine_service.model.native import native_library
 

@@ -82,7 +82,8 @@ int packed_gemv_set_prefetch(int mode) {
     return stream_prefetch();
 }
 
-/* the 64 sums of one block of rows, into out[64]; `stream`: prefetch the chunks two ahead. The same
+/* the 64 sums of one block of rows, into out[64]; `stream`: prefetch the chunks two ahead (one row
+ * without prefetches, as on AMD, takes block_sums_256 instead: the same sums). The same
  * sums as group_sums for one row, kept as its own loop because it is one stream's whole step:
  * group_sums(rows = 1) ran ~1% slower through the 121 products, the two alternating in one C
  * harness (docs/performance.md, tenth round). */
@@ -109,6 +110,32 @@ static inline __attribute__((always_inline)) void block_sums(const uint16_t *blo
     _mm512_storeu_ps(out + 16, acc1);
     _mm512_storeu_ps(out + 32, acc2);
     _mm512_storeu_ps(out + 48, acc3);
+}
+
+/* block_sums without prefetches (the loop AMD runs: stream_prefetch), in 256-bit halves: each
+ * 64-byte line as two loads of 8 rows x 2 inputs, eight accumulators of 8 rows. Every lane sums the
+ * same pairs in the same order with the same VDPBF16PS rounding, so the sums are block_sums' bit
+ * for bit. Why: Zen 4 splits each 512-bit operation in two 256-bit ones, and this loop streamed
+ * SmolLM2's 121 one-row products 1.07-1.08x faster than the 512-bit one while the VM's two vCPUs sat
+ * on two CCDs and 1.005-1.023x on one, the two alternating in one process on random weights
+ * (docs/performance.md, thirteenth round). */
+static inline __attribute__((always_inline)) void block_sums_256(const uint16_t *block, const uint16_t *x,
+                                                                 int64_t chunks, float *out) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks; c++) {
+        const uint16_t *chunk = block + c * CHUNK;
+        const uint16_t *xc = x + c * PG_BLOCK_K;
+        for (int pair = 0; pair < PG_BLOCK_K / 2; pair++) {
+            const uint16_t *wp = chunk + pair * 2 * PG_BLOCK_N;
+            uint32_t xp;
+            memcpy(&xp, xc + 2 * pair, sizeof xp);
+            const __m256bh xv = (__m256bh)_mm256_set1_epi32((int)xp);
+            for (int j = 0; j < 8; j++)
+                acc[j] = _mm256_dpbf16_ps(acc[j], (__m256bh)_mm256_loadu_si256((const __m256i *)(wp + 16 * j)), xv);
+        }
+    }
+    for (int j = 0; j < 8; j++) _mm256_storeu_ps(out + 8 * j, acc[j]);
 }
 
 /* Several rows where the CPU has no AMX (AMD Zen 4, Intel Cooper Lake): a group of up to
@@ -243,7 +270,7 @@ static void team_blocks(const uint16_t *w, const uint16_t *xp, int64_t ldx, cons
 #endif
         if (rows > 1) block_sums_rows(block, xp, ldx, (int)rows, chunks, sums);
         else if (prefetch) block_sums(block, xp, chunks, 1, sums);
-        else block_sums(block, xp, chunks, 0, sums);
+        else block_sums_256(block, xp, chunks, sums);
         const int64_t first = b * PG_BLOCK_N, count = n_out - first < PG_BLOCK_N ? n_out - first : PG_BLOCK_N;
         for (int64_t m = 0; m < rows; m++)
             for (int64_t r = 0; r < count; r++) {
