@@ -4,14 +4,18 @@ stream with the eleventh round's changes to what runs after the weights have flu
 same engine with them off; or (``--argmax``) the sampler taking the native step's argmax against
 computing its own; or (``--one-region``) a bfloat16 step's layers in one parallel region against
 one region for each product and each attention; or (``--collapse``) oneDNN's packed weights
-collapsed onto huge pages against a second engine left on 4 KiB pages.
+collapsed onto huge pages against a second engine left on 4 KiB pages; or (``--scheduler-steps
+N``) N greedy decode steps a scheduling step against one (``num_scheduler_steps``, the same
+engine switched between the two).
 
 `python scripts/bench_step_ab.py [--mode bfloat16-native] [--rounds 20]`
 `python scripts/bench_step_ab.py --argmax [--mode int4-native]`
 `python scripts/bench_step_ab.py --one-region`
 `python scripts/bench_step_ab.py --collapse [--rounds 40]`
+`python scripts/bench_step_ab.py --scheduler-steps 8 [--mode int4-native]`
 
-Each round times 20 engine steps of each variant (one stream, greedy, a 256-token prompt, the
+Each round times 20 engine steps of each variant (with ``--scheduler-steps N``: N tokens each way,
+and the median of the rounds' paired ratios) (one stream, greedy, a 256-token prompt, the
 context growing as it decodes) or, with ``--collapse``, 5 native steps and 5 LM-head products of
 each engine at context 320. Prints the medians and their ratio (docs/performance.md, eleventh and
 twelfth rounds).
@@ -88,6 +92,39 @@ def steps_ab(mode: str, rounds: int, argmax_only: bool = False, one_region: bool
           f"{sum(given)} of {len(given)} steps)")
 
 
+def scheduler_steps_ab(mode: str, rounds: int, steps: int) -> None:
+    from engine_service import LLM, SamplingParams
+    from engine_service.bench.modes import MODES
+
+    engine = LLM(None, **{**MODES[mode], "num_scheduler_steps": steps}).engine
+    if engine.scheduler.multi_step_max_rows == 0:
+        raise SystemExit(f"bench_step_ab: {mode} has no native decode step with its head on this machine")
+    prompt = [100 + (j * 7) % 4000 for j in range(256)]
+    params = SamplingParams(temperature=0.0, max_tokens=2 * steps * 16 + 1, ignore_eos=True)
+    per_token: dict[int, list[float]] = {1: [], steps: []}
+    ratios: list[float] = []
+    for r in range(rounds):  # a fresh stream every 16 pairs, so the context stays 256-512 tokens
+        if r % 16 == 0:
+            engine.abort_request([f"p{r - 16}"])
+            engine.add_request(f"p{r}", prompt, params)
+            req = engine.scheduler.get_request(f"p{r}")
+            engine.step()  # the prefill
+        pair = {}
+        for n in ((1, steps) if r % 2 == 0 else (steps, 1)):
+            engine.scheduler.num_scheduler_steps = n
+            before, started = req.num_output_tokens, time.perf_counter()
+            while req.num_output_tokens - before < steps:
+                engine.step()
+            pair[n] = (time.perf_counter() - started) / (req.num_output_tokens - before) * 1e3
+            per_token[n].append(pair[n])
+        ratios.append(pair[1] / pair[steps])
+    one, many = statistics.median(per_token[1]), statistics.median(per_token[steps])
+    print(f"{mode}, one stream: {one:.3f} ms a token one step at a time, {many:.3f} with {steps} steps a "
+          f"scheduling step; the median of {rounds} paired ratios {statistics.median(ratios):.3f}x "
+          f"(quartiles {statistics.quantiles(ratios, n=4)[0]:.3f}-{statistics.quantiles(ratios, n=4)[2]:.3f}; "
+          f"{steps} tokens each way a pair, in turn first; contexts 256-512)")
+
+
 def collapse_ab(rounds: int) -> None:
     import engine_service.model.prepacked as prepacked
     from engine_service import LLM
@@ -140,8 +177,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the native step's argmax handed to the sampler, on and off (twelfth round)")
     parser.add_argument("--one-region", action="store_true",
                         help="bfloat16: the step's layers in one parallel region, on and off (twelfth round)")
+    parser.add_argument("--scheduler-steps", type=int, default=0, metavar="N",
+                        help="N greedy decode steps a scheduling step against one (thirteenth round)")
     args = parser.parse_args(argv)
-    if args.collapse:
+    if args.scheduler_steps > 1:
+        scheduler_steps_ab(args.mode, args.rounds or 64, args.scheduler_steps)
+    elif args.collapse:
         collapse_ab(args.rounds or 40)
     else:
         steps_ab(args.mode, args.rounds or 20, argmax_only=args.argmax, one_region=args.one_region)

@@ -5,23 +5,32 @@ from __future__ import annotations
 from typing import Any
 
 
-def _mode(dtype: str, quantization: str | None = None, *, eager: bool = True, native: bool = False) -> dict[str, Any]:
-    return {"dtype": dtype, "quantization": quantization, "enforce_eager": eager, "native_decode": native}
+def _mode(dtype: str, quantization: str | None = None, *, eager: bool = True, native: bool = False,
+          steps: int = 1) -> dict[str, Any]:
+    mode = {"dtype": dtype, "quantization": quantization, "enforce_eager": eager, "native_decode": native}
+    return mode | ({"num_scheduler_steps": steps} if steps > 1 else {})
+
+
+# the decode steps a "-steps" mode runs a scheduling step (--num-scheduler-steps)
+MODE_SCHEDULER_STEPS = 8
 
 
 # mode name -> the LLM keywords that make it. "-compiled": torch.compile's decode step; "-native":
 # the decode step as one native call (engine_service.model.native_decode: int4, and bfloat16's
-# steps of up to 16 rows)
+# steps of up to 16 rows); "-steps": the native step, MODE_SCHEDULER_STEPS greedy decode steps a
+# scheduling step
 MODES: dict[str, dict[str, Any]] = {
     "float32": _mode("float32"),
     "float32-compiled": _mode("float32", eager=False),
     "bfloat16": _mode("bfloat16"),
     "bfloat16-compiled": _mode("bfloat16", eager=False),
     "bfloat16-native": _mode("bfloat16", eager=False, native=True),
+    "bfloat16-native-steps": _mode("bfloat16", eager=False, native=True, steps=MODE_SCHEDULER_STEPS),
     "int8-compiled": _mode("float32", "int8", eager=False),
     "int4": _mode("float32", "int4"),
     "int4-compiled": _mode("float32", "int4", eager=False),
     "int4-native": _mode("float32", "int4", eager=False, native=True),
+    "int4-native-steps": _mode("float32", "int4", eager=False, native=True, steps=MODE_SCHEDULER_STEPS),
     "bfloat16-int4": _mode("bfloat16", "int4"),
     "bfloat16-int4-compiled": _mode("bfloat16", "int4", eager=False),
 }
