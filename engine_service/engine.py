@@ -332,7 +332,7 @@ class LLMEngine:
 
     def step(self) -> list[EngineOutput]:
         scheduled = self.scheduler.schedule()
-        self.last_batch = (len(scheduled.chunks), scheduled.num_batched_tokens)
+        self.last_batch = (len(scheduled.chunks), scheduled.num_batched_tokens + scheduled.num_step_tokens)
         if not scheduled.chunks:
             return []
         result = self.runner.execute(scheduled.chunks)

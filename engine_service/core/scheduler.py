@@ -121,6 +121,8 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)  # running requests first, then newly admitted
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # tokens the chunks' extra decode steps forward beyond num_batched_tokens (num_scheduler_steps)
+    num_step_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -476,13 +478,15 @@ class Scheduler:
                     f"({pool.num_free_blocks}/{pool.num_total_blocks} blocks free)"
                 )
 
+        step_tokens = 0
         if (self.num_scheduler_steps > 1 and chunks and not preempted and not self._waiting
                 and len(chunks) < self.multi_step_max_rows):
-            self._multi_step(chunks)
+            step_tokens = self._multi_step(chunks)
         if chunks:
             self._stats.iterations += 1
         self._stats.schedule_calls += 1
-        return SchedulerOutput(chunks=chunks, preempted=preempted, num_batched_tokens=num_batched)
+        return SchedulerOutput(chunks=chunks, preempted=preempted, num_batched_tokens=num_batched,
+                               num_step_tokens=step_tokens)
 
     @staticmethod
     def _cut_chunk(req: Request, start: int, num_new: int, budget: int, pairs: int, first: bool) -> tuple[int, int]:
@@ -502,19 +506,19 @@ class Scheduler:
             c = 1
         return c, c * weight
 
-    def _multi_step(self, chunks: list[ScheduledChunk]) -> None:
+    def _multi_step(self, chunks: list[ScheduledChunk]) -> int:
         """Give a step of plain greedy decodes several decode steps (``num_scheduler_steps``): the
         most that every request's ``max_tokens``, the context and the free blocks allow (beyond the
         watermark: extra steps never preempt anyone, they shrink or vanish), the same for every row.
         Runs after admission, and only when nothing waits: a request that arrives meanwhile waits
-        the burst out."""
+        the burst out. Returns the tokens the extra steps forward."""
         steps = self.num_scheduler_steps
         for chunk in chunks:
             req = chunk.request
             known = len(req._all_token_ids)
             if (chunk.num_tokens != 1 or chunk.draft_token_ids or chunk.start + 1 != known
                     or not req.sampling_params.decodes_by_argmax(known - req.num_prompt_tokens)):
-                return
+                return 0
             steps = min(steps, 1 + self._extra_token_room(req, chunk.start, known, 0))
         pool, bs = self.block_pool, self.block_size
         while steps > 1:
@@ -523,7 +527,7 @@ class Scheduler:
                 break
             steps -= 1
         if steps < 2:
-            return
+            return 0
         for chunk in chunks:
             req = chunk.request
             grow = -(-(chunk.start + steps) // bs) - len(req.block_ids)
@@ -534,6 +538,7 @@ class Scheduler:
             self._state[req.request_id].drafts_in_flight = steps - 1
             chunk.num_steps = steps
         self._stats.forwarded_tokens += len(chunks) * (steps - 1)
+        return len(chunks) * (steps - 1)
 
     def _extra_token_room(self, req: Request, start: int, known: int, num_after: int) -> int:
         """How many tokens a decoding request may compute this step beyond its one: within

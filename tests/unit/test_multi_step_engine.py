@@ -67,6 +67,7 @@ def test_the_tokens_are_those_of_one_step_at_a_time_alone_and_batched(engines):
     assert [steps.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS] == alone
     # 20 tokens after the prefill's: bursts of 8, 8 and the 4 left, one row each
     assert spy.bursts == [(8, 1), (8, 1), (4, 1)] * len(PROMPTS)
+    assert steps.engine.last_batch == (1, 4)  # the last burst's row and the tokens it forwarded
     spy.bursts.clear()
     assert [o.outputs[0].token_ids for o in steps.generate(PROMPTS, GREEDY)] == alone
     assert spy.bursts and all(rows == len(PROMPTS) for _, rows in spy.bursts)

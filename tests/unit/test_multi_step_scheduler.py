@@ -46,6 +46,7 @@ def test_a_greedy_decode_runs_the_steps_and_keeps_their_kv():
     out, _ = run(sched, runner)
     (chunk,) = out.chunks
     assert chunk.num_steps == 4 and req.num_output_tokens == 5
+    assert out.num_batched_tokens == 1 and out.num_step_tokens == 3  # the token budget counts one a row
     assert req.num_computed_tokens == 6 + 4 == req.num_tokens - 1
     assert len(req.block_ids) == blocks_for_length(10, 4)
     counts = []
@@ -120,7 +121,7 @@ def test_a_batch_runs_the_same_steps_and_a_waiting_request_ends_bursts():
     sched.add_request(b)
     run(sched, runner)  # both prefill
     out, _ = run(sched, runner)
-    assert [c.num_steps for c in out.chunks] == [4, 4]
+    assert [c.num_steps for c in out.chunks] == [4, 4] and out.num_step_tokens == 6
     out, _ = run(sched, runner)  # b has one token left: the batch's steps are its
     assert [c.num_steps for c in out.chunks] == [1, 1] and b.is_finished
     late = request("r4", max_tokens=3)
