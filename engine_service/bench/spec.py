@@ -90,7 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")
     parser.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC), metavar="JSON",
                         help="the speculating engine's speculative_config (default: %(default)s)")
-    parser.add_argument("--mode", default="float32", choices=list(MODES),
+    # not the "-steps" modes: several decode steps a call and speculation exclude each other
+    parser.add_argument("--mode", default="float32", choices=[m for m in MODES if "num_scheduler_steps" not in MODES[m]],
                         help="the engine's mode, as `sluice bench anchor` names them (dtype, quantization, "
                              "compiled or eager; default: %(default)s)")
     parser.add_argument("--output-len", type=int, default=128, help="grounded workload: max tokens per request")
