@@ -346,7 +346,8 @@ class LLMEngine:
                 )
         sampled: dict[str, int] = {}
         new_logprobs: dict[str, dict] = {}
-        drafted: dict[str, tuple[int, list]] = {}  # verified drafts: outputs before, logprobs per token
+        # several tokens a request this step (verified drafts, multi-step tokens): outputs before, logprobs per token
+        drafted: dict[str, tuple[int, list]] = {}
         if result.step_token_ids is not None:
             for req, tokens in zip(result.sample_requests, result.step_token_ids, strict=True):
                 sampled[req.request_id] = tokens

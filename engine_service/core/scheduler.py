@@ -701,16 +701,8 @@ class Scheduler:
             self.spec_stats.observe(len(drafts), accepted)
             if st.drafter is not None:
                 st.drafter.observe(len(drafts), accepted)
-        max_len = self.max_model_len
-        for token in tokens:
-            first = req.first_token_time is None
-            req.append_output_token(token)
-            if first:
-                req.first_token_time = self.clock()
-            if check_stop(req, max_len):
-                self._release(req)
-                self._stats.requests_finished += 1
-                return True
+        if self._append_until_stop(req, tokens):
+            return True
         if not drafts:
             return False
         computed = chunk.start + len(tokens)  # the last token and the accepted drafts have KV
@@ -722,6 +714,22 @@ class Scheduler:
         if computed > st.high_water:
             st.high_water = computed
         self._register_full_blocks(req, st, computed)
+        return False
+
+    def _append_until_stop(self, req: Request, tokens: list[int]) -> bool:
+        """Append several tokens of one step (verified drafts, multi-step tokens), applying the
+        stopping rules after each: at the first that ends the request, release it and drop the rest.
+        Returns whether it finished."""
+        max_len = self.max_model_len
+        for token in tokens:
+            first = req.first_token_time is None
+            req.append_output_token(token)
+            if first:
+                req.first_token_time = self.clock()
+            if check_stop(req, max_len):
+                self._release(req)
+                self._stats.requests_finished += 1
+                return True
         return False
 
     def _update_multi_step(self, req: Request, chunk: ScheduledChunk, tokens: int | list[int] | None) -> bool:
@@ -736,16 +744,8 @@ class Scheduler:
             req.finish(FinishReason.ERROR, error=f"the engine returned {tokens!r} for a step of {chunk.num_steps} "
                        "decode steps: not one token a step")
             return True
-        max_len = self.max_model_len
-        for token in tokens:
-            first = req.first_token_time is None
-            req.append_output_token(token)
-            if first:
-                req.first_token_time = self.clock()
-            if check_stop(req, max_len):
-                self._release(req)
-                self._stats.requests_finished += 1
-                return True
+        if self._append_until_stop(req, tokens):
+            return True
         computed = chunk.start + chunk.num_steps
         if computed > st.high_water:
             st.high_water = computed
