@@ -247,7 +247,7 @@ class ModelRunner:
             raise RuntimeError(f"a step of {steps} decode steps needs the native decode step with its head")
         bs = self.block_size
         starts = [c.start for c in chunks]
-        width = max(max((p + steps - 1) // bs + 1 for p in starts), self.min_decode_width)
+        width = max((p + steps - 1) // bs + 1 for p in starts)
         tables = np.zeros((len(chunks), width), dtype=np.int64)
         for r, (chunk, p) in enumerate(zip(chunks, starts, strict=True)):
             if getattr(chunk, "num_steps", 1) != steps or chunk.num_tokens != 1:

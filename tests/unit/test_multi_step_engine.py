@@ -105,6 +105,26 @@ def test_requests_the_sampler_must_see_take_one_step_at_a_time(engines):
         assert got.token_ids == want.token_ids
 
 
+def test_the_runner_refuses_a_multi_step_batch_it_cannot_run(engines):
+    """The scheduler hands the runner only one-token decodes of one number of steps; anything else
+    is refused, not run."""
+    from types import SimpleNamespace
+
+    _, steps, _ = engines
+    runner = steps.engine.runner
+    req = SimpleNamespace(all_token_ids=[1, 2, 3], block_ids=[0])
+    mixed = [SimpleNamespace(request=req, start=2, num_tokens=1, num_steps=4),
+             SimpleNamespace(request=req, start=2, num_tokens=1, num_steps=3)]
+    with pytest.raises(RuntimeError, match="one-token decodes of the same steps"):
+        runner.execute(mixed)
+    native, runner.native_decode = runner.native_decode, None
+    try:
+        with pytest.raises(RuntimeError, match="needs the native decode step"):
+            runner.execute(mixed[:1])
+    finally:
+        runner.native_decode = native
+
+
 def test_the_engine_refuses_steps_that_cannot_work_before_loading_the_model(model_dir, monkeypatch):
     import engine_service.engine
 

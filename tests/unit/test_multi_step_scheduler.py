@@ -129,8 +129,19 @@ def test_a_batch_runs_the_same_steps_and_a_waiting_request_ends_bursts():
     out, _ = run(sched, runner)  # admitted at once: its prefill shares the step, a single one
     assert [c.request.request_id for c in out.chunks] == ["r1", "r4"]
     assert all(c.num_steps == 1 for c in out.chunks)
-    too_many, _ = make(steps=4, rows=2)
-    assert too_many.multi_step_max_rows == 2  # a batch of two rows or more decodes one step at a time
+
+
+def test_a_batch_as_wide_as_the_native_step_takes_decodes_one_step_at_a_time():
+    sched, runner = make(steps=4, rows=2)  # the native step runs fewer than two rows
+    a, b = request("r1", max_tokens=12), request("r2", max_tokens=5)
+    sched.add_request(a)
+    sched.add_request(b)
+    run(sched, runner)
+    while not b.is_finished:
+        out, _ = run(sched, runner)
+        assert [c.num_steps for c in out.chunks] == [1, 1]
+    out, _ = run(sched, runner)  # a alone: one row
+    assert [c.num_steps for c in out.chunks] == [4]
 
 
 def test_the_steps_shrink_to_the_free_blocks_and_never_preempt():
@@ -154,13 +165,19 @@ def test_the_context_bounds_the_steps():
     assert req.num_tokens == 12 and req.finish_reason is FinishReason.LENGTH
 
 
-def test_an_abort_between_schedule_and_update_frees_everything():
+def _scheduled_burst():
+    """A scheduler with one request whose step of 4 decode steps is scheduled, not yet updated."""
     sched, runner = make(steps=4)
     req = request("r1", max_tokens=20)
     sched.add_request(req)
     run(sched, runner)
     out = sched.schedule()
     assert out.chunks[0].num_steps == 4
+    return sched, runner, req, out
+
+
+def test_an_abort_between_schedule_and_update_frees_everything():
+    sched, runner, _, out = _scheduled_burst()
     sampled = runner.step(out)
     sched.abort_requests(["r1"])
     assert sched.update_from_output(out, sampled) == []
@@ -169,11 +186,7 @@ def test_an_abort_between_schedule_and_update_frees_everything():
 
 
 def test_an_engine_answer_of_the_wrong_length_ends_the_request_with_an_error():
-    sched, runner = make(steps=4)
-    req = request("r1", max_tokens=20)
-    sched.add_request(req)
-    run(sched, runner)
-    out = sched.schedule()
+    sched, _, req, out = _scheduled_burst()
     sched.update_from_output(out, {"r1": [1, 2]})
     assert req.finish_reason is FinishReason.ERROR and "4 decode steps" in req.error
     sched.check_invariants()

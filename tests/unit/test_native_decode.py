@@ -256,6 +256,8 @@ def test_greedy_steps_are_single_steps_bit_for_bit(kind, request):
         native.greedy_steps(ids[:1], positions, slots, tables, positions + 1)
     with pytest.raises(RuntimeError, match="out of range"):
         native.greedy_steps(torch.tensor([native.vocab_out + 7, 1]), positions, slots, tables, positions + 1)
+    with pytest.raises(RuntimeError, match="out of range"):  # no steps at all
+        native.greedy_steps(ids, positions[:0], slots[:0], tables, positions[:0] + 1)
 
 
 def test_a_bfloat16_step_in_one_parallel_region_is_the_same_step_bit_for_bit(bf16):
