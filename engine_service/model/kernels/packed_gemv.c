@@ -116,9 +116,9 @@ static inline __attribute__((always_inline)) void block_sums(const uint16_t *blo
  * 64-byte line as two loads of 8 rows x 2 inputs, eight accumulators of 8 rows. Every lane sums the
  * same pairs in the same order with the same VDPBF16PS rounding, so the sums are block_sums' bit
  * for bit. Why: Zen 4 splits each 512-bit operation in two 256-bit ones, and this loop streamed
- * SmolLM2's 121 one-row products 1.07-1.08x faster than the 512-bit one while the VM's two vCPUs sat
- * on two CCDs and 1.005-1.023x on one, the two alternating in one process on random weights
- * (docs/performance.md, thirteenth round). */
+ * SmolLM2's 121 one-row products 1.04-1.11x faster than the 512-bit one while the VM's two vCPUs sat
+ * on two CCDs and 1.03x on one, the two builds alternating in one process (docs/performance.md,
+ * thirteenth round). */
 static inline __attribute__((always_inline)) void block_sums_256(const uint16_t *block, const uint16_t *x,
                                                                  int64_t chunks, float *out) {
     __m256 acc[8];
