@@ -103,9 +103,10 @@ def scheduler_steps_ab(mode: str, rounds: int, steps: int) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=2 * steps * 16 + 1, ignore_eos=True)
     per_token: dict[int, list[float]] = {1: [], steps: []}
     ratios: list[float] = []
-    for r in range(rounds):  # a fresh stream every 16 pairs, so the context stays 256-512 tokens
+    # a fresh stream every 16 pairs, so the context stays 256-512 tokens; each ends on its max_tokens
+    # with its 16th pair
+    for r in range(rounds):
         if r % 16 == 0:
-            engine.abort_request([f"p{r - 16}"])
             engine.add_request(f"p{r}", prompt, params)
             req = engine.scheduler.get_request(f"p{r}")
             engine.step()  # the prefill
