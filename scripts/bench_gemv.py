@@ -7,7 +7,8 @@ otherwise: off on AMD), the paths alternating.
 
 `--int4`: one row (`--rows N`: N rows) through the same projections quantized to int4, the native
 kernel on its own layout (kernels/q4_gemv.c) against torch's packed int4 kernel, both taking the
-row as the engine's int4 layers do.
+row as the engine's int4 layers do; with `--prefetch-ab`, the native kernel with its one-row
+prefetch forced on and off as well.
 
 The 30 layers' four projections and the output projection (270 MB of bfloat16 weights, so they
 stream from memory as in a decode step, not from a cache) run back to back, the two paths
@@ -47,6 +48,24 @@ def _alternate(paths: dict, repeats: int) -> dict[str, list[float]]:
     return times
 
 
+def _prefetch_paths(name: str, fn, set_prefetch) -> dict:
+    """``fn`` with the kernel's one-row prefetch forced on and off (``set_prefetch``: the kernel's
+    override), the CPU's own choice first: the ratio against the other kernel is against it."""
+    default = set_prefetch(-1)
+
+    def with_prefetch(mode: int):
+        def run() -> None:
+            set_prefetch(mode)
+            try:
+                fn()
+            finally:
+                set_prefetch(-1)
+        return run
+
+    return {f"{name}, prefetch {'on' if m else 'off'}{' (default)' if m == default else ''}": with_prefetch(m)
+            for m in (default, 1 - default)}
+
+
 def int4_main(args: argparse.Namespace) -> None:
     from engine_service.model import quantization
 
@@ -71,7 +90,12 @@ def int4_main(args: argparse.Namespace) -> None:
     def run(layers):
         return lambda: [layer(xs[k]) for (_, _, k), layer in zip(shapes, layers, strict=True)]
 
-    times = _alternate({"native int4": run(native), "torch int4": run(packed)}, args.repeats)
+    paths = {"native int4": run(native)}
+    if args.prefetch_ab:
+        from engine_service.model.native import native_library
+
+        paths = _prefetch_paths("native int4", run(native), native_library().q4_gemv_set_prefetch)
+    times = _alternate({**paths, "torch int4": run(packed)}, args.repeats)
     print(f"{args.rows} float32 row(s) through {len(shapes)} int4 projections ({nbytes / 1e6:.0f} MB), torch "
           f"threads {torch.get_num_threads()}, median of {args.repeats}")
     rows = []
@@ -81,7 +105,7 @@ def int4_main(args: argparse.Namespace) -> None:
                      "min_ms": round(min(samples) * 1e3, 3), "max_ms": round(max(samples) * 1e3, 3)})
         print(f"{name:<12} {ms:>8.2f} ms {nbytes / ms / 1e6:>7.1f} GB/s  (range {min(samples) * 1e3:.2f}-"
               f"{max(samples) * 1e3:.2f})")
-    ratio = rows[1]["ms"] / rows[0]["ms"]
+    ratio = rows[-1]["ms"] / rows[0]["ms"]
     print(f"torch / native: {ratio:.2f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"bytes": nbytes, "rows_per_product": args.rows, "repeats": args.repeats,
@@ -96,7 +120,7 @@ def main() -> None:
     p.add_argument("--int4", action="store_true", help="the int4 kernels instead of the bfloat16 GEMV")
     p.add_argument("--rows", type=int, default=1, help="rows per product")
     p.add_argument("--prefetch-ab", action="store_true",
-                   help="also time the bfloat16 kernel with its one-row software prefetch forced on and off, alternating")
+                   help="also time the native kernel with its one-row software prefetch forced on and off, alternating")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if args.json is None:
@@ -124,32 +148,12 @@ def main() -> None:
         for (_, _, k), layer in zip(shapes, layers, strict=True):
             _packed_linear(xs[k], layer.packed, None)
 
-    paths = [("native GEMV", gemv), ("oneDNN", onednn)]
+    paths = {"native GEMV": gemv}
     if args.prefetch_ab:
         from engine_service.model.native import native_library
 
-        set_prefetch = native_library().packed_gemv_set_prefetch
-        default = set_prefetch(-1)
-
-        def with_prefetch(mode: int):
-            def run() -> None:
-                set_prefetch(mode)
-                try:
-                    gemv()
-                finally:
-                    set_prefetch(-1)
-            return run
-
-        # the CPU's own choice first: the oneDNN ratio below is against it
-        modes = [default, 1 - default]
-        paths = [(f"native, prefetch {'on' if m else 'off'}{' (default)' if m == default else ''}",
-                  with_prefetch(m)) for m in modes] + [("oneDNN", onednn)]
-    times: dict[str, list[float]] = {name: [] for name, _ in paths}
-    for _ in range(args.repeats):
-        for name, fn in paths:
-            started = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - started)
+        paths = _prefetch_paths("native", gemv, native_library().packed_gemv_set_prefetch)
+    times = _alternate({**paths, "oneDNN": onednn}, args.repeats)
     rows = []
     print(f"{args.rows} bfloat16 row(s) through {len(shapes)} projections ({nbytes / 1e6:.0f} MB), torch threads "
           f"{torch.get_num_threads()}, median of {args.repeats}")

@@ -3,7 +3,9 @@ stream with the eleventh round's changes to what runs after the weights have flu
 (``Runner._prepare_decodes``, ``sampler.ARGMAX_ROWS``, the logits from the native call) against the
 same engine with them off; or (``--argmax``) the sampler taking the native step's argmax against
 computing its own; or (``--one-region``) a bfloat16 step's layers in one parallel region against
-one region for each product and each attention; or (``--collapse``) oneDNN's packed weights
+one region for each product and each attention; or (``--prefetch``) the one-row products without
+their software prefetches (AMD's default) against with them (``q4_gemv_set_prefetch`` for int4
+modes, ``packed_gemv_set_prefetch`` for bfloat16); or (``--collapse``) oneDNN's packed weights
 collapsed onto huge pages against a second engine left on 4 KiB pages; or (``--scheduler-steps
 N``) N greedy decode steps a scheduling step against one (``num_scheduler_steps``, the same
 engine switched between the two).
@@ -11,6 +13,7 @@ engine switched between the two).
 `python scripts/bench_step_ab.py [--mode bfloat16-native] [--rounds 20]`
 `python scripts/bench_step_ab.py --argmax [--mode int4-native]`
 `python scripts/bench_step_ab.py --one-region`
+`python scripts/bench_step_ab.py --prefetch [--mode int4-native]`
 `python scripts/bench_step_ab.py --collapse [--rounds 40]`
 `python scripts/bench_step_ab.py --scheduler-steps 8 [--mode int4-native]`
 
@@ -18,7 +21,7 @@ Each round times 20 engine steps of each variant (with ``--scheduler-steps N``: 
 and the median of the rounds' paired ratios) (one stream, greedy, a 256-token prompt, the
 context growing as it decodes) or, with ``--collapse``, 5 native steps and 5 LM-head products of
 each engine at context 320. Prints the medians and their ratio (docs/performance.md, eleventh and
-twelfth rounds).
+twelfth rounds, fourteenth for ``--prefetch``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import time
 import torch
 
 
-def steps_ab(mode: str, rounds: int, argmax_only: bool = False, one_region: bool = False) -> None:
+def steps_ab(mode: str, rounds: int, argmax_only: bool = False, one_region: bool = False,
+             prefetch: bool = False) -> None:
     import engine_service.model.runner as runner_module
     import engine_service.sampling.sampler as sampler_module
     from engine_service import LLM, SamplingParams
@@ -67,11 +71,18 @@ def steps_ab(mode: str, rounds: int, argmax_only: bool = False, one_region: bool
 
         set_regions = native_library().decode_stack_set_one_region
         set_regions.restype, set_regions.argtypes = ctypes.c_int, [ctypes.c_int]
+    if prefetch:
+        from engine_service.model.native import native_library
+
+        library = native_library()
+        set_prefetch = library.q4_gemv_set_prefetch if "int4" in mode else library.packed_gemv_set_prefetch
     ms: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(rounds):
         for new in (False, True):
             if one_region:
                 set_regions(int(new))
+            elif prefetch:
+                set_prefetch(0 if new else 1)
             elif argmax_only:
                 engine.runner.execute = execute if new else without_argmax
             else:
@@ -84,7 +95,13 @@ def steps_ab(mode: str, rounds: int, argmax_only: bool = False, one_region: bool
             for _ in range(20):
                 engine.step()
             ms[new].append((time.perf_counter() - started) / 20 * 1e3)
+    if prefetch:
+        set_prefetch(-1)
     old, new = statistics.median(ms[False]), statistics.median(ms[True])
+    if prefetch:
+        print(f"{mode}, one stream: a step {old:.3f} ms with the one-row products' software prefetches, "
+              f"{new:.3f} ms without: {old / new:.3f}x (medians of {rounds} alternating rounds of 20 steps)")
+        return
     what = ("the step in one parallel region" if one_region else "the native step's argmax" if argmax_only
             else "the changes")
     print(f"{mode}, one stream: a step {old:.3f} ms without {what}, {new:.3f} ms with: {old / new:.3f}x "
@@ -178,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the native step's argmax handed to the sampler, on and off (twelfth round)")
     parser.add_argument("--one-region", action="store_true",
                         help="bfloat16: the step's layers in one parallel region, on and off (twelfth round)")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="the one-row products without their software prefetches against with them (fourteenth round)")
     parser.add_argument("--scheduler-steps", type=int, default=0, metavar="N",
                         help="N greedy decode steps a scheduling step against one (thirteenth round)")
     args = parser.parse_args(argv)
@@ -186,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.collapse:
         collapse_ab(args.rounds or 40)
     else:
-        steps_ab(args.mode, args.rounds or 20, argmax_only=args.argmax, one_region=args.one_region)
+        steps_ab(args.mode, args.rounds or 20, argmax_only=args.argmax, one_region=args.one_region,
+                 prefetch=args.prefetch)
     return 0
 
 

@@ -131,6 +131,28 @@ def test_rows_are_independent_and_threads_do_not_change_a_bit(rows, group):
     assert torch.equal(one, together)
 
 
+@pytest.mark.parametrize(("n", "k"), [(3072, 576), (200, 256)])  # 200: a last task of fewer blocks
+def test_one_row_is_the_same_with_and_without_its_prefetch(n, k):
+    """The one-row loop prefetches its codes on some CPUs and not on others (one_row_prefetch.h):
+    both must give the same sums, bit for bit, and the CPU's own choice must be one of them."""
+    from engine_service.model.native import native_library
+
+    set_prefetch = native_library().q4_gemv_set_prefetch
+    mod = QuantizedLinear.from_float(_weight(n, k, seed=3), None, "int4", torch.bfloat16)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(11))
+    try:
+        assert set_prefetch(1) == 1
+        on = mod(x)
+        assert set_prefetch(0) == 0
+        off = mod(x)
+    finally:
+        default = set_prefetch(-1)
+    assert default in (0, 1)
+    assert torch.equal(on, off)
+    assert torch.equal(mod(x), on)
+    assert on.abs().sum() > 0
+
+
 def test_a_cpu_with_amx_runs_the_tile_passes():
     """Where /proc/cpuinfo lists AMX-INT8, the build uses it (so the row tests above ran the tile
     passes, not only the VPDPBUSD ones); elsewhere it reports no AMX and the same tests hold."""

@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "one_row_prefetch.h"
 
 #define CHUNK (PG_BLOCK_N * PG_BLOCK_K) /* elements of one 64 x 32 chunk */
 
@@ -60,20 +61,14 @@ static inline void prefetch_lines(const uint16_t *chunk, int first, int count) {
     for (int line = first; line < first + count; line++) _mm_prefetch((const char *)chunk + 64 * line, _MM_HINT_T2);
 }
 
-/* Whether the one-row loop prefetches (groups of rows and the tiles always do): not on AMD. On an
- * AMD EPYC (Zen 4) VM the hardware prefetcher streams one row's chunks on its own and the
- * prefetches only cost: SmolLM2's 121 products ran 13-15% faster without them at one row, and 3-5%
- * slower without them at seven, each variant alternating with the other in one process
- * (scripts/bench_gemv.py --prefetch-ab; docs/performance.md, tenth round). The Intel VM of the
- * earlier rounds measured no loss from them at one row and needed them for the tiles, so Intel
- * keeps them. -1 until decided at the first product; packed_gemv_set_prefetch overrides it. */
+/* Whether the one-row loop prefetches (groups of rows and the tiles always do): the CPU's default
+ * (one_row_prefetch.h: not on AMD, where the bfloat16 one-row products ran 13-15% faster without
+ * them, and 3-5% slower without them at seven rows: scripts/bench_gemv.py --prefetch-ab). -1 until
+ * decided at the first product; packed_gemv_set_prefetch overrides it. */
 static int prefetch_mode = -1;
 
 static int stream_prefetch(void) {
-    if (prefetch_mode < 0) {
-        __builtin_cpu_init();
-        prefetch_mode = !__builtin_cpu_is("amd");
-    }
+    if (prefetch_mode < 0) prefetch_mode = one_row_prefetch_default();
     return prefetch_mode;
 }
 

@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "one_row_prefetch.h"
 
 #define NOCONTRACT __attribute__((optimize("fp-contract=off")))
 #define TASK_BLOCKS 4
@@ -104,6 +105,22 @@ static inline __m512 load_bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+/* Whether the one-row loop prefetches its codes (several rows always do): the CPU's default
+ * (one_row_prefetch.h: not on AMD, where SmolLM2's one-row int4 products ran 8-11% faster without
+ * them; scripts/bench_gemv.py --int4 --prefetch-ab). -1 until decided at the first product;
+ * q4_gemv_set_prefetch overrides it. */
+static int prefetch_mode = -1;
+
+static int stream_prefetch(void) {
+    if (prefetch_mode < 0) prefetch_mode = one_row_prefetch_default();
+    return prefetch_mode;
+}
+
+int q4_gemv_set_prefetch(int mode) {
+    prefetch_mode = mode < 0 ? -1 : mode != 0;
+    return stream_prefetch();
+}
+
 /* the sums of up to TASK_BLOCKS blocks (nb) for one quantized row, into out[nb * 16]: the
  * arithmetic of task_sums below for one row, kept as its own loop because task_sums instantiated
  * for one row ran slower, one stream's case (5-8% in one run, 1-6% in another, the two alternating
@@ -112,7 +129,7 @@ static inline __m512 load_bf16x16(const uint16_t *p) {
  * live in registers (with nb only known at run time they lived on the stack, and every VPDPBUSD
  * waited on a store and a reload: 1.3x slower in cache) */
 static inline __attribute__((always_inline)) void task_sums_row(const uint8_t *codes, const uint16_t *sz, int64_t b0, int nb, int64_t k, int64_t group,
-                      QRow x, float *out) {
+                      QRow x, const int stream, float *out) {
     const int64_t steps = k / Q4_STEP_K, groups = k / group, sub = group / Q4_XBLOCK;
     const __m512i low = _mm512_set1_epi8(15);
     const uint8_t *blk[TASK_BLOCKS];
@@ -136,7 +153,7 @@ static inline __attribute__((always_inline)) void task_sums_row(const uint8_t *c
                 const __m512i xa = _mm512_set1_epi32(lo4), xh = _mm512_set1_epi32(hi4);
                 const int64_t off = (xb * (Q4_XBLOCK / Q4_STEP_K) + t) * 64;
                 for (int i = 0; i < nb; i++) {
-                    _mm_prefetch((const char *)(blk[i] + off + 1024), _MM_HINT_T0);
+                    if (stream) _mm_prefetch((const char *)(blk[i] + off + 1024), _MM_HINT_T0);
                     const __m512i w = _mm512_loadu_si512(blk[i] + off);
                     isum[i] = _mm512_dpbusd_epi32(isum[i], _mm512_and_si512(w, low), xa);
                     isum[i] = _mm512_dpbusd_epi32(isum[i], _mm512_and_si512(_mm512_srli_epi16(w, 4), low), xh);
@@ -228,16 +245,17 @@ static inline __attribute__((always_inline)) void task_sums(const uint8_t *codes
         for (int i = 0; i < nb; i++) _mm512_storeu_ps(out + (r * TASK_BLOCKS + i) * Q4_BLOCK_N, acc[r][i]);
 }
 
-/* task_sums with nb and nrows as constants in each call (see above) */
+/* task_sums with nb and nrows as constants in each call (see above), and one row's `stream` */
 static void task_rows(const uint8_t *codes, const uint16_t *sz, int64_t b0, int nb, int64_t k, int64_t group,
-                      const QRow *x, int nrows, float *out) {
+                      const QRow *x, int nrows, int stream, float *out) {
     if (nb == TASK_BLOCKS) {
         if (nrows == 4) task_sums(codes, sz, b0, TASK_BLOCKS, k, group, x, 4, out);
         else if (nrows == 3) task_sums(codes, sz, b0, TASK_BLOCKS, k, group, x, 3, out);
         else if (nrows == 2) task_sums(codes, sz, b0, TASK_BLOCKS, k, group, x, 2, out);
-        else task_sums_row(codes, sz, b0, TASK_BLOCKS, k, group, x[0], out);
+        else if (stream) task_sums_row(codes, sz, b0, TASK_BLOCKS, k, group, x[0], 1, out);
+        else task_sums_row(codes, sz, b0, TASK_BLOCKS, k, group, x[0], 0, out);
     } else if (nrows == 1) {
-        task_sums_row(codes, sz, b0, nb, k, group, x[0], out);
+        task_sums_row(codes, sz, b0, nb, k, group, x[0], stream, out);
     } else {
         task_sums(codes, sz, b0, nb, k, group, x, nrows, out);
     }
@@ -372,6 +390,7 @@ static int run(const uint8_t *codes, const uint16_t *sz, const float *xf, int64_
         quantize_row(xf + m * k, k, group, r);
     }
     const int64_t blocks = n_pad / Q4_BLOCK_N, tasks = (blocks + TASK_BLOCKS - 1) / TASK_BLOCKS;
+    const int stream = stream_prefetch();
 #if defined(Q4_AMX)
     const int amx = rows >= AMX_MIN_ROWS && amx_usable();
     const int64_t pass_rows = amx ? AMX_ROWS : TASK_ROWS;
@@ -399,7 +418,7 @@ static int run(const uint8_t *codes, const uint16_t *sz, const float *xf, int64_
                 task_sums_amx(codes, sz, b0, nb, k, group, r, nrows, sums);
             } else
 #endif
-            task_rows(codes, sz, b0, nb, k, group, r, nrows, sums);
+            task_rows(codes, sz, b0, nb, k, group, r, nrows, stream, sums);
             const int64_t first = b0 * Q4_BLOCK_N;
             const int64_t count = n_out - first < nb * Q4_BLOCK_N ? n_out - first : nb * Q4_BLOCK_N;
             for (int j = 0; j < nrows; j++) {
@@ -443,6 +462,11 @@ int q4_linear_bf16(const uint8_t *codes, const uint16_t *scales_zeros, const uin
 int q4_gemv_supported(void) { return 0; }
 
 int q4_amx_usable(void) { return 0; }
+
+int q4_gemv_set_prefetch(int mode) {
+    (void)mode;
+    return 0;
+}
 
 int q4_linear_f32(const uint8_t *codes, const uint16_t *scales_zeros, const float *x, float *y, int64_t rows,
                   int64_t n_out, int64_t n_pad, int64_t k, int64_t group) {

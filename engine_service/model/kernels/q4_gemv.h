@@ -27,6 +27,11 @@ extern "C" {
 /* 1 when this build can run q4_linear (AVX512-VNNI and AVX512BW), else 0 */
 int q4_gemv_supported(void);
 
+/* whether one-row products prefetch their codes (several rows always do): 1 on, 0 off, -1 the
+ * CPU's default (one_row_prefetch.h: off on AMD, on elsewhere); returns the setting now in force.
+ * For benches: set it before a product runs, not while one does. */
+int q4_gemv_set_prefetch(int mode);
+
 /* 1 when products of AMX_MIN_ROWS rows or more take AMX tile passes: built with AMX-INT8, and
  * Linux granted this process the tile state; else 0 */
 int q4_amx_usable(void);
