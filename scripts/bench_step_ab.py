@@ -2,7 +2,7 @@
 stream with the eleventh round's changes to what runs after the weights have flushed the caches
 (``Runner._prepare_decodes``, ``sampler.ARGMAX_ROWS``, the logits from the native call) against the
 same engine with them off; or (``--argmax``) the sampler taking the native step's argmax against
-computing its own; or (``--one-region``) a bfloat16 step's layers in one parallel region against
+computing its own; or (``--one-region``) a native step's layers in one parallel region against
 one region for each product and each attention; or (``--prefetch``) the one-row products without
 their software prefetches (AMD's default) against with them (``q4_gemv_set_prefetch`` for int4
 modes, ``packed_gemv_set_prefetch`` for bfloat16); or (``--collapse``) oneDNN's packed weights
@@ -12,7 +12,7 @@ engine switched between the two).
 
 `python scripts/bench_step_ab.py [--mode bfloat16-native] [--rounds 20]`
 `python scripts/bench_step_ab.py --argmax [--mode int4-native]`
-`python scripts/bench_step_ab.py --one-region`
+`python scripts/bench_step_ab.py --one-region [--mode int4-native]`
 `python scripts/bench_step_ab.py --prefetch [--mode int4-native]`
 `python scripts/bench_step_ab.py --collapse [--rounds 40]`
 `python scripts/bench_step_ab.py --scheduler-steps 8 [--mode int4-native]`
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--argmax", action="store_true",
                         help="the native step's argmax handed to the sampler, on and off (twelfth round)")
     parser.add_argument("--one-region", action="store_true",
-                        help="bfloat16: the step's layers in one parallel region, on and off (twelfth round)")
+                        help="the native step's layers in one parallel region, on and off (twelfth round; int4: fourteenth)")
     parser.add_argument("--prefetch", action="store_true",
                         help="the one-row products without their software prefetches against with them (fourteenth round)")
     parser.add_argument("--scheduler-steps", type=int, default=0, metavar="N",

@@ -260,22 +260,24 @@ def test_greedy_steps_are_single_steps_bit_for_bit(kind, request):
         native.greedy_steps(ids, positions[:0], slots[:0], tables, positions[:0] + 1)
 
 
-def test_a_bfloat16_step_in_one_parallel_region_is_the_same_step_bit_for_bit(bf16):
-    """A bfloat16 stack runs its layers inside one parallel region, every thread doing the work
-    between the products and attentions on its own copy (``decode_stack_set_one_region``): its
-    logits and argmax equal those of the step that forks and joins the thread team for each
-    product and each attention, bit for bit, for one row and for a verifying step of several rows
-    beside another request, with every thread count from one to three (one thread takes the
-    plain path)."""
+@pytest.mark.parametrize("kind", ["int4", "bfloat16"])
+def test_a_step_in_one_parallel_region_is_the_same_step_bit_for_bit(kind, request):
+    """A stack runs its layers inside one parallel region, every thread doing the work between the
+    products and attentions on its own copy (int4: quantizing each product's input too;
+    ``decode_stack_set_one_region``): its logits and argmax equal those of the step that forks and
+    joins the thread team for each product and each attention, bit for bit, for one row and for a
+    verifying step of several rows beside another request, with every thread count from one to
+    three (one thread takes the plain path)."""
     import ctypes
 
     from engine_service.model.native import native_library
 
+    llm = request.getfixturevalue("llm" if kind == "int4" else "bf16")
     set_regions = native_library().decode_stack_set_one_region
     set_regions.restype, set_regions.argtypes = ctypes.c_int, [ctypes.c_int]
-    runner = bf16.engine.runner
+    runner = llm.engine.runner
     native = NativeDecode(runner.model, runner.kv_caches)
-    (tokens, blocks), (other, other_blocks) = _sequences(bf16, [40, 23], seed=9)
+    (tokens, blocks), (other, other_blocks) = _sequences(llm, [40, 23], seed=9)
     threads = torch.get_num_threads()
     try:
         for chunks in ([_chunk(other, other_blocks, 23, 1)],

@@ -7,7 +7,8 @@
  * arithmetic, was what kept one stream at ~1.3x llama.cpp (docs/performance.md). Here the products
  * (q4_gemv.c for int4, packed_gemv.c for bfloat16) and the attention (paged_decode_attention.c) are
  * the same kernels the eager forward calls, called from C; the elementwise work between them is a
- * few thousand values a row, done on the calling thread.
+ * few thousand values a row, done by every thread of the team on its own copy when the layers run
+ * in one parallel region (layers_in_one_region), else on the calling thread.
  *
  * Numerics follow the eager forward (engine_service/model/llama.py, layers.py): RMSNorm as
  * h * (1 / sqrt(mean(h^2) + eps)) then times the weight, rotary in the rotate_half convention from
@@ -177,71 +178,94 @@ static void to_bf16_rows(const float *x, int64_t rows, int64_t k, int64_t k_pad,
 }
 
 /* a product inside the region, by the whole team: the input from this thread's own copy, the output
- * through the shared bfloat16 buffer yb into this thread's own float copy y. Every thread must call it. */
-static void team_product(const StackWeight *w, const float *x, float *y, int64_t rows, uint16_t *xb,
-                         uint16_t *yb) {
-    to_bf16_rows(x, rows, w->k, w->extra, xb);
-    packed_gemm_bf16_team((const uint16_t *)w->data, xb, w->extra, yb, rows, w->n_out, w->n_pad, w->extra);
+ * through a shared buffer (ys: bfloat16 bits for a bfloat16 product, float32 for int4) into this
+ * thread's own float copy y. xb: this thread's scratch (the bfloat16 input; int4: its quantized
+ * rows). Every thread must call it. */
+static void team_product(int kind, const StackWeight *w, const float *x, float *y, int64_t rows, void *xb, void *ys) {
+    if (kind == STACK_INT4) {
+        q4_linear_f32_team((const uint8_t *)w->data, w->scales_zeros, x, (float *)ys, rows, w->n_out, w->n_pad, w->k,
+                           w->extra, xb);
+        memcpy(y, ys, sizeof(float) * (size_t)(rows * w->n_out));
+        return;
+    }
+    uint16_t *yb = (uint16_t *)ys;
+    to_bf16_rows(x, rows, w->k, w->extra, (uint16_t *)xb);
+    packed_gemm_bf16_team((const uint16_t *)w->data, (const uint16_t *)xb, w->extra, yb, rows, w->n_out, w->n_pad,
+                          w->extra);
     for (int64_t i = 0; i < rows * w->n_out; i++) y[i] = bf16_to_f32(yb[i]);
 }
 
-/* The bfloat16 layers in one parallel region, where they forked and joined the thread team for each
- * product and each attention: each product's blocks and each attention's partitions are shared out
- * (packed_gemm_bf16_team, paged_decode_attention_*_team) with a barrier at the end, and one more
- * after the thread that writes the next layer's q and K/V has written them. The work between the
- * products (residuals, norms, SiLU: a few thousand values) is done by every thread on its own copy of
- * the residual stream and of the products' inputs, so it needs no barrier and every copy holds the
- * same values; the products' outputs alternate between two shared buffers, so that a product's
- * writes cannot reach the one a slower thread is still reading. The numbers are those of
- * decode_stack's region-per-call loop bit for bit: the same operations on the same values. Why:
- * forking and joining the team cost ~2 us each time (docs/performance.md, twelfth round). */
-NOCONTRACT static int bf16_layers_in_one_region(const DecodeStack *s, const int64_t *ids, const int64_t *positions,
-                                             const float *cos_table, const float *sin_table, const int64_t *slots,
-                                             const int64_t *block_tables, int64_t table_width,
-                                             const int64_t *context_lens, int64_t rows, void *out, float *logits,
-                                             int64_t *argmax) {
+/* the bytes of a thread's product scratch (team_product's xb) for a product of `rows` rows */
+static int64_t product_scratch_bytes(int kind, const StackWeight *w, int64_t rows) {
+    return kind == STACK_INT4 ? q4_team_scratch_bytes(rows, w->k, w->extra) : rows * w->extra * 2;
+}
+
+/* The layers in one parallel region, where they forked and joined the thread team for each product
+ * and each attention: each product's blocks (bfloat16) or tasks (int4) and each attention's
+ * partitions are shared out (packed_gemm_bf16_team, q4_linear_f32_team,
+ * paged_decode_attention_*_team) with a barrier at the end, and one more after the thread that
+ * writes the next layer's q and K/V has written them. The work between the products (residuals,
+ * norms, SiLU, and int4's quantizing of each product's input: a few thousand values) is done by
+ * every thread on its own copy of the residual stream and of the products' inputs, so it needs no
+ * barrier and every copy holds the same values; the products' outputs alternate between two shared
+ * buffers, so that a product's writes cannot reach the one a slower thread is still reading. The
+ * numbers are those of decode_stack's region-per-call loop bit for bit: the same operations on the
+ * same values. Why: forking and joining the team cost ~2 us each time (docs/performance.md,
+ * twelfth round for bfloat16, fourteenth for int4). */
+NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *ids, const int64_t *positions,
+                                           const float *cos_table, const float *sin_table, const int64_t *slots,
+                                           const int64_t *block_tables, int64_t table_width,
+                                           const int64_t *context_lens, int64_t rows, void *out, float *logits,
+                                           int64_t *argmax) {
     const int64_t hidden = s->hidden, q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, inter = s->intermediate;
+    const int kind = s->kind, bf = kind == STACK_BF16;
     const int threads = omp_get_max_threads();
-    int64_t widest = 2 * inter > qkv_size ? 2 * inter : qkv_size, k_pad = 0;
+    int64_t widest = 2 * inter > qkv_size ? 2 * inter : qkv_size, xb_bytes = 0;
     if (logits != NULL && s->head.n_out > widest) widest = s->head.n_out;
     const StackWeight *ws[4] = {&s->layers[0].qkv, &s->layers[0].o, &s->layers[0].gate_up, &s->layers[0].down};
-    for (int i = 0; i < 4; i++) k_pad = ws[i]->extra > k_pad ? ws[i]->extra : k_pad;
-    if (s->head.extra > k_pad) k_pad = s->head.extra;
+    for (int i = 0; i < 4; i++) {
+        const int64_t b = product_scratch_bytes(kind, ws[i], rows);
+        xb_bytes = b > xb_bytes ? b : xb_bytes;
+    }
+    if (logits != NULL && product_scratch_bytes(kind, &s->head, rows) > xb_bytes)
+        xb_bytes = product_scratch_bytes(kind, &s->head, rows);
     /* per thread: the residual stream, a normed copy, a product's float output, the SiLU product, the
-     * products' bfloat16 input; shared: q, the attention output, two bfloat16 outputs */
-    const int64_t own = rows * (2 * hidden + widest + inter) + (rows * k_pad + 1) / 2;
-    const int64_t shared = rows * 2 * q_size + rows * widest; /* two bfloat16 buffers of `widest` */
+     * product scratch; shared: q, the attention output, two product outputs (float-sized, whichever
+     * the kind) */
+    const int64_t own = rows * (2 * hidden + widest + inter) + (xb_bytes + 3) / 4 + 16;
+    const int64_t shared = rows * 2 * q_size + 2 * rows * widest;
     float *scratch = (float *)malloc(sizeof(float) * (size_t)(threads * own + shared));
     if (scratch == NULL) return 1;
     float *q = scratch + threads * own, *attn = q + rows * q_size;
-    uint16_t *yb0 = (uint16_t *)(attn + rows * q_size), *yb1 = yb0 + rows * widest;
+    float *ys0 = attn + rows * q_size, *ys1 = ys0 + rows * widest;
 #define OWN(t) (scratch + (int64_t)(t) * own)
 #define X(t) OWN(t)
 #define NORMED(t) (OWN(t) + rows * hidden)
 #define TMP(t) (OWN(t) + 2 * rows * hidden)
 #define ACT(t) (OWN(t) + rows * (2 * hidden + widest))
-#define XB(t) ((uint16_t *)(OWN(t) + rows * (2 * hidden + widest + inter)))
+#define XB(t) ((void *)(OWN(t) + rows * (2 * hidden + widest + inter)))
     for (int t = 0; t < threads; t++)
         for (int64_t r = 0; r < rows; r++)
-            for (int64_t i = 0; i < hidden; i++) X(t)[r * hidden + i] = load(s->embed, ids[r] * hidden + i, 1);
+            for (int64_t i = 0; i < hidden; i++) X(t)[r * hidden + i] = load(s->embed, ids[r] * hidden + i, bf);
     /* the first layer's qkv before the loop: each pass of the loop ends in the next layer's */
     for (int64_t r = 0; r < rows; r++)
-        rms_norm(X(0) + r * hidden, s->layers[0].input_norm, hidden, s->eps, 1, NORMED(0) + r * hidden);
+        rms_norm(X(0) + r * hidden, s->layers[0].input_norm, hidden, s->eps, bf, NORMED(0) + r * hidden);
     PdaPlan plan; /* the step's attention partitions, the same in every layer */
     const int prc = pda_plan(&plan, context_lens, rows, s->heads, s->kv_heads, s->head_dim, threads);
     if (prc != 0) {
         free(scratch);
         return prc == 1 ? 1 : 3;
     }
-    const int rc = product(STACK_BF16, &s->layers[0].qkv, NORMED(0), TMP(0), rows, XB(0), yb0);
+    uint16_t *yb = (uint16_t *)ys0; /* the region-per-call product's bfloat16 output (product) */
+    const int rc = product(kind, &s->layers[0].qkv, NORMED(0), TMP(0), rows, (uint16_t *)XB(0), yb);
     if (rc == 0) rotate_and_cache(s, &s->layers[0], TMP(0), q, rows, positions, cos_table, sin_table, slots);
     if (rc == 0) {
       _Pragma("omp parallel num_threads(threads)")
       {
         const int t = omp_get_thread_num();
         float *x = X(t), *normed = NORMED(t), *tmp = TMP(t), *act = ACT(t);
-        uint16_t *xb = XB(t);
+        void *xb = XB(t);
         for (int64_t l = 0; l < s->num_layers; l++) {
             const StackLayer *layer = &s->layers[l], *next = l + 1 < s->num_layers ? layer + 1 : NULL;
             if (s->cache_bf16)
@@ -254,18 +278,19 @@ NOCONTRACT static int bf16_layers_in_one_region(const DecodeStack *s, const int6
                                                 (const float *)layer->v_cache, block_tables, table_width,
                                                 context_lens, attn, rows, s->heads, s->kv_heads, s->head_dim,
                                                 s->block_size, s->scale);
-            team_product(&layer->o, attn, tmp, rows, xb, yb0); /* attn rounds to bfloat16 as it converts */
-            for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + tmp[i], 1);
+            /* bfloat16: attn rounds to bfloat16 as the product converts it */
+            team_product(kind, &layer->o, attn, tmp, rows, xb, ys0);
+            for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + tmp[i], bf);
             for (int64_t r = 0; r < rows; r++)
-                rms_norm(x + r * hidden, layer->post_norm, hidden, s->eps, 1, normed + r * hidden);
-            team_product(&layer->gate_up, normed, tmp, rows, xb, yb1);
-            silu_rows(tmp, rows, inter, 1, act);
-            team_product(&layer->down, act, tmp, rows, xb, yb0);
-            for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + tmp[i], 1);
+                rms_norm(x + r * hidden, layer->post_norm, hidden, s->eps, bf, normed + r * hidden);
+            team_product(kind, &layer->gate_up, normed, tmp, rows, xb, ys1);
+            silu_rows(tmp, rows, inter, bf, act);
+            team_product(kind, &layer->down, act, tmp, rows, xb, ys0);
+            for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + tmp[i], bf);
             if (next != NULL) {
                 for (int64_t r = 0; r < rows; r++)
-                    rms_norm(x + r * hidden, next->input_norm, hidden, s->eps, 1, normed + r * hidden);
-                team_product(&next->qkv, normed, tmp, rows, xb, yb1);
+                    rms_norm(x + r * hidden, next->input_norm, hidden, s->eps, bf, normed + r * hidden);
+                team_product(kind, &next->qkv, normed, tmp, rows, xb, ys1);
                 if (t == 0) rotate_and_cache(s, next, tmp, q, rows, positions, cos_table, sin_table, slots);
                 _Pragma("omp barrier") /* q and the cache, before anyone attends */
             }
@@ -273,7 +298,7 @@ NOCONTRACT static int bf16_layers_in_one_region(const DecodeStack *s, const int6
       }
     }
     pda_plan_free(&plan);
-    const int frc = rc == 0 ? finish(s, X(0), NORMED(0), rows, out, logits, argmax, XB(0), yb0) : rc;
+    const int frc = rc == 0 ? finish(s, X(0), NORMED(0), rows, out, logits, argmax, (uint16_t *)XB(0), yb) : rc;
 #undef OWN
 #undef X
 #undef NORMED
@@ -312,9 +337,9 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
             !weight_ok(kind, &layer->gate_up, 2 * inter, hidden) || !weight_ok(kind, &layer->down, hidden, inter))
             return 2;
     }
-    if (kind == STACK_BF16 && omp_get_max_threads() > 1 && one_region)
-        return bf16_layers_in_one_region(s, ids, positions, cos_table, sin_table, slots, block_tables, table_width,
-                                      context_lens, rows, out, logits, argmax);
+    if (omp_get_max_threads() > 1 && one_region)
+        return layers_in_one_region(s, ids, positions, cos_table, sin_table, slots, block_tables, table_width,
+                                    context_lens, rows, out, logits, argmax);
     /* scratch, per row: the residual stream, a normed copy, q|k|v, q, the attention output, gate|up,
      * the SiLU product; and the bfloat16 products' input and output */
     const int64_t per_row = 2 * hidden + qkv_size + 2 * q_size + 3 * inter;

@@ -68,9 +68,10 @@ int decode_stack_steps(const DecodeStack *stack, const int64_t *ids, const int64
                        int64_t table_width, const int64_t *context_lens, int64_t rows, int64_t steps, float *logits,
                        int64_t *tokens);
 
-/* Whether a bfloat16 stack runs its layers in one parallel region (1, the default) or forks and
- * joins the thread team for each product and each attention (0); the two give the same numbers bit for bit. For tests and benches:
- * set it between steps. Returns the setting now in force. */
+/* Whether a stack (int4 or bfloat16) runs its layers in one parallel region (1, the default) or
+ * forks and joins the thread team for each product and each attention (0); the two give the same
+ * numbers bit for bit. For tests and benches: set it between steps. Returns the setting now in
+ * force. */
 int decode_stack_set_one_region(int on);
 
 /* The index of v's largest value, the first of equal ones, as torch's argmax picks it: a NaN counts

@@ -375,30 +375,29 @@ int q4_amx_usable(void) {
 #endif
 }
 
-/* x rows as float32 (bf16 input widened), quantized; then the tasks */
-static int run(const uint8_t *codes, const uint16_t *sz, const float *xf, int64_t rows, int64_t n_out, int64_t n_pad,
-               int64_t k, int64_t group, float *yf, uint16_t *yb) {
+/* rows of x, each quantized into q (rows x k) and scales (rows x (k / 32 + k / group): the
+ * activation scales, then the groups' sums) */
+static void quantize_rows(const float *x, int64_t rows, int64_t k, int64_t group, int8_t *q, float *scales) {
     const int64_t xblocks = k / Q4_XBLOCK, groups = k / group;
-    int8_t *q = (int8_t *)malloc((size_t)(rows * k));
-    float *scales = (float *)malloc(sizeof(float) * (size_t)(rows * (xblocks + groups)));
-    if (q == NULL || scales == NULL) {
-        free(q), free(scales);
-        return 1;
-    }
     for (int64_t m = 0; m < rows; m++) {
         QRow r = {q + m * k, scales + m * (xblocks + groups), scales + m * (xblocks + groups) + xblocks};
-        quantize_row(xf + m * k, k, group, r);
+        quantize_row(x + m * k, k, group, r);
     }
+}
+
+/* The tasks of a product of quantized rows, shared out over the calling team (an orphaned omp for,
+ * its barrier at the end): inside a parallel region each thread takes its tasks, outside one the
+ * caller takes them all. Outputs to yf (float32) or yb (bfloat16 bits). */
+static void team_tasks(const uint8_t *codes, const uint16_t *sz, const int8_t *q, const float *scales, int64_t rows,
+                       int64_t n_out, int64_t n_pad, int64_t k, int64_t group, int stream, float *yf, uint16_t *yb) {
+    const int64_t xblocks = k / Q4_XBLOCK, groups = k / group;
     const int64_t blocks = n_pad / Q4_BLOCK_N, tasks = (blocks + TASK_BLOCKS - 1) / TASK_BLOCKS;
-    const int stream = stream_prefetch();
 #if defined(Q4_AMX)
     const int amx = rows >= AMX_MIN_ROWS && amx_usable();
     const int64_t pass_rows = amx ? AMX_ROWS : TASK_ROWS;
 #else
     const int64_t pass_rows = TASK_ROWS;
 #endif
-    _Pragma("omp parallel")
-    {
     int configured = 0; /* the row count this thread's tiles are configured for */
     _Pragma("omp for schedule(static)")
     for (int64_t t = 0; t < tasks; t++) {
@@ -409,8 +408,8 @@ static int run(const uint8_t *codes, const uint16_t *sz, const float *xf, int64_
             const int nrows = (int)(rows - m0 < pass_rows ? rows - m0 : pass_rows);
             QRow r[MAX_PASS_ROWS];
             for (int j = 0; j < nrows; j++) {
-                float *rs = scales + (m0 + j) * (xblocks + groups);
-                r[j] = (QRow){q + (m0 + j) * k, rs, rs + xblocks};
+                float *rs = (float *)scales + (m0 + j) * (xblocks + groups);
+                r[j] = (QRow){(int8_t *)q + (m0 + j) * k, rs, rs + xblocks};
             }
 #if defined(Q4_AMX)
             if (amx && nrows > 1) {
@@ -435,9 +434,35 @@ static int run(const uint8_t *codes, const uint16_t *sz, const float *xf, int64_
     if (configured) _tile_release(); /* so the kernel need not save this thread's tiles */
 #endif
     (void)configured;
+}
+
+/* x rows as float32 (bf16 input widened), quantized; then the tasks */
+static int run(const uint8_t *codes, const uint16_t *sz, const float *xf, int64_t rows, int64_t n_out, int64_t n_pad,
+               int64_t k, int64_t group, float *yf, uint16_t *yb) {
+    int8_t *q = (int8_t *)malloc((size_t)(rows * k));
+    float *scales = (float *)malloc(sizeof(float) * (size_t)(rows * (k / Q4_XBLOCK + k / group)));
+    if (q == NULL || scales == NULL) {
+        free(q), free(scales);
+        return 1;
     }
+    quantize_rows(xf, rows, k, group, q, scales);
+    const int stream = stream_prefetch();
+    _Pragma("omp parallel")
+    team_tasks(codes, sz, q, scales, rows, n_out, n_pad, k, group, stream, yf, yb);
     free(q), free(scales);
     return 0;
+}
+
+int64_t q4_team_scratch_bytes(int64_t rows, int64_t k, int64_t group) {
+    return rows * k + (int64_t)sizeof(float) * rows * (k / Q4_XBLOCK + k / group);
+}
+
+void q4_linear_f32_team(const uint8_t *codes, const uint16_t *scales_zeros, const float *x, float *y, int64_t rows,
+                        int64_t n_out, int64_t n_pad, int64_t k, int64_t group, void *scratch) {
+    float *scales = (float *)scratch;
+    int8_t *q = (int8_t *)(scales + rows * (k / Q4_XBLOCK + k / group));
+    quantize_rows(x, rows, k, group, q, scales);
+    team_tasks(codes, scales_zeros, q, scales, rows, n_out, n_pad, k, group, stream_prefetch(), y, NULL);
 }
 
 int q4_linear_f32(const uint8_t *codes, const uint16_t *scales_zeros, const float *x, float *y, int64_t rows,
@@ -466,6 +491,17 @@ int q4_amx_usable(void) { return 0; }
 int q4_gemv_set_prefetch(int mode) {
     (void)mode;
     return 0;
+}
+
+int64_t q4_team_scratch_bytes(int64_t rows, int64_t k, int64_t group) {
+    (void)rows, (void)k, (void)group;
+    return 0;
+}
+
+void q4_linear_f32_team(const uint8_t *codes, const uint16_t *scales_zeros, const float *x, float *y, int64_t rows,
+                        int64_t n_out, int64_t n_pad, int64_t k, int64_t group, void *scratch) {
+    (void)codes, (void)scales_zeros, (void)x, (void)y, (void)rows, (void)n_out, (void)n_pad, (void)k, (void)group,
+        (void)scratch;
 }
 
 int q4_linear_f32(const uint8_t *codes, const uint16_t *scales_zeros, const float *x, float *y, int64_t rows,

@@ -46,6 +46,16 @@ int q4_linear_f32(const uint8_t *codes, const uint16_t *scales_zeros, const floa
 int q4_linear_bf16(const uint8_t *codes, const uint16_t *scales_zeros, const uint16_t *x, uint16_t *y,
                    int64_t rows, int64_t n_out, int64_t n_pad, int64_t k, int64_t group);
 
+/* q4_linear_f32 for a caller already inside a parallel region (decode_stack.c's int4 step): every
+ * thread of the team must call it with the same arguments but its own `scratch` (at least
+ * q4_team_scratch_bytes(rows, k, group) bytes, float-aligned), into which it quantizes the rows;
+ * the tasks are shared out (an orphaned omp for) and y, shared, is complete for every thread when
+ * it returns (the omp for's barrier). The sizes are not checked: the caller checked them once. The
+ * same outputs bit for bit as q4_linear_f32. */
+int64_t q4_team_scratch_bytes(int64_t rows, int64_t k, int64_t group);
+void q4_linear_f32_team(const uint8_t *codes, const uint16_t *scales_zeros, const float *x, float *y, int64_t rows,
+                        int64_t n_out, int64_t n_pad, int64_t k, int64_t group, void *scratch);
+
 /* out [n_pad][k] = (code - 8) * scale + zero in float32 without fused multiply-adds, one rounding
  * to the output type (the torch reference: quantization.dequantize_q4) */
 void dequantize_q4_f32(const uint8_t *codes, const uint16_t *scales_zeros, int64_t n_pad, int64_t k, int64_t group,
