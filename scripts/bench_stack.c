@@ -10,7 +10,13 @@
  *       -lm -o /tmp/bench_stack
  *   OMP_NUM_THREADS=2 /tmp/bench_stack [context] [rounds]
  *
- * Needs AVX512-BF16 and Linux (madvise). docs/performance.md, twelfth round. */
+ * Needs AVX512-BF16 and Linux (madvise). docs/performance.md, twelfth round.
+ *
+ * Built with -DSTACK_AB (scripts/bench_stack_ab.sh REV does it), it times this tree's decode_stack
+ * against another commit's (linked beside it as `before_decode_stack`), the two alternating step by
+ * step, each pair tagged with where the two threads sat (a cache line passed between them: under
+ * 80 ns one CCD, else two), and prints the median paired ratio per placement and whether the two
+ * gave the same logits bit for bit (docs/performance.md, fourteenth round). */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdio.h>
@@ -139,6 +145,74 @@ static void read_streams(int S) {
     sink += total;
 }
 
+#ifdef STACK_AB
+#include <stdatomic.h>
+
+static _Alignas(64) atomic_int flag;
+
+/* one way's latency in ns of a cache line handed between the two threads (scripts/bench_placement.c) */
+static double ping_pong(int iters) {
+    atomic_store(&flag, 0);
+    double started = 0, done = 0;
+#pragma omp parallel num_threads(2)
+    {
+        const int me = omp_get_thread_num();
+#pragma omp barrier
+        if (me == 0) started = now();
+        for (int i = 0; i < iters; i++) {
+            const int wait = 2 * i + me;
+            while (atomic_load_explicit(&flag, memory_order_acquire) != wait) {
+            }
+            atomic_store_explicit(&flag, wait + 1, memory_order_release);
+        }
+#pragma omp barrier
+        if (me == 0) done = now();
+    }
+    return (done - started) / iters / 2 * 1e9;
+}
+
+int before_decode_stack(const DecodeStack *s, const int64_t *ids, const int64_t *positions, const float *cos_table,
+                        const float *sin_table, int64_t num_positions, const int64_t *slots,
+                        const int64_t *block_tables, int64_t table_width, const int64_t *context_lens, int64_t rows,
+                        void *out, float *logits, int64_t *argmax);
+
+static int paired_ab(const DecodeStack *stack, int64_t context, int pairs, const float *cos_t, const float *sin_t,
+                     const int64_t *table) {
+    double *latency = malloc(sizeof(double) * pairs), *t[2] = {malloc(sizeof(double) * pairs), malloc(sizeof(double) * pairs)};
+    float *logits[2] = {malloc(sizeof(float) * VOCAB), malloc(sizeof(float) * VOCAB)};
+    int same = 1;
+    for (int n = -4; n < pairs; n++) {
+        const int64_t pos = context + (n < 0 ? 0 : n) % 200, id = (pos * 31) % VOCAB;
+        const int64_t slot = table[pos / BLOCK] * BLOCK + pos % BLOCK, len = pos + 1;
+        const double lat = ping_pong(3000);
+        for (int j = 0; j < 2; j++) {
+            const int after = (n + j + 8) % 2; /* in turn first */
+            const double t0 = now();
+            if ((after ? decode_stack : before_decode_stack)(stack, &id, &pos, cos_t, sin_t, POSITIONS, &slot, table,
+                                                              BLOCKS, &len, 1, NULL, logits[after], NULL))
+                abort();
+            if (n >= 0) t[after][n] = now() - t0;
+        }
+        same &= memcmp(logits[0], logits[1], sizeof(float) * VOCAB) == 0;
+        if (n >= 0) latency[n] = lat;
+    }
+    printf("context %lld-%lld, %d pairs of steps, the two alternating\n", (long long)context,
+           (long long)(context + (pairs < 200 ? pairs : 200) - 1), pairs);
+    for (int far = 0; far < 2; far++) {
+        double *ratio = malloc(sizeof(double) * pairs), *a = malloc(sizeof(double) * pairs), *b = malloc(sizeof(double) * pairs);
+        int c = 0;
+        for (int n = 0; n < pairs; n++)
+            if ((latency[n] >= 80) == far) ratio[c] = t[0][n] / t[1][n], a[c] = t[0][n], b[c] = t[1][n], c++;
+        if (c)
+            printf("%-9s %4d pairs: before %.3f ms, after %.3f ms, the median paired ratio (before / after) %.4f\n",
+                   far ? "two CCDs" : "one CCD", c, 1e3 * median(a, c), 1e3 * median(b, c), median(ratio, c));
+        free(ratio), free(a), free(b);
+    }
+    printf("the same logits bit for bit: %s\n", same ? "yes" : "no");
+    return 0;
+}
+#endif
+
 int main(int argc, char **argv) {
     const int64_t context = argc > 1 ? atoll(argv[1]) : 300;
     const int rounds = argc > 2 ? atoi(argv[2]) : 15;
@@ -173,6 +247,9 @@ int main(int argc, char **argv) {
         for (int i = 0; i < count; i++) b += (double)all[i]->n_pad * all[i]->k * 2;
         b;
     });
+#ifdef STACK_AB
+    return paired_ab(&stack, context, rounds * steps, cos_t, sin_t, table);
+#endif
     double *t_stack = malloc(sizeof(double) * rounds), *t_prod = malloc(sizeof(double) * rounds),
            *t_read = malloc(sizeof(double) * rounds), *t_one = malloc(sizeof(double) * rounds), *t_s2 = malloc(sizeof(double) * rounds), *t_s4 = malloc(sizeof(double) * rounds);
     for (int r = -2; r < rounds; r++) {

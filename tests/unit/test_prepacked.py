@@ -179,6 +179,26 @@ def test_several_rows_to_the_types_rounding_each_independent_of_the_others(out_f
         assert torch.equal(one, full)
 
 
+@pytest.mark.parametrize(("out_features", "in_features"), [(576, 1536), (960, 576), (3072, 576)])
+def test_products_do_not_depend_on_the_thread_count(out_features, in_features):
+    """Each output's sum is the same whichever thread computes its block: one to three threads give
+    the same outputs bit for bit, for one row and several."""
+    _gemv_or_skip()
+    gen = torch.Generator().manual_seed(out_features + in_features)
+    layer = PrepackedLinear((torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16(), None)
+    x = torch.randn(5, in_features, generator=gen).bfloat16()
+    threads = torch.get_num_threads()
+    got = {}
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            got[n] = (layer(x[:1]), layer(x))
+    finally:
+        torch.set_num_threads(threads)
+    for one, several in got.values():
+        assert torch.equal(one, got[1][0]) and torch.equal(several, got[1][1])
+
+
 def test_a_layout_that_does_not_check_out_keeps_onednn(monkeypatch):
     _gemv_or_skip()
     gen = torch.Generator().manual_seed(4)

@@ -181,7 +181,8 @@ static void to_bf16_rows(const float *x, int64_t rows, int64_t k, int64_t k_pad,
  * through a shared buffer (ys: bfloat16 bits for a bfloat16 product, float32 for int4) into this
  * thread's own float copy y. xb: this thread's scratch (the bfloat16 input; int4: its quantized
  * rows). Every thread must call it. */
-static void team_product(int kind, const StackWeight *w, const float *x, float *y, int64_t rows, void *xb, void *ys) {
+static void team_product(int kind, const StackWeight *w, const float *x, float *y, int64_t rows, void *xb, void *ys,
+                         PgTeam *team, uint32_t *tag) {
     if (kind == STACK_INT4) {
         q4_linear_f32_team((const uint8_t *)w->data, w->scales_zeros, x, (float *)ys, rows, w->n_out, w->n_pad, w->k,
                            w->extra, xb);
@@ -191,7 +192,7 @@ static void team_product(int kind, const StackWeight *w, const float *x, float *
     uint16_t *yb = (uint16_t *)ys;
     to_bf16_rows(x, rows, w->k, w->extra, (uint16_t *)xb);
     packed_gemm_bf16_team((const uint16_t *)w->data, (const uint16_t *)xb, w->extra, yb, rows, w->n_out, w->n_pad,
-                          w->extra);
+                          w->extra, team, ++*tag);
     for (int64_t i = 0; i < rows * w->n_out; i++) y[i] = bf16_to_f32(yb[i]);
 }
 
@@ -234,11 +235,13 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
      * product scratch; shared: q, the attention output, two product outputs (float-sized, whichever
      * the kind) */
     const int64_t own = rows * (2 * hidden + widest + inter) + (xb_bytes + 3) / 4 + 16;
-    const int64_t shared = rows * 2 * q_size + 2 * rows * widest;
+    const int64_t shared = rows * 2 * q_size + 2 * rows * widest + 32; /* + the PgTeam and its line */
     float *scratch = (float *)malloc(sizeof(float) * (size_t)(threads * own + shared));
     if (scratch == NULL) return 1;
     float *q = scratch + threads * own, *attn = q + rows * q_size;
     float *ys0 = attn + rows * q_size, *ys1 = ys0 + rows * widest;
+    /* shared by the products' claims, on a cache line of its own */
+    PgTeam *team = (PgTeam *)(((uintptr_t)(ys1 + rows * widest) + 63) & ~(uintptr_t)63);
 #define OWN(t) (scratch + (int64_t)(t) * own)
 #define X(t) OWN(t)
 #define NORMED(t) (OWN(t) + rows * hidden)
@@ -251,6 +254,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
     /* the first layer's qkv before the loop: each pass of the loop ends in the next layer's */
     for (int64_t r = 0; r < rows; r++)
         rms_norm(X(0) + r * hidden, s->layers[0].input_norm, hidden, s->eps, bf, NORMED(0) + r * hidden);
+    memset(team, 0, 64);
     PdaPlan plan; /* the step's attention partitions, the same in every layer */
     const int prc = pda_plan(&plan, context_lens, rows, s->heads, s->kv_heads, s->head_dim, threads);
     if (prc != 0) {
@@ -266,6 +270,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
         const int t = omp_get_thread_num();
         float *x = X(t), *normed = NORMED(t), *tmp = TMP(t), *act = ACT(t);
         void *xb = XB(t);
+        uint32_t tag = 0; /* this thread's count of the team's products: the same in every thread */
         for (int64_t l = 0; l < s->num_layers; l++) {
             const StackLayer *layer = &s->layers[l], *next = l + 1 < s->num_layers ? layer + 1 : NULL;
             if (s->cache_bf16)
@@ -279,18 +284,18 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
                                                 context_lens, attn, rows, s->heads, s->kv_heads, s->head_dim,
                                                 s->block_size, s->scale);
             /* bfloat16: attn rounds to bfloat16 as the product converts it */
-            team_product(kind, &layer->o, attn, tmp, rows, xb, ys0);
+            team_product(kind, &layer->o, attn, tmp, rows, xb, ys0, team, &tag);
             for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + tmp[i], bf);
             for (int64_t r = 0; r < rows; r++)
                 rms_norm(x + r * hidden, layer->post_norm, hidden, s->eps, bf, normed + r * hidden);
-            team_product(kind, &layer->gate_up, normed, tmp, rows, xb, ys1);
+            team_product(kind, &layer->gate_up, normed, tmp, rows, xb, ys1, team, &tag);
             silu_rows(tmp, rows, inter, bf, act);
-            team_product(kind, &layer->down, act, tmp, rows, xb, ys0);
+            team_product(kind, &layer->down, act, tmp, rows, xb, ys0, team, &tag);
             for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + tmp[i], bf);
             if (next != NULL) {
                 for (int64_t r = 0; r < rows; r++)
                     rms_norm(x + r * hidden, next->input_norm, hidden, s->eps, bf, normed + r * hidden);
-                team_product(kind, &next->qkv, normed, tmp, rows, xb, ys1);
+                team_product(kind, &next->qkv, normed, tmp, rows, xb, ys1, team, &tag);
                 if (t == 0) rotate_and_cache(s, next, tmp, q, rows, positions, cos_table, sin_table, slots);
                 _Pragma("omp barrier") /* q and the cache, before anyone attends */
             }

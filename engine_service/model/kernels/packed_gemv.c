@@ -244,38 +244,89 @@ static int use_tiles(void) {
 #endif
 }
 
-/* The block loop, shared out over the calling team (an orphaned omp for, its barrier at the end):
- * inside a parallel region each thread takes its blocks, outside one the caller takes them all.
- * x is whole chunks wide (k_pad), rows ldx elements apart. */
-static void team_blocks(const uint16_t *w, const uint16_t *xp, int64_t ldx, const uint16_t *bias, uint16_t *y,
-                        int64_t rows, int64_t n_out, int64_t n_pad, int64_t k_pad, int tiles, int prefetch) {
-    const int64_t blocks = n_pad / PG_BLOCK_N, chunks = k_pad / PG_BLOCK_K;
+/* block b's rows x 64 sums, stored to y with the bias */
+static inline void one_block(const uint16_t *w, const uint16_t *xp, int64_t ldx, const uint16_t *bias, uint16_t *y,
+                             int64_t rows, int64_t n_out, int64_t chunks, int tiles, int prefetch, int64_t b) {
+    float sums[PG_MAX_ROWS * PG_BLOCK_N];
+    const uint16_t *block = w + b * chunks * CHUNK;
 #if defined(PG_AMX)
-    if (tiles) PG_AMX_CONFIGURE((int)rows);
+    if (tiles) block_sums_amx(block, xp, ldx, chunks, sums);
+    else
 #else
     (void)tiles;
 #endif
-    _Pragma("omp for schedule(static)")
-    for (int64_t b = 0; b < blocks; b++) {
-        float sums[PG_MAX_ROWS * PG_BLOCK_N];
-        const uint16_t *block = w + b * chunks * CHUNK;
+    if (rows > 1) block_sums_rows(block, xp, ldx, (int)rows, chunks, sums);
+    else if (prefetch) block_sums(block, xp, chunks, 1, sums);
+    else block_sums_256(block, xp, chunks, sums);
+    const int64_t first = b * PG_BLOCK_N, count = n_out - first < PG_BLOCK_N ? n_out - first : PG_BLOCK_N;
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t r = 0; r < count; r++) {
+            const float sum = sums[m * PG_BLOCK_N + r];
+            y[m * n_out + first + r] = f32_to_bf16(bias != NULL ? sum + bf16_to_f32(bias[first + r]) : sum);
+        }
+}
+
+/* A team of two shares a product's blocks from both ends: thread 0 takes the first blocks in order,
+ * thread 1 the last, each a fixed three eighths or so; the quarter between them goes to whichever
+ * thread gets there first, a sixteenth of the product a claim (a compare-and-swap on `state`: the
+ * product's tag, the next block from the front, the block after the last one left from the back;
+ * each claim moves a cache line between the threads, so claims of one block each gave back part of
+ * the gain). Each thread's blocks stay one region of memory, and a thread that streams faster takes
+ * more. Why: on two CCDs
+ * each thread streams its own CCD's share, the two CCDs' rates drift apart by up to ~15% under
+ * the VM's neighbours, and with a fixed half each the faster thread waited for the slower at every
+ * product's barrier. A bfloat16 step ran 1.003-1.047x faster this way there (the median of nine runs
+ * 1.010), and as fast on one CCD (scripts/bench_stack_ab.sh; docs/performance.md, fourteenth
+ * round). Which thread computes a block does not change its sums. */
+static void blocks_from_both_ends(const uint16_t *w, const uint16_t *xp, int64_t ldx, const uint16_t *bias,
+                                  uint16_t *y, int64_t rows, int64_t n_out, int64_t blocks, int64_t chunks, int tiles,
+                                  int prefetch, PgTeam *team, uint32_t tag) {
+    const int me = omp_get_thread_num();
+    const int64_t shared = blocks >= 3 ? blocks / 4 : 0, front = (blocks - shared) / 2;
+    const int64_t back = blocks - shared - front, grain = shared / 4 > 1 ? shared / 4 : 1;
+    const uint64_t mine = (uint64_t)tag << 32;
+    for (uint64_t old = __atomic_load_n(&team->state, __ATOMIC_ACQUIRE); (old & ~0xffffffffull) != mine;) {
+        const uint64_t fresh = mine | (uint64_t)front << 16 | (uint64_t)(blocks - back);
+        if (__atomic_compare_exchange_n(&team->state, &old, fresh, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) break;
+    }
+    const int64_t lo = me == 0 ? 0 : blocks - back, hi = me == 0 ? front : blocks;
+    for (int64_t b = lo; b < hi; b++) one_block(w, xp, ldx, bias, y, rows, n_out, chunks, tiles, prefetch, b);
+    for (uint64_t old = __atomic_load_n(&team->state, __ATOMIC_ACQUIRE);;) {
+        const int64_t next = (int64_t)(old >> 16 & 0xffff), end = (int64_t)(old & 0xffff);
+        if (next >= end) break;
+        const int64_t n = end - next < grain ? end - next : grain;
+        const uint64_t claimed = me == 0 ? mine | (uint64_t)(next + n) << 16 | (uint64_t)end
+                                         : mine | (uint64_t)next << 16 | (uint64_t)(end - n);
+        if (!__atomic_compare_exchange_n(&team->state, &old, claimed, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            continue; /* old now holds the state another claim left */
+        for (int64_t b = me == 0 ? next : end - n; b < (me == 0 ? next + n : end); b++)
+            one_block(w, xp, ldx, bias, y, rows, n_out, chunks, tiles, prefetch, b);
+        old = __atomic_load_n(&team->state, __ATOMIC_ACQUIRE);
+    }
+}
+
+/* The block loop, shared out over the calling team, its barrier at the end: inside a parallel
+ * region each thread takes its blocks, outside one the caller takes them all. A team of two with
+ * `team` shares them from both ends (blocks_from_both_ends; `tag` tells this product's claims from
+ * the last one's); other teams take equal runs (an orphaned omp for). x is whole chunks wide
+ * (k_pad), rows ldx elements apart. */
+static void team_blocks(const uint16_t *w, const uint16_t *xp, int64_t ldx, const uint16_t *bias, uint16_t *y,
+                        int64_t rows, int64_t n_out, int64_t n_pad, int64_t k_pad, int tiles, int prefetch,
+                        PgTeam *team, uint32_t tag) {
+    const int64_t blocks = n_pad / PG_BLOCK_N, chunks = k_pad / PG_BLOCK_K;
 #if defined(PG_AMX)
-        if (tiles) block_sums_amx(block, xp, ldx, chunks, sums);
-        else
+    if (tiles) PG_AMX_CONFIGURE((int)rows);
 #endif
-        if (rows > 1) block_sums_rows(block, xp, ldx, (int)rows, chunks, sums);
-        else if (prefetch) block_sums(block, xp, chunks, 1, sums);
-        else block_sums_256(block, xp, chunks, sums);
-        const int64_t first = b * PG_BLOCK_N, count = n_out - first < PG_BLOCK_N ? n_out - first : PG_BLOCK_N;
-        for (int64_t m = 0; m < rows; m++)
-            for (int64_t r = 0; r < count; r++) {
-                const float sum = sums[m * PG_BLOCK_N + r];
-                y[m * n_out + first + r] = f32_to_bf16(bias != NULL ? sum + bf16_to_f32(bias[first + r]) : sum);
-            }
+    if (team != NULL && omp_get_num_threads() == 2 && blocks <= 0xffff) {
+        blocks_from_both_ends(w, xp, ldx, bias, y, rows, n_out, blocks, chunks, tiles, prefetch, team, tag);
+    } else {
+        _Pragma("omp for schedule(static) nowait")
+        for (int64_t b = 0; b < blocks; b++) one_block(w, xp, ldx, bias, y, rows, n_out, chunks, tiles, prefetch, b);
     }
 #if defined(PG_AMX)
     if (tiles) _tile_release(); /* so the kernel need not save this thread's tiles */
 #endif
+    _Pragma("omp barrier")
 }
 
 int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t rows,
@@ -291,15 +342,16 @@ int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
     const uint16_t *xp = padded != NULL ? padded : x;
     const int64_t ldx = padded != NULL ? k_pad : k_in;
     const int tiles = rows > 1 && use_tiles(), prefetch = stream_prefetch();
+    PgTeam team = {0};
     _Pragma("omp parallel")
-    team_blocks(w, xp, ldx, bias, y, rows, n_out, n_pad, k_pad, tiles, prefetch);
+    team_blocks(w, xp, ldx, bias, y, rows, n_out, n_pad, k_pad, tiles, prefetch, &team, 1);
     free(padded);
     return 0;
 }
 
 void packed_gemm_bf16_team(const uint16_t *w, const uint16_t *x, int64_t ldx, uint16_t *y, int64_t rows,
-                           int64_t n_out, int64_t n_pad, int64_t k_pad) {
-    team_blocks(w, x, ldx, NULL, y, rows, n_out, n_pad, k_pad, rows > 1 && use_tiles(), stream_prefetch());
+                           int64_t n_out, int64_t n_pad, int64_t k_pad, PgTeam *team, uint32_t tag) {
+    team_blocks(w, x, ldx, NULL, y, rows, n_out, n_pad, k_pad, rows > 1 && use_tiles(), stream_prefetch(), team, tag);
 }
 
 int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t n_out,
@@ -325,8 +377,8 @@ int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
 }
 
 void packed_gemm_bf16_team(const uint16_t *w, const uint16_t *x, int64_t ldx, uint16_t *y, int64_t rows,
-                           int64_t n_out, int64_t n_pad, int64_t k_pad) {
-    (void)w, (void)x, (void)ldx, (void)y, (void)rows, (void)n_out, (void)n_pad, (void)k_pad;
+                           int64_t n_out, int64_t n_pad, int64_t k_pad, PgTeam *team, uint32_t tag) {
+    (void)w, (void)x, (void)ldx, (void)y, (void)rows, (void)n_out, (void)n_pad, (void)k_pad, (void)team, (void)tag;
 }
 
 int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t n_out,

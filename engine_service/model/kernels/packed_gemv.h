@@ -43,15 +43,23 @@ int packed_gemm_bf16_max_rows(void);
 int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t rows,
                      int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_pad);
 
+/* What a team of two shares to split a product's blocks as they stream (packed_gemv.c,
+ * blocks_from_both_ends): zero before the team's first product. */
+typedef struct {
+    uint64_t state;
+} PgTeam;
+
 /* packed_gemm_bf16 without a parallel region of its own, for a caller already inside one: the
- * calling team shares the blocks out (omp for) and meets at a barrier at the end, so every thread
- * of the team must call it with the same arguments. No bias; x is whole chunks wide (k_pad, its
- * padding zeros), its rows ldx elements apart; rows and sizes as packed_gemm_bf16 takes them,
- * unchecked (the caller checks them first). Why: a decode step's products forked and joined the
- * thread team once each, and that cost ~2-4% of a bfloat16 step (docs/performance.md, twelfth
- * round). */
+ * calling team shares the blocks out and meets at a barrier at the end, so every thread of the
+ * team must call it with the same arguments: the same `team` (shared, zeroed before the first
+ * product) and a `tag` that differs from the one of the team's product before (a count of the
+ * products from 1). No bias; x is whole chunks wide (k_pad, its padding zeros), its rows ldx
+ * elements apart; rows and sizes as packed_gemm_bf16 takes them, unchecked (the caller checks them
+ * first). The same outputs bit for bit as packed_gemm_bf16. Why: a decode step's products forked
+ * and joined the thread team once each, and that cost ~2-4% of a bfloat16 step
+ * (docs/performance.md, twelfth round). */
 void packed_gemm_bf16_team(const uint16_t *w, const uint16_t *x, int64_t ldx, uint16_t *y, int64_t rows,
-                           int64_t n_out, int64_t n_pad, int64_t k_pad);
+                           int64_t n_out, int64_t n_pad, int64_t k_pad, PgTeam *team, uint32_t tag);
 
 #ifdef __cplusplus
 }
