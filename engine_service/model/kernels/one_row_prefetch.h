@@ -1,7 +1,7 @@
 /* Whether a one-row product's loop issues software prefetches for its weights, by default: not on
  * AMD, yes elsewhere. On an AMD EPYC (Zen 4) VM the hardware prefetcher streams one row's weights
  * on its own and the prefetches only cost: SmolLM2's 121 one-row products ran 13-15% faster
- * without them in bfloat16 (packed_gemv.c, tenth round) and 8-11% faster in int4 (q4_gemv.c,
+ * without them in bfloat16 (packed_gemv.c, tenth round) and 1.10-1.21x faster in int4 (q4_gemv.c,
  * fourteenth round), each variant alternating with the other in one process
  * (docs/performance.md). The Intel VM of the earlier rounds measured no loss from them at one row,
  * so Intel keeps them. Each kernel keeps its own override for its bench (packed_gemv_set_prefetch,

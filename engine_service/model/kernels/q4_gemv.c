@@ -106,9 +106,10 @@ static inline __m512 load_bf16x16(const uint16_t *p) {
 }
 
 /* Whether the one-row loop prefetches its codes (several rows always do): the CPU's default
- * (one_row_prefetch.h: not on AMD, where SmolLM2's one-row int4 products ran 8-11% faster without
- * them; scripts/bench_gemv.py --int4 --prefetch-ab). -1 until decided at the first product;
- * q4_gemv_set_prefetch overrides it. */
+ * (one_row_prefetch.h: not on AMD, where SmolLM2's one-row int4 products ran 1.10-1.21x faster
+ * without them, the builds before and after alternating in one C harness; scripts/bench_q4.c
+ * switches them in one build). -1 until decided at the first product; q4_gemv_set_prefetch
+ * overrides it. */
 static int prefetch_mode = -1;
 
 static int stream_prefetch(void) {
