@@ -8,40 +8,10 @@
  * Prints each sample as "latency ns/GB/s", then the mean bandwidth of the samples whose latency
  * says "one CCD" (under 80 ns) and of the others (docs/performance.md, tenth round). Needs AVX-512. */
 #include <immintrin.h>
-#include <omp.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <time.h>
 
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-static _Alignas(64) atomic_int flag;
-
-/* one way's latency, in ns: a line handed from thread 0 to 1 and back `iters` times */
-static double ping_pong(int iters) {
-    atomic_store(&flag, 0);
-    double started = 0, done = 0;
-#pragma omp parallel num_threads(2)
-    {
-        const int me = omp_get_thread_num();
-#pragma omp barrier
-        if (me == 0) started = now();
-        for (int i = 0; i < iters; i++) {
-            const int wait = 2 * i + me;
-            while (atomic_load_explicit(&flag, memory_order_acquire) != wait) {
-            }
-            atomic_store_explicit(&flag, wait + 1, memory_order_release);
-        }
-#pragma omp barrier
-        if (me == 0) done = now();
-    }
-    return (done - started) / iters / 2 * 1e9;
-}
+#include "bench_harness.h"
 
 int main(int argc, char **argv) {
     const int samples = argc > 1 ? atoi(argv[1]) : 150;

@@ -146,31 +146,6 @@ static void read_streams(int S) {
 }
 
 #ifdef STACK_AB
-#include <stdatomic.h>
-
-static _Alignas(64) atomic_int flag;
-
-/* one way's latency in ns of a cache line handed between the two threads (scripts/bench_placement.c) */
-static double ping_pong(int iters) {
-    atomic_store(&flag, 0);
-    double started = 0, done = 0;
-#pragma omp parallel num_threads(2)
-    {
-        const int me = omp_get_thread_num();
-#pragma omp barrier
-        if (me == 0) started = now();
-        for (int i = 0; i < iters; i++) {
-            const int wait = 2 * i + me;
-            while (atomic_load_explicit(&flag, memory_order_acquire) != wait) {
-            }
-            atomic_store_explicit(&flag, wait + 1, memory_order_release);
-        }
-#pragma omp barrier
-        if (me == 0) done = now();
-    }
-    return (done - started) / iters / 2 * 1e9;
-}
-
 int before_decode_stack(const DecodeStack *s, const int64_t *ids, const int64_t *positions, const float *cos_table,
                         const float *sin_table, int64_t num_positions, const int64_t *slots,
                         const int64_t *block_tables, int64_t table_width, const int64_t *context_lens, int64_t rows,

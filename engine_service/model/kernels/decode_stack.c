@@ -254,7 +254,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
     /* the first layer's qkv before the loop: each pass of the loop ends in the next layer's */
     for (int64_t r = 0; r < rows; r++)
         rms_norm(X(0) + r * hidden, s->layers[0].input_norm, hidden, s->eps, bf, NORMED(0) + r * hidden);
-    memset(team, 0, 64);
+    *team = (PgTeam){0};
     PdaPlan plan; /* the step's attention partitions, the same in every layer */
     const int prc = pda_plan(&plan, context_lens, rows, s->heads, s->kv_heads, s->head_dim, threads);
     if (prc != 0) {

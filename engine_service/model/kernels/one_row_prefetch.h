@@ -14,4 +14,18 @@ static inline int one_row_prefetch_default(void) {
     return !__builtin_cpu_is("amd");
 }
 
+/* A kernel's own setting: `static int stream_prefetch(void)`, the setting in force (the CPU's
+ * default until SETTER sets one; decided at the first product), and `int SETTER(int mode)`: 1 on,
+ * 0 off, -1 the CPU's default, returning the setting now in force. */
+#define ONE_ROW_PREFETCH_SETTING(SETTER)                                    \
+    static int prefetch_mode = -1;                                          \
+    static int stream_prefetch(void) {                                      \
+        if (prefetch_mode < 0) prefetch_mode = one_row_prefetch_default();  \
+        return prefetch_mode;                                               \
+    }                                                                       \
+    int SETTER(int mode) {                                                  \
+        prefetch_mode = mode < 0 ? -1 : mode != 0;                          \
+        return stream_prefetch();                                           \
+    }
+
 #endif

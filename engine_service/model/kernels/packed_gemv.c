@@ -63,19 +63,9 @@ static inline void prefetch_lines(const uint16_t *chunk, int first, int count) {
 
 /* Whether the one-row loop prefetches (groups of rows and the tiles always do): the CPU's default
  * (one_row_prefetch.h: not on AMD, where the bfloat16 one-row products ran 13-15% faster without
- * them, and 3-5% slower without them at seven rows: scripts/bench_gemv.py --prefetch-ab). -1 until
- * decided at the first product; packed_gemv_set_prefetch overrides it. */
-static int prefetch_mode = -1;
-
-static int stream_prefetch(void) {
-    if (prefetch_mode < 0) prefetch_mode = one_row_prefetch_default();
-    return prefetch_mode;
-}
-
-int packed_gemv_set_prefetch(int mode) {
-    prefetch_mode = mode < 0 ? -1 : mode != 0;
-    return stream_prefetch();
-}
+ * them, and 3-5% slower without them at seven rows: scripts/bench_gemv.py --prefetch-ab), unless
+ * packed_gemv_set_prefetch overrides it. */
+ONE_ROW_PREFETCH_SETTING(packed_gemv_set_prefetch)
 
 /* the 64 sums of one block of rows, into out[64]; `stream`: prefetch the chunks two ahead (one row
  * without prefetches, as on AMD, takes block_sums_256 instead: the same sums). The same
@@ -270,12 +260,11 @@ static inline void one_block(const uint16_t *w, const uint16_t *xp, int64_t ldx,
  * thread 1 the last, each a fixed three eighths or so; the quarter between them goes to whichever
  * thread gets there first, a sixteenth of the product a claim (a compare-and-swap on `state`: the
  * product's tag, the next block from the front, the block after the last one left from the back;
- * each claim moves a cache line between the threads, so claims of one block each gave back part of
- * the gain). Each thread's blocks stay one region of memory, and a thread that streams faster takes
- * more. Why: on two CCDs
- * each thread streams its own CCD's share, the two CCDs' rates drift apart by up to ~15% under
- * the VM's neighbours, and with a fixed half each the faster thread waited for the slower at every
- * product's barrier. A bfloat16 step ran ~1% faster this way there (the median of 16 runs' paired
+ * each claim moves a cache line between the threads; claims of one block each read the same,
+ * 1.009). Each thread's blocks stay one region of memory, and a thread that streams faster takes
+ * more. Why: on two CCDs each thread streams its own CCD's share, the two CCDs' rates drift apart
+ * by up to ~15% under the VM's neighbours, and with a fixed half each the faster thread waited for
+ * the slower at every product's barrier. A bfloat16 step ran ~1% faster this way there (the median of 16 runs' paired
  * ratios 1.008, their range 0.990-1.047), and as fast on one CCD (scripts/bench_stack_ab.sh;
  * docs/performance.md, fourteenth round). Which thread computes a block does not change its sums. */
 static void blocks_from_both_ends(const uint16_t *w, const uint16_t *xp, int64_t ldx, const uint16_t *bias,
@@ -317,7 +306,7 @@ static void team_blocks(const uint16_t *w, const uint16_t *xp, int64_t ldx, cons
 #if defined(PG_AMX)
     if (tiles) PG_AMX_CONFIGURE((int)rows);
 #endif
-    if (team != NULL && omp_get_num_threads() == 2 && blocks <= 0xffff) {
+    if (omp_get_num_threads() == 2 && blocks <= 0xffff) {
         blocks_from_both_ends(w, xp, ldx, bias, y, rows, n_out, blocks, chunks, tiles, prefetch, team, tag);
     } else {
         _Pragma("omp for schedule(static) nowait")

@@ -108,19 +108,8 @@ static inline __m512 load_bf16x16(const uint16_t *p) {
 /* Whether the one-row loop prefetches its codes (several rows always do): the CPU's default
  * (one_row_prefetch.h: not on AMD, where SmolLM2's one-row int4 products ran 1.10-1.21x faster
  * without them, the builds before and after alternating in one C harness; scripts/bench_q4.c
- * switches them in one build). -1 until decided at the first product; q4_gemv_set_prefetch
- * overrides it. */
-static int prefetch_mode = -1;
-
-static int stream_prefetch(void) {
-    if (prefetch_mode < 0) prefetch_mode = one_row_prefetch_default();
-    return prefetch_mode;
-}
-
-int q4_gemv_set_prefetch(int mode) {
-    prefetch_mode = mode < 0 ? -1 : mode != 0;
-    return stream_prefetch();
-}
+ * switches them in one build), unless q4_gemv_set_prefetch overrides it. */
+ONE_ROW_PREFETCH_SETTING(q4_gemv_set_prefetch)
 
 /* the sums of up to TASK_BLOCKS blocks (nb) for one quantized row, into out[nb * 16]: the
  * arithmetic of task_sums below for one row, kept as its own loop because task_sums instantiated
