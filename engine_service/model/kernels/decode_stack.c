@@ -205,7 +205,10 @@ static int64_t product_scratch_bytes(int kind, const StackWeight *w, int64_t row
  * and each attention: each product's blocks (bfloat16) or tasks (int4) and each attention's
  * partitions are shared out (packed_gemm_bf16_team, q4_linear_f32_team,
  * paged_decode_attention_*_team) with a barrier at the end, and one more after the thread that
- * writes the next layer's q and K/V has written them. The work between the products (residuals,
+ * writes the next layer's q and K/V has written them. Attention's combine is not shared: every
+ * thread combines every head into its own copy of the output (a few hundred values a row), which
+ * saves the barrier a shared output needs before the output projection reads it; the partitions'
+ * barrier stays. The work between the products (residuals,
  * norms, SiLU, and int4's quantizing of each product's input: a few thousand values) is done by
  * every thread on its own copy of the residual stream and of the products' inputs, so it needs no
  * barrier and every copy holds the same values; the products' outputs alternate between two shared
@@ -232,14 +235,14 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
     if (logits != NULL && product_scratch_bytes(kind, &s->head, rows) > xb_bytes)
         xb_bytes = product_scratch_bytes(kind, &s->head, rows);
     /* per thread: the residual stream, a normed copy, a product's float output, the SiLU product, the
-     * product scratch; shared: q, the attention output, two product outputs (float-sized, whichever
+     * attention output, the product scratch; shared: q, two product outputs (float-sized, whichever
      * the kind) */
-    const int64_t own = rows * (2 * hidden + widest + inter) + (xb_bytes + 3) / 4 + 16;
-    const int64_t shared = rows * 2 * q_size + 2 * rows * widest + 32; /* + the PgTeam and its line */
+    const int64_t own = rows * (2 * hidden + widest + inter + q_size) + (xb_bytes + 3) / 4 + 16;
+    const int64_t shared = rows * q_size + 2 * rows * widest + 32; /* + the PgTeam and its line */
     float *scratch = (float *)malloc(sizeof(float) * (size_t)(threads * own + shared));
     if (scratch == NULL) return 1;
-    float *q = scratch + threads * own, *attn = q + rows * q_size;
-    float *ys0 = attn + rows * q_size, *ys1 = ys0 + rows * widest;
+    float *q = scratch + threads * own;
+    float *ys0 = q + rows * q_size, *ys1 = ys0 + rows * widest;
     /* shared by the products' claims, on a cache line of its own */
     PgTeam *team = (PgTeam *)(((uintptr_t)(ys1 + rows * widest) + 63) & ~(uintptr_t)63);
 #define OWN(t) (scratch + (int64_t)(t) * own)
@@ -247,7 +250,8 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
 #define NORMED(t) (OWN(t) + rows * hidden)
 #define TMP(t) (OWN(t) + 2 * rows * hidden)
 #define ACT(t) (OWN(t) + rows * (2 * hidden + widest))
-#define XB(t) ((void *)(OWN(t) + rows * (2 * hidden + widest + inter)))
+#define ATTN(t) (OWN(t) + rows * (2 * hidden + widest + inter))
+#define XB(t) ((void *)(OWN(t) + rows * (2 * hidden + widest + inter + q_size)))
     for (int t = 0; t < threads; t++)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < hidden; i++) X(t)[r * hidden + i] = load(s->embed, ids[r] * hidden + i, bf);
@@ -268,7 +272,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
       _Pragma("omp parallel num_threads(threads)")
       {
         const int t = omp_get_thread_num();
-        float *x = X(t), *normed = NORMED(t), *tmp = TMP(t), *act = ACT(t);
+        float *x = X(t), *normed = NORMED(t), *tmp = TMP(t), *act = ACT(t), *attn = ATTN(t);
         void *xb = XB(t);
         uint32_t tag = 0; /* this thread's count of the team's products: the same in every thread */
         for (int64_t l = 0; l < s->num_layers; l++) {
@@ -277,12 +281,12 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
                 paged_decode_attention_bf16_team(&plan, q, (const uint16_t *)layer->k_cache,
                                                  (const uint16_t *)layer->v_cache, block_tables, table_width,
                                                  context_lens, attn, rows, s->heads, s->kv_heads, s->head_dim,
-                                                 s->block_size, s->scale);
+                                                 s->block_size, s->scale, 1);
             else
                 paged_decode_attention_f32_team(&plan, q, (const float *)layer->k_cache,
                                                 (const float *)layer->v_cache, block_tables, table_width,
                                                 context_lens, attn, rows, s->heads, s->kv_heads, s->head_dim,
-                                                s->block_size, s->scale);
+                                                s->block_size, s->scale, 1);
             /* bfloat16: attn rounds to bfloat16 as the product converts it */
             team_product(kind, &layer->o, attn, tmp, rows, xb, ys0, team, &tag);
             for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + tmp[i], bf);
@@ -309,6 +313,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
 #undef NORMED
 #undef TMP
 #undef ACT
+#undef ATTN
 #undef XB
     free(scratch);
     return frc;

@@ -422,13 +422,40 @@ void pda_plan_free(PdaPlan *plan) {
 
 static int pda_parallel(const PdaPlan *plan) { return plan->total_len > SERIAL_TOKENS; }
 
+/* out's row bh (a sequence's head) from its partitions' o, m and l: their log-sum-exp rescaling */
+static inline __attribute__((always_inline)) void combine(const PdaPlan *plan, int64_t bh, int64_t heads,
+                                                          const int64_t head_dim, float *out) {
+    const int64_t b = bh / heads, h = bh % heads;
+    const int64_t first = plan->first_task[b], parts = plan->first_task[b + 1] - first;
+    const int64_t per_task = heads * (head_dim + 2);
+    const float *partials = plan->partials;
+    float *ob = out + bh * head_dim;
+    float acc[HEAD_DIM_MAX];
+    for (int64_t d = 0; d < head_dim; d++) acc[d] = 0.f;
+    float mx = -INFINITY, total = 0.f;
+    for (int64_t p = 0; p < parts; p++) {
+        const float mp = partials[(first + p) * per_task + heads * head_dim + h];
+        mx = mp > mx ? mp : mx;
+    }
+    for (int64_t p = 0; p < parts; p++) {
+        const float *part = partials + (first + p) * per_task;
+        const float w = fast_exp(part[heads * head_dim + h] - mx);
+        total += w * part[heads * head_dim + heads + h];
+        const float *op = part + h * head_dim;
+        _Pragma("omp simd")
+        for (int64_t d = 0; d < head_dim; d++) acc[d] += w * op[d];
+    }
+    const float inv = parts > 0 ? 1.f / total : 0.f;
+    for (int64_t d = 0; d < head_dim; d++) ob[d] = acc[d] * inv;
+}
+
 /* The kernel's work, shared out over the calling team: the partitions (omp for, or one thread when
  * the context is too short to share), then the combine (omp for); a barrier after each. */
 #define DEFINE_TEAM(NAME, T, PART)                                                                \
 void NAME(const PdaPlan *plan, const float *q, const T *k_cache, const T *v_cache,                \
           const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,          \
           float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,           \
-          int64_t block_size, float scale) {                                                      \
+          int64_t block_size, float scale, int own_out) {                                         \
     const int64_t group = heads / kv_heads, tasks = plan->tasks;                                  \
     const int64_t *first_task = plan->first_task, *task_seq = plan->task_seq;                     \
     const int64_t per_task = heads * (head_dim + 2);      /* o, m, l of one partition */           \
@@ -451,30 +478,14 @@ void NAME(const PdaPlan *plan, const float *q, const T *k_cache, const T *v_cach
             else RUN_PARTITION(PART, head_dim);                                                   \
         }                                                                                         \
     }                                                                                             \
-    /* combine each (sequence, head) over its partitions */                                       \
-    _Pragma("omp for schedule(static)")                                                           \
-    for (int64_t bh = 0; bh < batch * heads; bh++) {                                              \
-        const int64_t b = bh / heads, h = bh % heads;                                             \
-        const int64_t parts = first_task[b + 1] - first_task[b];                                  \
-        float *ob = out + bh * head_dim;                                                          \
-        float acc[HEAD_DIM_MAX];                                                                  \
-        for (int64_t d = 0; d < head_dim; d++) acc[d] = 0.f;                                      \
-        float mx = -INFINITY, total = 0.f;                                                        \
-        for (int64_t p = 0; p < parts; p++) {                                                     \
-            const float *part = partials + (first_task[b] + p) * per_task;                        \
-            const float mp = part[heads * head_dim + h];                                          \
-            mx = mp > mx ? mp : mx;                                                               \
-        }                                                                                         \
-        for (int64_t p = 0; p < parts; p++) {                                                     \
-            const float *part = partials + (first_task[b] + p) * per_task;                        \
-            const float w = fast_exp(part[heads * head_dim + h] - mx);                            \
-            total += w * part[heads * head_dim + heads + h];                                      \
-            const float *op = part + h * head_dim;                                                \
-            _Pragma("omp simd")                                                                   \
-            for (int64_t d = 0; d < head_dim; d++) acc[d] += w * op[d];                           \
-        }                                                                                         \
-        const float inv = parts > 0 ? 1.f / total : 0.f;                                          \
-        for (int64_t d = 0; d < head_dim; d++) ob[d] = acc[d] * inv;                              \
+    /* combine each (sequence, head) over its partitions: shared out, or all of it by every thread */ \
+    if (own_out) {                                                                                \
+        for (int64_t bh = 0; bh < batch * heads; bh++)                                            \
+            combine(plan, bh, heads, head_dim, out);                                              \
+    } else {                                                                                      \
+        _Pragma("omp for schedule(static)")                                                       \
+        for (int64_t bh = 0; bh < batch * heads; bh++)                                            \
+            combine(plan, bh, heads, head_dim, out);                                              \
     }                                                                                             \
 }
 
@@ -490,7 +501,7 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int64_t *bloc
     if (rc != 0) return rc;                                                                       \
     _Pragma("omp parallel if(pda_parallel(&plan))")                                               \
     TEAM(&plan, q, k_cache, v_cache, block_tables, table_width, context_lens, out, batch, heads,  \
-         kv_heads, head_dim, block_size, scale);                                                  \
+         kv_heads, head_dim, block_size, scale, 0);                                               \
     pda_plan_free(&plan);                                                                         \
     return 0;                                                                                     \
 }

@@ -38,15 +38,21 @@ int pda_plan(PdaPlan *plan, const int64_t *context_lens, int64_t batch, int64_t 
 void pda_plan_free(PdaPlan *plan);
 
 /* The kernels' work for a team already running: every thread of the team calls it with the same
- * arguments, and it ends in a barrier. The same results, bit for bit, as the entry points above. */
+ * arguments, and it ends in a barrier. The same results, bit for bit, as the entry points above.
+ * own_out: each thread passes an out of its own and gets all of it (every thread combines every
+ * head, a few hundred values a sequence), and the call ends without the barrier that a shared out
+ * needs after its combine; the partitions' barrier stays. The caller must not reuse the plan's
+ * partials before every thread has combined (decode_stack.c: a product's barrier comes first). */
 void paged_decode_attention_f32_team(const PdaPlan *plan, const float *q, const float *k_cache,
                                      const float *v_cache, const int64_t *block_tables, int64_t table_width,
                                      const int64_t *context_lens, float *out, int64_t batch, int64_t heads,
-                                     int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale);
+                                     int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                                     int own_out);
 void paged_decode_attention_bf16_team(const PdaPlan *plan, const float *q, const uint16_t *k_cache,
                                       const uint16_t *v_cache, const int64_t *block_tables, int64_t table_width,
                                       const int64_t *context_lens, float *out, int64_t batch, int64_t heads,
-                                      int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale);
+                                      int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                                      int own_out);
 
 #ifdef __cplusplus
 }
