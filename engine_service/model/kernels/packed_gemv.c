@@ -264,8 +264,8 @@ static inline void one_block(const uint16_t *w, const uint16_t *xp, int64_t ldx,
  * 1.009). Each thread's blocks stay one region of memory, and a thread that streams faster takes
  * more. Why: on two CCDs each thread streams its own CCD's share, the two CCDs' rates drift apart
  * by up to ~15% under the VM's neighbours, and with a fixed half each the faster thread waited for
- * the slower at every product's barrier. A bfloat16 step ran ~1% faster this way there (the median of 16 runs' paired
- * ratios 1.008, their range 0.990-1.047), and as fast on one CCD (scripts/bench_stack_ab.sh;
+ * the slower at every product's barrier. A bfloat16 step ran ~1% faster this way there (the median
+ * of 16 runs' paired ratios 1.008, their range 0.990-1.047), and as fast on one CCD (scripts/bench_stack_ab.sh;
  * docs/performance.md, fourteenth round). Which thread computes a block does not change its sums. */
 static void blocks_from_both_ends(const uint16_t *w, const uint16_t *xp, int64_t ldx, const uint16_t *bias,
                                   uint16_t *y, int64_t rows, int64_t n_out, int64_t blocks, int64_t chunks, int tiles,

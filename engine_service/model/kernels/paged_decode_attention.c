@@ -450,7 +450,8 @@ static inline __attribute__((always_inline)) void combine(const PdaPlan *plan, i
 }
 
 /* The kernel's work, shared out over the calling team: the partitions (omp for, or one thread when
- * the context is too short to share), then the combine (omp for); a barrier after each. */
+ * the context is too short to share) and a barrier; then the combine, shared out (omp for) with a
+ * barrier after it, or with own_out done whole by every thread into its own out, with none. */
 #define DEFINE_TEAM(NAME, T, PART)                                                                \
 void NAME(const PdaPlan *plan, const float *q, const T *k_cache, const T *v_cache,                \
           const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,          \

@@ -37,12 +37,12 @@ int pda_plan(PdaPlan *plan, const int64_t *context_lens, int64_t batch, int64_t 
              int64_t head_dim, int threads);
 void pda_plan_free(PdaPlan *plan);
 
-/* The kernels' work for a team already running: every thread of the team calls it with the same
- * arguments, and it ends in a barrier. The same results, bit for bit, as the entry points above.
- * own_out: each thread passes an out of its own and gets all of it (every thread combines every
- * head, a few hundred values a sequence), and the call ends without the barrier that a shared out
- * needs after its combine; the partitions' barrier stays. The caller must not reuse the plan's
- * partials before every thread has combined (decode_stack.c: a product's barrier comes first). */
+/* The kernels' work for a team already running: every thread of the team calls it, and the results
+ * are the entry points' above, bit for bit. own_out 0: the same arguments in every thread, and the
+ * call ends in a barrier. own_out 1: each thread passes an out of its own and gets all of it (every
+ * thread combines every head, a few hundred values a sequence); the call ends after the combine,
+ * without the barrier a shared out needs (the partitions' barrier stays), so the caller must not
+ * reuse the plan before every thread has combined (decode_stack.c: a product's barrier comes first). */
 void paged_decode_attention_f32_team(const PdaPlan *plan, const float *q, const float *k_cache,
                                      const float *v_cache, const int64_t *block_tables, int64_t table_width,
                                      const int64_t *context_lens, float *out, int64_t batch, int64_t heads,
