@@ -23,10 +23,11 @@ Surviving Redis restarts (issue 12):
   connection, refresh a cluster's slot map (the channel's slot may now belong to a promoted
   replica) and subscribe again.
 - What was published while the subscription was away is gone. Every SSUBSCRIBE confirmation after
-  the first one is a resubscription, and the broker then AUDITS its in-flight requests: one whose queue entry an engine had already taken may have lost
-  events, and one whose entry is gone (Redis restarted without persistence) will never be
-  answered; both are ended with a retryable 503 (``Retry-After``) at once. A request still waiting,
-  untouched, in the queue keeps waiting.
+  the first one is a resubscription, and the broker then AUDITS the requests in flight at that
+  confirmation (one enqueued after it can have missed nothing): one whose queue entry an engine
+  had already taken may have lost events, and one whose entry is gone (Redis restarted without
+  persistence) will never be answered; both are ended with a retryable 503 (``Retry-After``) at
+  once. A request still waiting, untouched, in the queue keeps waiting.
 - The request goes to one shard of the model's queue, chosen from its prompt's first blocks
   (``sluice.wire.shards.choose_shard``, with the shard count, block size and prefix blocks of the
   model card), so requests that share a prefix meet on the engine that owns the shard.
@@ -221,6 +222,10 @@ class Broker:
         self._channel = contract.events_channel(self.gateway_id)  # every event of our requests
         self._confirmations = 0  # SSUBSCRIBE confirmations of our channel: each after the first is a resubscribe
         self._lost_subscription = False  # set by the housekeeper's check: the read loop subscribes anew
+        # Bumped each time the read loop (re)sends its SSUBSCRIBE; ``_confirmed``: the latest was
+        # confirmed. The housekeeper's check trusts a count of 0 only if neither changed meanwhile.
+        self._sub_epoch = 0
+        self._confirmed = False
         self.ready = asyncio.Event()
         self._tracked: dict[str, _Tracked] = {}
         self._forget: list[tuple[str, int, str]] = []  # (model, shard, request id): in-flight markers to delete
@@ -289,6 +294,8 @@ class Broker:
                 await self._reopen_pubsub()
             try:
                 if not subscribed:
+                    self._sub_epoch += 1
+                    self._confirmed = False
                     await self._pubsub.ssubscribe(self._channel)
                     subscribed = True
                 msg = await read_shard_message_async(self._pubsub, 1.0)
@@ -299,6 +306,10 @@ class Broker:
                     self._down_since = time.monotonic()
                     log.warning("pub/sub connection lost (%s); reconnecting", exc)
                 subscribed = False
+                # This reopen answers a lost subscription the housekeeper may have flagged at the
+                # same time (Redis restarted: nobody subscribed, and our read failed): a second one
+                # would open a second window in which published events are missed.
+                self._lost_subscription = False
                 await self._reopen_pubsub()
                 await asyncio.sleep(0.2)
                 continue
@@ -309,15 +320,21 @@ class Broker:
                 self._dispatch(msg["data"])
             elif kind == "ssubscribe" and _s(msg.get("channel")) == self._channel:
                 self._confirmations += 1
+                self._confirmed = True
                 self._down_since = None
                 if self._confirmations > 1:
-                    # A resubscription (after a reconnect or a failover): from here on nothing
-                    # published is missed, so the audit can tell what was.
-                    self.stats["reconnects"] += 1
-                    METRICS.redis_reconnects.inc()
-                    log.warning("subscription re-established; auditing %d in-flight requests", len(self._tracked))
-                    self._spawn(self._audit())
+                    self._resubscribed()
                 self.ready.set()
+
+    def _resubscribed(self) -> asyncio.Task:
+        """A resubscription (after a reconnect or a failover) is confirmed: from here on nothing
+        published is missed, so audit the requests tracked NOW. One enqueued later cannot have
+        missed anything, and auditing it would end it wrongly as soon as an engine took it."""
+        self.stats["reconnects"] += 1
+        METRICS.redis_reconnects.inc()
+        in_flight = list(self._tracked.values())
+        log.warning("subscription re-established; auditing %d in-flight requests", len(in_flight))
+        return self._spawn(self._audit(in_flight))
 
     def _dispatch(self, data: bytes) -> None:
         try:
@@ -359,10 +376,11 @@ class Broker:
         """Run ``coro`` as a task the broker keeps (and awaits a moment at close)."""
         self._spawn(coro)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     # --- requests and cancels ----------------------------------------------------------------
 
@@ -540,9 +558,11 @@ class Broker:
         migration of the channel to the promoted node can fail and is not retried), and the
         requests would then wait for their deadline; a count of 0 makes the read loop subscribe
         again, and that resubscription runs the audit like any other."""
-        if not self.ready.is_set() or self._lost_subscription:
-            return
-        if await shard_subscribers_async(self.redis, self._channel) == 0:
+        if not self.ready.is_set() or self._lost_subscription or not self._confirmed:
+            return  # a (re)subscription is under way: its own confirmation settles it
+        epoch = self._sub_epoch
+        count = await shard_subscribers_async(self.redis, self._channel)
+        if count == 0 and self._confirmed and self._sub_epoch == epoch:
             log.warning("nobody is subscribed to %s any more; subscribing again", self._channel)
             self._lost_subscription = True
 
@@ -577,14 +597,15 @@ class Broker:
                 alive.append(t)
         return alive
 
-    async def _audit(self, only: list[_Tracked] | None = None) -> None:
-        """After a pub/sub reconnect: end the requests that may have lost events or whose entry is
-        gone; keep those still waiting, untouched, in the queue (nothing was published for them)."""
+    async def _audit(self, in_flight: list[_Tracked]) -> None:
+        """After a pub/sub reconnect: of ``in_flight`` (tracked when the resubscription was
+        confirmed), end the requests that may have lost events or whose entry is gone; keep those
+        still waiting, untouched, in the queue (nothing was published for them)."""
         self.stats["audits"] += 1
         METRICS.inflight_audits.inc()
         give_up = time.monotonic() + REDIS_DOWN_FAIL_S
         while True:
-            targets = list(only) if only is not None else list(self._tracked.values())
+            targets = list(in_flight)
             for t in targets:
                 if t.entry_id is None:
                     t.audit_pending = True  # audited when its XADD returns
