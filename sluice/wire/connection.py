@@ -31,6 +31,15 @@ restarts (issue 12, item 1). :func:`redis_options` gives every connection, in bo
 While Redis stays down a command fails after about ``FAIL_AFTER_S`` seconds (the retries and the
 connection attempts inside them), so callers answer 503 quickly instead of hanging.
 
+Pool size
+---------
+A process holds one pooled connection per command it awaits at once, plus one per pub/sub. redis-py
+8 caps a pool at 100 connections and raises ``MaxConnectionsError`` past that, which a gateway
+streaming a few hundred requests reaches in a burst: every command past the hundredth failed,
+after its retries, as "Redis unavailable". :func:`connect` sets the cap to
+``MAX_CONNECTIONS`` in both topologies, so concurrency, not a library default, decides how many
+connections a process opens; Redis's own ``maxclients`` (10,000 by default) bounds the fleet.
+
 Sharded pub/sub
 ---------------
 Both topologies use SSUBSCRIBE/SPUBLISH (Redis >= 7), so there is one code path: on a cluster a
@@ -56,6 +65,8 @@ SOCKET_CONNECT_TIMEOUT_S = 2.0
 # The longest a command waits for a reply; generous because XREADGROUP BLOCK and big model cards
 # travel on these connections. Blocking callers pass a smaller block than this.
 SOCKET_TIMEOUT_S = 30.0
+# Per process (per node on a cluster); a gateway's burst of concurrent requests stays far below it.
+MAX_CONNECTIONS = 4096
 FAIL_AFTER_S = 2.0  # measured (about 1.7 s on localhost): how long a command keeps trying while Redis is down
 
 CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}  # scheme -> TLS
@@ -167,7 +178,7 @@ def connect(url: str, *, asyncio: bool = False, **overrides: Any) -> Any:
     shorter ``socket_timeout``). A sync cluster client learns the topology here, so it raises
     when no seed answers; an asyncio one on its first command."""
     target = parse_url(url)
-    options = {**redis_options(asyncio=asyncio), **overrides}
+    options = {**redis_options(asyncio=asyncio), "max_connections": MAX_CONNECTIONS, **overrides}
     if options.get("retry") is None:
         options.pop("retry")
         options.pop("retry_on_error", None)

@@ -183,13 +183,18 @@ def test_an_engine_joining_mid_load_takes_its_shards(services, redis_client):
     wait_until(lambda: len(a.io.view.owned) == S, 10, "alone: every shard")
     client = WireClient(redis_client)
     handles: list = []
+    results: list[Result] = []
     stop = threading.Event()
 
     def load() -> None:
+        # Each open handle holds a pub/sub connection: collect the oldest answers as the load goes
+        # on, so a slow newcomer meets a steady stream, not a client out of connections.
         t = 0
         while not stop.is_set():
             handles.append(client.submit(MODEL, prompt(t % 16, t), PARAMS))
             t += 1
+            if len(handles) - len(results) > 32:
+                results.append(handles[len(results)].collect(timeout=15))
             time.sleep(0.01)
 
     feeder = threading.Thread(target=load)
@@ -204,7 +209,8 @@ def test_an_engine_joining_mid_load_takes_its_shards(services, redis_client):
         feeder.join()
     owners = a.io.view.owners
     assert set(owners) == {a.settings.engine_id, b.settings.engine_id}
-    served = [served_once(h.collect(timeout=15)) for h in list(handles)]
+    results += [h.collect(timeout=15) for h in handles[len(results):]]
+    served = [served_once(r) for r in results]
     assert b.settings.engine_id in served and a.settings.engine_id in served
     wait_until(lambda: not pending_refs(redis_client, MODEL, shards=S), 5, "everything acknowledged")
 

@@ -96,3 +96,34 @@ def test_wrong_credentials_stop_a_process_at_start(redis_cluster_factory) -> Non
     proc = subprocess.run([*CLI, "gateway", "--redis-url", cluster.url.replace("s3cret", "nope"), "--port", "0"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "refused the credentials" in proc.stderr, proc.stderr
+
+
+def test_a_burst_past_redis_pys_default_pool_cap_is_served(clean_redis) -> None:
+    """redis-py 8 caps a standalone client's pool at 100 connections and fails every command past
+    it; a gateway awaits more than that at once in a burst, and a WireClient holds one pub/sub per
+    open request. (Standalone only: redis-py's asyncio cluster client did not hit its cap here.)"""
+    import asyncio
+
+    async def burst() -> list:
+        client = connect(clean_redis, asyncio=True)
+        try:
+            # Every command takes its connection before the first reply arrives: 300 at once.
+            return await asyncio.gather(*(client.set(f"burst:{{t}}:{i}", b"x" * 1000) for i in range(300)),
+                                        return_exceptions=True)
+        finally:
+            await client.aclose()
+
+    results = asyncio.run(burst())
+    assert [r for r in results if r is not True] == []
+    client = connect(clean_redis)
+    pubsubs = []
+    try:
+        for i in range(150):
+            pubsub = client.pubsub()
+            pubsub.ssubscribe(contract.events_channel(f"burst-{i}"))
+            pubsubs.append(pubsub)
+        assert client.get("burst:{t}:299") == b"x" * 1000
+    finally:
+        for pubsub in pubsubs:
+            pubsub.close()
+        client.close()
