@@ -65,7 +65,8 @@ SOCKET_CONNECT_TIMEOUT_S = 2.0
 # The longest a command waits for a reply; generous because XREADGROUP BLOCK and big model cards
 # travel on these connections. Blocking callers pass a smaller block than this.
 SOCKET_TIMEOUT_S = 30.0
-# Per process (per node on a cluster); a gateway's burst of concurrent requests stays far below it.
+# Per process (per node on a cluster): above any burst the suite or a bench has produced (300 at once),
+# below Redis's default maxclients of 10,000.
 MAX_CONNECTIONS = 4096
 FAIL_AFTER_S = 2.0  # measured (about 1.7 s on localhost): how long a command keeps trying while Redis is down
 
