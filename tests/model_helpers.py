@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine_service.core.request import Request
 
@@ -56,3 +59,30 @@ class Chunk:
     @property
     def samples(self) -> bool:
         return self.start + self.num_tokens == self.request.num_tokens
+
+
+def shallow_copy(model_dir: Path, dest: Path, layers: int) -> Path:
+    """The model in ``model_dir`` cut to its first ``layers`` decoder layers, written to ``dest``:
+    its real embeddings, norms, tokenizer and chat template, so prompts and outputs stay the real
+    model's kind of tokens. For tests whose subject is a code path rather than the model's quality
+    (compilation cost grows with the layers traced; a graph of four layers exercises what one of
+    thirty does)."""
+    from safetensors.torch import load_file, save_file
+
+    dest.mkdir(parents=True, exist_ok=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    if not 0 < layers <= config["num_hidden_layers"]:
+        raise ValueError(f"layers must be in 1..{config['num_hidden_layers']}, got {layers}")
+    config["num_hidden_layers"] = layers
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    kept = {}
+    for name, tensor in load_file(model_dir / "model.safetensors").items():
+        parts = name.split(".")
+        if "layers" in parts and int(parts[parts.index("layers") + 1]) >= layers:
+            continue
+        kept[name] = tensor.contiguous()
+    save_file(kept, dest / "model.safetensors", metadata={"format": "pt"})
+    for other in model_dir.iterdir():
+        if other.is_file() and other.name not in ("config.json", "model.safetensors"):
+            shutil.copy2(other, dest / other.name)
+    return dest

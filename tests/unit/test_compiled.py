@@ -1,7 +1,9 @@
 """The compiled decode step (torch.compile, inductor) against the eager reference, in float32.
 
-This is the one test file that compiles (each compiled engine costs a warm-up of tens of seconds
-on 2 cores). The compiled path must give token-identical greedy output on the parity prompts,
+This is the one test file that compiles. Its engines run the default model cut to its first four
+layers (``shallow_copy``): what compiles, what it guards and what it must equal do not depend on
+the depth, and tracing and lowering cost grows with it (on a cold inductor cache, thirty layers cost
+minutes of the suite on 2 cores). The compiled path must give token-identical greedy output on the parity prompts,
 batched and alone (the batch >= 2 and batch 1 graphs), and through preemption; recompilation must
 stay bounded (two graphs, both built at engine start, whatever batch sizes and context lengths
 follow); ``enforce_eager`` must leave the eager forward alone.
@@ -13,19 +15,23 @@ import pytest
 
 from engine_service import LLM, SamplingParams
 from engine_service.model.compiled import compile_supported
-from tests.model_helpers import parity_prompts
+from tests.model_helpers import parity_prompts, shallow_copy
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(1800)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def shallow_dir(model_dir, tmp_path_factory):
+    return shallow_copy(model_dir, tmp_path_factory.mktemp("shallow"), layers=4)
+
 
 @pytest.fixture(scope="module")
-def reference(model_dir):
+def reference(shallow_dir):
     # `make install` installs g++: a missing compiler is a set-up failure here, not a reason to skip
     why_not = compile_supported(__import__("torch").device("cpu"))
     assert why_not is None, f"torch.compile unavailable: {why_not}"
-    eager = LLM(str(model_dir), dtype="float32", enforce_eager=True, max_num_batched_tokens=512,
+    eager = LLM(str(shallow_dir), dtype="float32", enforce_eager=True, max_num_batched_tokens=512,
                 kv_cache_memory=128 << 20)
     assert eager.engine.runner.compiled_decode is None and eager.engine.compile_warmup_seconds is None
     prompts = parity_prompts(eager.get_tokenizer())
@@ -38,10 +44,10 @@ def unique_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def test_compiled_greedy_identical_batched_and_alone(model_dir, reference):
+def test_compiled_greedy_identical_batched_and_alone(shallow_dir, reference):
     prompts, ref = reference
     before = unique_graphs()
-    llm = LLM(str(model_dir), dtype="float32", enforce_eager=False, max_num_batched_tokens=512,
+    llm = LLM(str(shallow_dir), dtype="float32", enforce_eager=False, max_num_batched_tokens=512,
               kv_cache_memory=128 << 20)
     assert llm.engine.compile_warmup_seconds is not None and llm.engine.compile_warmup_seconds > 0
     built = unique_graphs() - before
@@ -55,17 +61,17 @@ def test_compiled_greedy_identical_batched_and_alone(model_dir, reference):
     assert unique_graphs() - before == built, "batch 1 recompiled"
 
 
-def test_compiled_greedy_identical_through_preemption(model_dir, reference):
+def test_compiled_greedy_identical_through_preemption(shallow_dir, reference):
     prompts, ref = reference
     short = [i for i, p in enumerate(prompts) if len(p) <= 40]
-    tight = LLM(str(model_dir), dtype="float32", enforce_eager=False, block_size=4, num_blocks=40,
+    tight = LLM(str(shallow_dir), dtype="float32", enforce_eager=False, block_size=4, num_blocks=40,
                 max_num_batched_tokens=64, enable_prefix_caching=False)
     outs = tight.generate([prompts[i] for i in short], GREEDY)
     assert tight.engine.get_stats().preemptions > 0, "the pool was meant to force preemption"
     assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in short]
 
 
-def test_engines_sharing_a_compiled_graph_each_run_their_own_weights(model_dir):
+def test_engines_sharing_a_compiled_graph_each_run_their_own_weights(shallow_dir):
     """Every engine's decode forward has the same code, so a second engine with the same shapes
     reuses the first one's graph (dynamo caches by code): the weights, caches and prepacked-weight
     handles must be graph inputs read from the engine's own modules, never constants of the first.
@@ -77,17 +83,17 @@ def test_engines_sharing_a_compiled_graph_each_run_their_own_weights(model_dir):
 
     prompts = ["The capital of France is", "def fibonacci(n):"]
     config = dict(dtype="bfloat16", enforce_eager=False, kv_cache_memory=64 << 20)
-    first = LLM(str(model_dir), **config)
+    first = LLM(str(shallow_dir), **config)
     assert first.engine.runner.compiled_decode is not None
     want = [o.outputs[0].token_ids for o in first.generate(prompts, GREEDY)]
     del first
     gc.collect()  # the first engine's weights are gone: a graph still pointing at them would fail
-    quantized = LLM(str(model_dir), quantization="int4", **config)
+    quantized = LLM(str(shallow_dir), quantization="int4", **config)
     assert quantized.engine.runner.compiled_decode is not None
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in quantized.generate(prompts, GREEDY))
     del quantized
     gc.collect()
-    second = LLM(str(model_dir), **config)
+    second = LLM(str(shallow_dir), **config)
     assert second.engine.runner.compiled_decode is not None, "the second engine fell back to eager"
     assert [o.outputs[0].token_ids for o in second.generate(prompts, GREEDY)] == want
 
