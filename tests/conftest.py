@@ -7,7 +7,8 @@ from pathlib import Path
 
 # Engines started by tests (in this process or as `sluice engine` subprocesses, which inherit the
 # environment) compute in float32 and run eagerly unless a test says otherwise: parity is pinned
-# to float32, and only the tests about compilation compile (tests/unit/test_compiled.py).
+# to float32, and only tests whose subject needs the compiled step compile (tests/unit/test_compiled.py
+# and the compiled cases of a few others).
 os.environ.setdefault("SLUICE_DTYPE", "float32")
 os.environ.setdefault("SLUICE_ENFORCE_EAGER", "1")
 

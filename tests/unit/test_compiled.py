@@ -1,12 +1,13 @@
 """The compiled decode step (torch.compile, inductor) against the eager reference, in float32.
 
-This is the one test file that compiles. Its engines run the default model cut to its first four
-layers (``shallow_copy``): what compiles, what it guards and what it must equal do not depend on
-the depth, and tracing and lowering cost grows with it (on a cold inductor cache, thirty layers cost
-minutes of the suite on 2 cores). The compiled path must give token-identical greedy output on the parity prompts,
-batched and alone (the batch >= 2 and batch 1 graphs), and through preemption; recompilation must
-stay bounded (two graphs, both built at engine start, whatever batch sizes and context lengths
-follow); ``enforce_eager`` must leave the eager forward alone.
+The file about compilation (others build a compiled engine only where the path they test needs
+one). Its engines run the default model cut to its first four layers (``shallow_copy``): what
+compiles, what it guards and what it must equal do not depend on the depth, while tracing and
+lowering cost grows with it, which CI pays on a cold inductor cache. The compiled path must give
+token-identical greedy output on the parity prompts, batched and alone (the batch >= 2 and
+batch 1 graphs), and through preemption; recompilation must stay bounded (two graphs, both built at
+engine start, whatever batch sizes and context lengths follow); ``enforce_eager`` must leave the
+eager forward alone.
 """
 
 from __future__ import annotations
