@@ -75,13 +75,12 @@ def shallow_copy(model_dir: Path, dest: Path, layers: int) -> Path:
         raise ValueError(f"layers must be in 1..{config['num_hidden_layers']}, got {layers}")
     config["num_hidden_layers"] = layers
     (dest / "config.json").write_text(json.dumps(config, indent=2))
-    kept = {}
-    for name, tensor in load_file(model_dir / "model.safetensors").items():
+    def kept(name: str) -> bool:  # "model.layers.7.mlp.up_proj.weight" is layer 7's
         parts = name.split(".")
-        if "layers" in parts and int(parts[parts.index("layers") + 1]) >= layers:
-            continue
-        kept[name] = tensor.contiguous()
-    save_file(kept, dest / "model.safetensors", metadata={"format": "pt"})
+        return "layers" not in parts or int(parts[parts.index("layers") + 1]) < layers
+
+    tensors = load_file(model_dir / "model.safetensors")
+    save_file({n: t for n, t in tensors.items() if kept(n)}, dest / "model.safetensors", metadata={"format": "pt"})
     for other in model_dir.iterdir():
         if other.is_file() and other.name not in ("config.json", "model.safetensors"):
             shutil.copy2(other, dest / other.name)
