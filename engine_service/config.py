@@ -63,9 +63,14 @@ class EngineConfig:
     enable_prefix_caching: bool = knob(True, "reuse KV blocks of shared prompt prefixes")
     seed: int = knob(0, "seeds the sampler's generator for unseeded requests")
     enforce_eager: bool | None = knob(
-        None, "no torch.compile: run the eager forward only (vLLM's name). Default: $SLUICE_ENFORCE_EAGER, "
-        "else eager (the compiled decode step, --no-enforce-eager, takes less time per token, but its first "
-        "warm-up is long on CPU; the figures, with the command that measures them: docs/performance.md)")
+        None, "no torch.compile and no CUDA graphs: run the eager forward only (vLLM's name). Default: "
+        "$SLUICE_ENFORCE_EAGER, else eager on CPU (the compiled decode step, --no-enforce-eager, takes less time "
+        "per token, but its first warm-up is long on CPU; the figures, with the command that measures them: "
+        "docs/performance.md) and not eager on CUDA (--cuda-graphs)")
+    cuda_graphs: bool = knob(
+        True, "on CUDA, unless --enforce-eager: decode-only steps replay CUDA graphs captured per batch and "
+        "context bucket at first use (engine_service.model.cuda_graphs); --no-cuda-graphs compiles the decode "
+        "step with inductor instead")
 
     def resolved_dtype(self) -> str:
         return self.dtype or os.environ.get("SLUICE_DTYPE") or "auto"
@@ -73,7 +78,11 @@ class EngineConfig:
     def resolved_enforce_eager(self) -> bool:
         if self.enforce_eager is not None:
             return self.enforce_eager
-        return os.environ.get("SLUICE_ENFORCE_EAGER", "1").lower() in ("1", "true", "yes")
+        env = os.environ.get("SLUICE_ENFORCE_EAGER")
+        if env is not None:
+            return env.lower() in ("1", "true", "yes")
+        # CPU: eager (the compiled step's first warm-up is long); CUDA: CUDA graphs, captured in seconds
+        return not self.device.startswith("cuda")
     attention_backend: str = knob(
         "auto", "decode attention: native (a C kernel built at first use that reads the paged KV cache in "
         "place; CPU only, needs gcc), torch (plain torch: a padded gather + SDPA, the reference), auto "

@@ -129,7 +129,12 @@ class LLMEngine:
                     config.block_size, time.perf_counter() - started)
         self.compile_warmup_seconds: float | None = None
         eager_requested = self.enforce_eager
-        if not self.enforce_eager:
+        self.cuda_graphs = not self.enforce_eager and self.device.type == "cuda" and config.cuda_graphs
+        if self.cuda_graphs:
+            self.runner.enable_cuda_graphs(num_blocks * config.block_size, config.max_num_seqs, self.max_model_len)
+            logger.info("decode steps of up to %d rows replay CUDA graphs (captured at first use)",
+                        self.runner.graphed_decode.batch_sizes[-1])
+        elif not self.enforce_eager:
             why_not = compile_supported(self.device) or compile_unavailable(self.runner.model)
             if why_not is None:
                 try:
@@ -272,6 +277,13 @@ class LLMEngine:
             outputs.append(self._output(req, []))
             self._release(req)
         return outputs
+
+    @property
+    def decode_mode(self) -> str:
+        """How decode steps run: "cuda graphs", "compiled" or "eager" (what benches print)."""
+        if self.cuda_graphs:
+            return "cuda graphs"
+        return "eager" if self.enforce_eager else "compiled"
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)

@@ -128,6 +128,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the engine's decode attention (auto: the native kernel where it builds)")
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                         help="--enforce-eager: no torch.compile; --no-enforce-eager: compile the decode step")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="on CUDA without --enforce-eager: replay decode steps from CUDA graphs (the "
+                             "engine's default); --no-cuda-graphs compiles the decode step instead")
     parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                         help="also run transformers generate on the same prompts (default: yes)")
     parser.add_argument("--seed", type=int, default=0)
@@ -145,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     started = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-              quantization=args.quantization, attention_backend=args.attention_backend, enable_prefix_caching=False, max_num_seqs=max(args.batch_size, 1),
+              cuda_graphs=args.cuda_graphs, quantization=args.quantization, attention_backend=args.attention_backend, enable_prefix_caching=False, max_num_seqs=max(args.batch_size, 1),
               max_num_batched_tokens=max(2048, args.input_len))
     engine = llm.engine
     load_s = time.perf_counter() - started
@@ -155,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     for _ in range(args.num_iters_warmup):
         run_sluice_iteration(engine, make_prompts(engine.vocab_size, args.batch_size, args.input_len, rng),
                              args.output_len, None)
-    mode = "eager" if engine.enforce_eager else "compiled"
+    mode = engine.decode_mode
     dtype_name = str(engine.dtype).removeprefix("torch.")
     quant = f"+{engine.quantization}" if engine.quantization else ""
     sluice = LatencyRow(f"sluice ({dtype_name}{quant}, {mode}, {engine.attention_backend} attention)")
@@ -165,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
     cuda_peak_mb = (torch.cuda.max_memory_allocated() / (1 << 20)) if engine.device.type == "cuda" else None
     rows = [sluice]
     model_dir, dtype, warmup = engine.model_dir, engine.dtype, engine.compile_warmup_seconds
+    graphed = engine.runner.graphed_decode
+    capture = (graphed.capture_seconds, len(graphed.graphs)) if graphed is not None else None
     del llm, engine
     if args.hf:
         rows.append(run_transformers(model_dir, prompts, args.output_len, dtype, args.device))
@@ -186,7 +191,9 @@ def run(args: argparse.Namespace) -> int:
                   "ttft_ratio_vs_transformers": summaries[0]["ttft_ms"]["mean"] / summaries[1]["ttft_ms"]["mean"]}
         print(f"Sluice decodes {ratios['decode_speedup_vs_transformers']:.2f}x transformers' tokens/s; "
               f"its TTFT is {ratios['ttft_ratio_vs_transformers']:.2f}x transformers'")
-    warmup_text = f"{warmup:.1f}s" if warmup is not None else "none, eager"
+    warmup_text = f"{warmup:.1f}s" if warmup is not None else "none"
+    if capture is not None:  # captured during the warm-up iteration, before anything was timed
+        warmup_text += f"; CUDA graphs: {capture[1]} captured in {capture[0]:.2f}s"
     print(f"engine: start {load_s:.1f}s, of which compile warm-up {warmup_text}; peak RSS {peak_mb:.0f} MB"
           + (f", CUDA peak allocated {cuda_peak_mb:.0f} MB" if cuda_peak_mb else ""))
     result = {
@@ -196,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
                     "torch_threads": torch.get_num_threads()},
         "engine_load_s": load_s,
         "compile_warmup_s": warmup,
+        "cuda_graphs": {"captured": capture[1], "capture_s": capture[0]} if capture is not None else None,
         "peak_rss_mb": peak_mb,
         "cuda_peak_allocated_mb": cuda_peak_mb,
         "rows": summaries,

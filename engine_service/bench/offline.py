@@ -124,6 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "compile the decode step (default: the engine's, eager unless $SLUICE_ENFORCE_EAGER=0)")
     parser.add_argument("--compile", dest="enforce_eager", action="store_false",
                         help="the same as --no-enforce-eager")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="on CUDA without --enforce-eager: replay decode steps from CUDA graphs (the "
+                             "engine's default); --no-cuda-graphs compiles the decode step instead")
     parser.add_argument("--cycled-concurrency", type=int, default=0, metavar="N",
                         help="also run the workload's requests cycled to N at once (e.g. 128): throughput "
                              "should not fall with concurrency")
@@ -156,10 +159,10 @@ def run(args: argparse.Namespace) -> int:
     chart = plots.plot_target(args, args.json, "bench-results/offline.png", "sluice bench offline")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization, attention_backend=args.attention_backend,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, cuda_graphs=args.cuda_graphs)
     engine = llm.engine
     mode = (f"{str(engine.dtype).removeprefix('torch.')}{'+' + engine.quantization if engine.quantization else ''}, "
-            f"{'eager' if engine.enforce_eager else 'compiled'}, {engine.attention_backend} attention")
+            f"{engine.decode_mode}, {engine.attention_backend} attention")
     work = make_workload(engine.vocab_size, args.num_requests, _range(args.prompt_len),
                          _range(args.output_len), args.seed)
     llm.generate([work[0].prompt_token_ids[:16]], None)  # warm-up

@@ -79,6 +79,7 @@ class ModelRunner:
         self.decode_kernel = decode_kernel
         self.min_decode_width = 1  # the compiled step pads block tables to >= 2 columns (no 1-specialisation)
         self.compiled_decode = None  # set by enable_compiled_decode
+        self.graphed_decode = None  # set by enable_cuda_graphs
         self.native_decode = None  # set by enable_native_decode
 
     @property
@@ -215,6 +216,16 @@ class ModelRunner:
         self.compiled_decode = compiled
         return seconds
 
+    def enable_cuda_graphs(self, scratch_slot: int, max_batch: int, max_model_len: int,
+                           capture: bool = True) -> None:
+        """Replay decode-only steps from CUDA graphs captured per batch and width bucket
+        (``engine_service.model.cuda_graphs``), writing only ``scratch_slot`` when capturing.
+        ``capture=False`` runs the same padded steps eagerly (for tests without a GPU)."""
+        from engine_service.model.cuda_graphs import GraphedDecode
+
+        self.graphed_decode = GraphedDecode(self.model, self.kv_caches, scratch_slot, max_batch, max_model_len,
+                                            decode_kernel=self.decode_kernel, capture=capture)
+
     def enable_native_decode(self, scratch_slot: int) -> float:
         """Run decode-only steps of a few rows through the native decode step
         (``engine_service.model.native_decode``; raises ValueError when the model has none) and
@@ -234,6 +245,10 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.native_decode is not None and not meta.prefills and self.native_decode.runs(input_ids.shape[0]):
             return self.native_decode(input_ids, positions, meta)
+        if self.graphed_decode is not None and not meta.prefills:
+            hidden = self.graphed_decode(input_ids, positions, meta)
+            if hidden is not None:
+                return hidden
         if self.compiled_decode is not None and not meta.prefills:
             return self.compiled_decode(input_ids, positions, meta)
         return self.model(input_ids, positions, self.kv_caches, meta)

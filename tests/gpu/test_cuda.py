@@ -103,8 +103,29 @@ def test_compiled_decode_is_token_identical_to_eager(model_dir, eager, prompts):
     if why_not:
         pytest.skip(f"torch.compile unavailable: {why_not}")
     ref = [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY)]
-    compiled = LLM(str(model_dir), device="cuda", dtype="float32", enforce_eager=False,
+    compiled = LLM(str(model_dir), device="cuda", dtype="float32", enforce_eager=False, cuda_graphs=False,
                    max_num_batched_tokens=512, kv_cache_memory=512 << 20)
-    assert compiled.engine.compile_warmup_seconds is not None
+    assert compiled.engine.compile_warmup_seconds is not None and not compiled.engine.cuda_graphs
     assert [o.outputs[0].token_ids for o in compiled.generate(prompts, GREEDY)] == ref
     assert compiled.generate([prompts[0]], GREEDY)[0].outputs[0].token_ids == ref[0]
+
+
+def test_cuda_graphs_are_token_identical_to_eager(model_dir, eager, prompts):
+    """Decode steps replayed from CUDA graphs (the default on CUDA without --enforce-eager):
+    batched, alone, and in batches that shrink as requests end at different lengths (a bucket's
+    rows padded over), the same greedy tokens as the eager forward."""
+    graphed = LLM(str(model_dir), device="cuda", dtype="float32", enforce_eager=False,
+                  max_num_batched_tokens=512, kv_cache_memory=512 << 20)
+    engine = graphed.engine
+    assert engine.cuda_graphs and engine.decode_mode == "cuda graphs"
+    ref = [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY)]
+    assert [o.outputs[0].token_ids for o in graphed.generate(prompts, GREEDY)] == ref
+    shrinking = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS - 6 * (i % 5), ignore_eos=True)
+                 for i in range(len(prompts))]
+    outs = graphed.generate(prompts, shrinking)
+    assert [o.outputs[0].token_ids for o in outs] == [r[: p.max_tokens] for r, p in zip(ref, shrinking, strict=True)]
+    for i in (0, 9):
+        assert graphed.generate([prompts[i]], GREEDY)[0].outputs[0].token_ids == ref[i]
+    captured = engine.runner.graphed_decode.graphs
+    assert (1, 1) in captured or any(batch == 1 for batch, _ in captured)
+    assert len({batch for batch, _ in captured}) >= 3, sorted(captured)

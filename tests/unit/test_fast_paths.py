@@ -332,3 +332,52 @@ def test_native_kernel_unavailable_falls_back_or_refuses(monkeypatch, tmp_path):
         native.load_paged_decode_attention()
     assert native.paged_decode_attention_kernel(torch.device("cpu")) is None
     assert native.paged_decode_attention_kernel(torch.device("meta")) is None
+
+
+def _shrinking(prompts: list[list[int]]) -> list[SamplingParams]:
+    """Greedy, ending at 16, 13, 10, 7 and 4 tokens in turn: batches that shrink step by step, so
+    rows a larger step filled are stale in the next step's bucket and must be padded over."""
+    return [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS - 3 * (i % 5), ignore_eos=True)
+            for i in range(len(prompts))]
+
+
+@pytest.mark.model
+def test_cuda_graph_buckets_padded_steps_are_greedy_identical(model_dir, prompts, reference_tokens, monkeypatch):
+    """The CUDA-graph step's inputs (engine_service.model.cuda_graphs): a step copied into its
+    bucket's static rows and padded with scratch-slot decodes, run here eagerly (no capture on a
+    CPU). Same greedy tokens as the reference, alone and in shrinking batches: no padded row
+    writes a request's cache or leaks into a real row."""
+    from engine_service.model.cuda_graphs import GraphedDecode
+
+    llm = LLM(str(model_dir), dtype="float32", enforce_eager=True, attention_backend="torch",
+              max_num_batched_tokens=512, kv_cache_memory=128 << 20)
+    runner, engine = llm.engine.runner, llm.engine
+    runner.enable_cuda_graphs((runner.num_blocks - 1) * runner.block_size, engine.config.max_num_seqs,
+                              engine.max_model_len, capture=False)
+    graphed = runner.graphed_decode
+    assert graphed.batch_sizes == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert graphed.bucket(3, 5) == (4, 8) and graphed.bucket(1, 1) == (1, 1)
+    assert graphed.bucket(257, 1) is None  # more rows than the largest bucket
+    assert graphed.bucket(256, 65) is None  # 256 x 128 blocks of 16: past MAX_GRAPH_POSITIONS
+    steps: list[tuple[int, tuple[int, int] | None]] = []
+    original = GraphedDecode.__call__
+
+    def recording(self, input_ids, positions, meta):
+        rows, bucket = input_ids.shape[0], self.bucket(*meta.decode_block_tables.shape)
+        steps.append((rows, bucket))
+        hidden = original(self, input_ids, positions, meta)
+        if bucket is not None:  # rows a larger step left behind now decode one token in the scratch slot
+            assert bool((self.slot_mapping[rows : bucket[0]] == self.scratch_slot).all())
+            assert bool((self.context_lens[rows : bucket[0]] == 1).all())
+            assert bool((self.block_tables[rows : bucket[0], 0] == self.scratch_block).all())
+        return hidden
+
+    monkeypatch.setattr(GraphedDecode, "__call__", recording)
+    params = _shrinking(prompts)
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [ref[: p.max_tokens] for ref, p in
+                                                       zip(reference_tokens, params, strict=True)]
+    assert any(bucket is not None and rows < bucket[0] for rows, bucket in steps), steps
+    assert {rows for rows, _ in steps} >= {8, 6, 4, 2}, "the batch was meant to shrink"
+    for i in (0, 9):
+        assert llm.generate([prompts[i]], GREEDY)[0].outputs[0].token_ids == reference_tokens[i]
