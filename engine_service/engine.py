@@ -132,8 +132,15 @@ class LLMEngine:
         self.cuda_graphs = not self.enforce_eager and self.device.type == "cuda" and config.cuda_graphs
         if self.cuda_graphs:
             self.runner.enable_cuda_graphs(num_blocks * config.block_size, config.max_num_seqs, self.max_model_len)
-            logger.info("decode steps of up to %d rows replay CUDA graphs (captured at first use)",
-                        self.runner.graphed_decode.batch_sizes[-1])
+            graphed = self.runner.graphed_decode
+            graphed.warm_up()
+            if graphed.failed is not None:  # logged with its traceback by the capture
+                self.runner.graphed_decode = None
+                self.cuda_graphs = False
+                self.enforce_eager = True
+            else:
+                logger.info("decode steps of up to %d rows replay CUDA graphs (captured at first use)",
+                            graphed.batch_sizes[-1])
         elif not self.enforce_eager:
             why_not = compile_supported(self.device) or compile_unavailable(self.runner.model)
             if why_not is None:

@@ -15,8 +15,9 @@ How (vLLM's scheme, on our eager forward):
   padded attention would gather more than ``MAX_GRAPH_POSITIONS`` key positions is not captured: such
   a step is large enough to amortise its launches and runs the eager forward.
 * A bucket's graph is captured the first time a step needs it (one eager warm-up run, then the
-  capture, both on dummy decodes of the scratch slot), so start-up captures only what is used and
-  the number of graphs stays bounded by the buckets. All graphs share one memory pool; a replay's
+  capture, both on dummy decodes of the scratch slot), so start-up captures only the smallest
+  (``warm_up``) and the number of graphs stays bounded by the buckets. A capture that fails is
+  logged and every later step runs the eager forward: the graphs are an optimisation of it. All graphs share one memory pool; a replay's
   output is copied out before the next replay can reuse that memory.
 * The rotary rows are looked up eagerly: the table grows with the longest context, which a graph
   that captured its address would miss.
@@ -100,6 +101,7 @@ class GraphedDecode:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.capture_seconds = 0.0
+        self.failed: str | None = None  # why capturing failed; every step then runs eagerly
 
     def bucket(self, rows: int, width: int) -> tuple[int, int] | None:
         """The smallest (batch, width) bucket holding a step of ``rows`` decodes whose block tables
@@ -141,8 +143,26 @@ class GraphedDecode:
                     batch, width, seconds)
         return graph, out
 
+    def warm_up(self) -> float:
+        """Capture the smallest bucket at engine start, so that a model whose kernels cannot be
+        captured says so there (``failed``) rather than in a client's step. Returns the seconds."""
+        if self.capture:
+            self._captured(1, self.widths[0])
+        return self.capture_seconds
+
+    def _captured(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+        try:
+            entry = self.graphs[(batch, width)] = self._capture(batch, width)
+        except Exception as exc:  # noqa: BLE001 - any capture failure: the eager forward is complete
+            self.failed = f"{type(exc).__name__}: {exc}"
+            logger.exception("capturing the decode step's CUDA graph failed; decode steps run eagerly")
+            return None
+        return entry
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor | None:
+        if self.failed is not None:
+            return None
         rows, width = meta.decode_block_tables.shape
         key = self.bucket(rows, width)
         if key is None:
@@ -150,7 +170,9 @@ class GraphedDecode:
         batch, cols = key
         entry = self.graphs.get(key)
         if entry is None and self.capture:
-            entry = self.graphs[key] = self._capture(batch, cols)
+            entry = self._captured(batch, cols)
+            if entry is None:
+                return None
         cos, sin = self.model.rotary.cos_sin(positions, self.dtype)
         self.input_ids[:rows].copy_(input_ids)
         self.cos[:rows].copy_(cos)

@@ -381,3 +381,30 @@ def test_cuda_graph_buckets_padded_steps_are_greedy_identical(model_dir, prompts
     assert {rows for rows, _ in steps} >= {8, 6, 4, 2}, "the batch was meant to shrink"
     for i in (0, 9):
         assert llm.generate([prompts[i]], GREEDY)[0].outputs[0].token_ids == reference_tokens[i]
+
+
+@pytest.mark.model
+def test_a_failed_cuda_graph_capture_falls_back_to_the_eager_forward(model_dir, prompts, reference_tokens,
+                                                                    monkeypatch):
+    """A capture that raises (a kernel that cannot be captured) is logged, and that step and every
+    later one run the eager forward: the same tokens, no exception reaching the engine."""
+    from engine_service.model.cuda_graphs import GraphedDecode
+
+    llm = LLM(str(model_dir), dtype="float32", enforce_eager=True, attention_backend="torch",
+              max_num_batched_tokens=512, kv_cache_memory=128 << 20)
+    runner = llm.engine.runner
+    runner.enable_cuda_graphs((runner.num_blocks - 1) * runner.block_size, 8, llm.engine.max_model_len,
+                              capture=False)
+    graphed = runner.graphed_decode
+    graphed.capture = True  # as on a GPU, with a capture that fails
+    attempts = []
+
+    def failing_capture(self, batch, width):
+        attempts.append((batch, width))
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(GraphedDecode, "_capture", failing_capture)
+    assert graphed.warm_up() == 0.0 and "not permitted" in graphed.failed
+    outs = llm.generate(prompts[:3], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference_tokens[:3]
+    assert attempts == [(1, 1)], "after one failure no step tries to capture again"
