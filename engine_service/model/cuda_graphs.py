@@ -123,6 +123,7 @@ class GraphedDecode:
             self.context_lens[start:stop].fill_(1)
             self.block_tables[start:stop, 0].fill_(self.scratch_block)
 
+    @torch.inference_mode()  # as the runner's steps are: no autograd state kept alive in the pool
     def _capture(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         started = time.perf_counter()
         self._pad(0, batch)
