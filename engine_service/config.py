@@ -81,7 +81,7 @@ class EngineConfig:
         env = os.environ.get("SLUICE_ENFORCE_EAGER")
         if env is not None:
             return env.lower() in ("1", "true", "yes")
-        # CPU: eager (the compiled step's first warm-up is long); CUDA: CUDA graphs, captured in seconds
+        # CPU: eager (the compiled step's first warm-up is long); CUDA: CUDA graphs (no inductor compile)
         return not self.device.startswith("cuda")
     attention_backend: str = knob(
         "auto", "decode attention: native (a C kernel built at first use that reads the paged KV cache in "

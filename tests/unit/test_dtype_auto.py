@@ -52,7 +52,7 @@ def test_default_is_auto_and_the_environment_or_a_keyword_pins_it(monkeypatch):
 def test_enforce_eager_default_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv("SLUICE_ENFORCE_EAGER", raising=False)
     assert EngineConfig().resolved_enforce_eager() is True  # CPU: the compiled step's warm-up is long
-    # CUDA: not eager, so decode steps replay CUDA graphs (captured in well under a second each)
+    # CUDA: not eager, so decode steps replay CUDA graphs (no long compile at start)
     assert EngineConfig(device="cuda").resolved_enforce_eager() is False
     assert EngineConfig(device="cuda:1").resolved_enforce_eager() is False
     monkeypatch.setenv("SLUICE_ENFORCE_EAGER", "0")
