@@ -49,7 +49,7 @@ bench=("$PY" -m sluice_cli.cli bench)
 latency=(latency --device cuda --input-len 512 --output-len 128 --num-iters 3)
 # one stream: eager beside transformers, then CUDA graphs, in float32; CUDA graphs in bfloat16
 # beside transformers; the offline workload (W1) with CUDA graphs beside transformers' batches of
-# 8; last, the inductor-compiled step (its cold compile takes a minute or more)
+# 8; int4 with CUDA graphs; last, the inductor-compiled step (its cold compile takes a minute or more)
 step latency-float32-eager 60 "${bench[@]}" "${latency[@]}" --dtype float32 --enforce-eager \
     --json "$OUT/latency-float32-eager.json"
 step latency-float32-graphs 60 "${bench[@]}" "${latency[@]}" --dtype float32 --no-enforce-eager --no-hf \
@@ -58,6 +58,8 @@ step latency-bfloat16-graphs 70 "${bench[@]}" "${latency[@]}" --dtype bfloat16 -
     --json "$OUT/latency-bfloat16-graphs.json"
 step offline-float32-graphs 150 "${bench[@]}" offline --device cuda --dtype float32 --no-enforce-eager \
     --hf-batch-sizes 8 --no-plot --json "$OUT/offline-float32-graphs.json"
+step latency-int4-graphs 60 "${bench[@]}" "${latency[@]}" --dtype bfloat16 --quantization int4 \
+    --no-enforce-eager --no-hf --json "$OUT/latency-int4-graphs.json"
 step latency-float32-compiled 150 "${bench[@]}" "${latency[@]}" --dtype float32 --no-enforce-eager \
     --no-cuda-graphs --no-hf --json "$OUT/latency-float32-compiled.json"
 
