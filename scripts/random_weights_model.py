@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 from datetime import UTC, datetime
@@ -42,13 +43,17 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     config = AutoConfig.from_pretrained(args.like)
-    # At transformers' own initialisation (normal(0, 0.02)) the residual stream is the input
-    # token's embedding and greedy decoding repeats one token, which a kernel bug could not change.
-    # Embeddings of unit scale and layers at 0.05 give text-like variety (22-24 distinct tokens in 24).
-    config.initializer_range = 0.05
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # At transformers' own initialisation (normal(0, 0.02)) the residual stream stays the input
+    # token's embedding and greedy decoding repeats one token, which a kernel bug could not change.
+    # Unit-scale embeddings and every other matrix at 2 / sqrt(fan-in) give text-like variety at
+    # any depth and width (each layer adds about as much as the embedding holds).
     with torch.no_grad():
-        model.get_input_embeddings().weight.normal_(0.0, 1.0)
+        embeddings = model.get_input_embeddings().weight
+        for param in model.parameters():
+            if param.dim() == 2 and param is not embeddings:
+                param.normal_(0.0, 2.0 / math.sqrt(param.shape[1]))
+        embeddings.normal_(0.0, 1.0)
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
     for name in files:
