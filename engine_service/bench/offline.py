@@ -182,19 +182,19 @@ def run(args: argparse.Namespace) -> int:
     peak_cuda_mb = (torch.cuda.max_memory_allocated(engine.device) / 2**20
                     if engine.device.type == "cuda" else None)
     compile_warmup_s = getattr(engine, "compile_warmup_seconds", None)
+    graphed = engine.runner.graphed_decode
+    cuda_graphs = {"captured": len(graphed.graphs), "capture_s": graphed.capture_seconds} if graphed else None
     shape = ModelShape.from_config(engine.runner.model.config)
     del llm
     hf_work = work[: args.hf_num_requests] if args.hf_num_requests else work
     for size in [int(s) for s in args.hf_batch_sizes.split(",") if s.strip()]:
         rows.append(run_transformers(engine.model_dir, hf_work, size, parse_dtype(args.dtype), args.device))
 
-    sampler_ms = None
-    try:
-        from engine_service.bench.sampler import benchmark_sampler
+    from engine_service.bench.sampler import benchmark_sampler
 
-        sampler_ms = benchmark_sampler(batch_size=args.sampler_batch, vocab_size=engine.vocab_size)
-    except ImportError:
-        pass
+    # on the engine's device: the figure is what the engine's own steps pay
+    sampler_ms = benchmark_sampler(batch_size=args.sampler_batch, vocab_size=engine.vocab_size,
+                                   device=engine.device)
 
     # FLOP utilisation: the workload's useful FLOPs at Sluice's pace against a GEMM in the same run
     workload_flops = sum(shape.request_flops(len(w.prompt_token_ids), w.output_len) for w in work)
@@ -215,6 +215,9 @@ def run(args: argparse.Namespace) -> int:
           + (f"; CUDA peak allocated {peak_cuda_mb:,.0f} MiB" if peak_cuda_mb is not None else ""))
     if compile_warmup_s is not None:
         print(f"compile warm-up at engine start: {compile_warmup_s:.1f} s")
+    if cuda_graphs is not None:
+        print(f"CUDA graphs: {cuda_graphs['captured']} captured in {cuda_graphs['capture_s']:.2f} s "
+              "(at engine start and in the first steps of each bucket, inside the timed run)")
     if cycled_row is not None:
         print(f"cycled to {args.cycled_concurrency} at once: {cycled_row.tokens_per_s:.1f} tok/s against "
               f"{rows[0].tokens_per_s:.1f} for the {args.num_requests} requests "
@@ -228,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
               f"{sluice_gflops:.1f} GFLOP/s; a {str(gemm_dtype).removeprefix('torch.')} GEMM (2048^3, "
               f"torch.mm) reaches {peak_gflops:.1f} GFLOP/s here: {sluice_gflops / peak_gflops:.1%}")
     if sampler_ms is not None:
-        print(f"sampler cost per step at batch {args.sampler_batch}: {sampler_ms:.2f} ms")
+        print(f"sampler cost per step at batch {args.sampler_batch} on {engine.device}: {sampler_ms:.2f} ms")
     result = {
         "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
                      "output_len": args.output_len, "seed": args.seed, "dtype": args.dtype,
@@ -238,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
         "peak_rss_mb": peak_rss_mb,
         "peak_cuda_allocated_mb": peak_cuda_mb,
         "compile_warmup_s": compile_warmup_s,
+        "cuda_graphs": cuda_graphs,
         "machine": {"platform": platform.platform(), "torch_threads": torch.get_num_threads()},
         "rows": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in rows],
         "sluice_preemptions": stats.preemptions,
