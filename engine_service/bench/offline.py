@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"compile warm-up at engine start: {compile_warmup_s:.1f} s")
     if cuda_graphs is not None:
         print(f"CUDA graphs: {cuda_graphs['captured']} captured in {cuda_graphs['capture_s']:.2f} s "
-              "(at engine start and in the first steps of each bucket, inside the timed run)")
+              "(each bucket at its first step: some inside the timed run)")
     if cycled_row is not None:
         print(f"cycled to {args.cycled_concurrency} at once: {cycled_row.tokens_per_s:.1f} tok/s against "
               f"{rows[0].tokens_per_s:.1f} for the {args.num_requests} requests "
