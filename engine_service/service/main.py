@@ -157,12 +157,17 @@ class EngineService:
         return info
 
     def run(self) -> int:
-        self.io.start()
         if self.admin is not None:
             self.admin.start()
-        name_os_threads()
+
+        def start_io() -> None:
+            self.io.start()
+            name_os_threads()
+
         try:
-            self.worker.run()
+            # health turns SERVING before the engine registers in Redis (io.start): whoever sees the
+            # engine listed may probe it at once and must not read NOT_SERVING
+            self.worker.run(on_start=start_io)
         finally:
             self.shutdown()
         return 0

@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,10 +104,14 @@ class Worker:
             return self._snapshot
 
     # ------------------------------------------------------------------ the loop
-    def run(self) -> None:
+    def run(self, on_start: Callable[[], None] | None = None) -> None:
+        """The step loop, until stopped or drained. ``on_start`` runs once serving is reported and
+        before the first step (the service starts its Redis I/O there)."""
         self.running = True
         self._set_serving(True)
         try:
+            if on_start is not None:
+                on_start()
             produced = True
             while True:
                 batch = Batch()

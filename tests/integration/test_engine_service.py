@@ -283,6 +283,30 @@ def test_malformed_entry_matrix(service, client, prompts, reference, redis_clien
     assert service.worker.running
 
 
+def test_health_is_serving_before_the_engine_is_listed_in_redis(llm, clean_redis):
+    """Whoever sees the engine registered may probe it at once: the health service answers SERVING
+    from before the service's Redis I/O starts (which registers it), so no window reads NOT_SERVING.
+    (The order was the other way round, and a loaded machine caught a probe in between.)"""
+    settings = ServiceSettings(redis_url=clean_redis, grpc_port=free_port(),
+                               engine_id=f"test-{uuid.uuid4().hex[:8]}", heartbeat_ttl_s=3.0)
+    svc = EngineService(llm.engine, settings)
+    at_io_start: list[int] = []
+    start_io = svc.io.start
+
+    def probing_start() -> None:
+        at_io_start.append(health(svc))
+        start_io()
+
+    svc.io.start = probing_start
+    svc.start_in_thread()
+    try:
+        WireClient.from_url(clean_redis).wait_for_engine(svc.model, timeout=30)
+        assert at_io_start == [health_pb2.HealthCheckResponse.SERVING]
+        assert health(svc) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        cleanup(svc, llm)
+
+
 @pytest.mark.both_topologies
 def test_health_stats_and_drain_hands_back(llm, clean_redis, redis_client, client, prompts, reference):
     svc = make_service(llm, clean_redis)
