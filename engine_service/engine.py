@@ -129,14 +129,12 @@ class LLMEngine:
                     config.block_size, time.perf_counter() - started)
         self.compile_warmup_seconds: float | None = None
         eager_requested = self.enforce_eager
-        self.cuda_graphs = not self.enforce_eager and self.device.type == "cuda" and config.cuda_graphs
-        if self.cuda_graphs:
+        if not self.enforce_eager and self.device.type == "cuda" and config.cuda_graphs:
             self.runner.enable_cuda_graphs(num_blocks * config.block_size, config.max_num_seqs, self.max_model_len)
             graphed = self.runner.graphed_decode
             graphed.warm_up()
             if graphed.failed is not None:  # logged with its traceback by the capture
                 self.runner.graphed_decode = None
-                self.cuda_graphs = False
                 self.enforce_eager = True
             else:
                 logger.info("decode steps of up to %d rows replay CUDA graphs (captured at first use)",
@@ -284,6 +282,11 @@ class LLMEngine:
             outputs.append(self._output(req, []))
             self._release(req)
         return outputs
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs (``engine_service.model.cuda_graphs``)."""
+        return self.runner.graphed_decode is not None
 
     @property
     def decode_mode(self) -> str:

@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     rows = [sluice]
     model_dir, dtype, warmup = engine.model_dir, engine.dtype, engine.compile_warmup_seconds
     graphed = engine.runner.graphed_decode
-    capture = (graphed.capture_seconds, len(graphed.graphs)) if graphed is not None else None
+    cuda_graphs = graphed.report() if graphed is not None else None
     del llm, engine
     if args.hf:
         rows.append(run_transformers(model_dir, prompts, args.output_len, dtype, args.device))
@@ -192,8 +192,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"Sluice decodes {ratios['decode_speedup_vs_transformers']:.2f}x transformers' tokens/s; "
               f"its TTFT is {ratios['ttft_ratio_vs_transformers']:.2f}x transformers'")
     warmup_text = f"{warmup:.1f}s" if warmup is not None else "none"
-    if capture is not None:  # captured during the warm-up iteration, before anything was timed
-        warmup_text += f"; CUDA graphs: {capture[1]} captured in {capture[0]:.2f}s"
+    if cuda_graphs is not None:  # captured at start and in the warm-up iteration, before anything was timed
+        warmup_text += f"; CUDA graphs: {cuda_graphs['captured']} captured in {cuda_graphs['capture_s']:.2f}s"
     print(f"engine: start {load_s:.1f}s, of which compile warm-up {warmup_text}; peak RSS {peak_mb:.0f} MB"
           + (f", CUDA peak allocated {cuda_peak_mb:.0f} MB" if cuda_peak_mb else ""))
     result = {
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
                     "torch_threads": torch.get_num_threads()},
         "engine_load_s": load_s,
         "compile_warmup_s": warmup,
-        "cuda_graphs": {"captured": capture[1], "capture_s": capture[0]} if capture is not None else None,
+        "cuda_graphs": cuda_graphs,
         "peak_rss_mb": peak_mb,
         "cuda_peak_allocated_mb": cuda_peak_mb,
         "rows": summaries,

@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
                     if engine.device.type == "cuda" else None)
     compile_warmup_s = getattr(engine, "compile_warmup_seconds", None)
     graphed = engine.runner.graphed_decode
-    cuda_graphs = {"captured": len(graphed.graphs), "capture_s": graphed.capture_seconds} if graphed else None
+    cuda_graphs = graphed.report() if graphed is not None else None
     shape = ModelShape.from_config(engine.runner.model.config)
     del llm
     hf_work = work[: args.hf_num_requests] if args.hf_num_requests else work
@@ -230,8 +230,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"FLOP utilisation: the workload's {workload_flops / 1e12:.2f} TFLOP at Sluice's pace are "
               f"{sluice_gflops:.1f} GFLOP/s; a {str(gemm_dtype).removeprefix('torch.')} GEMM (2048^3, "
               f"torch.mm) reaches {peak_gflops:.1f} GFLOP/s here: {sluice_gflops / peak_gflops:.1%}")
-    if sampler_ms is not None:
-        print(f"sampler cost per step at batch {args.sampler_batch} on {engine.device}: {sampler_ms:.2f} ms")
+    print(f"sampler cost per step at batch {args.sampler_batch} on {engine.device}: {sampler_ms:.2f} ms")
     result = {
         "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
                      "output_len": args.output_len, "seed": args.seed, "dtype": args.dtype,

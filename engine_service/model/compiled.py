@@ -94,7 +94,7 @@ def _per_structure(fn: Callable[..., torch.Tensor], key: str) -> Callable[..., t
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
-def _decode_layer_using(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _decode_layer_using(kernel: Callable[..., torch.Tensor] | None) -> Callable[..., torch.Tensor]:
     """One decoder layer's decode step, attending with ``kernel`` (AttentionMetadata.decode_kernel)."""
 
     def decode_layer(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -106,6 +106,26 @@ def _decode_layer_using(kernel: Callable[..., torch.Tensor]) -> Callable[..., to
         return layer(x, cos, sin, (k_cache, v_cache), meta)
 
     return decode_layer
+
+
+def decode_only_forward(model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                        kernel: Callable[..., torch.Tensor] | None) -> Callable[..., torch.Tensor]:
+    """The forward of a decode-only step over explicit tensors, ``(input_ids, cos, sin,
+    slot_mapping, block_tables, context_lens) -> hidden``: what the compiled step compiles and a
+    CUDA graph captures (``engine_service.model.cuda_graphs``). ``kernel`` is the decode attention
+    (None: the reference)."""
+    decode_layer = _decode_layer_using(kernel)
+    layers = list(model.model.layers)
+
+    def decode_forward(input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                       context_lens: torch.Tensor) -> torch.Tensor:
+        x = model.model.embed_tokens(input_ids)
+        for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+            x = decode_layer(layer, x, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens)
+        return model.model.norm(x)
+
+    return decode_forward
 
 
 class CompiledDecode:
@@ -130,17 +150,7 @@ class CompiledDecode:
             from engine_service.model.native import paged_decode_attention_op as kernel
         else:
             kernel = decode_attention_inplace
-        decode_layer = _decode_layer_using(kernel)
-        layers = list(model.model.layers)
-
-        def decode_forward(input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                           slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor) -> torch.Tensor:
-            x = model.model.embed_tokens(input_ids)
-            for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
-                x = decode_layer(layer, x, cos, sin, k_cache, v_cache, slot_mapping, block_tables, context_lens)
-            return model.model.norm(x)
-
+        decode_forward = decode_only_forward(model, kv_caches, kernel)
         self._forward = torch.compile(_per_structure(decode_forward, structure_key(model)), dynamic=False,
                                       fullgraph=True,
                                       options={"guard_filter_fn": skip_weight_guards})

@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 
 from engine_service.model.attention import AttentionMetadata
+from engine_service.model.compiled import decode_only_forward
 
 logger = logging.getLogger(__name__)
 
@@ -51,24 +52,6 @@ def _powers_of_two_to(limit: int) -> list[int]:
         sizes.append(sizes[-1] * 2)
     sizes[-1] = limit
     return sizes
-
-
-def _decode_forward(model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                    decode_kernel: Callable[..., torch.Tensor] | None) -> Callable[..., torch.Tensor]:
-    """The eager forward of a decode-only step over explicit tensors (what a graph captures)."""
-    layers = list(model.model.layers)
-
-    def forward(input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-                block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-        meta = AttentionMetadata(slot_mapping=slot_mapping, prefills=[], decode_token_index=None,
-                                 decode_block_tables=block_tables, decode_context_lens=context_lens,
-                                 decode_kernel=decode_kernel)
-        x = model.model.embed_tokens(input_ids)
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return model.model.norm(x)
-
-    return forward
 
 
 class GraphedDecode:
@@ -90,8 +73,8 @@ class GraphedDecode:
         self.batch_sizes = _powers_of_two_to(min(max_batch, MAX_GRAPH_BATCH))
         self.widths = _powers_of_two_to(-(-max_model_len // self.block_size))
         self.dtype = model.model.embed_tokens.weight.dtype
-        self._forward = _decode_forward(model, kv_caches, decode_kernel)
-        rows, width, head_dim = self.batch_sizes[-1], self.widths[-1], model.rotary.inv_freq.shape[0] * 2
+        self._forward = decode_only_forward(model, kv_caches, decode_kernel)
+        rows, width, head_dim = self.batch_sizes[-1], self.widths[-1], model.config.head_dim
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.cos = torch.zeros(rows, head_dim, dtype=self.dtype, device=self.device)
         self.sin = torch.zeros(rows, head_dim, dtype=self.dtype, device=self.device)
@@ -102,6 +85,10 @@ class GraphedDecode:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.capture_seconds = 0.0
         self.failed: str | None = None  # why capturing failed; every step then runs eagerly
+
+    def report(self) -> dict[str, float | int]:
+        """Graphs captured so far and the seconds their captures took (what benches print)."""
+        return {"captured": len(self.graphs), "capture_s": self.capture_seconds}
 
     def bucket(self, rows: int, width: int) -> tuple[int, int] | None:
         """The smallest (batch, width) bucket holding a step of ``rows`` decodes whose block tables
