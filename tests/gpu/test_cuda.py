@@ -127,5 +127,5 @@ def test_cuda_graphs_are_token_identical_to_eager(model_dir, eager, prompts):
     for i in (0, 9):
         assert graphed.generate([prompts[i]], GREEDY)[0].outputs[0].token_ids == ref[i]
     captured = engine.runner.graphed_decode.graphs
-    assert (1, 1) in captured or any(batch == 1 for batch, _ in captured)
-    assert len({batch for batch, _ in captured}) >= 3, sorted(captured)
+    assert (1, 1) in captured, "the smallest bucket is captured at engine start"
+    assert len({batch for batch, _ in captured}) >= 3, sorted(captured)  # the shrinking batches' buckets
