@@ -34,6 +34,7 @@ from typing import Any
 from sluice.wire import dialects
 
 DEFAULT_WATERMARK_SHARE = 0.01
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def knob(default: Any, help: str, *, cli: bool = True, **argparse_kwargs: Any) -> Any:
@@ -46,9 +47,15 @@ class EngineConfig:
     model: str | None = knob(None, "local Hugging Face model directory (default: the prepared default model)")
     served_model_name: str | None = knob(None, "the name clients use (default: the model directory's name)")
     dtype: str | None = knob(
-        None, "weights, activations and KV cache dtype. auto (the default, or $SLUICE_DTYPE): the "
+        None, "weights and activations dtype, and the KV cache's unless --kv-cache-dtype says otherwise. auto (the "
+        "default, or $SLUICE_DTYPE): the "
         "checkpoint's on CUDA; on CPU bfloat16 where the CPU has native bf16 and a probe at start measures "
         "it faster, else float32 (engine_service.model.dtype)", choices=["auto", "float32", "bfloat16", "float16"])
+    kv_cache_dtype: str = knob(
+        "auto", "the KV cache's dtype (vLLM's name). auto: the model's dtype; bfloat16 or float16 under a float32 "
+        "model halves the cache's bytes a token (twice the tokens in the same --kv-cache-memory) and the bytes "
+        "attention reads; every attention path reads the values as the cache holds them (docs/scheduler.md)",
+        choices=list(KV_CACHE_DTYPES))
     quantization: str | None = knob(None, "weight-only quantization computed at load (int8: per output "
                                      "channel; int4: groups of 32); default: none", choices=["int8", "int4"])
     device: str = knob("cpu", "cpu | cuda | cuda:N")

@@ -31,7 +31,7 @@ from engine_service.core.scheduler import RequestRejected, Scheduler
 from engine_service.model.compiled import compile_supported
 from engine_service.model.config import ModelConfig
 from engine_service.model.dtype import resolve_auto_dtype
-from engine_service.model.kv_cache import allocate_kv_cache, num_blocks_for_budget
+from engine_service.model.kv_cache import allocate_kv_cache, kv_cache_dtype, num_blocks_for_budget
 from engine_service.model.loader import load_model, parse_dtype
 from engine_service.model.native import load_paged_decode_attention, paged_decode_attention_kernel
 from engine_service.model.prepacked import compile_unavailable
@@ -94,6 +94,7 @@ class LLMEngine:
                                             self.model_config.intermediate_size)
         else:
             self.dtype = parse_dtype(dtype)
+        self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.enforce_eager = config.resolved_enforce_eager() or self.stub_model
         self.quantization = parse_quantization(config.quantization)
 
@@ -110,7 +111,7 @@ class LLMEngine:
 
         started = time.perf_counter()
         num_blocks = config.num_blocks or num_blocks_for_budget(
-            self.model_config, config.block_size, self.dtype, self.device, config.kv_cache_memory
+            self.model_config, config.block_size, self.kv_cache_dtype, self.device, config.kv_cache_memory
         )
         if self.stub_model:
             from engine_service.model.stub import StubModel, stub_kv_cache
@@ -121,12 +122,13 @@ class LLMEngine:
         else:
             model = load_model(self.model_dir, self.dtype, self.device, self.quantization)
             # One block more than the scheduler hands out: the compiled step's warm-up writes there.
-            kv = allocate_kv_cache(self.model_config, num_blocks + 1, config.block_size, self.dtype, self.device)
+            kv = allocate_kv_cache(self.model_config, num_blocks + 1, config.block_size, self.kv_cache_dtype,
+                                   self.device)
             decode_kernel = self._decode_kernel(config.attention_backend)
         self.runner = ModelRunner(model, kv, config.block_size, self.device, decode_kernel=decode_kernel)
-        logger.info("loaded %s (%s%s, %s) with %d KV blocks of %d tokens in %.1fs", self.model_name,
+        logger.info("loaded %s (%s%s, %s) with %d KV blocks of %d tokens (%s) in %.1fs", self.model_name,
                     self.dtype, f", {self.quantization}" if self.quantization else "", self.device, num_blocks,
-                    config.block_size, time.perf_counter() - started)
+                    config.block_size, self.kv_cache_dtype, time.perf_counter() - started)
         self.compile_warmup_seconds: float | None = None
         eager_requested = self.enforce_eager
         if not self.enforce_eager and self.device.type == "cuda" and config.cuda_graphs:
@@ -321,10 +323,10 @@ class LLMEngine:
         else:
             kernel = paged_decode_attention_kernel(self.device)
         cfg = self.model_config
-        if kernel is not None and not kernel.supports(self.dtype, cfg.num_attention_heads,
+        if kernel is not None and not kernel.supports(self.kv_cache_dtype, cfg.num_attention_heads,
                                                       cfg.num_key_value_heads, cfg.head_dim):
             if backend == "native":
-                raise ValueError(f"attention_backend native has no kernel for a {self.dtype} KV cache of "
+                raise ValueError(f"attention_backend native has no kernel for a {self.kv_cache_dtype} KV cache of "
                                  f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads of size {cfg.head_dim}")
             logger.info("the native decode attention does not run this model's cache; using the torch path")
             kernel = None

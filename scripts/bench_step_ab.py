@@ -8,7 +8,8 @@ their software prefetches (AMD's default) against with them (``q4_gemv_set_prefe
 modes, ``packed_gemv_set_prefetch`` for bfloat16); or (``--collapse``) oneDNN's packed weights
 collapsed onto huge pages against a second engine left on 4 KiB pages; or (``--scheduler-steps
 N``) N greedy decode steps a scheduling step against one (``num_scheduler_steps``, the same
-engine switched between the two).
+engine switched between the two); or (``--kv-cache-dtype D``) the mode over its own dtype's KV
+cache against a second engine over a D cache (``kv_cache_dtype``).
 
 `python scripts/bench_step_ab.py [--mode bfloat16-native] [--rounds 20]`
 `python scripts/bench_step_ab.py --argmax [--mode int4-native]`
@@ -16,6 +17,7 @@ engine switched between the two).
 `python scripts/bench_step_ab.py --prefetch [--mode int4-native]`
 `python scripts/bench_step_ab.py --collapse [--rounds 40]`
 `python scripts/bench_step_ab.py --scheduler-steps 8 [--mode int4-native]`
+`python scripts/bench_step_ab.py --kv-cache-dtype bfloat16 --mode int4-native [--context 1800]`
 
 Each round times 20 engine steps of each variant (with ``--scheduler-steps N``: N tokens each way,
 and the median of the rounds' paired ratios) (one stream, greedy, a 256-token prompt, the
@@ -186,6 +188,42 @@ def collapse_ab(rounds: int) -> None:
           f"LM head: {head4k:.3f} against {head2m:.3f} ({head4k / head2m:.3f}x); medians of {rounds} rounds")
 
 
+def kv_cache_dtype_ab(mode: str, rounds: int, kv_cache_dtype: str, context: int) -> None:
+    """Two engines of ``mode``, one over its own dtype's KV cache and one over ``kv_cache_dtype``'s,
+    each decoding one stream from a ``context``-token prompt; rounds of 20 steps alternate between
+    them (which goes first alternates too), and the median of the rounds' paired ratios is printed."""
+    from engine_service import LLM, SamplingParams
+    from engine_service.bench.modes import MODES
+
+    prompt = [100 + (j * 7) % 4000 for j in range(context)]
+    params = SamplingParams(temperature=0.0, max_tokens=rounds * 23 + 8, ignore_eos=True)
+    engines = {}
+    for cache in ("auto", kv_cache_dtype):
+        engine = LLM(None, **{**MODES[mode], "kv_cache_dtype": cache}, enable_prefix_caching=False,
+                     max_num_seqs=1, max_num_batched_tokens=max(2048, context)).engine
+        engine.add_request("p", prompt, params)
+        while engine.scheduler.get_request("p").num_output_tokens == 0:
+            engine.step()
+        engines[cache] = engine
+    ms: dict[str, list[float]] = {cache: [] for cache in engines}
+    ratios = []
+    for r in range(rounds):
+        for cache in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+            engine = engines[cache]
+            for _ in range(3):
+                engine.step()
+            started = time.perf_counter()
+            for _ in range(20):
+                engine.step()
+            ms[cache].append((time.perf_counter() - started) / 20 * 1e3)
+        ratios.append(ms["auto"][-1] / ms[kv_cache_dtype][-1])
+    base = engines["auto"].kv_cache_dtype
+    print(f"{mode}, one stream from a {context}-token prompt: a step {statistics.median(ms['auto']):.3f} ms over a "
+          f"{base} KV cache, {statistics.median(ms[kv_cache_dtype]):.3f} ms over a {kv_cache_dtype} one: "
+          f"{statistics.median(ratios):.3f}x (median of {rounds} paired rounds of 20 steps; the context grows "
+          f"to {context + rounds * 23})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", default="bfloat16-native")
@@ -197,10 +235,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="the native step's layers in one parallel region, on and off (twelfth round; int4: fourteenth)")
     parser.add_argument("--prefetch", action="store_true",
                         help="the one-row products without their software prefetches against with them (fourteenth round)")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="the mode over its own dtype's KV cache against over this one (two engines)")
+    parser.add_argument("--context", type=int, default=1800, help="with --kv-cache-dtype: the prompt's tokens")
     parser.add_argument("--scheduler-steps", type=int, default=0, metavar="N",
                         help="N greedy decode steps a scheduling step against one (thirteenth round)")
     args = parser.parse_args(argv)
-    if args.scheduler_steps > 1:
+    if args.kv_cache_dtype:
+        kv_cache_dtype_ab(args.mode, args.rounds or 20, args.kv_cache_dtype, args.context)
+    elif args.scheduler_steps > 1:
         scheduler_steps_ab(args.mode, args.rounds or 64, args.scheduler_steps)
     elif args.collapse:
         collapse_ab(args.rounds or 40)

@@ -6,9 +6,10 @@ from typing import Any
 
 
 def _mode(dtype: str, quantization: str | None = None, *, eager: bool = True, native: bool = False,
-          steps: int = 1) -> dict[str, Any]:
+          steps: int = 1, kv_cache_dtype: str = "auto") -> dict[str, Any]:
     mode = {"dtype": dtype, "quantization": quantization, "enforce_eager": eager, "native_decode": native}
-    return mode | ({"num_scheduler_steps": steps} if steps > 1 else {})
+    return (mode | ({"num_scheduler_steps": steps} if steps > 1 else {})
+            | ({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype != "auto" else {}))
 
 
 # the decode steps a "-steps" mode runs a scheduling step (--num-scheduler-steps)
@@ -18,7 +19,7 @@ MODE_SCHEDULER_STEPS = 8
 # mode name -> the LLM keywords that make it. "-compiled": torch.compile's decode step; "-native":
 # the decode step as one native call (engine_service.model.native_decode: int4, and bfloat16's
 # steps of up to 16 rows); "-steps": the native step, MODE_SCHEDULER_STEPS greedy decode steps a
-# scheduling step
+# scheduling step; "-bf16-cache": a bfloat16 KV cache under the float32 activations (kv_cache_dtype)
 MODES: dict[str, dict[str, Any]] = {
     "float32": _mode("float32"),
     "float32-compiled": _mode("float32", eager=False),
@@ -31,6 +32,8 @@ MODES: dict[str, dict[str, Any]] = {
     "int4-compiled": _mode("float32", "int4", eager=False),
     "int4-native": _mode("float32", "int4", eager=False, native=True),
     "int4-native-steps": _mode("float32", "int4", eager=False, native=True, steps=MODE_SCHEDULER_STEPS),
+    "int4-native-bf16-cache": _mode("float32", "int4", eager=False, native=True, kv_cache_dtype="bfloat16"),
+    "float32-bf16-cache": _mode("float32", kv_cache_dtype="bfloat16"),
     "bfloat16-int4": _mode("bfloat16", "int4"),
     "bfloat16-int4-compiled": _mode("bfloat16", "int4", eager=False),
 }

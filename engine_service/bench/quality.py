@@ -51,13 +51,17 @@ PROMPTS = [
     "Give a one-sentence definition of gravity.",
 ]
 HELDOUT = Path(__file__).parent / "data" / "heldout.txt"
-MODES = {  # name -> (dtype, quantization)
-    "float32": ("float32", None),
-    "int8": ("float32", "int8"),
-    "int4": ("float32", "int4"),
-    "bfloat16": ("bfloat16", None),
-    "bfloat16+int8": ("bfloat16", "int8"),
-    "bfloat16+int4": ("bfloat16", "int4"),
+MODES = {  # name -> (dtype, quantization, kv_cache_dtype)
+    "float32": ("float32", None, "auto"),
+    "int8": ("float32", "int8", "auto"),
+    "int4": ("float32", "int4", "auto"),
+    "bfloat16": ("bfloat16", None, "auto"),
+    "bfloat16+int8": ("bfloat16", "int8", "auto"),
+    "bfloat16+int4": ("bfloat16", "int4", "auto"),
+    # float32 activations over a narrower KV cache (kv_cache_dtype)
+    "float32+bf16-cache": ("float32", None, "bfloat16"),
+    "float32+fp16-cache": ("float32", None, "float16"),
+    "int4+bf16-cache": ("float32", "int4", "bfloat16"),
 }
 
 
@@ -94,14 +98,14 @@ def run(args: argparse.Namespace) -> int:
     results: list[dict] = []
     reference: list[list[int]] | None = None
     for mode in modes:
-        dtype, quantization = MODES[mode]
+        dtype, quantization, kv_cache_dtype = MODES[mode]
         started = time.perf_counter()
-        llm = LLM(args.model, dtype=dtype, quantization=quantization)
+        llm = LLM(args.model, dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
         load_s = time.perf_counter() - started
         outs = [o.outputs[0].token_ids for o in llm.chat(prompts, params)]
         ppl, n_tokens = _perplexity(llm, text)
-        row = {"mode": mode, "dtype": dtype, "quantization": quantization, "perplexity": ppl,
-               "perplexity_tokens": n_tokens, "load_s": load_s}
+        row = {"mode": mode, "dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype,
+               "perplexity": ppl, "perplexity_tokens": n_tokens, "load_s": load_s}
         if reference is None:
             reference = outs
             row |= {"agreement": 1.0, "mean_tokens_before_first_difference": float(args.max_tokens),
@@ -123,9 +127,9 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"\nsluice bench quality: {len(prompts)} chat prompts x {args.max_tokens} greedy tokens (EOS ignored) "
           f"against float32; perplexity of {args.heldout.name} ({results[0]['perplexity_tokens']} tokens)")
-    print(f"{'mode':<16}{'agreement':>11}{'tokens to 1st diff':>20}{'identical':>11}{'perplexity':>12}")
+    print(f"{'mode':<20}{'agreement':>11}{'tokens to 1st diff':>20}{'identical':>11}{'perplexity':>12}")
     for r in results:
-        print(f"{r['mode']:<16}{r['agreement']:>10.1%}{r['mean_tokens_before_first_difference']:>20.1f}"
+        print(f"{r['mode']:<20}{r['agreement']:>10.1%}{r['mean_tokens_before_first_difference']:>20.1f}"
               f"{r['identical_outputs']:>7}/{len(prompts):<3}{r['perplexity']:>12.3f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({

@@ -22,6 +22,9 @@ Decode tokens (one query per sequence) have two implementations with the same in
   when the kernel builds (``attention_backend``: auto / native).
 
 Prefill chunks run one SDPA call each, causal over the sequence's cached and new tokens.
+
+The cache may hold a narrower dtype than the model computes in (``kv_cache_dtype``): every path
+then attends to the K/V as the cache holds them, rounded, this step's new tokens included.
 """
 
 from __future__ import annotations
@@ -136,8 +139,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for seq in meta.prefills:
         start, end = seq.query_start, seq.query_start + seq.query_len
         if seq.mask is None:
-            # Nothing cached before this chunk: its own K/V are the whole context.
+            # Nothing cached before this chunk: its own K/V are the whole context, as the cache
+            # holds them (rounded to a narrower cache dtype), so that a prompt attends to the same
+            # values whether it is prefilled in one chunk, in several, or recomputed after preemption.
             keys, values = k[start:end], v[start:end]
+            if k_cache.dtype != k.dtype:
+                keys, values = keys.to(k_cache.dtype).to(k.dtype), values.to(v_cache.dtype).to(v.dtype)
         else:
             keys = k_cache[seq.block_table].flatten(0, 1)[: seq.context_len].to(q.dtype)
             values = v_cache[seq.block_table].flatten(0, 1)[: seq.context_len].to(q.dtype)

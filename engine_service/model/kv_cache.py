@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import torch
 
+from engine_service.config import KV_CACHE_DTYPES
 from engine_service.model.config import ModelConfig
 from engine_service.model.hugepages import hugepage_tensors
 
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB
 DEFAULT_CUDA_KV_SHARE = 0.9  # of the memory free once the weights are loaded
+
+
+def kv_cache_dtype(name: str | torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's dtype for the ``kv_cache_dtype`` knob: ``auto`` is the model's."""
+    if name == "auto":
+        return model_dtype
+    if isinstance(name, torch.dtype):
+        name = str(name).removeprefix("torch.")
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {name!r}")
+    return getattr(torch, name)
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

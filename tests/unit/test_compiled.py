@@ -72,6 +72,25 @@ def test_compiled_greedy_identical_through_preemption(shallow_dir, reference):
     assert [o.outputs[0].token_ids for o in outs] == [ref[i] for i in short]
 
 
+def test_compiled_over_a_bfloat16_cache_is_its_eager_forward_through_preemption(shallow_dir, reference):
+    """kv_cache_dtype: float32 activations over a bfloat16 cache, compiled and eager; preemption
+    recomputes a request's prompt and output in prefill chunks, which read the rounded cache as the
+    decode steps did, so the tokens stay the same."""
+    prompts, _ = reference
+    short = [prompts[i] for i, p in enumerate(prompts) if len(p) <= 40]
+    eager = LLM(str(shallow_dir), dtype="float32", enforce_eager=True, kv_cache_dtype="bfloat16",
+                kv_cache_memory=64 << 20)
+    want = [o.outputs[0].token_ids for o in eager.generate(short, GREEDY)]
+    del eager
+    tight = LLM(str(shallow_dir), dtype="float32", enforce_eager=False, kv_cache_dtype="bfloat16", block_size=4,
+                num_blocks=40, max_num_batched_tokens=64, enable_prefix_caching=False)
+    assert tight.engine.runner.compiled_decode is not None
+    assert tight.engine.runner.kv_caches[0][0].dtype == __import__("torch").bfloat16
+    outs = tight.generate(short, GREEDY)
+    assert tight.engine.get_stats().preemptions > 0, "the pool was meant to force preemption"
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
 def test_engines_sharing_a_compiled_graph_each_run_their_own_weights(shallow_dir):
     """Every engine's decode forward has the same code, so a second engine with the same shapes
     reuses the first one's graph (dynamo caches by code): the weights, caches and prepacked-weight

@@ -64,6 +64,9 @@ def test_bad_flag_values_are_refused_by_argparse(capsys: pytest.CaptureFixture[s
         parser.parse_args(["--dtype", "int3"])
     assert "invalid choice" in capsys.readouterr().err
     with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "fp8"])
+    assert "--kv-cache-dtype: invalid choice: 'fp8'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         parser.parse_args(["--block-size", "big"])
 
 

@@ -93,8 +93,19 @@ def _noise_floor(llm, chunks, want: torch.Tensor) -> float:
     return max(distances)
 
 
-def test_a_decode_step_is_the_eager_forward_and_each_row_is_its_own(llm):
+@pytest.fixture(scope="module")
+def llm_bf16_cache(llm, model_dir):
+    """The same int4 model over a bfloat16 KV cache (``kv_cache_dtype``): the step rounds what it
+    writes to the cache and attends with the bfloat16 attention kernel, under float32 activations."""
+    return LLM(str(model_dir), dtype="float32", quantization="int4", enforce_eager=True, block_size=BLOCK,
+               kv_cache_memory=48 << 20, kv_cache_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("cache", ["float32", "bfloat16"])
+def test_a_decode_step_is_the_eager_forward_and_each_row_is_its_own(cache, request):
+    llm = request.getfixturevalue("llm" if cache == "float32" else "llm_bf16_cache")
     runner = llm.engine.runner
+    assert runner.kv_caches[0][0].dtype == getattr(torch, cache)
     native = NativeDecode(runner.model, runner.kv_caches)
     lengths = [5, 9, 16, 17, 31, 40, 64, 65, 100, 130, 200, 260]  # block edges, past the attention's partitions
     seqs = _sequences(llm, lengths)
