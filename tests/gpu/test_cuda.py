@@ -129,3 +129,17 @@ def test_cuda_graphs_are_token_identical_to_eager(model_dir, eager, prompts):
     captured = engine.runner.graphed_decode.graphs
     assert (1, 1) in captured, "the smallest bucket is captured at engine start"
     assert len({batch for batch, _ in captured}) >= 3, sorted(captured)  # the shrinking batches' buckets
+
+
+def test_a_bfloat16_cache_under_float32_is_the_same_through_cuda_graphs(model_dir, prompts):
+    """kv_cache_dtype=bfloat16 under a float32 model: the graphs' cache writes and attention read
+    the rounded values as the eager forward does, so their greedy tokens are the eager engine's."""
+    config = dict(device="cuda", dtype="float32", kv_cache_dtype="bfloat16", max_num_batched_tokens=512,
+                  kv_cache_memory=256 << 20)
+    eager = LLM(str(model_dir), enforce_eager=True, **config)
+    assert eager.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    ref = [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY)]
+    del eager
+    graphed = LLM(str(model_dir), enforce_eager=False, **config)
+    assert graphed.engine.decode_mode == "cuda graphs"
+    assert [o.outputs[0].token_ids for o in graphed.generate(prompts, GREEDY)] == ref
