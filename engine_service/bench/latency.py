@@ -124,6 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
                         help="weight-only quantization of the Sluice engine (transformers runs unquantized)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="the engine's KV cache dtype (auto: the model's)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch"],
                         help="the engine's decode attention (auto: the native kernel where it builds)")
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
@@ -148,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
     started = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-              cuda_graphs=args.cuda_graphs, quantization=args.quantization, attention_backend=args.attention_backend, enable_prefix_caching=False, max_num_seqs=max(args.batch_size, 1),
+              cuda_graphs=args.cuda_graphs, quantization=args.quantization, attention_backend=args.attention_backend,
+              kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False, max_num_seqs=max(args.batch_size, 1),
               max_num_batched_tokens=max(2048, args.input_len))
     engine = llm.engine
     load_s = time.perf_counter() - started
@@ -161,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
     mode = engine.decode_mode
     dtype_name = str(engine.dtype).removeprefix("torch.")
     quant = f"+{engine.quantization}" if engine.quantization else ""
-    sluice = LatencyRow(f"sluice ({dtype_name}{quant}, {mode}, {engine.attention_backend} attention)")
+    cache = "" if engine.kv_cache_dtype == engine.dtype else f", {str(engine.kv_cache_dtype).removeprefix('torch.')} cache"
+    sluice = LatencyRow(f"sluice ({dtype_name}{quant}, {mode}, {engine.attention_backend} attention{cache})")
     for batch in prompts:
         run_sluice_iteration(engine, batch, args.output_len, sluice)
     peak_mb = peak_rss_mb()

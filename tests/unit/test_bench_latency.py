@@ -36,3 +36,15 @@ def test_bench_latency_refuses_bad_sizes(capsys):
     latency.add_arguments(parser)
     assert latency.run(parser.parse_args(["--output-len", "0"])) == 2
     assert "--output-len must be at least 1" in capsys.readouterr().err
+
+
+def test_bench_latency_names_a_narrower_kv_cache(model_dir, tmp_path):
+    parser = argparse.ArgumentParser()
+    latency.add_arguments(parser)
+    out = tmp_path / "latency.json"
+    args = parser.parse_args(["--model", str(model_dir), "--input-len", "24", "--output-len", "2", "--num-iters", "1",
+                              "--dtype", "float32", "--enforce-eager", "--kv-cache-dtype", "bfloat16", "--no-hf",
+                              "--json", str(out)])
+    assert latency.run(args) == 0
+    result = json.loads(out.read_text())
+    assert [r["system"] for r in result["rows"]] == ["sluice (float32, eager, native attention, bfloat16 cache)"]
