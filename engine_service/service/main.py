@@ -146,6 +146,12 @@ class EngineService:
                               shard_depth=self.io.shard_depth,
                               spec_decode=lambda: getattr(getattr(engine, "scheduler", None), "spec_stats", None))
             self.worker.metrics = self.io.metrics = self.metrics
+            cache_dtype = getattr(engine, "kv_cache_dtype", None)
+            if cache_dtype is not None:  # an LLMEngine (the tests' fakes have no cache)
+                self.metrics.cache_config(block_size=engine.config.block_size,
+                                          cache_dtype=str(cache_dtype).removeprefix("torch."),
+                                          num_blocks=engine.scheduler.block_pool.num_total_blocks,
+                                          enable_prefix_caching=engine.config.enable_prefix_caching)
         self._thread: threading.Thread | None = None
 
     def _load(self) -> dict[str, Any]:

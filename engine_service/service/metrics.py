@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from sluice.wire import codec
@@ -76,6 +76,8 @@ IO_COUNTERS = {
                "Entries this engine took from queue shards it does not own (waited past --steal-after-ms, "
                "or their owner is gone or saturated)"),
 }
+# the labels of sluice:cache_config_info (vLLM's vllm:cache_config_info; num_blocks for num_gpu_blocks)
+CACHE_CONFIG_LABELS = ("block_size", "cache_dtype", "num_blocks", "enable_prefix_caching")
 # Worker.counters keys: the `outcome` label's values of sluice:worker_requests
 WORKER_OUTCOMES = ("invalid", "cancelled", "deadline", "engine_lost", "handed_back", "gateway_lost")
 
@@ -316,6 +318,11 @@ class EngineMetrics(NullMetrics):
         self.step_tokens = hist("sluice:iteration_tokens_total", "Tokens forwarded in one engine step",
                                 TOKEN_BUCKETS)
 
+        self._cache_config_family = Gauge(
+            "sluice:cache_config_info", "1, with the KV cache's configuration as labels (vLLM's vllm:cache_config_info)",
+            [*LABELS, *CACHE_CONFIG_LABELS], registry=r)
+        self._labels = lv
+
         success = Counter("sluice:request_success", "Completions finished, by finish reason",
                           [*LABELS, "finished_reason"], registry=r)
         self._success = {reason: success.labels(**lv, finished_reason=reason) for reason in FINISH_REASONS}
@@ -355,6 +362,15 @@ class EngineMetrics(NullMetrics):
             self._counters.worker_counters = worker_counters
         if shard_depth is not None:
             self._counters.shard_depth = shard_depth
+        return self
+
+    def cache_config(self, *, block_size: int, cache_dtype: str, num_blocks: int,
+                     enable_prefix_caching: bool) -> EngineMetrics:
+        """Export the KV cache's configuration: one series of ``sluice:cache_config_info``, value 1."""
+        self._cache_config_family.clear()
+        self._cache_config_family.labels(**self._labels, block_size=str(block_size), cache_dtype=cache_dtype,
+                                         num_blocks=str(num_blocks),
+                                         enable_prefix_caching=str(bool(enable_prefix_caching))).set(1)
         return self
 
     def render(self) -> bytes:

@@ -69,7 +69,7 @@ def mstack(redis_url, model_dir, tmp_path_factory) -> Iterator[MetricsStack]:  #
     stack = start_stack(
         redis_url, Path(model_dir), tmp_path_factory.mktemp("metrics"), num_gateways=1,
         extra_engine_flags=["--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(NUM_REQUESTS),
-                            "--metrics-port", str(port), "--metrics-host", "127.0.0.1",
+                            "--kv-cache-dtype", "bfloat16", "--metrics-port", str(port), "--metrics-host", "127.0.0.1",
                             "--engine-id", "metrics-e2e"],
     )
     try:
@@ -84,6 +84,8 @@ def test_engine_metrics_endpoint_lists_every_metric(mstack):
     assert not missing, f"the engine does not export {sorted(missing)}"
     model = mstack.stack.model_name
     assert value(samples, "sluice:kv_cache_blocks_total", model=model, engine_id="metrics-e2e") == NUM_BLOCKS
+    assert value(samples, "sluice:cache_config_info", model=model, engine_id="metrics-e2e", block_size=str(BLOCK_SIZE),
+                 cache_dtype="bfloat16", num_blocks=str(NUM_BLOCKS), enable_prefix_caching="True") == 1
     assert "process_resident_memory_bytes" in samples
 
 

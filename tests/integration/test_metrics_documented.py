@@ -103,6 +103,7 @@ def test_a_live_engine_exports_what_the_docs_say(clean_redis, redis_client):
     metrics = EngineMetrics(ENGINE_MODEL, svc.settings.engine_id)
     metrics.bind(svc.worker.snapshot, io_stats=svc.io.stats, worker_counters=svc.worker.counters)
     svc.worker.metrics = svc.io.metrics = metrics
+    metrics.cache_config(block_size=16, cache_dtype="float32", num_blocks=64, enable_prefix_caching=True)  # no cache here
     port = metrics.serve(0, "127.0.0.1")
     svc.start()
     try:

@@ -102,6 +102,17 @@ def test_every_metric_is_exported_with_model_and_engine_labels():
         assert value(m, "sluice:request_aborts_total", cause=cause) == 0
 
 
+def test_the_cache_configuration_is_one_series_of_labels():
+    m = EngineMetrics("smol", "e1", process_metrics=False).bind(lambda: SNAPSHOT)
+    assert "sluice:cache_config_info" not in samples(m)  # nothing to say before an engine says it
+    m.cache_config(block_size=16, cache_dtype="float32", num_blocks=100, enable_prefix_caching=True)
+    m.cache_config(block_size=16, cache_dtype="bfloat16", num_blocks=200, enable_prefix_caching=False)
+    (only,) = samples(m)["sluice:cache_config_info"]
+    assert only.value == 1 and only.labels == {"model": "smol", "engine_id": "e1", "block_size": "16",
+                                               "cache_dtype": "bfloat16", "num_blocks": "200",
+                                               "enable_prefix_caching": "False"}
+
+
 def test_registries_are_private_per_engine():
     a = EngineMetrics("m", "a").bind(lambda: SNAPSHOT)
     b = EngineMetrics("m", "b").bind(lambda: dataclasses.replace(SNAPSHOT, running=9))  # same names: no clash
