@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 KERNELS = Path(__file__).with_name("kernels")
 C_SOURCES = [KERNELS / "paged_decode_attention.c", KERNELS / "dequantize.c", KERNELS / "packed_gemv.c",
              KERNELS / "q4_gemv.c", KERNELS / "decode_stack.c"]
-HEADERS = [KERNELS / "amx.h", KERNELS / "bf16.h", KERNELS / "paged_decode_attention.h", KERNELS / "dequantize.h",
+HEADERS = [KERNELS / "amx.h", KERNELS / "bf16.h", KERNELS / "f16.h", KERNELS / "paged_decode_attention.h", KERNELS / "dequantize.h",
            KERNELS / "packed_gemv.h", KERNELS / "q4_gemv.h", KERNELS / "decode_stack.h", KERNELS / "fast_exp.h",
            KERNELS / "one_row_prefetch.h"]
 CXX_SOURCES = [KERNELS / "paged_decode_attention_op.cpp", KERNELS / "prepacked_linear_op.cpp",
@@ -238,7 +238,7 @@ class PagedDecodeAttention:
     # the kernel's limits (PDA_MAX_HEADS, PDA_MAX_HEAD_DIM in kernels/paged_decode_attention.h)
     MAX_HEADS = 128
     MAX_HEAD_DIM = 256
-    DTYPES = (torch.float32, torch.bfloat16)
+    DTYPES = (torch.float32, torch.bfloat16, torch.float16)
     op = paged_decode_attention_op
 
     def supports(self, cache_dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:

@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 STACK_MAX_ROWS = 64  # int4: from this many rows a step runs the compiled or eager forward
 STACK_INT4, STACK_BF16 = 0, 1  # kernels/decode_stack.h
+# the caches' dtypes the step writes and reads: kernels/decode_stack.h's STACK_CACHE_*
+CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEADS = 128  # PDA_MAX_HEADS (kernels/paged_decode_attention.h)
 MAX_HEAD_DIM = 256
 
@@ -63,7 +65,7 @@ class _Stack(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
                 ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
                 ("block_size", ctypes.c_int64), ("vocab", ctypes.c_int64), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("kind", ctypes.c_int), ("cache_bf16", ctypes.c_int),
+                ("scale", ctypes.c_float), ("kind", ctypes.c_int), ("cache_type", ctypes.c_int),
                 ("embed", ctypes.c_void_p),
                 ("final_norm", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer)), ("head", _Weight)]
 
@@ -102,7 +104,7 @@ def native_decode_unavailable(model: torch.nn.Module, kv_caches: list[KVCache]) 
     if isinstance(kind, str):
         return kind
     for k_cache, v_cache in kv_caches:
-        if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
+        if k_cache.dtype not in CACHE_TYPES or v_cache.dtype != k_cache.dtype:
             return f"no native decode for a {k_cache.dtype} KV cache"
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             return "the KV cache is not contiguous"
@@ -165,7 +167,7 @@ class NativeDecode:
         self._stack = _Stack(
             len(layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
             cfg.intermediate_size, kv_caches[0][0].shape[1], model.model.embed_tokens.weight.shape[0], float(norm.eps),
-            float(layers[0].self_attn.scale), self.kind, int(kv_caches[0][0].dtype == torch.bfloat16),
+            float(layers[0].self_attn.scale), self.kind, CACHE_TYPES[kv_caches[0][0].dtype],
             ptr(model.model.embed_tokens.weight), ptr(norm.weight), self._layers,
             weight(head) if self.fuses_head else _Weight())
         if self.kind == STACK_BF16:

@@ -68,9 +68,9 @@ def test_inplace_decode_attention_matches_reference(heads, kv_heads, block_size)
 # head sizes: multiples of 16 take the AVX-512 path (the outputs of up to three query heads of a kv
 # head in registers; 64 is the default model's): a bfloat16 K of whole 32s transposed so that a
 # token is a lane, a float32 K (and bfloat16 of 48) with 16 scores summed across lanes at once; 24
-# the portable loops; blocks of 32 split a run in two; groups of 1 to 6 query heads a kv head take
+# the portable loops (float16: its own exact widening); blocks of 32 split a run in two; groups of 1 to 6 query heads a kv head take
 # every split in threes
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,block_size,head_dim", [
     (9, 3, 16, 32), (4, 4, 4, 32), (8, 2, 8, 32), (6, 1, 16, 32), (9, 3, 16, 64), (4, 2, 32, 64),
     (10, 2, 16, 64), (4, 2, 16, 128), (4, 2, 16, 48), (9, 3, 16, 24), (4, 2, 8, 24)])
@@ -81,7 +81,8 @@ def test_native_decode_attention_matches_reference(heads, kv_heads, block_size, 
     got = kernel.op(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, 0.3)
     assert got.dtype == dtype and got.shape == q.shape
     # float32 accumulation in both: the only difference is the order of the sums
-    torch.testing.assert_close(got.float(), ref, atol=2e-6 if dtype == torch.float32 else 1e-2, rtol=1e-5)
+    atol = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]  # the output's rounding
+    torch.testing.assert_close(got.float(), ref, atol=atol, rtol=1e-5)
     # the kernel is the operator the compiled step calls, and takes strided inputs too
     assert kernel.op is torch.ops.sluice.paged_decode_attention
     wide_q = torch.cat([q, q], dim=-1)[..., : q.shape[-1]]  # a view with a row stride of 2 heads
@@ -92,7 +93,7 @@ def test_native_decode_attention_matches_reference(heads, kv_heads, block_size, 
     assert torch.equal(strided, got)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_decode_attention_softmax_holds_for_scores_in_the_thousands(dtype):
     """Each partition's softmax subtracts the partition's largest score (vector code, its tail
     masked): scores of thousands, whose exponentials overflow float32 by far, still give the
@@ -107,7 +108,23 @@ def test_native_decode_attention_softmax_holds_for_scores_in_the_thousands(dtype
 
 
 @pytest.mark.parametrize("head_dim", [24, 64])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_attention_reads_float16_subnormals_under_a_float32_query(head_dim):
+    """kv_cache_dtype=float16 under a float32 model: values below float16's smallest normal
+    (6.1e-5) are stored as subnormals, and both the portable widening (head size 24) and
+    vcvtph2ps (64) must read them exactly."""
+    kernel = load_paged_decode_attention()
+    q, k_cache, v_cache, meta = _random_paged_case(9, 3, 16, torch.float32, head_dim)
+    k_cache, v_cache = (k_cache * 2e-5).half(), (v_cache * 2e-5).half()
+    assert (k_cache.abs() < 6.1e-5).float().mean() > 0.9  # mostly subnormal
+    q = q * 3e4
+    ref = decode_attention_reference(q, k_cache.float(), v_cache.float(), meta, 0.3)
+    got = kernel.op(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, 0.3)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got * 1e5, ref * 1e5, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim", [24, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_decode_attention_is_batch_and_thread_invariant(dtype, head_dim):
     """A sequence's partitions depend on its context length only: its output is bitwise the same
     alone or batched, on one thread or several (the engine's tokens must not depend on who else
@@ -133,7 +150,8 @@ def test_native_decode_attention_refuses_what_it_cannot_run():
     kernel = load_paged_decode_attention()
     q, k_cache, v_cache, meta = _random_paged_case(9, 3, 16)
     assert kernel.supports(torch.float32, 9, 3, 64) and kernel.supports(torch.bfloat16, 32, 8, 128)
-    assert not kernel.supports(torch.float16, 9, 3, 64) and not kernel.supports(torch.float32, 9, 3, 512)
+    assert kernel.supports(torch.float16, 9, 3, 64) and not kernel.supports(torch.float64, 9, 3, 64)
+    assert not kernel.supports(torch.float32, 9, 3, 512)
     assert not kernel.supports(torch.float32, 129, 3, 64) and not kernel.supports(torch.float32, 9, 2, 64)
 
     # the operator (what the forward calls) refuses what it cannot run or what would make it read
@@ -151,8 +169,8 @@ def test_native_decode_attention_refuses_what_it_cannot_run():
         op(q, k_cache, v_cache, tables + k_cache.shape[0], lens, 0.3)
     with pytest.raises(RuntimeError, match="int64"):
         op(q, k_cache, v_cache, tables.int(), lens, 0.3)
-    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
-        op(q, k_cache.half(), v_cache.half(), tables, lens, 0.3)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 only"):
+        op(q, k_cache.double(), v_cache.double(), tables, lens, 0.3)
     with pytest.raises(RuntimeError, match="head size"):
         op(q[..., :16], k_cache, v_cache, tables, lens, 0.3)
     with pytest.raises(RuntimeError, match="differ"):

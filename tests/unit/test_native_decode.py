@@ -101,9 +101,16 @@ def llm_bf16_cache(llm, model_dir):
                kv_cache_memory=48 << 20, kv_cache_dtype="bfloat16")
 
 
-@pytest.mark.parametrize("cache", ["float32", "bfloat16"])
+@pytest.fixture(scope="module")
+def llm_f16_cache(llm, model_dir):
+    """... and over a float16 one: the step writes with its own float -> half conversion."""
+    return LLM(str(model_dir), dtype="float32", quantization="int4", enforce_eager=True, block_size=BLOCK,
+               kv_cache_memory=48 << 20, kv_cache_dtype="float16")
+
+
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "float16"])
 def test_a_decode_step_is_the_eager_forward_and_each_row_is_its_own(cache, request):
-    llm = request.getfixturevalue("llm" if cache == "float32" else "llm_bf16_cache")
+    llm = request.getfixturevalue({"float32": "llm", "bfloat16": "llm_bf16_cache", "float16": "llm_f16_cache"}[cache])
     runner = llm.engine.runner
     assert runner.kv_caches[0][0].dtype == getattr(torch, cache)
     native = NativeDecode(runner.model, runner.kv_caches)
@@ -307,6 +314,33 @@ def test_a_step_in_one_parallel_region_is_the_same_step_bit_for_bit(kind, reques
     finally:
         set_regions(1)
         torch.set_num_threads(threads)
+
+
+def test_the_steps_float16_conversion_is_torchs():
+    """The step writes a float16 cache (kv_cache_dtype) with a conversion of its own: bit for bit
+    torch's, over normals of every magnitude, subnormals, ties, the edges of the range, infinities
+    and NaN."""
+    import ctypes
+
+    from engine_service.model.native import native_library
+
+    convert = native_library().stack_f32_to_f16
+    convert.restype, convert.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    gen = torch.Generator().manual_seed(0)
+    values = torch.cat([
+        torch.randn(20000, generator=gen) * torch.logspace(-9, 5, 20000),
+        torch.rand(20000, generator=gen) * 2**-14,  # subnormal range
+        torch.arange(0, 2048, dtype=torch.float32) * 2**-25,  # every tie between subnormals
+        (torch.arange(1024, 2048, dtype=torch.float32) + 0.5) * 2**-10,  # ties between normals in [1, 2)
+        torch.tensor([0.0, -0.0, 65504.0, 65519.99, 65520.0, 1e6, -1e6, 2**-24, 2**-25, 2**-25 * 1.0001,
+                      2**-14, 2**-14 * (1 - 2**-12), float("inf"), float("-inf")]),
+    ]).float()
+    out = torch.empty(values.numel(), dtype=torch.int16)
+    convert(values.data_ptr(), out.data_ptr(), values.numel())
+    assert torch.equal(out, values.half().view(torch.int16))
+    nan = torch.tensor([float("nan")])
+    convert(nan.data_ptr(), out.data_ptr(), 1)
+    assert torch.isnan(out[:1].view(torch.float16)).all()
 
 
 def test_the_steps_argmax_picks_as_torch_does():

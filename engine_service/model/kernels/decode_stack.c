@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "f16.h"
 #include "fast_exp.h"
 #include "packed_gemv.h"
 #include "paged_decode_attention.h"
@@ -62,10 +63,19 @@ NOCONTRACT static void rotate(float *x, int64_t heads, int64_t head_dim, const f
     }
 }
 
-static void write_cache(void *cache, int cache_bf16, int64_t slot, const float *src, int64_t n) {
-    if (cache_bf16) {
+/* the conversion a float16 cache is written with, over n values (exported for its test against
+ * torch's: tests/unit/test_native_decode.py) */
+void stack_f32_to_f16(const float *src, uint16_t *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = f32_to_f16(src[i]);
+}
+
+static void write_cache(void *cache, int cache_type, int64_t slot, const float *src, int64_t n) {
+    if (cache_type == STACK_CACHE_BF16) {
         uint16_t *dst = (uint16_t *)cache + slot * n;
         for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    } else if (cache_type == STACK_CACHE_F16) {
+        uint16_t *dst = (uint16_t *)cache + slot * n;
+        for (int64_t i = 0; i < n; i++) dst[i] = f32_to_f16(src[i]);
     } else {
         memcpy((float *)cache + slot * n, src, sizeof(float) * (size_t)n);
     }
@@ -119,18 +129,22 @@ NOCONTRACT static void rotate_and_cache(const DecodeStack *s, const StackLayer *
         const float *cos = cos_table + positions[r] * d, *sin = sin_table + positions[r] * d;
         rotate(row, s->heads + s->kv_heads, d, cos, sin, s->kind == STACK_BF16);
         memcpy(q + r * q_size, row, sizeof(float) * (size_t)q_size);
-        write_cache(layer->k_cache, s->cache_bf16, slots[r], row + q_size, kv_size);
-        write_cache(layer->v_cache, s->cache_bf16, slots[r], row + q_size + kv_size, kv_size);
+        write_cache(layer->k_cache, s->cache_type, slots[r], row + q_size, kv_size);
+        write_cache(layer->v_cache, s->cache_type, slots[r], row + q_size + kv_size, kv_size);
     }
 }
 
 /* 0, or decode_stack's return code for the attention kernel's refusal */
 static int attention(const DecodeStack *s, const StackLayer *layer, const float *q, const int64_t *block_tables,
                      int64_t table_width, const int64_t *context_lens, int64_t rows, float *attn) {
-    const int arc = s->cache_bf16
+    const int arc = s->cache_type == STACK_CACHE_BF16
         ? paged_decode_attention_bf16(q, (const uint16_t *)layer->k_cache, (const uint16_t *)layer->v_cache,
                                       block_tables, table_width, context_lens, attn, rows, s->heads, s->kv_heads,
                                       s->head_dim, s->block_size, s->scale)
+        : s->cache_type == STACK_CACHE_F16
+        ? paged_decode_attention_f16(q, (const uint16_t *)layer->k_cache, (const uint16_t *)layer->v_cache,
+                                     block_tables, table_width, context_lens, attn, rows, s->heads, s->kv_heads,
+                                     s->head_dim, s->block_size, s->scale)
         : paged_decode_attention_f32(q, (const float *)layer->k_cache, (const float *)layer->v_cache, block_tables,
                                      table_width, context_lens, attn, rows, s->heads, s->kv_heads, s->head_dim,
                                      s->block_size, s->scale);
@@ -277,7 +291,12 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
         uint32_t tag = 0; /* this thread's count of the team's products: the same in every thread */
         for (int64_t l = 0; l < s->num_layers; l++) {
             const StackLayer *layer = &s->layers[l], *next = l + 1 < s->num_layers ? layer + 1 : NULL;
-            if (s->cache_bf16)
+            if (s->cache_type == STACK_CACHE_F16)
+                paged_decode_attention_f16_team(&plan, q, (const uint16_t *)layer->k_cache,
+                                                (const uint16_t *)layer->v_cache, block_tables, table_width,
+                                                context_lens, attn, rows, s->heads, s->kv_heads, s->head_dim,
+                                                s->block_size, s->scale, 1);
+            else if (s->cache_type == STACK_CACHE_BF16)
                 paged_decode_attention_bf16_team(&plan, q, (const uint16_t *)layer->k_cache,
                                                  (const uint16_t *)layer->v_cache, block_tables, table_width,
                                                  context_lens, attn, rows, s->heads, s->kv_heads, s->head_dim,

@@ -12,6 +12,10 @@ extern "C" {
 
 #define STACK_INT4 0 /* q4_gemv.h's layout; float32 activations; up to Q4_MAX_ROWS rows */
 #define STACK_BF16 1 /* packed_gemv.h's layout (oneDNN's, read in place); bfloat16 activations; up to packed_gemm_bf16_max_rows() rows */
+/* the KV cache's dtype (kv_cache_dtype), whatever the activations' */
+#define STACK_CACHE_F32 0
+#define STACK_CACHE_BF16 1
+#define STACK_CACHE_F16 2
 
 /* One projection: n_out outputs, k inputs. int4: data = codes, scales_zeros, n_pad rows, extra =
  * the group size. bfloat16: data = the packed weight, scales_zeros NULL, n_pad x extra (k padded). */
@@ -27,14 +31,14 @@ typedef struct {
     StackWeight o;
     StackWeight gate_up;                /* gate, up stacked on the output axis */
     StackWeight down;
-    void *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim], float32 or bfloat16 */
+    void *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim], of cache_type */
 } StackLayer;
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, vocab;
     float eps, scale;
     int kind;       /* STACK_INT4 or STACK_BF16 */
-    int cache_bf16; /* 1: the caches hold bfloat16, else float32 */
+    int cache_type; /* STACK_CACHE_F32, STACK_CACHE_BF16 or STACK_CACHE_F16: what the caches hold */
     const void *embed;      /* [vocab, hidden], the activations' dtype */
     const void *final_norm; /* [hidden] */
     const StackLayer *layers;
@@ -77,6 +81,10 @@ int decode_stack_set_one_region(int on);
 /* The index of v's largest value, the first of equal ones, as torch's argmax picks it: a NaN counts
  * as the largest (the first NaN), and all -inf gives 0; -1 for n <= 0. */
 int64_t stack_argmax(const float *v, int64_t n);
+
+/* dst[i] = src[i] as IEEE half, rounded to nearest even (torch's float -> float16): how the step
+ * writes a float16 KV cache. */
+void stack_f32_to_f16(const float *src, uint16_t *dst, int64_t n);
 
 #ifdef __cplusplus
 }

@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "f16.h"
 #include "fast_exp.h"
 #include "paged_decode_attention.h"
 
@@ -60,6 +61,7 @@ static inline int64_t partition_len(int64_t len) { return len <= 256 ? 64 : PART
 #define PDA_VECTOR 1
 
 static inline __m512 vload_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 vload_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 static inline __m512 vload_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
@@ -110,6 +112,8 @@ static inline __attribute__((always_inline)) void NAME(                         
 #define PDA_MAX_VEC (HEAD_DIM_MAX / 16)
 DEFINE_SCORES16(scores16_f32, float, vload_f32)
 DEFINE_SCORES16(scores16_lanes_bf16, uint16_t, vload_bf16)
+/* float16 K: 16 scores summed across lanes at once, as float32's (no transposed fast path) */
+DEFINE_SCORES16(scores16_f16, uint16_t, vload_f16)
 
 /* r[j] lane i <- r[i] lane j: a 16 x 16 matrix of 32-bit values, transposed in registers */
 static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
@@ -238,6 +242,9 @@ DEFINE_VALUES(values3_f32, 3, float, vload_f32)
 DEFINE_VALUES(values1_bf16, 1, uint16_t, vload_bf16)
 DEFINE_VALUES(values2_bf16, 2, uint16_t, vload_bf16)
 DEFINE_VALUES(values3_bf16, 3, uint16_t, vload_bf16)
+DEFINE_VALUES(values1_f16, 1, uint16_t, vload_f16)
+DEFINE_VALUES(values2_f16, 2, uint16_t, vload_f16)
+DEFINE_VALUES(values3_f16, 3, uint16_t, vload_f16)
 /* every head's output: each kv head's query heads three at a time */
 #define VECTOR_VALUES(SUFFIX, scores, v_cache, table, start, end, block_size, token_stride, heads,  \
                       group, head_dim, o)                                                         \
@@ -261,8 +268,10 @@ DEFINE_VALUES(values3_bf16, 3, uint16_t, vload_bf16)
 #define VECTOR_VALUES(...) ((void)0)
 #define vload_f32 0
 #define vload_bf16 0
+#define vload_f16 0
 #define scores16_f32 0
 #define scores16_bf16 0
+#define scores16_f16 0
 #endif
 
 /* The largest of s[0..n), NaNs passed over, -INFINITY for none. Why vector code: the scalar loop
@@ -509,9 +518,13 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int64_t *bloc
 
 #define LOAD_F32(x) (x)
 #define LOAD_BF16(x) bf16_to_f32(x)
+#define LOAD_F16(x) f16_to_f32(x)
 DEFINE_PARTITION(partition_f32, float, LOAD_F32, scores16_f32, f32)
 DEFINE_PARTITION(partition_bf16, uint16_t, LOAD_BF16, scores16_bf16, bf16)
+DEFINE_PARTITION(partition_f16, uint16_t, LOAD_F16, scores16_f16, f16)
 DEFINE_TEAM(paged_decode_attention_f32_team, float, partition_f32)
 DEFINE_TEAM(paged_decode_attention_bf16_team, uint16_t, partition_bf16)
+DEFINE_TEAM(paged_decode_attention_f16_team, uint16_t, partition_f16)
 DEFINE_KERNEL(paged_decode_attention_f32, paged_decode_attention_f32_team, float)
 DEFINE_KERNEL(paged_decode_attention_bf16, paged_decode_attention_bf16_team, uint16_t)
+DEFINE_KERNEL(paged_decode_attention_f16, paged_decode_attention_f16_team, uint16_t)

@@ -23,6 +23,11 @@ int paged_decode_attention_bf16(const float *q, const uint16_t *k_cache, const u
                                 const int64_t *context_lens, float *out, int64_t batch,
                                 int64_t heads, int64_t kv_heads, int64_t head_dim,
                                 int64_t block_size, float scale);
+int paged_decode_attention_f16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                               const int64_t *block_tables, int64_t table_width,
+                               const int64_t *context_lens, float *out, int64_t batch,
+                               int64_t heads, int64_t kv_heads, int64_t head_dim,
+                               int64_t block_size, float scale);
 
 /* A step's attention laid out once (its partitions and work buffers), for calls from inside a
  * parallel region: the context lengths must stay as planned. threads: the most threads a team
@@ -53,6 +58,11 @@ void paged_decode_attention_bf16_team(const PdaPlan *plan, const float *q, const
                                       const int64_t *context_lens, float *out, int64_t batch, int64_t heads,
                                       int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
                                       int own_out);
+void paged_decode_attention_f16_team(const PdaPlan *plan, const float *q, const uint16_t *k_cache,
+                                     const uint16_t *v_cache, const int64_t *block_tables, int64_t table_width,
+                                     const int64_t *context_lens, float *out, int64_t batch, int64_t heads,
+                                     int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                                     int own_out);
 
 #ifdef __cplusplus
 }

@@ -32,8 +32,8 @@ Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor b
   STD_TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4,
                   "paged_decode_attention: caches must be [blocks, block_size, kv_heads, head_dim]");
   const ScalarType cache_type = k_cache.scalar_type();
-  STD_TORCH_CHECK(cache_type == ScalarType::Float || cache_type == ScalarType::BFloat16,
-                  "paged_decode_attention: no kernel for this cache dtype (float32 or bfloat16 only)");
+  STD_TORCH_CHECK(cache_type == ScalarType::Float || cache_type == ScalarType::BFloat16 || cache_type == ScalarType::Half,
+                  "paged_decode_attention: no kernel for this cache dtype (float32, bfloat16 or float16 only)");
   STD_TORCH_CHECK(v_cache.scalar_type() == cache_type, "paged_decode_attention: K and V caches differ in dtype");
   STD_TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
                   "paged_decode_attention: the caches must be contiguous");
@@ -95,6 +95,12 @@ Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor b
     rc = paged_decode_attention_f32(
         q_data, static_cast<const float *>(k_cache.data_ptr()),
         static_cast<const float *>(v_cache.data_ptr()), table_data,
+        width, len_data, out_data, batch, heads, kv_heads, head_dim,
+        block_size, static_cast<float>(scale));
+  } else if (cache_type == ScalarType::Half) {
+    rc = paged_decode_attention_f16(
+        q_data, static_cast<const uint16_t *>(k_cache.data_ptr()),
+        static_cast<const uint16_t *>(v_cache.data_ptr()), table_data,
         width, len_data, out_data, batch, heads, kv_heads, head_dim,
         block_size, static_cast<float>(scale));
   } else {
