@@ -17,7 +17,7 @@ cache against a second engine over a D cache (``kv_cache_dtype``).
 `python scripts/bench_step_ab.py --prefetch [--mode int4-native]`
 `python scripts/bench_step_ab.py --collapse [--rounds 40]`
 `python scripts/bench_step_ab.py --scheduler-steps 8 [--mode int4-native]`
-`python scripts/bench_step_ab.py --kv-cache-dtype bfloat16 --mode int4-native [--context 1800]`
+`python scripts/bench_step_ab.py --kv-cache-dtype bfloat16 --mode int4-native [--context 1800] [--against float16]`
 
 Each round times 20 engine steps of each variant (with ``--scheduler-steps N``: N tokens each way,
 and the median of the rounds' paired ratios) (one stream, greedy, a 256-token prompt, the
@@ -188,7 +188,7 @@ def collapse_ab(rounds: int) -> None:
           f"LM head: {head4k:.3f} against {head2m:.3f} ({head4k / head2m:.3f}x); medians of {rounds} rounds")
 
 
-def kv_cache_dtype_ab(mode: str, rounds: int, kv_cache_dtype: str, context: int) -> None:
+def kv_cache_dtype_ab(mode: str, rounds: int, kv_cache_dtype: str, context: int, base: str = "auto") -> None:
     """Two engines of ``mode``, one over its own dtype's KV cache and one over ``kv_cache_dtype``'s,
     each decoding one stream from a ``context``-token prompt; rounds of 20 steps alternate between
     them (which goes first alternates too), and the median of the rounds' paired ratios is printed."""
@@ -198,7 +198,9 @@ def kv_cache_dtype_ab(mode: str, rounds: int, kv_cache_dtype: str, context: int)
     prompt = [100 + (j * 7) % 4000 for j in range(context)]
     params = SamplingParams(temperature=0.0, max_tokens=rounds * 23 + 8, ignore_eos=True)
     engines = {}
-    for cache in ("auto", kv_cache_dtype):
+    if base == kv_cache_dtype:
+        raise SystemExit("bench_step_ab: --kv-cache-dtype and --against name the same cache")
+    for cache in (base, kv_cache_dtype):
         engine = LLM(None, **{**MODES[mode], "kv_cache_dtype": cache}, enable_prefix_caching=False,
                      max_num_seqs=1, max_num_batched_tokens=max(2048, context)).engine
         engine.add_request("p", prompt, params)
@@ -216,10 +218,10 @@ def kv_cache_dtype_ab(mode: str, rounds: int, kv_cache_dtype: str, context: int)
             for _ in range(20):
                 engine.step()
             ms[cache].append((time.perf_counter() - started) / 20 * 1e3)
-        ratios.append(ms["auto"][-1] / ms[kv_cache_dtype][-1])
-    base = engines["auto"].kv_cache_dtype
-    print(f"{mode}, one stream from a {context}-token prompt: a step {statistics.median(ms['auto']):.3f} ms over a "
-          f"{base} KV cache, {statistics.median(ms[kv_cache_dtype]):.3f} ms over a {kv_cache_dtype} one: "
+        ratios.append(ms[base][-1] / ms[kv_cache_dtype][-1])
+    base_dtype = str(engines[base].kv_cache_dtype).removeprefix("torch.")
+    print(f"{mode}, one stream from a {context}-token prompt: a step {statistics.median(ms[base]):.3f} ms over a "
+          f"{base_dtype} KV cache, {statistics.median(ms[kv_cache_dtype]):.3f} ms over a {kv_cache_dtype} one: "
           f"{statistics.median(ratios):.3f}x (median of {rounds} paired rounds of 20 steps; the context grows "
           f"to {context + rounds * 23})")
 
@@ -238,11 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="the mode over its own dtype's KV cache against over this one (two engines)")
     parser.add_argument("--context", type=int, default=1800, help="with --kv-cache-dtype: the prompt's tokens")
+    parser.add_argument("--against", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="with --kv-cache-dtype: the other engine's cache (auto: the mode's own dtype)")
     parser.add_argument("--scheduler-steps", type=int, default=0, metavar="N",
                         help="N greedy decode steps a scheduling step against one (thirteenth round)")
     args = parser.parse_args(argv)
     if args.kv_cache_dtype:
-        kv_cache_dtype_ab(args.mode, args.rounds or 20, args.kv_cache_dtype, args.context)
+        kv_cache_dtype_ab(args.mode, args.rounds or 20, args.kv_cache_dtype, args.context, args.against)
     elif args.scheduler_steps > 1:
         scheduler_steps_ab(args.mode, args.rounds or 64, args.scheduler_steps)
     elif args.collapse:
