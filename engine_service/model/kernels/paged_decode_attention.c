@@ -10,7 +10,7 @@
  *
  * Layouts (contiguous):
  *   q, out        [batch, heads, head_dim]                       float32
- *   k/v cache     [num_blocks, block_size, kv_heads, head_dim]   float32 or bfloat16
+ *   k/v cache     [num_blocks, block_size, kv_heads, head_dim]   float32, bfloat16 or float16
  *   block_tables  [batch, table_width]                            int64
  *   context_lens  [batch]                                         int64
  *
