@@ -24,6 +24,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from engine_service.bench.modes import describe_engine
+from engine_service.config import KV_CACHE_DTYPES
+
 
 @dataclass
 class LatencyRow:
@@ -124,7 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
                         help="weight-only quantization of the Sluice engine (transformers runs unquantized)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help="the engine's KV cache dtype (auto: the model's)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch"],
                         help="the engine's decode attention (auto: the native kernel where it builds)")
@@ -163,9 +166,7 @@ def run(args: argparse.Namespace) -> int:
                              args.output_len, None)
     mode = engine.decode_mode
     dtype_name = str(engine.dtype).removeprefix("torch.")
-    quant = f"+{engine.quantization}" if engine.quantization else ""
-    cache = "" if engine.kv_cache_dtype == engine.dtype else f", {str(engine.kv_cache_dtype).removeprefix('torch.')} cache"
-    sluice = LatencyRow(f"sluice ({dtype_name}{quant}, {mode}, {engine.attention_backend} attention{cache})")
+    sluice = LatencyRow(f"sluice ({describe_engine(engine)})")
     for batch in prompts:
         run_sluice_iteration(engine, batch, args.output_len, sluice)
     peak_mb = peak_rss_mb()

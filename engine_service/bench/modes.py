@@ -37,3 +37,14 @@ MODES: dict[str, dict[str, Any]] = {
     "bfloat16-int4": _mode("bfloat16", "int4"),
     "bfloat16-int4-compiled": _mode("bfloat16", "int4", eager=False),
 }
+
+
+def describe_engine(engine: Any) -> str:
+    """What an engine runs, for a bench's row: ``float32+int4, native step, native attention``, and
+    the KV cache's dtype where it is not the model's."""
+    def name(dtype: Any) -> str:
+        return str(dtype).removeprefix("torch.")
+
+    quant = f"+{engine.quantization}" if engine.quantization else ""
+    cache = "" if engine.kv_cache_dtype == engine.dtype else f", {name(engine.kv_cache_dtype)} cache"
+    return f"{name(engine.dtype)}{quant}, {engine.decode_mode}, {engine.attention_backend} attention{cache}"

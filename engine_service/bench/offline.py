@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine_service.bench.flops import ModelShape, gemm_peak_gflops
+from engine_service.bench.modes import describe_engine
+from engine_service.config import KV_CACHE_DTYPES
 from sluice import plots
 
 
@@ -117,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
                         help="weight-only quantization of the Sluice engine (transformers runs unquantized)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help="the engine's KV cache dtype (auto: the model's)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch"],
                         help="the engine's decode attention (auto: the native kernel where it builds)")
@@ -163,9 +165,7 @@ def run(args: argparse.Namespace) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization, attention_backend=args.attention_backend,
               enforce_eager=args.enforce_eager, cuda_graphs=args.cuda_graphs, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
-    cache = "" if engine.kv_cache_dtype == engine.dtype else f", {str(engine.kv_cache_dtype).removeprefix('torch.')} cache"
-    mode = (f"{str(engine.dtype).removeprefix('torch.')}{'+' + engine.quantization if engine.quantization else ''}, "
-            f"{engine.decode_mode}, {engine.attention_backend} attention{cache}")
+    mode = describe_engine(engine)
     work = make_workload(engine.vocab_size, args.num_requests, _range(args.prompt_len),
                          _range(args.output_len), args.seed)
     llm.generate([work[0].prompt_token_ids[:16]], None)  # warm-up
