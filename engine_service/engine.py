@@ -292,9 +292,12 @@ class LLMEngine:
 
     @property
     def decode_mode(self) -> str:
-        """How decode steps run: "cuda graphs", "compiled" or "eager" (what benches print)."""
+        """How decode steps run: "cuda graphs", "native step", "compiled" or "eager" (what benches
+        print). A native step takes the steps of up to its row count; larger ones run compiled."""
         if self.cuda_graphs:
             return "cuda graphs"
+        if self.native_decode:
+            return "native step"
         return "eager" if self.enforce_eager else "compiled"
 
     def has_unfinished_requests(self) -> bool:

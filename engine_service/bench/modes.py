@@ -19,7 +19,8 @@ MODE_SCHEDULER_STEPS = 8
 # mode name -> the LLM keywords that make it. "-compiled": torch.compile's decode step; "-native":
 # the decode step as one native call (engine_service.model.native_decode: int4, and bfloat16's
 # steps of up to 16 rows); "-steps": the native step, MODE_SCHEDULER_STEPS greedy decode steps a
-# scheduling step; "-bf16-cache": a bfloat16 KV cache under the float32 activations (kv_cache_dtype)
+# scheduling step; "-bf16-cache"/"-fp16-cache": a 16-bit KV cache under the float32 activations
+# (kv_cache_dtype). Without a suffix a mode is eager.
 MODES: dict[str, dict[str, Any]] = {
     "float32": _mode("float32"),
     "float32-compiled": _mode("float32", eager=False),
@@ -27,13 +28,17 @@ MODES: dict[str, dict[str, Any]] = {
     "bfloat16-compiled": _mode("bfloat16", eager=False),
     "bfloat16-native": _mode("bfloat16", eager=False, native=True),
     "bfloat16-native-steps": _mode("bfloat16", eager=False, native=True, steps=MODE_SCHEDULER_STEPS),
+    "int8": _mode("float32", "int8"),
     "int8-compiled": _mode("float32", "int8", eager=False),
     "int4": _mode("float32", "int4"),
     "int4-compiled": _mode("float32", "int4", eager=False),
     "int4-native": _mode("float32", "int4", eager=False, native=True),
     "int4-native-steps": _mode("float32", "int4", eager=False, native=True, steps=MODE_SCHEDULER_STEPS),
     "int4-native-bf16-cache": _mode("float32", "int4", eager=False, native=True, kv_cache_dtype="bfloat16"),
+    "int4-bf16-cache": _mode("float32", "int4", kv_cache_dtype="bfloat16"),
     "float32-bf16-cache": _mode("float32", kv_cache_dtype="bfloat16"),
+    "float32-fp16-cache": _mode("float32", kv_cache_dtype="float16"),
+    "bfloat16-int8": _mode("bfloat16", "int8"),
     "bfloat16-int4": _mode("bfloat16", "int4"),
     "bfloat16-int4-compiled": _mode("bfloat16", "int4", eager=False),
 }

@@ -1,7 +1,8 @@
 """``sluice bench quality``: what weight quantization costs in output quality, measured honestly.
 
-For each mode (float32 is the reference; ``int8`` and ``int4`` are float32 activations with
-quantized weights; ``bfloat16`` for comparison), in one process, one after the other:
+For each mode (``engine_service.bench.modes``, the names every bench takes; float32, eager, is the
+reference; ``int8`` and ``int4`` are float32 activations with quantized weights; the compiled and
+native modes show what their fast paths change), in one process, one after the other:
 
 - **greedy agreement** with float32 over a fixed set of prompts (chat-templated, greedy, EOS
   ignored, ``--max-tokens`` each): the share of output positions whose token equals float32's,
@@ -23,6 +24,8 @@ import math
 import platform
 import time
 from pathlib import Path
+
+from engine_service.bench.modes import MODES, describe_engine
 
 PROMPTS = [
     "What is the capital of France?",
@@ -51,18 +54,6 @@ PROMPTS = [
     "Give a one-sentence definition of gravity.",
 ]
 HELDOUT = Path(__file__).parent / "data" / "heldout.txt"
-MODES = {  # name -> (dtype, quantization, kv_cache_dtype)
-    "float32": ("float32", None, "auto"),
-    "int8": ("float32", "int8", "auto"),
-    "int4": ("float32", "int4", "auto"),
-    "bfloat16": ("bfloat16", None, "auto"),
-    "bfloat16+int8": ("bfloat16", "int8", "auto"),
-    "bfloat16+int4": ("bfloat16", "int4", "auto"),
-    # float32 activations over a narrower KV cache (kv_cache_dtype)
-    "float32+bf16-cache": ("float32", None, "bfloat16"),
-    "float32+fp16-cache": ("float32", None, "float16"),
-    "int4+bf16-cache": ("float32", "int4", "bfloat16"),
-}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,13 +89,15 @@ def run(args: argparse.Namespace) -> int:
     results: list[dict] = []
     reference: list[list[int]] | None = None
     for mode in modes:
-        dtype, quantization, kv_cache_dtype = MODES[mode]
         started = time.perf_counter()
-        llm = LLM(args.model, dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+        llm = LLM(args.model, **MODES[mode])
         load_s = time.perf_counter() - started
+        dtype, quantization = MODES[mode]["dtype"], MODES[mode]["quantization"]
+        kv_cache_dtype = MODES[mode].get("kv_cache_dtype", "auto")
         outs = [o.outputs[0].token_ids for o in llm.chat(prompts, params)]
         ppl, n_tokens = _perplexity(llm, text)
-        row = {"mode": mode, "dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype,
+        row = {"mode": mode, "engine": describe_engine(llm.engine), "dtype": dtype, "quantization": quantization,
+               "kv_cache_dtype": kv_cache_dtype,
                "perplexity": ppl, "perplexity_tokens": n_tokens, "load_s": load_s}
         if reference is None:
             reference = outs
@@ -127,9 +120,9 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"\nsluice bench quality: {len(prompts)} chat prompts x {args.max_tokens} greedy tokens (EOS ignored) "
           f"against float32; perplexity of {args.heldout.name} ({results[0]['perplexity_tokens']} tokens)")
-    print(f"{'mode':<20}{'agreement':>11}{'tokens to 1st diff':>20}{'identical':>11}{'perplexity':>12}")
+    print(f"{'mode':<24}{'agreement':>11}{'tokens to 1st diff':>20}{'identical':>11}{'perplexity':>12}")
     for r in results:
-        print(f"{r['mode']:<20}{r['agreement']:>10.1%}{r['mean_tokens_before_first_difference']:>20.1f}"
+        print(f"{r['mode']:<24}{r['agreement']:>10.1%}{r['mean_tokens_before_first_difference']:>20.1f}"
               f"{r['identical_outputs']:>7}/{len(prompts):<3}{r['perplexity']:>12.3f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({

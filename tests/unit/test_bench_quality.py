@@ -15,12 +15,12 @@ def test_bench_quality_writes_table_and_json(model_dir, tmp_path, capsys) -> Non
     from sluice_cli.cli import main
 
     path = tmp_path / "quality.json"
-    argv = ["bench", "quality", "--model", str(model_dir), "--modes", "float32,int8,float32+bf16-cache",
+    argv = ["bench", "quality", "--model", str(model_dir), "--modes", "float32,int8,float32-bf16-cache",
             "--num-prompts", "2", "--max-tokens", "4", "--json", str(path)]
     assert main(argv) == 0
     doc = json.loads(path.read_text())
     ref, q, cache = doc["modes"]
-    assert (ref["mode"], q["mode"], cache["mode"]) == ("float32", "int8", "float32+bf16-cache")
+    assert (ref["mode"], q["mode"], cache["mode"]) == ("float32", "int8", "float32-bf16-cache")
     assert (ref["kv_cache_dtype"], cache["kv_cache_dtype"]) == ("auto", "bfloat16")
     assert ref["agreement"] == 1.0 and 0.0 <= q["agreement"] <= 1.0
     # the cache's rounding moves the prompt's log-probabilities, a little

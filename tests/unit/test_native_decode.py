@@ -430,6 +430,7 @@ def test_an_engine_times_a_verifying_row_and_resolves_the_back_off(llm, model_di
     BACKOFF_MIN_ROW_COST of a step; the scheduler's drafters get the resolved setting. A bfloat16
     engine then speculates through its multi-row native step."""
     import engine_service.engine
+    from engine_service.bench.modes import describe_engine
     from engine_service.config import BACKOFF_MIN_ROW_COST
     from engine_service.model.prepacked import gemv_max_rows
 
@@ -442,6 +443,7 @@ def test_an_engine_times_a_verifying_row_and_resolves_the_back_off(llm, model_di
                                   kv_cache_memory=32 << 20, speculative_config=spec)
     for engine in (e.engine for e in engines.values()):
         assert engine.runner.native_decode is not None
+        assert engine.decode_mode == "native step" and ", native step, " in describe_engine(engine)
         cost = engine.spec_row_cost
         assert cost is not None and 0 <= cost < 10, cost
         resolved = "off" if cost < BACKOFF_MIN_ROW_COST else "on"
