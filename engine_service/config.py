@@ -34,7 +34,12 @@ from typing import Any
 from sluice.wire import dialects
 
 DEFAULT_WATERMARK_SHARE = 0.01
+# the values a knob takes, written once: the knob's choices, every bench's flag and the layer that
+# reads the value all use these
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATION_METHODS = ("int8", "int4")
+ATTENTION_BACKENDS = ("auto", "native", "torch")
 
 
 def knob(default: Any, help: str, *, cli: bool = True, **argparse_kwargs: Any) -> Any:
@@ -50,14 +55,14 @@ class EngineConfig:
         None, "weights and activations dtype, and the KV cache's unless --kv-cache-dtype says otherwise. auto (the "
         "default, or $SLUICE_DTYPE): the "
         "checkpoint's on CUDA; on CPU bfloat16 where the CPU has native bf16 and a probe at start measures "
-        "it faster, else float32 (engine_service.model.dtype)", choices=["auto", "float32", "bfloat16", "float16"])
+        "it faster, else float32 (engine_service.model.dtype)", choices=list(MODEL_DTYPES))
     kv_cache_dtype: str = knob(
         "auto", "the KV cache's dtype (vLLM's name). auto: the model's dtype; bfloat16 or float16 under a float32 "
         "model halves the cache's bytes a token (twice the tokens in the same --kv-cache-memory) and the bytes "
         "attention reads; every attention path reads the values as the cache holds them (docs/scheduler.md)",
         choices=list(KV_CACHE_DTYPES))
     quantization: str | None = knob(None, "weight-only quantization computed at load (int8: per output "
-                                     "channel; int4: groups of 32); default: none", choices=["int8", "int4"])
+                                     "channel; int4: groups of 32); default: none", choices=list(QUANTIZATION_METHODS))
     device: str = knob("cpu", "cpu | cuda | cuda:N")
     block_size: int = knob(16, "tokens per KV-cache block")
     num_blocks: int | None = knob(None, "KV-cache blocks (default: as many as --kv-cache-memory allows)")
@@ -93,7 +98,7 @@ class EngineConfig:
     attention_backend: str = knob(
         "auto", "decode attention: native (a C kernel built at first use that reads the paged KV cache in "
         "place; CPU only, needs gcc), torch (plain torch: a padded gather + SDPA, the reference), auto "
-        "(native where it builds, else torch; docs/performance.md)", choices=["auto", "native", "torch"])
+        "(native where it builds, else torch; docs/performance.md)", choices=list(ATTENTION_BACKENDS))
     native_decode: bool = knob(
         True, "decode steps of an int4 Llama-family model (and a bfloat16 one's single stream) on CPU as one native "
         "call per step instead of the compiled step (engine_service.model.native_decode; not with --enforce-eager, "
@@ -146,12 +151,17 @@ def _base_type(annotation: Any) -> type:
     return args[0] if args else annotation
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser | Any, *, title: str = "engine") -> None:
-    """One flag per ``EngineConfig`` field, with the field's default and help."""
+def add_engine_arguments(parser: argparse.ArgumentParser | Any, *, title: str = "engine",
+                         only: tuple[str, ...] | None = None) -> None:
+    """One flag per ``EngineConfig`` field, with the field's default and help; ``only`` names the
+    fields a bench passes through to its engine (each must be a field on the command line)."""
     group = parser.add_argument_group(title) if isinstance(parser, argparse.ArgumentParser) else parser
     hints = typing.get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
-        if not f.metadata.get("cli", True):
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli", True)}
+    if only is not None and (unknown := sorted(set(only) - set(fields))):
+        raise ValueError(f"not engine flags: {', '.join(unknown)}")
+    for f in fields.values():
+        if only is not None and f.name not in only:
             continue
         kind = _base_type(hints[f.name])
         extra = dict(f.metadata.get("argparse", {}))

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from engine_service.config import (
+    ATTENTION_BACKENDS,
     BACKOFF_MIN_ROW_COST,
     EngineConfig,
     SchedulerConfig,
@@ -317,8 +318,8 @@ class LLMEngine:
         self.attention_backend = "torch"
         if backend == "torch":
             return None
-        if backend not in ("auto", "native"):
-            raise ValueError(f"attention_backend must be auto, native or torch, not {backend!r}")
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, not {backend!r}")
         if backend == "native":
             if self.device.type != "cpu":
                 raise ValueError(f"attention_backend native runs on CPU only, not on {self.device}")

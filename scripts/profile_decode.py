@@ -13,6 +13,7 @@ import time
 import torch
 
 from engine_service import LLM, SamplingParams
+from engine_service.config import add_engine_arguments
 
 
 def main() -> None:
@@ -22,8 +23,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"])
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch"])
+    add_engine_arguments(p, only=("quantization", "attention_backend"))
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--cprofile", action="store_true",

@@ -24,8 +24,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from engine_service.bench.modes import describe_engine
-from engine_service.config import KV_CACHE_DTYPES
+from engine_service.bench.modes import BENCH_ENGINE_FLAGS, describe_engine
+from engine_service.config import add_engine_arguments
 
 
 @dataclass
@@ -125,17 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters-warmup", type=int, default=1)
     parser.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                        help="weight-only quantization of the Sluice engine (transformers runs unquantized)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                        help="the engine's KV cache dtype (auto: the model's)")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch"],
-                        help="the engine's decode attention (auto: the native kernel where it builds)")
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                         help="--enforce-eager: no torch.compile; --no-enforce-eager: compile the decode step")
-    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                        help="on CUDA without --enforce-eager: replay decode steps from CUDA graphs (the "
-                             "engine's default); --no-cuda-graphs compiles the decode step instead")
+    # the engine's own flags, as `sluice engine` has them (transformers runs unquantized, its own attention)
+    add_engine_arguments(parser, title="the Sluice engine", only=BENCH_ENGINE_FLAGS)
     parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                         help="also run transformers generate on the same prompts (default: yes)")
     parser.add_argument("--seed", type=int, default=0)

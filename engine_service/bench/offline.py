@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine_service.bench.flops import ModelShape, gemm_peak_gflops
-from engine_service.bench.modes import describe_engine
-from engine_service.config import KV_CACHE_DTYPES
+from engine_service.bench.modes import BENCH_ENGINE_FLAGS, describe_engine
+from engine_service.config import add_engine_arguments
 from sluice import plots
 
 
@@ -117,20 +117,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", default="16-256", help="range of output lengths, tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
-    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                        help="weight-only quantization of the Sluice engine (transformers runs unquantized)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                        help="the engine's KV cache dtype (auto: the model's)")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch"],
-                        help="the engine's decode attention (auto: the native kernel where it builds)")
     parser.add_argument("--enforce-eager", dest="enforce_eager", action=argparse.BooleanOptionalAction,
                         default=None, help="--enforce-eager: no torch.compile (vLLM's name); --no-enforce-eager: "
                         "compile the decode step (default: the engine's, eager unless $SLUICE_ENFORCE_EAGER=0)")
     parser.add_argument("--compile", dest="enforce_eager", action="store_false",
                         help="the same as --no-enforce-eager")
-    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                        help="on CUDA without --enforce-eager: replay decode steps from CUDA graphs (the "
-                             "engine's default); --no-cuda-graphs compiles the decode step instead")
+    # the engine's own flags, as `sluice engine` has them (transformers runs unquantized, its own attention)
+    add_engine_arguments(parser, title="the Sluice engine", only=BENCH_ENGINE_FLAGS)
     parser.add_argument("--cycled-concurrency", type=int, default=0, metavar="N",
                         help="also run the workload's requests cycled to N at once (e.g. 128): throughput "
                              "should not fall with concurrency")

@@ -53,12 +53,12 @@ import time
 import torch
 from torch import nn
 
+from engine_service.config import QUANTIZATION_METHODS
 from engine_service.model.linear_swap import swap_linears
 from engine_service.model.native import native_ops_unavailable
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("int8", "int4")
 DEFAULT_INT4_GROUP_SIZE = 32
 INT4_INNER_K_TILES = 2
 INT4_N_MULTIPLE = 16  # the tiling the packed int4 layout is built for (CUDA: 2, 4 or 8)

@@ -79,6 +79,30 @@ def test_help_lists_knobs_with_defaults() -> None:
     assert "(default: 2048)" in text
 
 
+@pytest.mark.parametrize("bench", ["latency", "offline"])
+def test_the_benches_take_the_engine_flags_they_pass_through_from_the_config(bench: str) -> None:
+    """``sluice bench latency|offline`` generate the engine flags they pass on (BENCH_ENGINE_FLAGS)
+    from EngineConfig: the same choices and defaults as ``sluice engine``, a bad value refused."""
+    import importlib
+
+    from engine_service.bench.modes import BENCH_ENGINE_FLAGS
+
+    parser = _parser(importlib.import_module(f"engine_service.bench.{bench}"))
+    engine = argparse.ArgumentParser()
+    add_engine_arguments(engine)
+    for name in BENCH_ENGINE_FLAGS:
+        mine = next(a for a in parser._actions if a.dest == name)
+        theirs = next(a for a in engine._actions if a.dest == name)
+        assert (mine.option_strings, mine.choices, mine.default) == (theirs.option_strings, theirs.choices,
+                                                                      theirs.default), name
+    args = parser.parse_args(["--quantization", "int4", "--attention-backend", "torch"])
+    assert (args.quantization, args.attention_backend, args.kv_cache_dtype) == ("int4", "torch", "auto")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int3"])
+    with pytest.raises(ValueError, match="not engine flags: blok_size"):
+        add_engine_arguments(argparse.ArgumentParser(), only=("block_size", "blok_size"))
+
+
 def test_llm_keywords_are_the_config_fields() -> None:
     cfg = EngineConfig.from_kwargs(block_size=8, enable_prefix_caching=False)
     assert cfg.block_size == 8 and cfg.enable_prefix_caching is False
