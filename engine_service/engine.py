@@ -98,6 +98,9 @@ class LLMEngine:
         self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.enforce_eager = config.resolved_enforce_eager() or self.stub_model
         self.quantization = parse_quantization(config.quantization)
+        if config.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"not {config.attention_backend!r}")
 
         context = self.model_config.context_length
         if config.max_model_len is not None and config.max_model_len > context:
@@ -318,8 +321,6 @@ class LLMEngine:
         self.attention_backend = "torch"
         if backend == "torch":
             return None
-        if backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, not {backend!r}")
         if backend == "native":
             if self.device.type != "cpu":
                 raise ValueError(f"attention_backend native runs on CPU only, not on {self.device}")

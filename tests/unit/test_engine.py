@@ -154,3 +154,14 @@ def test_bfloat16_is_selectable(model_dir, llm):
     got = bf16.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0]
     # bfloat16 rounds differently, but a confident first token survives it.
     assert got.token_ids[0] == want.token_ids[0] and got.text.strip().startswith("Paris")
+
+
+def test_an_unknown_attention_backend_is_refused_before_the_model_loads(model_dir, monkeypatch):
+    import engine_service.engine
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded before the knob was checked")
+
+    monkeypatch.setattr(engine_service.engine, "load_model", no_load)
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, native, torch, not 'cuda'"):
+        LLM(str(model_dir), dtype="float32", attention_backend="cuda")
