@@ -3,20 +3,16 @@ bandwidth bound grouped by the placement the reading beside it says."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "anchor_by_placement.py"
+from tests.file_modules import load_file
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("anchor_by_placement", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("scripts/anchor_by_placement.py")
 
 
 def _run(path: Path, rows: list[dict]) -> Path:

@@ -5,7 +5,6 @@ checks them against what running processes export."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -15,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from engine_service.service.metrics import EngineMetrics
 from gateway.metrics import Metrics as GatewayMetrics
+from tests.file_modules import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "sluice-dashboard.json"
@@ -70,9 +70,7 @@ def exported_names() -> set[str]:
 
 
 def test_dashboard_json_is_what_the_builder_writes():
-    spec = importlib.util.spec_from_file_location("build_dashboard", ROOT / "deploy" / "grafana" / "build_dashboard.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_file("deploy/grafana/build_dashboard.py")
     assert DASHBOARD.read_text() == module.render(), "stale: run python deploy/grafana/build_dashboard.py"
 
 

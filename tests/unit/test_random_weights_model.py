@@ -3,7 +3,6 @@ random weights (what a GPU machine without the model runs its checks on)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -13,16 +12,13 @@ import torch
 
 from engine_service import LLM, SamplingParams
 from engine_service.model.prepare import MARKER, is_prepared
+from tests.file_modules import load_file
 
 pytestmark = pytest.mark.model
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "random_weights_model.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("random_weights_model", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("scripts/random_weights_model.py")
 
 
 def _small_like(model_dir: Path, dest: Path) -> Path:
