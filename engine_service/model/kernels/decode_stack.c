@@ -74,8 +74,7 @@ static void write_cache(void *cache, int cache_type, int64_t slot, const float *
         uint16_t *dst = (uint16_t *)cache + slot * n;
         for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
     } else if (cache_type == STACK_CACHE_F16) {
-        uint16_t *dst = (uint16_t *)cache + slot * n;
-        for (int64_t i = 0; i < n; i++) dst[i] = f32_to_f16(src[i]);
+        stack_f32_to_f16(src, (uint16_t *)cache + slot * n, n);
     } else {
         memcpy((float *)cache + slot * n, src, sizeof(float) * (size_t)n);
     }
