@@ -32,18 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.iters < 1 or args.prompt_len < 1 or args.output_len < 2:
         parser.error("--iters and --prompt-len must be at least 1, --output-len at least 2")
 
-    import torch
+    from engine_service.bench.anchor import SluiceStream, StreamRow
+    from engine_service.bench.latency import make_prompts
 
-    from engine_service.core.sampling_params import SamplingParams
-    from engine_service.llm import LLM
-
-    torch.set_num_threads(args.threads)
-    engine = LLM(None, **MODES[args.mode], enable_prefix_caching=False, max_num_seqs=1,
-                 max_num_batched_tokens=2048).engine
-    native = engine.runner.native_decode
+    stream = SluiceStream(args.mode, None, args.threads)  # the anchor's engine, as `sluice bench anchor` builds it
+    native = stream.llm.engine.runner.native_decode
     if native is None:
         raise SystemExit(f"{args.mode}: this engine has no native decode step here")
-    spent: list[float] = []
+    spent: list[float] = []  # seconds of each native call, decode steps only (a prefill never takes it)
 
     def timed(fn):
         def call(*a, **k):
@@ -68,28 +64,18 @@ def main(argv: list[str] | None = None) -> int:
         def __call__(self, *a, **k):
             return self._call(*a, **k)
 
-    engine.runner.native_decode = Timed(native)
+    stream.llm.engine.runner.native_decode = Timed(native)
     rng = random.Random(0)
+    vocab = stream.llm.engine.vocab_size
     rows = []
     print(f"{args.mode}: one stream, prompt {args.prompt_len}, {args.output_len} greedy tokens, {args.threads} threads")
     print(f"{'iteration':>9}{'ms a token':>12}{'native ms a token':>19}{'native share':>14}")
     for it in range(args.iters):
-        prompt = [rng.randrange(100, engine.vocab_size) for _ in range(args.prompt_len)]
-        engine.add_request(f"share-{it}", prompt, SamplingParams(temperature=0.0, max_tokens=args.output_len,
-                                                                 ignore_eos=True))
-        first = last = None
-        tokens = 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.new_token_ids:
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now
-                        spent.clear()  # the prefill's call, if any, is not the decode's
-                    last = now
-                    tokens += len(out.new_token_ids)
-        decoded = tokens - 1
-        per_token, native_per_token = (last - first) / decoded, sum(spent) / decoded
+        row = StreamRow("sluice")
+        spent.clear()
+        tokens = stream.run(make_prompts(vocab, 1, args.prompt_len, rng)[0], args.output_len, row)
+        decoded = len(tokens) - 1  # the anchor's count: the tokens after the first
+        per_token, native_per_token = row.tpot_ms[0] / 1e3, sum(spent) / decoded
         rows.append({"iteration": it, "ms_per_token": 1e3 * per_token, "native_ms_per_token": 1e3 * native_per_token,
                      "native_share": native_per_token / per_token})
         print(f"{it:>9}{1e3 * per_token:>12.3f}{1e3 * native_per_token:>19.3f}{native_per_token / per_token:>14.3f}")
