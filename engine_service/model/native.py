@@ -46,9 +46,7 @@ logger = logging.getLogger(__name__)
 KERNELS = Path(__file__).with_name("kernels")
 C_SOURCES = [KERNELS / "paged_decode_attention.c", KERNELS / "dequantize.c", KERNELS / "packed_gemv.c",
              KERNELS / "q4_gemv.c", KERNELS / "decode_stack.c"]
-HEADERS = [KERNELS / "amx.h", KERNELS / "bf16.h", KERNELS / "f16.h", KERNELS / "paged_decode_attention.h", KERNELS / "dequantize.h",
-           KERNELS / "packed_gemv.h", KERNELS / "q4_gemv.h", KERNELS / "decode_stack.h", KERNELS / "fast_exp.h",
-           KERNELS / "one_row_prefetch.h"]
+HEADERS = sorted(KERNELS.glob("*.h"))  # every header: a change to any of them rebuilds the library
 CXX_SOURCES = [KERNELS / "paged_decode_attention_op.cpp", KERNELS / "prepacked_linear_op.cpp",
                KERNELS / "dequantize_op.cpp", KERNELS / "q4_linear_op.cpp"]
 LIBRARY_NAME = "sluice_ops"

@@ -473,3 +473,20 @@ class _Counting:
         if self.logits_calls is not None:
             self.logits_calls.append(bool(kwargs.get("logits")))
         return self.native(*args, **kwargs)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_the_steps_barrier_holds_every_thread_until_all_arrive(threads):
+    """The step's threads meet at a barrier of their own (``team_barrier.h``), not libgomp's: in
+    ``stack_team_barrier_check`` each thread stores the round, meets the others, and reads every
+    thread's store back, for thousands of rounds. Three and four threads on this machine's two cores
+    preempt each other, so the waits that yield their CPU are exercised too."""
+    import ctypes
+
+    from engine_service.model.native import native_library
+
+    check = native_library().stack_team_barrier_check
+    check.restype, check.argtypes = ctypes.c_int64, [ctypes.c_int, ctypes.c_int64]
+    assert check(threads, 20000 if threads <= 2 else 2000) == 0
+    assert check(1, 10) == 0
+    assert check(0, 10) == check(65, 10) == check(2, 0) == -1

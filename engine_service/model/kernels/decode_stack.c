@@ -31,6 +31,7 @@
 #include "packed_gemv.h"
 #include "paged_decode_attention.h"
 #include "q4_gemv.h"
+#include "team_barrier.h"
 
 #define NOCONTRACT __attribute__((optimize("fp-contract=off")))
 
@@ -116,6 +117,24 @@ int64_t stack_argmax(const float *v, int64_t n) {
     return 0; /* every value -inf */
 }
 
+int64_t stack_team_barrier_check(int threads, int64_t rounds) {
+    if (threads < 1 || threads > TEAM_BARRIER_MAX || rounds < 1) return -1;
+    TeamBarrier sync = {0};
+    TeamArrival slots[TEAM_BARRIER_MAX] = {{0}}; /* a line a thread, as the barrier's own */
+    int64_t wrong = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : wrong)
+    {
+        const int me = omp_get_thread_num(), n = omp_get_num_threads();
+        for (int64_t r = 1; r <= rounds; r++) {
+            __atomic_store_n(&slots[me].passed, (uint32_t)r, __ATOMIC_RELAXED);
+            team_barrier(&sync);
+            for (int i = 0; i < n; i++) wrong += __atomic_load_n(&slots[i].passed, __ATOMIC_RELAXED) != (uint32_t)r;
+            team_barrier(&sync);
+        }
+    }
+    return wrong;
+}
+
 /* rotary on q and k (adjacent in q|k|v), q copied out, k and v written to the cache at each row's
  * slot: before any row attends, since a row may attend to a slot another row of this step wrote
  * (a draft chunk's tokens; prefix sharing), as the eager forward allows */
@@ -198,7 +217,7 @@ static void team_product(int kind, const StackWeight *w, const float *x, float *
                          PgTeam *team, uint32_t *tag) {
     if (kind == STACK_INT4) {
         q4_linear_f32_team((const uint8_t *)w->data, w->scales_zeros, x, (float *)ys, rows, w->n_out, w->n_pad, w->k,
-                           w->extra, xb);
+                           w->extra, xb, team->barrier);
         memcpy(y, ys, sizeof(float) * (size_t)(rows * w->n_out));
         return;
     }
@@ -228,7 +247,9 @@ static int64_t product_scratch_bytes(int kind, const StackWeight *w, int64_t row
  * buffers, so that a product's writes cannot reach the one a slower thread is still reading. The
  * numbers are those of decode_stack's region-per-call loop bit for bit: the same operations on the
  * same values. Why: forking and joining the team cost ~2 us each time (docs/performance.md,
- * twelfth round for bfloat16, fourteenth for int4). */
+ * twelfth round for bfloat16, fourteenth for int4). The team meets at its own barrier (`sync`,
+ * team_barrier.h), ~180 times a step, where libgomp's cost a system call each and, in a served
+ * engine's passive wait policy, a sleep and a wake-up each. */
 NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *ids, const int64_t *positions,
                                            const float *cos_table, const float *sin_table, const int64_t *slots,
                                            const int64_t *block_tables, int64_t table_width,
@@ -271,13 +292,15 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
     /* the first layer's qkv before the loop: each pass of the loop ends in the next layer's */
     for (int64_t r = 0; r < rows; r++)
         rms_norm(X(0) + r * hidden, s->layers[0].input_norm, hidden, s->eps, bf, NORMED(0) + r * hidden);
-    *team = (PgTeam){0};
+    TeamBarrier sync = {0}; /* where the team meets, every time (team_barrier.h) */
+    *team = (PgTeam){.barrier = &sync};
     PdaPlan plan; /* the step's attention partitions, the same in every layer */
     const int prc = pda_plan(&plan, context_lens, rows, s->heads, s->kv_heads, s->head_dim, threads);
     if (prc != 0) {
         free(scratch);
         return prc == 1 ? 1 : 3;
     }
+    plan.barrier = &sync;
     uint16_t *yb = (uint16_t *)ys0; /* the region-per-call product's bfloat16 output (product) */
     const int rc = product(kind, &s->layers[0].qkv, NORMED(0), TMP(0), rows, (uint16_t *)XB(0), yb);
     if (rc == 0) rotate_and_cache(s, &s->layers[0], TMP(0), q, rows, positions, cos_table, sin_table, slots);
@@ -319,7 +342,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
                     rms_norm(x + r * hidden, next->input_norm, hidden, s->eps, bf, normed + r * hidden);
                 team_product(kind, &next->qkv, normed, tmp, rows, xb, ys1, team, &tag);
                 if (t == 0) rotate_and_cache(s, next, tmp, q, rows, positions, cos_table, sin_table, slots);
-                _Pragma("omp barrier") /* q and the cache, before anyone attends */
+                team_barrier(&sync); /* q and the cache, before anyone attends */
             }
         }
       }

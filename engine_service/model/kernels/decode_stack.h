@@ -86,6 +86,12 @@ int64_t stack_argmax(const float *v, int64_t n);
  * writes a float16 KV cache. */
 void stack_f32_to_f16(const float *src, uint16_t *dst, int64_t n);
 
+/* The step's barrier (team_barrier.h) put to the test: `rounds` times, each thread of a team of
+ * `threads` stores the round in a slot of its own, meets the others, and counts the slots that do
+ * not hold the round; then meets them again before the next round's stores. Returns the count, 0
+ * when every thread waited for every other; -1 for a team size outside 1..64 or rounds < 1. */
+int64_t stack_team_barrier_check(int threads, int64_t rounds);
+
 #ifdef __cplusplus
 }
 #endif

@@ -35,6 +35,7 @@
 
 #include "bf16.h"
 #include "one_row_prefetch.h"
+#include "team_barrier.h"
 
 #define CHUNK (PG_BLOCK_N * PG_BLOCK_K) /* elements of one 64 x 32 chunk */
 
@@ -294,8 +295,9 @@ static void blocks_from_both_ends(const uint16_t *w, const uint16_t *xp, int64_t
     }
 }
 
-/* The block loop, shared out over the calling team, its barrier at the end: inside a parallel
- * region each thread takes its blocks, outside one the caller takes them all. A team of two with
+/* The block loop, shared out over the calling team, its barrier at the end (team->barrier's, or
+ * `omp barrier` where that is NULL): inside a parallel region each thread takes its blocks, outside
+ * one the caller takes them all. A team of two with
  * `team` shares them from both ends (blocks_from_both_ends; `tag` tells this product's claims from
  * the last one's); other teams take equal runs (an orphaned omp for). x is whole chunks wide
  * (k_pad), rows ldx elements apart. */
@@ -315,7 +317,7 @@ static void team_blocks(const uint16_t *w, const uint16_t *xp, int64_t ldx, cons
 #if defined(PG_AMX)
     if (tiles) _tile_release(); /* so the kernel need not save this thread's tiles */
 #endif
-    _Pragma("omp barrier")
+    team_barrier(team->barrier);
 }
 
 int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t rows,

@@ -44,9 +44,12 @@ int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
                      int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_pad);
 
 /* What a team of two shares to split a product's blocks as they stream (packed_gemv.c,
- * blocks_from_both_ends): zero before the team's first product. */
+ * blocks_from_both_ends): zero before the team's first product; and where the team meets at the
+ * end of each product (team_barrier.h; NULL: `omp barrier`). */
+struct TeamBarrier;
 typedef struct {
     uint64_t state;
+    struct TeamBarrier *barrier;
 } PgTeam;
 
 /* packed_gemm_bf16 without a parallel region of its own, for a caller already inside one: the

@@ -37,6 +37,7 @@
 #include "f16.h"
 #include "fast_exp.h"
 #include "paged_decode_attention.h"
+#include "team_barrier.h"
 
 #define PARTITION 128 /* the longest partition (the scratch row per head) */
 /* Up to this many context tokens in all (one partition: one task), the call runs on the calling
@@ -472,7 +473,7 @@ void NAME(const PdaPlan *plan, const float *q, const T *k_cache, const T *v_cach
     float *partials = plan->partials;                                                             \
     float *scores = plan->scores + (int64_t)omp_get_thread_num() * heads * PARTITION;             \
     const int shared = pda_parallel(plan) && omp_get_num_threads() > 1;                           \
-    _Pragma("omp for schedule(dynamic, 1)")                                                       \
+    _Pragma("omp for schedule(dynamic, 1) nowait")                                                \
     for (int64_t task = 0; task < (shared ? tasks : 1); task++) {                                 \
         /* short contexts: one thread takes every task (the others have none) */                  \
         for (int64_t t = shared ? task : 0; t < (shared ? task + 1 : tasks); t++) {               \
@@ -488,6 +489,7 @@ void NAME(const PdaPlan *plan, const float *q, const T *k_cache, const T *v_cach
             else RUN_PARTITION(PART, head_dim);                                                   \
         }                                                                                         \
     }                                                                                             \
+    team_barrier(plan->barrier); /* every partition done before any combine */                   \
     /* combine each (sequence, head) over its partitions: shared out, or all of it by every thread */ \
     if (own_out) {                                                                                \
         for (int64_t bh = 0; bh < batch * heads; bh++)                                            \

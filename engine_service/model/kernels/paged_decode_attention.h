@@ -33,10 +33,13 @@ int paged_decode_attention_f16(const float *q, const uint16_t *k_cache, const ui
  * parallel region: the context lengths must stay as planned. threads: the most threads a team
  * calling it will have (the scores scratch has a row for each). Returns 0, 1 (out of memory: nothing to free) or 2 (a shape outside the
  * limits). */
+struct TeamBarrier;
 typedef struct {
     int64_t tasks, total_len;
     int64_t *first_task, *task_seq;
     float *partials, *scores;
+    /* where the team meets after the partitions (team_barrier.h); pda_plan leaves it NULL: `omp barrier` */
+    struct TeamBarrier *barrier;
 } PdaPlan;
 int pda_plan(PdaPlan *plan, const int64_t *context_lens, int64_t batch, int64_t heads, int64_t kv_heads,
              int64_t head_dim, int threads);

@@ -26,6 +26,7 @@
 
 #include "bf16.h"
 #include "one_row_prefetch.h"
+#include "team_barrier.h"
 
 #define NOCONTRACT __attribute__((optimize("fp-contract=off")))
 #define TASK_BLOCKS 4
@@ -376,8 +377,8 @@ static void quantize_rows(const float *x, int64_t rows, int64_t k, int64_t group
 }
 
 /* The tasks of a product of quantized rows, shared out over the calling team (an orphaned omp for,
- * its barrier at the end): inside a parallel region each thread takes its tasks, outside one the
- * caller takes them all. Outputs to yf (float32) or yb (bfloat16 bits). */
+ * without its barrier: the caller's region ends in one, or the caller meets at team_barrier): inside
+ * a parallel region each thread takes its tasks, outside one the caller takes them all. Outputs to yf (float32) or yb (bfloat16 bits). */
 static void team_tasks(const uint8_t *codes, const uint16_t *sz, const int8_t *q, const float *scales, int64_t rows,
                        int64_t n_out, int64_t n_pad, int64_t k, int64_t group, int stream, float *yf, uint16_t *yb) {
     const int64_t xblocks = k / Q4_XBLOCK, groups = k / group;
@@ -389,7 +390,7 @@ static void team_tasks(const uint8_t *codes, const uint16_t *sz, const int8_t *q
     const int64_t pass_rows = TASK_ROWS;
 #endif
     int configured = 0; /* the row count this thread's tiles are configured for */
-    _Pragma("omp for schedule(static)")
+    _Pragma("omp for schedule(static) nowait")
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t b0 = t * TASK_BLOCKS;
         const int nb = (int)(blocks - b0 < TASK_BLOCKS ? blocks - b0 : TASK_BLOCKS);
@@ -448,11 +449,13 @@ int64_t q4_team_scratch_bytes(int64_t rows, int64_t k, int64_t group) {
 }
 
 void q4_linear_f32_team(const uint8_t *codes, const uint16_t *scales_zeros, const float *x, float *y, int64_t rows,
-                        int64_t n_out, int64_t n_pad, int64_t k, int64_t group, void *scratch) {
+                        int64_t n_out, int64_t n_pad, int64_t k, int64_t group, void *scratch,
+                        TeamBarrier *barrier) {
     float *scales = (float *)scratch;
     int8_t *q = (int8_t *)(scales + rows * (k / Q4_XBLOCK + k / group));
     quantize_rows(x, rows, k, group, q, scales);
     team_tasks(codes, scales_zeros, q, scales, rows, n_out, n_pad, k, group, stream_prefetch(), y, NULL);
+    team_barrier(barrier);
 }
 
 int q4_linear_f32(const uint8_t *codes, const uint16_t *scales_zeros, const float *x, float *y, int64_t rows,
@@ -489,9 +492,10 @@ int64_t q4_team_scratch_bytes(int64_t rows, int64_t k, int64_t group) {
 }
 
 void q4_linear_f32_team(const uint8_t *codes, const uint16_t *scales_zeros, const float *x, float *y, int64_t rows,
-                        int64_t n_out, int64_t n_pad, int64_t k, int64_t group, void *scratch) {
+                        int64_t n_out, int64_t n_pad, int64_t k, int64_t group, void *scratch,
+                        TeamBarrier *barrier) {
     (void)codes, (void)scales_zeros, (void)x, (void)y, (void)rows, (void)n_out, (void)n_pad, (void)k, (void)group,
-        (void)scratch;
+        (void)scratch, (void)barrier;
 }
 
 int q4_linear_f32(const uint8_t *codes, const uint16_t *scales_zeros, const float *x, float *y, int64_t rows,

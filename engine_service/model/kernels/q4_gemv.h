@@ -50,11 +50,13 @@ int q4_linear_bf16(const uint8_t *codes, const uint16_t *scales_zeros, const uin
  * thread of the team must call it with the same arguments but its own `scratch` (at least
  * q4_team_scratch_bytes(rows, k, group) bytes, float-aligned), into which it quantizes the rows;
  * the tasks are shared out (an orphaned omp for) and y, shared, is complete for every thread when
- * it returns (the omp for's barrier). The sizes are not checked: the caller checked them once. The
- * same outputs bit for bit as q4_linear_f32. */
+ * it returns (a barrier: `barrier`, team_barrier.h, or `omp barrier` where it is NULL). The sizes
+ * are not checked: the caller checked them once. The same outputs bit for bit as q4_linear_f32. */
+struct TeamBarrier;
 int64_t q4_team_scratch_bytes(int64_t rows, int64_t k, int64_t group);
 void q4_linear_f32_team(const uint8_t *codes, const uint16_t *scales_zeros, const float *x, float *y, int64_t rows,
-                        int64_t n_out, int64_t n_pad, int64_t k, int64_t group, void *scratch);
+                        int64_t n_out, int64_t n_pad, int64_t k, int64_t group, void *scratch,
+                        struct TeamBarrier *barrier);
 
 /* out [n_pad][k] = (code - 8) * scale + zero in float32 without fused multiply-adds, one rounding
  * to the output type (the torch reference: quantization.dequantize_q4) */
