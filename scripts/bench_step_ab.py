@@ -3,7 +3,9 @@ stream with the eleventh round's changes to what runs after the weights have flu
 (``Runner._prepare_decodes``, ``sampler.ARGMAX_ROWS``, the logits from the native call) against the
 same engine with them off; or (``--argmax``) the sampler taking the native step's argmax against
 computing its own; or (``--one-region``) a native step's layers in one parallel region against
-one region for each product and each attention; or (``--prefetch``) the one-row products without
+one region for each product and each attention; or (``--own-barrier``) a native step's team
+meeting at its own barrier (``kernels/team_barrier.h``) against at libgomp's ``omp barrier`` (run
+it under ``OMP_WAIT_POLICY=PASSIVE`` for what a served engine sees); or (``--prefetch``) the one-row products without
 their software prefetches (AMD's default) against with them (``q4_gemv_set_prefetch`` for int4
 modes, ``packed_gemv_set_prefetch`` for bfloat16); or (``--collapse``) oneDNN's packed weights
 collapsed onto huge pages against a second engine left on 4 KiB pages; or (``--scheduler-steps
@@ -14,6 +16,7 @@ cache against a second engine over a D cache (``kv_cache_dtype``).
 `python scripts/bench_step_ab.py [--mode bfloat16-native] [--rounds 20]`
 `python scripts/bench_step_ab.py --argmax [--mode int4-native]`
 `python scripts/bench_step_ab.py --one-region [--mode int4-native]`
+`OMP_WAIT_POLICY=PASSIVE python scripts/bench_step_ab.py --own-barrier [--mode int4-native]`
 `python scripts/bench_step_ab.py --prefetch [--mode int4-native]`
 `python scripts/bench_step_ab.py --collapse [--rounds 40]`
 `python scripts/bench_step_ab.py --scheduler-steps 8 [--mode int4-native]`
@@ -37,7 +40,7 @@ import torch
 
 
 def steps_ab(mode: str, rounds: int, argmax_only: bool = False, one_region: bool = False,
-             prefetch: bool = False) -> None:
+             prefetch: bool = False, own_barrier: bool = False) -> None:
     import engine_service.model.runner as runner_module
     import engine_service.sampling.sampler as sampler_module
     from engine_service import LLM, SamplingParams
@@ -73,6 +76,13 @@ def steps_ab(mode: str, rounds: int, argmax_only: bool = False, one_region: bool
 
         set_regions = native_library().decode_stack_set_one_region
         set_regions.restype, set_regions.argtypes = ctypes.c_int, [ctypes.c_int]
+    if own_barrier:
+        import ctypes
+
+        from engine_service.model.native import native_library
+
+        set_barrier = native_library().decode_stack_set_own_barrier
+        set_barrier.restype, set_barrier.argtypes = ctypes.c_int, [ctypes.c_int]
     if prefetch:
         from engine_service.model.native import native_library
 
@@ -83,6 +93,8 @@ def steps_ab(mode: str, rounds: int, argmax_only: bool = False, one_region: bool
         for new in (False, True):
             if one_region:
                 set_regions(int(new))
+            elif own_barrier:
+                set_barrier(int(new))
             elif prefetch:
                 set_prefetch(0 if new else 1)
             elif argmax_only:
@@ -99,13 +111,15 @@ def steps_ab(mode: str, rounds: int, argmax_only: bool = False, one_region: bool
             ms[new].append((time.perf_counter() - started) / 20 * 1e3)
     if prefetch:
         set_prefetch(-1)
+    if own_barrier:
+        set_barrier(1)
     old, new = statistics.median(ms[False]), statistics.median(ms[True])
     if prefetch:
         print(f"{mode}, one stream: a step {old:.3f} ms with the one-row products' software prefetches, "
               f"{new:.3f} ms without: {old / new:.3f}x (medians of {rounds} alternating rounds of 20 steps)")
         return
-    what = ("the step in one parallel region" if one_region else "the native step's argmax" if argmax_only
-            else "the changes")
+    what = ("the step in one parallel region" if one_region else "the team's own barrier" if own_barrier
+            else "the native step's argmax" if argmax_only else "the changes")
     print(f"{mode}, one stream: a step {old:.3f} ms without {what}, {new:.3f} ms with: {old / new:.3f}x "
           f"(medians of {rounds} alternating rounds of 20 steps; the sampler took a given argmax in "
           f"{sum(given)} of {len(given)} steps)")
@@ -235,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the native step's argmax handed to the sampler, on and off (twelfth round)")
     parser.add_argument("--one-region", action="store_true",
                         help="the native step's layers in one parallel region, on and off (twelfth round; int4: fourteenth)")
+    parser.add_argument("--own-barrier", action="store_true",
+                        help="the native step's own barrier against libgomp's (under $OMP_WAIT_POLICY as set)")
     parser.add_argument("--prefetch", action="store_true",
                         help="the one-row products without their software prefetches against with them (fourteenth round)")
     parser.add_argument("--kv-cache-dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -253,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         collapse_ab(args.rounds or 40)
     else:
         steps_ab(args.mode, args.rounds or 20, argmax_only=args.argmax, one_region=args.one_region,
-                 prefetch=args.prefetch)
+                 prefetch=args.prefetch, own_barrier=args.own_barrier)
     return 0
 
 

@@ -285,14 +285,17 @@ def test_a_step_in_one_parallel_region_is_the_same_step_bit_for_bit(kind, reques
     ``decode_stack_set_one_region``): its logits and argmax equal those of the step that forks and
     joins the thread team for each product and each attention, bit for bit, for one row and for a
     verifying step of several rows beside another request, with every thread count from one to
-    three (one thread takes the plain path)."""
+    three (one thread takes the plain path); and the same whether the team meets at its own barrier
+    or at libgomp's (``decode_stack_set_own_barrier``)."""
     import ctypes
 
     from engine_service.model.native import native_library
 
     llm = request.getfixturevalue("llm" if kind == "int4" else "bf16")
     set_regions = native_library().decode_stack_set_one_region
-    set_regions.restype, set_regions.argtypes = ctypes.c_int, [ctypes.c_int]
+    set_barrier = native_library().decode_stack_set_own_barrier
+    for fn in (set_regions, set_barrier):
+        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
     runner = llm.engine.runner
     native = NativeDecode(runner.model, runner.kv_caches)
     (tokens, blocks), (other, other_blocks) = _sequences(llm, [40, 23], seed=9)
@@ -304,15 +307,16 @@ def test_a_step_in_one_parallel_region_is_the_same_step_bit_for_bit(kind, reques
             got = {}
             for n in (1, 2, 3):
                 torch.set_num_threads(n)
-                for regions in (0, 1):
-                    assert set_regions(regions) == regions
+                for regions, own in ((0, 1), (1, 1), (1, 0)):
+                    assert set_regions(regions) == regions and set_barrier(own) == own
                     greedy = torch.empty(input_ids.shape[0], dtype=torch.long)
-                    got[n, regions] = (native(input_ids, positions, meta, logits=True, argmax=greedy), greedy)
-            want, want_greedy = got[1, 0]
+                    got[n, regions, own] = (native(input_ids, positions, meta, logits=True, argmax=greedy), greedy)
+            want, want_greedy = got[1, 0, 1]
             for logits, greedy in got.values():
                 assert torch.equal(logits, want) and torch.equal(greedy, want_greedy)
     finally:
         set_regions(1)
+        set_barrier(1)
         torch.set_num_threads(threads)
 
 

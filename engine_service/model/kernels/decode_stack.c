@@ -233,6 +233,13 @@ static int64_t product_scratch_bytes(int kind, const StackWeight *w, int64_t row
     return kind == STACK_INT4 ? q4_team_scratch_bytes(rows, w->k, w->extra) : rows * w->extra * 2;
 }
 
+static int own_barrier = 1;
+
+int decode_stack_set_own_barrier(int on) {
+    own_barrier = on != 0;
+    return own_barrier;
+}
+
 /* The layers in one parallel region, where they forked and joined the thread team for each product
  * and each attention: each product's blocks (bfloat16) or tasks (int4) and each attention's
  * partitions are shared out (packed_gemm_bf16_team, q4_linear_f32_team,
@@ -248,8 +255,9 @@ static int64_t product_scratch_bytes(int kind, const StackWeight *w, int64_t row
  * numbers are those of decode_stack's region-per-call loop bit for bit: the same operations on the
  * same values. Why: forking and joining the team cost ~2 us each time (docs/performance.md,
  * twelfth round for bfloat16, fourteenth for int4). The team meets at its own barrier (`sync`,
- * team_barrier.h), ~180 times a step, where libgomp's cost a system call each and, in a served
- * engine's passive wait policy, a sleep and a wake-up each. */
+ * team_barrier.h; `omp barrier` after decode_stack_set_own_barrier(0)), ~180 times a step, where
+ * libgomp's cost a system call each and, in a served engine's passive wait policy, a sleep and a
+ * wake-up each. */
 NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *ids, const int64_t *positions,
                                            const float *cos_table, const float *sin_table, const int64_t *slots,
                                            const int64_t *block_tables, int64_t table_width,
@@ -292,15 +300,15 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
     /* the first layer's qkv before the loop: each pass of the loop ends in the next layer's */
     for (int64_t r = 0; r < rows; r++)
         rms_norm(X(0) + r * hidden, s->layers[0].input_norm, hidden, s->eps, bf, NORMED(0) + r * hidden);
-    TeamBarrier sync = {0}; /* where the team meets, every time (team_barrier.h) */
-    *team = (PgTeam){.barrier = &sync};
+    TeamBarrier sync_barrier = {0}, *sync = own_barrier ? &sync_barrier : NULL; /* team_barrier.h */
+    *team = (PgTeam){.barrier = sync};
     PdaPlan plan; /* the step's attention partitions, the same in every layer */
     const int prc = pda_plan(&plan, context_lens, rows, s->heads, s->kv_heads, s->head_dim, threads);
     if (prc != 0) {
         free(scratch);
         return prc == 1 ? 1 : 3;
     }
-    plan.barrier = &sync;
+    plan.barrier = sync;
     uint16_t *yb = (uint16_t *)ys0; /* the region-per-call product's bfloat16 output (product) */
     const int rc = product(kind, &s->layers[0].qkv, NORMED(0), TMP(0), rows, (uint16_t *)XB(0), yb);
     if (rc == 0) rotate_and_cache(s, &s->layers[0], TMP(0), q, rows, positions, cos_table, sin_table, slots);
@@ -342,7 +350,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
                     rms_norm(x + r * hidden, next->input_norm, hidden, s->eps, bf, normed + r * hidden);
                 team_product(kind, &next->qkv, normed, tmp, rows, xb, ys1, team, &tag);
                 if (t == 0) rotate_and_cache(s, next, tmp, q, rows, positions, cos_table, sin_table, slots);
-                team_barrier(&sync); /* q and the cache, before anyone attends */
+                team_barrier(sync); /* q and the cache, before anyone attends */
             }
         }
       }

@@ -78,6 +78,11 @@ int decode_stack_steps(const DecodeStack *stack, const int64_t *ids, const int64
  * force. */
 int decode_stack_set_one_region(int on);
 
+/* Whether the one-region step's team meets at its own barrier (1, the default; team_barrier.h) or
+ * at libgomp's `omp barrier` (0); the same numbers bit for bit. For benches: set it between steps.
+ * Returns the setting now in force. */
+int decode_stack_set_own_barrier(int on);
+
 /* The index of v's largest value, the first of equal ones, as torch's argmax picks it: a NaN counts
  * as the largest (the first NaN), and all -inf gives 0; -1 for n <= 0. */
 int64_t stack_argmax(const float *v, int64_t n);
