@@ -233,6 +233,31 @@ static int64_t product_scratch_bytes(int kind, const StackWeight *w, int64_t row
     return kind == STACK_INT4 ? q4_team_scratch_bytes(rows, w->k, w->extra) : rows * w->extra * 2;
 }
 
+/* finish's final norm and head inside the region, by the whole team: the same logits and argmax
+ * bit for bit. Every thread norms its own copy of the residual stream; the head's output goes
+ * through ys (the shared buffer the layers' last product did not write), and thread 0 converts it
+ * into logits (bfloat16; int4 writes logits itself) and takes each row's argmax, as finish does on
+ * the calling thread. */
+static void team_head(const DecodeStack *s, const float *x, float *normed, int64_t rows, void *xb, void *ys,
+                      float *logits, int64_t *argmax, PgTeam *team, uint32_t *tag) {
+    const int64_t hidden = s->hidden, vocab = s->head.n_out;
+    const StackWeight *w = &s->head;
+    for (int64_t r = 0; r < rows; r++)
+        rms_norm(x + r * hidden, s->final_norm, hidden, s->eps, s->kind == STACK_BF16, normed + r * hidden);
+    if (s->kind == STACK_INT4) {
+        q4_linear_f32_team((const uint8_t *)w->data, w->scales_zeros, normed, logits, rows, vocab, w->n_pad, w->k,
+                           w->extra, xb, team->barrier);
+    } else {
+        to_bf16_rows(normed, rows, w->k, w->extra, (uint16_t *)xb);
+        packed_gemm_bf16_team((const uint16_t *)w->data, (const uint16_t *)xb, w->extra, (uint16_t *)ys, rows, vocab,
+                              w->n_pad, w->extra, team, ++*tag);
+    }
+    if (omp_get_thread_num() != 0) return;
+    if (s->kind == STACK_BF16)
+        for (int64_t i = 0; i < rows * vocab; i++) logits[i] = bf16_to_f32(((const uint16_t *)ys)[i]);
+    for (int64_t r = 0; argmax != NULL && r < rows; r++) argmax[r] = stack_argmax(logits + r * vocab, vocab);
+}
+
 static int own_barrier = 1;
 
 int decode_stack_set_own_barrier(int on) {
@@ -353,10 +378,13 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
                 team_barrier(sync); /* q and the cache, before anyone attends */
             }
         }
+        if (logits != NULL) /* the head here, not in a region of its own: a fork and a join fewer */
+            team_head(s, x, normed, rows, xb, ys1, logits, argmax, team, &tag);
       }
     }
     pda_plan_free(&plan);
-    const int frc = rc == 0 ? finish(s, X(0), NORMED(0), rows, out, logits, argmax, (uint16_t *)XB(0), yb) : rc;
+    /* out, where asked for: the head and the argmax were the region's */
+    const int frc = rc != 0 ? rc : finish(s, X(0), NORMED(0), rows, out, NULL, NULL, (uint16_t *)XB(0), yb);
 #undef OWN
 #undef X
 #undef NORMED
