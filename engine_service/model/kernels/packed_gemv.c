@@ -297,10 +297,9 @@ static void blocks_from_both_ends(const uint16_t *w, const uint16_t *xp, int64_t
 
 /* The block loop, shared out over the calling team, its barrier at the end (team->barrier's, or
  * `omp barrier` where that is NULL): inside a parallel region each thread takes its blocks, outside
- * one the caller takes them all. A team of two with
- * `team` shares them from both ends (blocks_from_both_ends; `tag` tells this product's claims from
- * the last one's); other teams take equal runs (an orphaned omp for). x is whole chunks wide
- * (k_pad), rows ldx elements apart. */
+ * one the caller takes them all. A team of two with `team` shares them from both ends
+ * (blocks_from_both_ends; `tag` tells this product's claims from the last one's); other teams take
+ * equal runs (an orphaned omp for). x is whole chunks wide (k_pad), rows ldx elements apart. */
 static void team_blocks(const uint16_t *w, const uint16_t *xp, int64_t ldx, const uint16_t *bias, uint16_t *y,
                         int64_t rows, int64_t n_out, int64_t n_pad, int64_t k_pad, int tiles, int prefetch,
                         PgTeam *team, uint32_t tag) {

@@ -377,8 +377,9 @@ static void quantize_rows(const float *x, int64_t rows, int64_t k, int64_t group
 }
 
 /* The tasks of a product of quantized rows, shared out over the calling team (an orphaned omp for,
- * without its barrier: the caller's region ends in one, or the caller meets at team_barrier): inside
- * a parallel region each thread takes its tasks, outside one the caller takes them all. Outputs to yf (float32) or yb (bfloat16 bits). */
+ * without its barrier: the caller's region ends in one, or the caller meets at team_barrier):
+ * inside a parallel region each thread takes its tasks, outside one the caller takes them all.
+ * Outputs to yf (float32) or yb (bfloat16 bits). */
 static void team_tasks(const uint8_t *codes, const uint16_t *sz, const int8_t *q, const float *scales, int64_t rows,
                        int64_t n_out, int64_t n_pad, int64_t k, int64_t group, int stream, float *yf, uint16_t *yb) {
     const int64_t xblocks = k / Q4_XBLOCK, groups = k / group;
