@@ -479,18 +479,38 @@ class _Counting:
         return self.native(*args, **kwargs)
 
 
+_BARRIER_CHECK = """
+import ctypes, sys
+from engine_service.model.native import native_library
+check = native_library().stack_team_barrier_check
+check.restype, check.argtypes = ctypes.c_int64, [ctypes.c_int, ctypes.c_int64]
+print(check(int(sys.argv[1]), int(sys.argv[2])))
+"""
+
+
 @pytest.mark.parametrize("threads", [2, 3, 4])
 def test_the_steps_barrier_holds_every_thread_until_all_arrive(threads):
     """The step's threads meet at a barrier of their own (``team_barrier.h``), not libgomp's: in
     ``stack_team_barrier_check`` each thread stores the round, meets the others, and reads every
     thread's store back, for thousands of rounds. Three and four threads on this machine's two cores
-    preempt each other, so the waits that yield their CPU are exercised too."""
+    preempt each other, so waits outlast the spin and sleep on the futex until the last thread
+    wakes them. In a child process, so that a lost wake-up fails the test instead of hanging it."""
+    import subprocess
+    import sys
+
+    rounds = 20000 if threads <= 2 else 3000
+    done = subprocess.run([sys.executable, "-c", _BARRIER_CHECK, str(threads), str(rounds)], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "0"
+
+
+def test_the_barrier_check_refuses_what_it_cannot_run():
     import ctypes
 
     from engine_service.model.native import native_library
 
     check = native_library().stack_team_barrier_check
     check.restype, check.argtypes = ctypes.c_int64, [ctypes.c_int, ctypes.c_int64]
-    assert check(threads, 20000 if threads <= 2 else 2000) == 0
     assert check(1, 10) == 0
     assert check(0, 10) == check(65, 10) == check(2, 0) == -1
