@@ -383,8 +383,9 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
       }
     }
     pda_plan_free(&plan);
-    /* out, where asked for: the head and the argmax were the region's */
-    const int frc = rc != 0 ? rc : finish(s, X(0), NORMED(0), rows, out, NULL, NULL, (uint16_t *)XB(0), yb);
+    /* out, where asked for beside logits or instead of them (team_head did the head and argmax) */
+    const int frc = rc != 0 ? rc
+                  : out != NULL ? finish(s, X(0), NORMED(0), rows, out, NULL, NULL, (uint16_t *)XB(0), yb) : 0;
 #undef OWN
 #undef X
 #undef NORMED
