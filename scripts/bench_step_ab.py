@@ -39,6 +39,17 @@ import time
 import torch
 
 
+def _native_switch(name: str):
+    """One of decode_stack's on/off settings (``int f(int on)``, the setting now in force back)."""
+    import ctypes
+
+    from engine_service.model.native import native_library
+
+    fn = getattr(native_library(), name)
+    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
+    return fn
+
+
 def steps_ab(mode: str, rounds: int, argmax_only: bool = False, one_region: bool = False,
              prefetch: bool = False, own_barrier: bool = False) -> None:
     import engine_service.model.runner as runner_module
@@ -70,19 +81,9 @@ def steps_ab(mode: str, rounds: int, argmax_only: bool = False, one_region: bool
 
     engine.sampler = counting
     if one_region:
-        import ctypes
-
-        from engine_service.model.native import native_library
-
-        set_regions = native_library().decode_stack_set_one_region
-        set_regions.restype, set_regions.argtypes = ctypes.c_int, [ctypes.c_int]
+        set_regions = _native_switch("decode_stack_set_one_region")
     if own_barrier:
-        import ctypes
-
-        from engine_service.model.native import native_library
-
-        set_barrier = native_library().decode_stack_set_own_barrier
-        set_barrier.restype, set_barrier.argtypes = ctypes.c_int, [ctypes.c_int]
+        set_barrier = _native_switch("decode_stack_set_own_barrier")
     if prefetch:
         from engine_service.model.native import native_library
 
