@@ -57,6 +57,12 @@ static StackWeight weight(int64_t n, int64_t k) {
     return (StackWeight){w, NULL, n, n_pad, k, k};
 }
 
+static void *huge(size_t bytes);
+static uint16_t *bf16_values_in(uint16_t *p, int64_t n, uint16_t value) {
+    for (int64_t i = 0; i < n; i++) p[i] = value ? value : random_bf16();
+    return p;
+}
+
 static uint16_t *bf16_values(int64_t n, uint16_t value) {
     uint16_t *p = malloc(sizeof(uint16_t) * (size_t)n);
     for (int64_t i = 0; i < n; i++) p[i] = value ? value : random_bf16();
@@ -203,8 +209,10 @@ int main(int argc, char **argv) {
         s->gate_up = weight(2 * INTER, HIDDEN);
         s->down = weight(HIDDEN, INTER);
         all[count++] = &s->qkv, all[count++] = &s->o, all[count++] = &s->gate_up, all[count++] = &s->down;
-        s->k_cache = bf16_values((int64_t)BLOCKS * BLOCK * KV_HEADS * HEAD_DIM, 0);
-        s->v_cache = bf16_values((int64_t)BLOCKS * BLOCK * KV_HEADS * HEAD_DIM, 0);
+        /* on 2 MiB pages, as the engine's cache lies (kv_cache.py) */
+        const int64_t cache_n = (int64_t)BLOCKS * BLOCK * KV_HEADS * HEAD_DIM;
+        s->k_cache = bf16_values_in(huge(sizeof(uint16_t) * (size_t)cache_n), cache_n, 0);
+        s->v_cache = bf16_values_in(huge(sizeof(uint16_t) * (size_t)cache_n), cache_n, 0);
     }
     DecodeStack stack = {LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK, VOCAB, 1e-5f, 0.125f,
                          STACK_BF16, 1, bf16_values((int64_t)VOCAB * HIDDEN, 0), bf16_values(HIDDEN, 0x3f80),
