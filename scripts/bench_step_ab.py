@@ -5,7 +5,9 @@ same engine with them off; or (``--argmax``) the sampler taking the native step'
 computing its own; or (``--one-region``) a native step's layers in one parallel region against
 one region for each product and each attention; or (``--own-barrier``) a native step's team
 meeting at its own barrier (``kernels/team_barrier.h``) against at libgomp's ``omp barrier`` (run
-it under ``OMP_WAIT_POLICY=PASSIVE`` for what a served engine sees); or (``--prefetch``) the one-row products without
+it under ``OMP_WAIT_POLICY=PASSIVE`` for what a served engine sees); or (``--kv-ahead``) a native
+step whose products fetch the next layer's K/V against one whose attention fetches its own
+(``kernels/kv_ahead.h``, ``decode_stack_set_kv_ahead``); or (``--prefetch``) the one-row products without
 their software prefetches (AMD's default) against with them (``q4_gemv_set_prefetch`` for int4
 modes, ``packed_gemv_set_prefetch`` for bfloat16); or (``--collapse``) oneDNN's packed weights
 collapsed onto huge pages against a second engine left on 4 KiB pages; or (``--scheduler-steps
@@ -17,6 +19,7 @@ cache against a second engine over a D cache (``kv_cache_dtype``).
 `python scripts/bench_step_ab.py --argmax [--mode int4-native]`
 `python scripts/bench_step_ab.py --one-region [--mode int4-native]`
 `OMP_WAIT_POLICY=PASSIVE python scripts/bench_step_ab.py --own-barrier [--mode int4-native]`
+`python scripts/bench_step_ab.py --kv-ahead [--mode int4-native]`
 `python scripts/bench_step_ab.py --prefetch [--mode int4-native]`
 `python scripts/bench_step_ab.py --collapse [--rounds 40]`
 `python scripts/bench_step_ab.py --scheduler-steps 8 [--mode int4-native]`
@@ -51,7 +54,7 @@ def _native_switch(name: str):
 
 
 def steps_ab(mode: str, rounds: int, argmax_only: bool = False, one_region: bool = False,
-             prefetch: bool = False, own_barrier: bool = False) -> None:
+             prefetch: bool = False, own_barrier: bool = False, kv_ahead: bool = False) -> None:
     import engine_service.model.runner as runner_module
     import engine_service.sampling.sampler as sampler_module
     from engine_service import LLM, SamplingParams
@@ -84,6 +87,11 @@ def steps_ab(mode: str, rounds: int, argmax_only: bool = False, one_region: bool
         set_regions = _native_switch("decode_stack_set_one_region")
     if own_barrier:
         set_barrier = _native_switch("decode_stack_set_own_barrier")
+    if kv_ahead:
+        set_ahead = _native_switch("decode_stack_set_kv_ahead")
+        ahead_lines = set_ahead(-1)  # the setting in force, put back at the end
+        if ahead_lines == 0:
+            raise SystemExit("bench_step_ab: decode_stack_set_kv_ahead is off; nothing to compare")
     if prefetch:
         from engine_service.model.native import native_library
 
@@ -96,6 +104,8 @@ def steps_ab(mode: str, rounds: int, argmax_only: bool = False, one_region: bool
                 set_regions(int(new))
             elif own_barrier:
                 set_barrier(int(new))
+            elif kv_ahead:
+                set_ahead(ahead_lines if new else 0)
             elif prefetch:
                 set_prefetch(0 if new else 1)
             elif argmax_only:
@@ -114,12 +124,15 @@ def steps_ab(mode: str, rounds: int, argmax_only: bool = False, one_region: bool
         set_prefetch(-1)
     if own_barrier:
         set_barrier(1)
+    if kv_ahead:
+        set_ahead(ahead_lines)
     old, new = statistics.median(ms[False]), statistics.median(ms[True])
     if prefetch:
         print(f"{mode}, one stream: a step {old:.3f} ms with the one-row products' software prefetches, "
               f"{new:.3f} ms without: {old / new:.3f}x (medians of {rounds} alternating rounds of 20 steps)")
         return
     what = ("the step in one parallel region" if one_region else "the team's own barrier" if own_barrier
+            else "the next layer's K/V fetched during the products" if kv_ahead
             else "the native step's argmax" if argmax_only else "the changes")
     print(f"{mode}, one stream: a step {old:.3f} ms without {what}, {new:.3f} ms with: {old / new:.3f}x "
           f"(medians of {rounds} alternating rounds of 20 steps; the sampler took a given argmax in "
@@ -252,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the native step's layers in one parallel region, on and off (twelfth round; int4: fourteenth)")
     parser.add_argument("--own-barrier", action="store_true",
                         help="the native step's own barrier against libgomp's (under $OMP_WAIT_POLICY as set)")
+    parser.add_argument("--kv-ahead", action="store_true",
+                        help="the next layer's K/V fetched during the products, on and off")
     parser.add_argument("--prefetch", action="store_true",
                         help="the one-row products without their software prefetches against with them (fourteenth round)")
     parser.add_argument("--kv-cache-dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -270,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         collapse_ab(args.rounds or 40)
     else:
         steps_ab(args.mode, args.rounds or 20, argmax_only=args.argmax, one_region=args.one_region,
-                 prefetch=args.prefetch, own_barrier=args.own_barrier)
+                 prefetch=args.prefetch, own_barrier=args.own_barrier, kv_ahead=args.kv_ahead)
     return 0
 
 

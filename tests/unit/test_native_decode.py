@@ -320,6 +320,65 @@ def test_a_step_in_one_parallel_region_is_the_same_step_bit_for_bit(kind, reques
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("kind", ["int4", "bfloat16"])
+def test_the_next_layers_kv_fetched_ahead_changes_no_number(kind, request):
+    """One row whose context a team shares out (past 64 tokens), int4 and bfloat16: where the products
+    fetch the next layer's K/V a few lines at a time and attention's tasks are each thread's own run
+    (``decode_stack_set_kv_ahead``, ``kernels/kv_ahead.h``), the logits and argmax are those of the
+    same step without, and of the step that forks per product, bit for bit, with one to three
+    threads, at contexts of 97, 129 and 300 (two tasks, and four uneven and even ones). The lists
+    are made there (the kernel's count), and not for two rows at once."""
+    import ctypes
+
+    from engine_service.model.native import native_library
+
+    llm = request.getfixturevalue("llm" if kind == "int4" else "bf16")
+    library = native_library()
+    set_regions, set_ahead = library.decode_stack_set_one_region, library.decode_stack_set_kv_ahead
+    set_prefetch = library.q4_gemv_set_prefetch if kind == "int4" else library.packed_gemv_set_prefetch
+    for fn in (set_regions, set_ahead, set_prefetch):
+        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
+    lists = library.decode_stack_kv_ahead_lists
+    lists.restype, lists.argtypes = ctypes.c_int64, []
+    runner = llm.engine.runner
+    native = NativeDecode(runner.model, runner.kv_caches)
+    lengths = [97, 129, 300]
+    seqs = _sequences(llm, lengths, seed=3)
+    threads, lines = torch.get_num_threads(), set_ahead(-1)
+    set_prefetch(0)  # the one-row loop that drains the lists (AMD's default), on any CPU
+    try:
+        for (tokens, blocks), n in zip(seqs, lengths, strict=True):
+            input_ids, positions, meta, _ = runner.prepare([_chunk(tokens, blocks, n, 1)])
+            got = {}
+            for team in (1, 2, 3):
+                torch.set_num_threads(team)
+                for regions, ahead in ((0, 0), (1, 0), (1, 8)):
+                    assert set_regions(regions) == regions and set_ahead(ahead) == ahead
+                    made = lists()
+                    greedy = torch.empty(1, dtype=torch.long)
+                    got[team, regions, ahead] = (native(input_ids, positions, meta, logits=True, argmax=greedy),
+                                                 greedy)
+                    # a list a layer after the first, where a team of two or more shares the step
+                    assert lists() - made == (runner.model.config.num_hidden_layers - 1
+                                              if team > 1 and regions and ahead else 0)
+            want, want_greedy = got[1, 0, 0]
+            for logits, greedy in got.values():
+                assert torch.equal(logits, want) and torch.equal(greedy, want_greedy)
+        # two rows: attention's tasks stay shared out one at a time, and no list is made
+        (tokens, blocks), (other, other_blocks) = seqs[2], seqs[1]
+        torch.set_num_threads(2)
+        set_ahead(8)
+        made = lists()
+        native(*runner.prepare([_chunk(tokens, blocks, 300, 1), _chunk(other, other_blocks, 129, 1)])[:3],
+               logits=True)
+        assert lists() == made
+    finally:
+        set_regions(1)
+        set_ahead(lines)
+        set_prefetch(-1)
+        torch.set_num_threads(threads)
+
+
 def test_the_steps_float16_conversion_is_torchs():
     """The step writes a float16 cache (kv_cache_dtype) with a conversion of its own: bit for bit
     torch's, over normals of every magnitude, subnormals, ties, the edges of the range, infinities

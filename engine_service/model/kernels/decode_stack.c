@@ -28,6 +28,7 @@
 #include "bf16.h"
 #include "f16.h"
 #include "fast_exp.h"
+#include "kv_ahead.h"
 #include "packed_gemv.h"
 #include "paged_decode_attention.h"
 #include "q4_gemv.h"
@@ -217,7 +218,7 @@ static void team_product(int kind, const StackWeight *w, const float *x, float *
                          PgTeam *team, uint32_t *tag) {
     if (kind == STACK_INT4) {
         q4_linear_f32_team((const uint8_t *)w->data, w->scales_zeros, x, (float *)ys, rows, w->n_out, w->n_pad, w->k,
-                           w->extra, xb, team->barrier);
+                           w->extra, xb, team->barrier, team->ahead);
         memcpy(y, ys, sizeof(float) * (size_t)(rows * w->n_out));
         return;
     }
@@ -246,7 +247,7 @@ static void team_head(const DecodeStack *s, const float *x, float *normed, int64
         rms_norm(x + r * hidden, s->final_norm, hidden, s->eps, s->kind == STACK_BF16, normed + r * hidden);
     if (s->kind == STACK_INT4) {
         q4_linear_f32_team((const uint8_t *)w->data, w->scales_zeros, normed, logits, rows, vocab, w->n_pad, w->k,
-                           w->extra, xb, team->barrier);
+                           w->extra, xb, team->barrier, team->ahead);
     } else {
         to_bf16_rows(normed, rows, w->k, w->extra, (uint16_t *)xb);
         packed_gemm_bf16_team((const uint16_t *)w->data, (const uint16_t *)xb, w->extra, (uint16_t *)ys, rows, vocab,
@@ -263,6 +264,42 @@ static int own_barrier = 1;
 int decode_stack_set_own_barrier(int on) {
     own_barrier = on != 0;
     return own_barrier;
+}
+
+static int kv_ahead_lines = 8;
+static int64_t kv_ahead_lists; /* lists thread 0 has made: what shows a test the lists are made */
+
+int64_t decode_stack_kv_ahead_lists(void) { return __atomic_load_n(&kv_ahead_lists, __ATOMIC_RELAXED); }
+
+int decode_stack_set_kv_ahead(int lines) {
+    if (lines >= 0) kv_ahead_lines = lines;
+    return kv_ahead_lines;
+}
+
+/* this thread's list of the K/V lines it will attend over in `layer` (its tasks, static_tasks: K,
+ * then V, of each task in turn), for the products before that attention to fetch (kv_ahead.h) */
+static void list_kv_ahead(const DecodeStack *s, const StackLayer *layer, const PdaPlan *plan, int thread, int threads,
+                          const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
+                          KvAhead *ahead) {
+    const int64_t row_bytes = s->kv_heads * s->head_dim * (s->cache_type == STACK_CACHE_F32 ? 4 : 2);
+    int64_t lo, hi;
+    pda_thread_tasks(plan, thread, threads, &lo, &hi);
+    kv_ahead_reset(ahead, kv_ahead_lines);
+    if (thread == 0) __atomic_add_fetch(&kv_ahead_lists, 1, __ATOMIC_RELAXED);
+    for (int64_t task = lo; task < hi; task++) {
+        int64_t b, start, end;
+        pda_task_span(plan, context_lens, task, &b, &start, &end);
+        const int64_t *table = block_tables + b * table_width;
+        for (int v = 0; v < 2; v++) {
+            const char *cache = (const char *)(v ? layer->v_cache : layer->k_cache);
+            for (int64_t t = start; t < end;) { /* a block's rows are contiguous, blocks are not */
+                const int64_t blk = t / s->block_size, first = t % s->block_size;
+                const int64_t run = s->block_size - first < end - t ? s->block_size - first : end - t;
+                kv_ahead_add(ahead, cache + (table[blk] * s->block_size + first) * row_bytes, run * row_bytes);
+                t += run;
+            }
+        }
+    }
 }
 
 /* The layers in one parallel region, where they forked and joined the thread team for each product
@@ -334,6 +371,15 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
         return prc == 1 ? 1 : 3;
     }
     plan.barrier = sync;
+    /* the next layer's K/V during the products (kv_ahead.h): one row, a team to share its attention
+     * out, products whose one-row loop drains the list (no allocation, no list: attention as before) */
+    KvAhead *aheads = NULL;
+    if (kv_ahead_lines > 0 && rows == 1 && threads > 1 && pda_plan_shared(&plan) &&
+        (kind == STACK_BF16 ? packed_gemv_one_row_streams() : q4_gemv_one_row_streams()))
+        aheads = (KvAhead *)aligned_alloc(64, sizeof(KvAhead) * (size_t)threads);
+    for (int t = 0; aheads != NULL && t < threads; t++) kv_ahead_reset(aheads + t, 0);
+    plan.static_tasks = aheads != NULL;
+    team->ahead = aheads;
     uint16_t *yb = (uint16_t *)ys0; /* the region-per-call product's bfloat16 output (product) */
     const int rc = product(kind, &s->layers[0].qkv, NORMED(0), TMP(0), rows, (uint16_t *)XB(0), yb);
     if (rc == 0) rotate_and_cache(s, &s->layers[0], TMP(0), q, rows, positions, cos_table, sin_table, slots);
@@ -346,6 +392,10 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
         uint32_t tag = 0; /* this thread's count of the team's products: the same in every thread */
         for (int64_t l = 0; l < s->num_layers; l++) {
             const StackLayer *layer = &s->layers[l], *next = l + 1 < s->num_layers ? layer + 1 : NULL;
+            if (aheads != NULL && next != NULL) /* drained by the o, gate/up, down and next qkv products */
+                list_kv_ahead(s, next, &plan, t, threads, block_tables, table_width, context_lens, aheads + t);
+            else if (aheads != NULL) /* the last layer: what is left of the list is of no use now */
+                kv_ahead_reset(aheads + t, 0);
             if (s->cache_type == STACK_CACHE_F16)
                 paged_decode_attention_f16_team(&plan, q, (const uint16_t *)layer->k_cache,
                                                 (const uint16_t *)layer->v_cache, block_tables, table_width,
@@ -383,6 +433,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
       }
     }
     pda_plan_free(&plan);
+    free(aheads);
     /* out, where asked for beside logits or instead of them (team_head did the head and argmax) */
     const int frc = rc != 0 ? rc
                   : out != NULL ? finish(s, X(0), NORMED(0), rows, out, NULL, NULL, (uint16_t *)XB(0), yb) : 0;

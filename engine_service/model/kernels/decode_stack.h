@@ -83,6 +83,17 @@ int decode_stack_set_one_region(int on);
  * Returns the setting now in force. */
 int decode_stack_set_own_barrier(int on);
 
+/* How many lines of the next layer's K/V each thread of a one-row, one-region step fetches into L2
+ * per 4 KB chunk of bfloat16 weights, or per group of int4 codes, of the products before that
+ * attention (kv_ahead.h; 8, the default; 0 off). Where it is on, the context is long enough to share
+ * out and the products run their loop without prefetches (packed_gemv_one_row_streams,
+ * q4_gemv_one_row_streams: AMD's default), attention's tasks are each thread's own run
+ * (PdaPlan.static_tasks); the numbers are the same bit for bit either way. For benches: set it between steps (a negative count leaves it). Returns
+ * the setting now in force. */
+int decode_stack_set_kv_ahead(int lines);
+/* how many of those lists the steps have made so far (thread 0's, one a layer after the first) */
+int64_t decode_stack_kv_ahead_lists(void);
+
 /* The index of v's largest value, the first of equal ones, as torch's argmax picks it: a NaN counts
  * as the largest (the first NaN), and all -inf gives 0; -1 for n <= 0. */
 int64_t stack_argmax(const float *v, int64_t n);

@@ -35,6 +35,7 @@
 
 #include "bf16.h"
 #include "one_row_prefetch.h"
+#include "kv_ahead.h"
 #include "team_barrier.h"
 
 #define CHUNK (PG_BLOCK_N * PG_BLOCK_K) /* elements of one 64 x 32 chunk */
@@ -67,6 +68,8 @@ static inline void prefetch_lines(const uint16_t *chunk, int first, int count) {
  * them, and 3-5% slower without them at seven rows: scripts/bench_gemv.py --prefetch-ab), unless
  * packed_gemv_set_prefetch overrides it. */
 ONE_ROW_PREFETCH_SETTING(packed_gemv_set_prefetch)
+
+int packed_gemv_one_row_streams(void) { return !stream_prefetch(); }
 
 /* the 64 sums of one block of rows, into out[64]; `stream`: prefetch the chunks two ahead (one row
  * without prefetches, as on AMD, takes block_sums_256 instead: the same sums). The same
@@ -106,12 +109,13 @@ static inline __attribute__((always_inline)) void block_sums(const uint16_t *blo
  * on two CCDs and 1.03x on one, the two builds alternating in one process (docs/performance.md,
  * thirteenth round). */
 static inline __attribute__((always_inline)) void block_sums_256(const uint16_t *block, const uint16_t *x,
-                                                                 int64_t chunks, float *out) {
+                                                                 int64_t chunks, float *out, KvAhead *ahead) {
     __m256 acc[8];
     for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks; c++) {
         const uint16_t *chunk = block + c * CHUNK;
         const uint16_t *xc = x + c * PG_BLOCK_K;
+        kv_ahead_step(ahead); /* the next attention's K/V, a few lines a chunk (kv_ahead.h) */
         for (int pair = 0; pair < PG_BLOCK_K / 2; pair++) {
             const uint16_t *wp = chunk + pair * 2 * PG_BLOCK_N;
             uint32_t xp;
@@ -237,7 +241,8 @@ static int use_tiles(void) {
 
 /* block b's rows x 64 sums, stored to y with the bias */
 static inline void one_block(const uint16_t *w, const uint16_t *xp, int64_t ldx, const uint16_t *bias, uint16_t *y,
-                             int64_t rows, int64_t n_out, int64_t chunks, int tiles, int prefetch, int64_t b) {
+                             int64_t rows, int64_t n_out, int64_t chunks, int tiles, int prefetch, int64_t b,
+                             KvAhead *ahead) {
     float sums[PG_MAX_ROWS * PG_BLOCK_N];
     const uint16_t *block = w + b * chunks * CHUNK;
 #if defined(PG_AMX)
@@ -248,7 +253,7 @@ static inline void one_block(const uint16_t *w, const uint16_t *xp, int64_t ldx,
 #endif
     if (rows > 1) block_sums_rows(block, xp, ldx, (int)rows, chunks, sums);
     else if (prefetch) block_sums(block, xp, chunks, 1, sums);
-    else block_sums_256(block, xp, chunks, sums);
+    else block_sums_256(block, xp, chunks, sums, ahead);
     const int64_t first = b * PG_BLOCK_N, count = n_out - first < PG_BLOCK_N ? n_out - first : PG_BLOCK_N;
     for (int64_t m = 0; m < rows; m++)
         for (int64_t r = 0; r < count; r++) {
@@ -272,6 +277,7 @@ static void blocks_from_both_ends(const uint16_t *w, const uint16_t *xp, int64_t
                                   uint16_t *y, int64_t rows, int64_t n_out, int64_t blocks, int64_t chunks, int tiles,
                                   int prefetch, PgTeam *team, uint32_t tag) {
     const int me = omp_get_thread_num();
+    KvAhead *ahead = team->ahead != NULL ? team->ahead + me : NULL;
     const int64_t shared = blocks >= 3 ? blocks / 4 : 0, front = (blocks - shared) / 2;
     const int64_t back = blocks - shared - front, grain = shared / 4 > 1 ? shared / 4 : 1;
     const uint64_t mine = (uint64_t)tag << 32;
@@ -280,7 +286,7 @@ static void blocks_from_both_ends(const uint16_t *w, const uint16_t *xp, int64_t
         if (__atomic_compare_exchange_n(&team->state, &old, fresh, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) break;
     }
     const int64_t lo = me == 0 ? 0 : blocks - back, hi = me == 0 ? front : blocks;
-    for (int64_t b = lo; b < hi; b++) one_block(w, xp, ldx, bias, y, rows, n_out, chunks, tiles, prefetch, b);
+    for (int64_t b = lo; b < hi; b++) one_block(w, xp, ldx, bias, y, rows, n_out, chunks, tiles, prefetch, b, ahead);
     for (uint64_t old = __atomic_load_n(&team->state, __ATOMIC_ACQUIRE);;) {
         const int64_t next = (int64_t)(old >> 16 & 0xffff), end = (int64_t)(old & 0xffff);
         if (next >= end) break;
@@ -290,7 +296,7 @@ static void blocks_from_both_ends(const uint16_t *w, const uint16_t *xp, int64_t
         if (!__atomic_compare_exchange_n(&team->state, &old, claimed, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
             continue; /* old now holds the state another claim left */
         for (int64_t b = me == 0 ? next : end - n; b < (me == 0 ? next + n : end); b++)
-            one_block(w, xp, ldx, bias, y, rows, n_out, chunks, tiles, prefetch, b);
+            one_block(w, xp, ldx, bias, y, rows, n_out, chunks, tiles, prefetch, b, ahead);
         old = __atomic_load_n(&team->state, __ATOMIC_ACQUIRE);
     }
 }
@@ -307,11 +313,12 @@ static void team_blocks(const uint16_t *w, const uint16_t *xp, int64_t ldx, cons
 #if defined(PG_AMX)
     if (tiles) PG_AMX_CONFIGURE((int)rows);
 #endif
+    KvAhead *ahead = team->ahead != NULL ? team->ahead + omp_get_thread_num() : NULL;
     if (omp_get_num_threads() == 2 && blocks <= 0xffff) {
         blocks_from_both_ends(w, xp, ldx, bias, y, rows, n_out, blocks, chunks, tiles, prefetch, team, tag);
     } else {
         _Pragma("omp for schedule(static) nowait")
-        for (int64_t b = 0; b < blocks; b++) one_block(w, xp, ldx, bias, y, rows, n_out, chunks, tiles, prefetch, b);
+        for (int64_t b = 0; b < blocks; b++) one_block(w, xp, ldx, bias, y, rows, n_out, chunks, tiles, prefetch, b, ahead);
     }
 #if defined(PG_AMX)
     if (tiles) _tile_release(); /* so the kernel need not save this thread's tiles */
@@ -352,6 +359,8 @@ int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
 #else
 
 int packed_gemv_bf16_supported(void) { return 0; }
+
+int packed_gemv_one_row_streams(void) { return 0; }
 
 int packed_gemv_set_prefetch(int mode) {
     (void)mode;

@@ -33,6 +33,10 @@ int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
  * before a product runs, not while one does. */
 int packed_gemv_set_prefetch(int mode);
 
+/* 1 when a one-row product would run its loop without software prefetches (the one that drains
+ * PgTeam.ahead), else 0 */
+int packed_gemv_one_row_streams(void);
+
 /* the most rows packed_gemm_bf16 takes: PG_MAX_ROWS where the CPU has AVX512-BF16 (through AMX
  * tiles where the CPU has them and Linux grants them, else VDPBF16PS on groups of rows), 0 without */
 int packed_gemm_bf16_max_rows(void);
@@ -47,9 +51,13 @@ int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
  * blocks_from_both_ends): zero before the team's first product; and where the team meets at the
  * end of each product (team_barrier.h; NULL: `omp barrier`). */
 struct TeamBarrier;
+struct KvAhead;
 typedef struct {
     uint64_t state;
     struct TeamBarrier *barrier;
+    /* one list a thread (kv_ahead.h) that the one-row loop without prefetches drains a few lines a
+     * chunk, or NULL */
+    struct KvAhead *ahead;
 } PgTeam;
 
 /* packed_gemm_bf16 without a parallel region of its own, for a caller already inside one: the

@@ -51,8 +51,19 @@
 #define SERIAL_TOKENS 64
 
 /* Tokens per partition, a function of the context length only (batch invariance): short contexts
- * get shorter partitions, so one stream still has a task per core. */
-static inline int64_t partition_len(int64_t len) { return len <= 256 ? 64 : PARTITION; }
+ * get shorter partitions, so one stream still has a task per core; and the partitions of one
+ * sequence are an even count of nearly equal lengths (the last one the shortest),
+ * so that a team of two splits one stream's attention evenly. Why: with at most 128 tokens a
+ * partition, context 300 was three tasks (128, 128, 44) and 384 three of 128, so one thread
+ * attended over up to twice the other's tokens while the other waited at the barrier; as four
+ * tasks of 75 and 96 the bfloat16 step ran ~1% faster (docs/performance.md, "the next layer's K/V
+ * during the products"). */
+static inline int64_t partition_len(int64_t len) {
+    const int64_t most = len <= 256 ? 64 : PARTITION;
+    int64_t parts = (len + most - 1) / most;
+    parts += parts > 1 && parts % 2 != 0;
+    return len > 0 ? (len + parts - 1) / parts : most;
+}
 #define MAX_HEADS PDA_MAX_HEADS
 #define HEAD_DIM_MAX PDA_MAX_HEAD_DIM
 
@@ -422,6 +433,19 @@ int pda_plan(PdaPlan *plan, const int64_t *context_lens, int64_t batch, int64_t 
     return 0;
 }
 
+void pda_task_span(const PdaPlan *plan, const int64_t *context_lens, int64_t task, int64_t *seq, int64_t *start,
+                   int64_t *end) {
+    const int64_t b = plan->task_seq[task], len = context_lens[b], span = partition_len(len);
+    *seq = b;
+    *start = (task - plan->first_task[b]) * span;
+    *end = *start + span < len ? *start + span : len;
+}
+
+void pda_thread_tasks(const PdaPlan *plan, int thread, int threads, int64_t *lo, int64_t *hi) {
+    *lo = thread * plan->tasks / threads;
+    *hi = (thread + 1) * plan->tasks / threads;
+}
+
 void pda_plan_free(PdaPlan *plan) {
     free(plan->first_task);
     free(plan->task_seq);
@@ -430,7 +454,7 @@ void pda_plan_free(PdaPlan *plan) {
     memset(plan, 0, sizeof *plan);
 }
 
-static int pda_parallel(const PdaPlan *plan) { return plan->total_len > SERIAL_TOKENS; }
+int pda_plan_shared(const PdaPlan *plan) { return plan->total_len > SERIAL_TOKENS; }
 
 /* out's row bh (a sequence's head) from its partitions' o, m and l: their log-sum-exp rescaling */
 static inline __attribute__((always_inline)) void combine(const PdaPlan *plan, int64_t bh, int64_t heads,
@@ -459,6 +483,19 @@ static inline __attribute__((always_inline)) void combine(const PdaPlan *plan, i
     for (int64_t d = 0; d < head_dim; d++) ob[d] = acc[d] * inv;
 }
 
+/* tasks [lo, hi) of DEFINE_TEAM's body */
+#define PDA_TASKS(PART)                                                                           \
+    for (int64_t t = lo; t < hi; t++) {                                                           \
+        int64_t b, start, end;                                                                    \
+        pda_task_span(plan, context_lens, t, &b, &start, &end);                                   \
+        const float *qb = q + b * heads * head_dim;                                               \
+        const int64_t *table = block_tables + b * table_width;                                    \
+        float *o = partials + t * per_task, *m = o + heads * head_dim, *l = m + heads;            \
+        if (head_dim == 64) RUN_PARTITION(PART, 64);                                              \
+        else if (head_dim == 128) RUN_PARTITION(PART, 128);                                       \
+        else RUN_PARTITION(PART, head_dim);                                                       \
+    }
+
 /* The kernel's work, shared out over the calling team: the partitions (omp for, or one thread when
  * the context is too short to share) and a barrier; then the combine, shared out (omp for) with a
  * barrier after it, or with own_out done whole by every thread into its own out, with none. */
@@ -468,27 +505,21 @@ void NAME(const PdaPlan *plan, const float *q, const T *k_cache, const T *v_cach
           float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,           \
           int64_t block_size, float scale, int own_out) {                                         \
     const int64_t group = heads / kv_heads, tasks = plan->tasks;                                  \
-    const int64_t *first_task = plan->first_task, *task_seq = plan->task_seq;                     \
     const int64_t per_task = heads * (head_dim + 2);      /* o, m, l of one partition */           \
     float *partials = plan->partials;                                                             \
     float *scores = plan->scores + (int64_t)omp_get_thread_num() * heads * PARTITION;             \
-    const int shared = pda_parallel(plan) && omp_get_num_threads() > 1;                           \
+    const int shared = pda_plan_shared(plan) && omp_get_num_threads() > 1;                           \
+    /* static_tasks: this thread's own run (pda_thread_tasks); else one task at a time, to whichever \
+     * thread is free (short contexts: one thread takes every task, the others none) */           \
+    const int fixed = shared && plan->static_tasks;                                               \
+    int64_t lo = 0, hi = 0;                                                                       \
+    if (fixed) pda_thread_tasks(plan, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);     \
     _Pragma("omp for schedule(dynamic, 1) nowait")                                                \
-    for (int64_t task = 0; task < (shared ? tasks : 1); task++) {                                 \
-        /* short contexts: one thread takes every task (the others have none) */                  \
-        for (int64_t t = shared ? task : 0; t < (shared ? task + 1 : tasks); t++) {               \
-            const int64_t b = task_seq[t];                                                        \
-            const int64_t len = context_lens[b], span = partition_len(len);                       \
-            const int64_t start = (t - first_task[b]) * span;                                     \
-            const int64_t end = start + span < len ? start + span : len;                          \
-            const float *qb = q + b * heads * head_dim;                                           \
-            const int64_t *table = block_tables + b * table_width;                                \
-            float *o = partials + t * per_task, *m = o + heads * head_dim, *l = m + heads;        \
-            if (head_dim == 64) RUN_PARTITION(PART, 64);                                          \
-            else if (head_dim == 128) RUN_PARTITION(PART, 128);                                   \
-            else RUN_PARTITION(PART, head_dim);                                                   \
-        }                                                                                         \
+    for (int64_t task = 0; task < (fixed ? 0 : shared ? tasks : 1); task++) {                     \
+        lo = shared ? task : 0, hi = shared ? task + 1 : tasks;                                   \
+        PDA_TASKS(PART);                                                                          \
     }                                                                                             \
+    if (fixed) PDA_TASKS(PART);                                                                   \
     team_barrier(plan->barrier); /* every partition done before any combine */                   \
     /* combine each (sequence, head) over its partitions: shared out, or all of it by every thread */ \
     if (own_out) {                                                                                \
@@ -511,7 +542,7 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int64_t *bloc
     const int rc = pda_plan(&plan, context_lens, batch, heads, kv_heads, head_dim,                \
                             omp_get_max_threads());                                               \
     if (rc != 0) return rc;                                                                       \
-    _Pragma("omp parallel if(pda_parallel(&plan))")                                               \
+    _Pragma("omp parallel if(pda_plan_shared(&plan))")                                               \
     TEAM(&plan, q, k_cache, v_cache, block_tables, table_width, context_lens, out, batch, heads,  \
          kv_heads, head_dim, block_size, scale, 0);                                               \
     pda_plan_free(&plan);                                                                         \

@@ -40,10 +40,21 @@ typedef struct {
     float *partials, *scores;
     /* where the team meets after the partitions (team_barrier.h); pda_plan leaves it NULL: `omp barrier` */
     struct TeamBarrier *barrier;
+    /* 0 (pda_plan's): each task to whichever thread is free; 1: each thread its own run of tasks
+     * (pda_thread_tasks), so that it can fetch their K/V ahead (kv_ahead.h). The results are the
+     * same bit for bit: a task's sums do not depend on the thread that computes it. */
+    int static_tasks;
 } PdaPlan;
 int pda_plan(PdaPlan *plan, const int64_t *context_lens, int64_t batch, int64_t heads, int64_t kv_heads,
              int64_t head_dim, int threads);
 void pda_plan_free(PdaPlan *plan);
+/* 1 when a team shares the plan's tasks out, 0 when its context is short enough for one thread */
+int pda_plan_shared(const PdaPlan *plan);
+/* task `task`'s sequence and its tokens [start, end) */
+void pda_task_span(const PdaPlan *plan, const int64_t *context_lens, int64_t task, int64_t *seq, int64_t *start,
+                   int64_t *end);
+/* the tasks [lo, hi) that thread `thread` of a team of `threads` takes when static_tasks is set */
+void pda_thread_tasks(const PdaPlan *plan, int thread, int threads, int64_t *lo, int64_t *hi);
 
 /* The kernels' work for a team already running: every thread of the team calls it, and the results
  * are the entry points' above, bit for bit. own_out 0: the same arguments in every thread, and the

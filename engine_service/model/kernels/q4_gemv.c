@@ -26,6 +26,7 @@
 
 #include "bf16.h"
 #include "one_row_prefetch.h"
+#include "kv_ahead.h"
 #include "team_barrier.h"
 
 #define NOCONTRACT __attribute__((optimize("fp-contract=off")))
@@ -112,6 +113,8 @@ static inline __m512 load_bf16x16(const uint16_t *p) {
  * switches them in one build), unless q4_gemv_set_prefetch overrides it. */
 ONE_ROW_PREFETCH_SETTING(q4_gemv_set_prefetch)
 
+int q4_gemv_one_row_streams(void) { return !stream_prefetch(); }
+
 /* the sums of up to TASK_BLOCKS blocks (nb) for one quantized row, into out[nb * 16]: the
  * arithmetic of task_sums below for one row, kept as its own loop because task_sums instantiated
  * for one row ran slower, one stream's case (5-8% in one run, 1-6% in another, the two alternating
@@ -120,7 +123,7 @@ ONE_ROW_PREFETCH_SETTING(q4_gemv_set_prefetch)
  * live in registers (with nb only known at run time they lived on the stack, and every VPDPBUSD
  * waited on a store and a reload: 1.3x slower in cache) */
 static inline __attribute__((always_inline)) void task_sums_row(const uint8_t *codes, const uint16_t *sz, int64_t b0, int nb, int64_t k, int64_t group,
-                      QRow x, const int stream, float *out) {
+                      QRow x, const int stream, float *out, KvAhead *ahead) {
     const int64_t steps = k / Q4_STEP_K, groups = k / group, sub = group / Q4_XBLOCK;
     const __m512i low = _mm512_set1_epi8(15);
     const uint8_t *blk[TASK_BLOCKS];
@@ -132,6 +135,7 @@ static inline __attribute__((always_inline)) void task_sums_row(const uint8_t *c
     for (int64_t g = 0; g < groups; g++) {
         __m512 gacc[TASK_BLOCKS];
         for (int i = 0; i < nb; i++) gacc[i] = _mm512_setzero_ps();
+        kv_ahead_step(ahead); /* the next attention's K/V, a few lines a group (kv_ahead.h) */
         for (int64_t sb = 0; sb < sub; sb++) {
             const int64_t xb = g * sub + sb;
             const int8_t *xq = x.q + xb * Q4_XBLOCK;
@@ -238,15 +242,15 @@ static inline __attribute__((always_inline)) void task_sums(const uint8_t *codes
 
 /* task_sums with nb and nrows as constants in each call (see above), and one row's `stream` */
 static void task_rows(const uint8_t *codes, const uint16_t *sz, int64_t b0, int nb, int64_t k, int64_t group,
-                      const QRow *x, int nrows, int stream, float *out) {
+                      const QRow *x, int nrows, int stream, float *out, KvAhead *ahead) {
     if (nb == TASK_BLOCKS) {
         if (nrows == 4) task_sums(codes, sz, b0, TASK_BLOCKS, k, group, x, 4, out);
         else if (nrows == 3) task_sums(codes, sz, b0, TASK_BLOCKS, k, group, x, 3, out);
         else if (nrows == 2) task_sums(codes, sz, b0, TASK_BLOCKS, k, group, x, 2, out);
-        else if (stream) task_sums_row(codes, sz, b0, TASK_BLOCKS, k, group, x[0], 1, out);
-        else task_sums_row(codes, sz, b0, TASK_BLOCKS, k, group, x[0], 0, out);
+        else if (stream) task_sums_row(codes, sz, b0, TASK_BLOCKS, k, group, x[0], 1, out, NULL);
+        else task_sums_row(codes, sz, b0, TASK_BLOCKS, k, group, x[0], 0, out, ahead);
     } else if (nrows == 1) {
-        task_sums_row(codes, sz, b0, nb, k, group, x[0], stream, out);
+        task_sums_row(codes, sz, b0, nb, k, group, x[0], stream, out, stream ? NULL : ahead);
     } else {
         task_sums(codes, sz, b0, nb, k, group, x, nrows, out);
     }
@@ -381,7 +385,8 @@ static void quantize_rows(const float *x, int64_t rows, int64_t k, int64_t group
  * inside a parallel region each thread takes its tasks, outside one the caller takes them all.
  * Outputs to yf (float32) or yb (bfloat16 bits). */
 static void team_tasks(const uint8_t *codes, const uint16_t *sz, const int8_t *q, const float *scales, int64_t rows,
-                       int64_t n_out, int64_t n_pad, int64_t k, int64_t group, int stream, float *yf, uint16_t *yb) {
+                       int64_t n_out, int64_t n_pad, int64_t k, int64_t group, int stream, float *yf, uint16_t *yb,
+                       KvAhead *ahead) {
     const int64_t xblocks = k / Q4_XBLOCK, groups = k / group;
     const int64_t blocks = n_pad / Q4_BLOCK_N, tasks = (blocks + TASK_BLOCKS - 1) / TASK_BLOCKS;
 #if defined(Q4_AMX)
@@ -409,7 +414,7 @@ static void team_tasks(const uint8_t *codes, const uint16_t *sz, const int8_t *q
                 task_sums_amx(codes, sz, b0, nb, k, group, r, nrows, sums);
             } else
 #endif
-            task_rows(codes, sz, b0, nb, k, group, r, nrows, stream, sums);
+            task_rows(codes, sz, b0, nb, k, group, r, nrows, stream, sums, ahead);
             const int64_t first = b0 * Q4_BLOCK_N;
             const int64_t count = n_out - first < nb * Q4_BLOCK_N ? n_out - first : nb * Q4_BLOCK_N;
             for (int j = 0; j < nrows; j++) {
@@ -440,7 +445,7 @@ static int run(const uint8_t *codes, const uint16_t *sz, const float *xf, int64_
     quantize_rows(xf, rows, k, group, q, scales);
     const int stream = stream_prefetch();
     _Pragma("omp parallel")
-    team_tasks(codes, sz, q, scales, rows, n_out, n_pad, k, group, stream, yf, yb);
+    team_tasks(codes, sz, q, scales, rows, n_out, n_pad, k, group, stream, yf, yb, NULL);
     free(q), free(scales);
     return 0;
 }
@@ -451,11 +456,12 @@ int64_t q4_team_scratch_bytes(int64_t rows, int64_t k, int64_t group) {
 
 void q4_linear_f32_team(const uint8_t *codes, const uint16_t *scales_zeros, const float *x, float *y, int64_t rows,
                         int64_t n_out, int64_t n_pad, int64_t k, int64_t group, void *scratch,
-                        TeamBarrier *barrier) {
+                        TeamBarrier *barrier, KvAhead *ahead) {
     float *scales = (float *)scratch;
     int8_t *q = (int8_t *)(scales + rows * (k / Q4_XBLOCK + k / group));
     quantize_rows(x, rows, k, group, q, scales);
-    team_tasks(codes, scales_zeros, q, scales, rows, n_out, n_pad, k, group, stream_prefetch(), y, NULL);
+    team_tasks(codes, scales_zeros, q, scales, rows, n_out, n_pad, k, group, stream_prefetch(), y, NULL,
+               ahead != NULL ? ahead + omp_get_thread_num() : NULL);
     team_barrier(barrier);
 }
 
@@ -494,10 +500,12 @@ int64_t q4_team_scratch_bytes(int64_t rows, int64_t k, int64_t group) {
 
 void q4_linear_f32_team(const uint8_t *codes, const uint16_t *scales_zeros, const float *x, float *y, int64_t rows,
                         int64_t n_out, int64_t n_pad, int64_t k, int64_t group, void *scratch,
-                        TeamBarrier *barrier) {
+                        TeamBarrier *barrier, KvAhead *ahead) {
     (void)codes, (void)scales_zeros, (void)x, (void)y, (void)rows, (void)n_out, (void)n_pad, (void)k, (void)group,
-        (void)scratch, (void)barrier;
+        (void)scratch, (void)barrier, (void)ahead;
 }
+
+int q4_gemv_one_row_streams(void) { return 0; }
 
 int q4_linear_f32(const uint8_t *codes, const uint16_t *scales_zeros, const float *x, float *y, int64_t rows,
                   int64_t n_out, int64_t n_pad, int64_t k, int64_t group) {

@@ -53,10 +53,15 @@ int q4_linear_bf16(const uint8_t *codes, const uint16_t *scales_zeros, const uin
  * it returns (a barrier: `barrier`, team_barrier.h, or `omp barrier` where it is NULL). The sizes
  * are not checked: the caller checked them once. The same outputs bit for bit as q4_linear_f32. */
 struct TeamBarrier;
+struct KvAhead;
 int64_t q4_team_scratch_bytes(int64_t rows, int64_t k, int64_t group);
 void q4_linear_f32_team(const uint8_t *codes, const uint16_t *scales_zeros, const float *x, float *y, int64_t rows,
                         int64_t n_out, int64_t n_pad, int64_t k, int64_t group, void *scratch,
-                        struct TeamBarrier *barrier);
+                        struct TeamBarrier *barrier, struct KvAhead *ahead);
+
+/* 1 when a one-row product runs its loop without software prefetches (the one that drains a
+ * q4_linear_f32_team's `ahead`: one list a thread, kv_ahead.h, or NULL), else 0 */
+int q4_gemv_one_row_streams(void);
 
 /* out [n_pad][k] = (code - 8) * scale + zero in float32 without fused multiply-adds, one rounding
  * to the output type (the torch reference: quantization.dequantize_q4) */
