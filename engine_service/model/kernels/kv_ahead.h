@@ -9,7 +9,7 @@
  * harness, its layers sharing one cache). While a product streams, the core's line fetches are
  * already in flight back to back, and a few more a chunk ride along; attention then reads its
  * lines from L2 or L3. Measured on an AMD Zen 4 VM (docs/performance.md, "the next layer's K/V
- * during the products"): the int4 native step ~1.08x faster; the bfloat16 one ~1.03x while the
+ * during the products"): the int4 native step 1.08x faster; the bfloat16 one 1.01-1.03x while the
  * VM's two vCPUs sat on two CCDs, and ~0.5% slower on one CCD, where the two cores share one link
  * to memory and every byte of the step is already the bottleneck. A burst of the same prefetches
  * right before attention, or 16 lines a chunk during the qkv product alone, had lost (eleventh and

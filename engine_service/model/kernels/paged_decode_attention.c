@@ -57,8 +57,9 @@
  * at most 128 tokens a partition, context 300 was three tasks (128, 128, 44) and 384 three of 128,
  * so one thread attended over up to twice the other's tokens while the other waited at the
  * barrier; now they are four (80, 80, 80, 60; four of 96). Equal lengths that split blocks (four of
- * 75) read ~0.5% slower in the step (docs/performance.md, "the next layer's K/V during the
- * products"). Past ~16,000 tokens, a hundred tasks and more, the count can come out odd. */
+ * 75) read 1.008-1.009 against the old split in the step on two CCDs, whole blocks 1.013-1.019, in
+ * runs apart (docs/performance.md, "the next layer's K/V during the products"). Past ~16,000
+ * tokens, a hundred tasks and more, the count can come out odd. */
 static inline int64_t partition_len(int64_t len) {
     const int64_t most = len <= 256 ? 64 : PARTITION;
     int64_t parts = (len + most - 1) / most;
