@@ -326,7 +326,7 @@ def test_the_next_layers_kv_fetched_ahead_changes_no_number(kind, request):
     fetch the next layer's K/V a few lines at a time and attention's tasks are each thread's own run
     (``decode_stack_set_kv_ahead``, ``kernels/kv_ahead.h``), the logits and argmax are those of the
     same step without, and of the step that forks per product, bit for bit, with one to three
-    threads, at contexts of 97, 129 and 300 (two tasks, four of 33 or 30, four of 80 or 60). The lists
+    threads, at contexts of 97, 129 and 300 (two tasks of 49 and 48, four of 33 and 30, four of 75). The lists
     are made there (the kernel's count), and not for two rows at once."""
     import ctypes
 

@@ -52,21 +52,18 @@
 
 /* Tokens per partition, a function of the context length only (batch invariance): short contexts
  * get shorter partitions, so one stream still has a task per core; and one sequence's partitions
- * are an even count of near-equal lengths, whole blocks of 16 tokens where they can be (the last
- * one the shortest), so that a team of two splits one stream's attention about evenly. Why: with
- * at most 128 tokens a partition, context 300 was three tasks (128, 128, 44) and 384 three of 128,
- * so one thread attended over up to twice the other's tokens while the other waited at the
- * barrier; now they are four (80, 80, 80, 60; four of 96). Equal lengths that split blocks (four of
- * 75) read 1.008-1.009 against the old split in the step on two CCDs, whole blocks 1.013-1.019, in
- * runs apart (docs/performance.md, "the next layer's K/V during the products"). Past ~16,000
- * tokens, a hundred tasks and more, the count can come out odd. */
+ * are an even count of near-equal lengths (the last one the shortest), so that a team of two
+ * splits one stream's attention evenly. Why: with at most 128 tokens a partition,
+ * context 300 was three tasks (128, 128, 44) and 384 three of 128, so one thread attended over up
+ * to twice the other's tokens while the other waited at the barrier; now they are four of 75 and
+ * four of 96. Partitions in whole 16-token blocks (80, 80, 80, 60) leave the halves uneven; in the
+ * step they read within 0.6% of these either way (docs/performance.md, "the next layer's K/V during the
+ * products"). Past ~16,000 tokens, a hundred tasks and more, the count can come out odd. */
 static inline int64_t partition_len(int64_t len) {
     const int64_t most = len <= 256 ? 64 : PARTITION;
     int64_t parts = (len + most - 1) / most;
     parts += parts > 1 && parts % 2 != 0;
-    if (len <= 0) return most;
-    const int64_t even = (len + parts - 1) / parts, blocks = (even + 15) / 16 * 16;
-    return (len + blocks - 1) / blocks == parts ? blocks : even; /* whole blocks unless that loses a task */
+    return len > 0 ? (len + parts - 1) / parts : most;
 }
 #define MAX_HEADS PDA_MAX_HEADS
 #define HEAD_DIM_MAX PDA_MAX_HEAD_DIM
