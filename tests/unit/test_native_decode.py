@@ -326,8 +326,9 @@ def test_the_next_layers_kv_fetched_ahead_changes_no_number(kind, request):
     fetch the next layer's K/V a few lines at a time and attention's tasks are each thread's own run
     (``decode_stack_set_kv_ahead``, ``kernels/kv_ahead.h``), the logits and argmax are those of the
     same step without, and of the step that forks per product, bit for bit, with one to three
-    threads, at contexts of 97, 129 and 300 (two tasks of 49 and 48, four of 33 and 30, four of 75). The lists
-    are made there (the kernel's count), and not for two rows at once."""
+    threads, after prompts of 97, 129 and 300 tokens (contexts of 98, 130 and 301: two tasks of 49,
+    four of 33 and 31, four of 76 and 73). The lists are made there (the kernel's count), and not
+    for two rows at once."""
     import ctypes
 
     from engine_service.model.native import native_library

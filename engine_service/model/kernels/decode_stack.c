@@ -393,7 +393,8 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
         for (int64_t l = 0; l < s->num_layers; l++) {
             const StackLayer *layer = &s->layers[l], *next = l + 1 < s->num_layers ? layer + 1 : NULL;
             if (aheads != NULL && next != NULL) /* drained by the o, gate/up, down and next qkv products */
-                list_kv_ahead(s, next, &plan, t, threads, block_tables, table_width, context_lens, aheads + t);
+                list_kv_ahead(s, next, &plan, t, omp_get_num_threads(), block_tables, table_width, context_lens,
+                              aheads + t);
             else if (aheads != NULL) /* the last layer: what is left of the list is of no use now */
                 kv_ahead_reset(aheads + t, 0);
             if (s->cache_type == STACK_CACHE_F16)

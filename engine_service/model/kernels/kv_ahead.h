@@ -5,11 +5,11 @@
  *
  * Why: inside a decode step every layer's weights stream through the caches between one attention
  * and the next, so attention found its K/V in memory and waited on it line by line: at context 300
- * each thread spent ~21 µs a layer in its partitions, against ~9 µs with the K/V in L3 (the C
- * harness, its layers sharing one cache). While a product streams, the core's line fetches are
+ * each thread spent 19-21 µs a layer in its partitions, against ~9 µs with the K/V in L3 (the C
+ * harness on one CCD, alternating with a build whose layers share one cache). While a product streams, the core's line fetches are
  * already in flight back to back, and a few more a chunk ride along; attention then reads its
  * lines from L2 or L3. Measured on an AMD Zen 4 VM (docs/performance.md, "the next layer's K/V
- * during the products"): the int4 native step 1.08x faster; the bfloat16 one 1.01-1.03x while the
+ * during the products"): the int4 native step 1.08x faster; the bfloat16 one ~1.01x while the
  * VM's two vCPUs sat on two CCDs, and ~0.5% slower on one CCD, where the two cores share one link
  * to memory and every byte of the step is already the bottleneck. A burst of the same prefetches
  * right before attention, or 16 lines a chunk during the qkv product alone, had lost (eleventh and

@@ -53,11 +53,11 @@
 /* Tokens per partition, a function of the context length only (batch invariance): short contexts
  * get shorter partitions, so one stream still has a task per core; and one sequence's partitions
  * are an even count of near-equal lengths (the last one the shortest), so that a team of two
- * splits one stream's attention evenly. Why: with at most 128 tokens a partition,
- * context 300 was three tasks (128, 128, 44) and 384 three of 128, so one thread attended over up
- * to twice the other's tokens while the other waited at the barrier; now they are four of 75 and
- * four of 96. Partitions in whole 16-token blocks (80, 80, 80, 60) leave the halves uneven; in the
- * step they read within 0.6% of these either way (docs/performance.md, "the next layer's K/V during the
+ * splits one stream's attention evenly. Why: with at most 128 tokens a partition, context 300 was
+ * three tasks (128, 128, 44) and 384 three of 128, so one thread attended over up to twice the
+ * other's tokens while the other waited at the barrier; now they are four of 75 and four of 96.
+ * Partitions in whole 16-token blocks (80, 80, 80, 60) leave the halves uneven; in the step they
+ * read within 0.6% of these either way (docs/performance.md, "the next layer's K/V during the
  * products"). Past ~16,000 tokens, a hundred tasks and more, the count can come out odd. */
 static inline int64_t partition_len(int64_t len) {
     const int64_t most = len <= 256 ? 64 : PARTITION;
@@ -509,7 +509,7 @@ void NAME(const PdaPlan *plan, const float *q, const T *k_cache, const T *v_cach
     const int64_t per_task = heads * (head_dim + 2);      /* o, m, l of one partition */           \
     float *partials = plan->partials;                                                             \
     float *scores = plan->scores + (int64_t)omp_get_thread_num() * heads * PARTITION;             \
-    const int shared = pda_plan_shared(plan) && omp_get_num_threads() > 1;                           \
+    const int shared = pda_plan_shared(plan) && omp_get_num_threads() > 1;                         \
     /* static_tasks: this thread's own run (pda_thread_tasks); else one task at a time, to whichever \
      * thread is free (short contexts: one thread takes every task, the others none) */           \
     const int fixed = shared && plan->static_tasks;                                               \
@@ -543,7 +543,7 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int64_t *bloc
     const int rc = pda_plan(&plan, context_lens, batch, heads, kv_heads, head_dim,                \
                             omp_get_max_threads());                                               \
     if (rc != 0) return rc;                                                                       \
-    _Pragma("omp parallel if(pda_plan_shared(&plan))")                                               \
+    _Pragma("omp parallel if(pda_plan_shared(&plan))")                                             \
     TEAM(&plan, q, k_cache, v_cache, block_tables, table_width, context_lens, out, batch, heads,  \
          kv_heads, head_dim, block_size, scale, 0);                                               \
     pda_plan_free(&plan);                                                                         \
