@@ -327,8 +327,10 @@ def test_the_next_layers_kv_fetched_ahead_changes_no_number(kind, request):
     (``decode_stack_set_kv_ahead``, ``kernels/kv_ahead.h``), the logits and argmax are those of the
     same step without, and of the step that forks per product, bit for bit, with one to three
     threads, after prompts of 97, 129 and 300 tokens (contexts of 98, 130 and 301: two tasks of 49,
-    four of 33 and 31, four of 76 and 73). The lists are made there (the kernel's count), and not
-    for two rows at once."""
+    four of 33 and 31, four of 76 and 73). Before each call the new token's cache slot holds other
+    values in every layer, so each configuration must write it itself before anyone attends over it
+    (with the lists, each thread rotates its own q and the thread whose tasks hold that token writes
+    its K/V). The lists are made there (the kernel's count), and not for two rows at once."""
     import ctypes
 
     from engine_service.model.native import native_library
@@ -350,11 +352,14 @@ def test_the_next_layers_kv_fetched_ahead_changes_no_number(kind, request):
     try:
         for (tokens, blocks), n in zip(seqs, lengths, strict=True):
             input_ids, positions, meta, _ = runner.prepare([_chunk(tokens, blocks, n, 1)])
+            slot = int(meta.slot_mapping[0])
             got = {}
             for team in (1, 2, 3):
                 torch.set_num_threads(team)
                 for regions, ahead in ((0, 0), (1, 0), (1, 8)):
                     assert set_regions(regions) == regions and set_ahead(ahead) == ahead
+                    for cache in (c for layer in runner.kv_caches for c in layer):
+                        cache.view(-1, *cache.shape[-2:])[slot] = 3.0
                     made = lists()
                     greedy = torch.empty(1, dtype=torch.long)
                     got[team, regions, ahead] = (native(input_ids, positions, meta, logits=True, argmax=greedy),

@@ -141,13 +141,14 @@ int64_t stack_team_barrier_check(int threads, int64_t rounds) {
  * (a draft chunk's tokens; prefix sharing), as the eager forward allows */
 NOCONTRACT static void rotate_and_cache(const DecodeStack *s, const StackLayer *layer, float *qkv, float *q,
                                         int64_t rows, const int64_t *positions, const float *cos_table,
-                                        const float *sin_table, const int64_t *slots) {
+                                        const float *sin_table, const int64_t *slots, int write) {
     const int64_t d = s->head_dim, q_size = s->heads * d, kv_size = s->kv_heads * d, qkv_size = q_size + 2 * kv_size;
     for (int64_t r = 0; r < rows; r++) {
         float *row = qkv + r * qkv_size;
         const float *cos = cos_table + positions[r] * d, *sin = sin_table + positions[r] * d;
         rotate(row, s->heads + s->kv_heads, d, cos, sin, s->kind == STACK_BF16);
         memcpy(q + r * q_size, row, sizeof(float) * (size_t)q_size);
+        if (!write) continue;
         write_cache(layer->k_cache, s->cache_type, slots[r], row + q_size, kv_size);
         write_cache(layer->v_cache, s->cache_type, slots[r], row + q_size + kv_size, kv_size);
     }
@@ -305,8 +306,9 @@ static void list_kv_ahead(const DecodeStack *s, const StackLayer *layer, const P
 /* The layers in one parallel region, where they forked and joined the thread team for each product
  * and each attention: each product's blocks (bfloat16) or tasks (int4) and each attention's
  * partitions are shared out (packed_gemm_bf16_team, q4_linear_f32_team,
- * paged_decode_attention_*_team) with a barrier at the end, and one more after the thread that
- * writes the next layer's q and K/V has written them. Attention's combine is not shared: every
+ * paged_decode_attention_*_team) with a barrier at the end, and, where the team shares tasks
+ * dynamically, one more after the thread that writes the next layer's q and K/V has written them
+ * (one row: none, each thread rotates its own q; below). Attention's combine is not shared: every
  * thread combines every head into its own copy of the output (a few hundred values a row), which
  * saves the barrier a shared output needs before the output projection reads it; the partitions'
  * barrier stays. The work between the products (residuals,
@@ -317,7 +319,7 @@ static void list_kv_ahead(const DecodeStack *s, const StackLayer *layer, const P
  * numbers are those of decode_stack's region-per-call loop bit for bit: the same operations on the
  * same values. Why: forking and joining the team cost ~2 us each time (docs/performance.md,
  * twelfth round for bfloat16, fourteenth for int4). The team meets at its own barrier (`sync`,
- * team_barrier.h; `omp barrier` after decode_stack_set_own_barrier(0)), ~180 times a step, where
+ * team_barrier.h; `omp barrier` after decode_stack_set_own_barrier(0)), ~150-180 times a step, where
  * libgomp's cost a system call each and, in a served engine's passive wait policy, a sleep and a
  * wake-up each. */
 NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *ids, const int64_t *positions,
@@ -339,9 +341,9 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
     if (logits != NULL && product_scratch_bytes(kind, &s->head, rows) > xb_bytes)
         xb_bytes = product_scratch_bytes(kind, &s->head, rows);
     /* per thread: the residual stream, a normed copy, a product's float output, the SiLU product, the
-     * attention output, the product scratch; shared: q, two product outputs (float-sized, whichever
-     * the kind) */
-    const int64_t own = rows * (2 * hidden + widest + inter + q_size) + (xb_bytes + 3) / 4 + 16;
+     * attention output, its own q, the product scratch; shared: q, two product outputs (float-sized,
+     * whichever the kind) */
+    const int64_t own = rows * (2 * hidden + widest + inter + 2 * q_size) + (xb_bytes + 3) / 4 + 16;
     const int64_t shared = rows * q_size + 2 * rows * widest + 32; /* + the PgTeam and its line */
     float *scratch = (float *)malloc(sizeof(float) * (size_t)(threads * own + shared));
     if (scratch == NULL) return 1;
@@ -355,7 +357,8 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
 #define TMP(t) (OWN(t) + 2 * rows * hidden)
 #define ACT(t) (OWN(t) + rows * (2 * hidden + widest))
 #define ATTN(t) (OWN(t) + rows * (2 * hidden + widest + inter))
-#define XB(t) ((void *)(OWN(t) + rows * (2 * hidden + widest + inter + q_size)))
+#define QOWN(t) (OWN(t) + rows * (2 * hidden + widest + inter + q_size))
+#define XB(t) ((void *)(OWN(t) + rows * (2 * hidden + widest + inter + 2 * q_size)))
     for (int t = 0; t < threads; t++)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < hidden; i++) X(t)[r * hidden + i] = load(s->embed, ids[r] * hidden + i, bf);
@@ -382,13 +385,22 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
     team->ahead = aheads;
     uint16_t *yb = (uint16_t *)ys0; /* the region-per-call product's bfloat16 output (product) */
     const int rc = product(kind, &s->layers[0].qkv, NORMED(0), TMP(0), rows, (uint16_t *)XB(0), yb);
-    if (rc == 0) rotate_and_cache(s, &s->layers[0], TMP(0), q, rows, positions, cos_table, sin_table, slots);
+    if (rc == 0) rotate_and_cache(s, &s->layers[0], TMP(0), q, rows, positions, cos_table, sin_table, slots, 1);
     if (rc == 0) {
       _Pragma("omp parallel num_threads(threads)")
       {
         const int t = omp_get_thread_num();
         float *x = X(t), *normed = NORMED(t), *tmp = TMP(t), *act = ACT(t), *attn = ATTN(t);
         void *xb = XB(t);
+        /* Where each thread attends over its own run of tasks (static_tasks: one row), every thread
+         * rotates its own q, and the last thread, whose run holds the row's newest token, writes
+         * that token's K/V: no other thread reads those lines, so no thread waits for another
+         * before it attends. Elsewhere thread 0 writes q and the cache, and the team meets first.
+         * Why: that barrier was one of six a layer, and the other thread's wait at it ~1-2 us a
+         * layer while the two sat on two CCDs (docs/performance.md, "the q barrier"). */
+        const int own_q = plan.static_tasks && rows == 1;
+        float *qt = own_q ? QOWN(t) : q;
+        if (own_q) memcpy(qt, q, sizeof(float) * (size_t)(rows * q_size));
         uint32_t tag = 0; /* this thread's count of the team's products: the same in every thread */
         for (int64_t l = 0; l < s->num_layers; l++) {
             const StackLayer *layer = &s->layers[l], *next = l + 1 < s->num_layers ? layer + 1 : NULL;
@@ -398,17 +410,17 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
             else if (aheads != NULL) /* the last layer: what is left of the list is of no use now */
                 kv_ahead_reset(aheads + t, 0);
             if (s->cache_type == STACK_CACHE_F16)
-                paged_decode_attention_f16_team(&plan, q, (const uint16_t *)layer->k_cache,
+                paged_decode_attention_f16_team(&plan, qt, (const uint16_t *)layer->k_cache,
                                                 (const uint16_t *)layer->v_cache, block_tables, table_width,
                                                 context_lens, attn, rows, s->heads, s->kv_heads, s->head_dim,
                                                 s->block_size, s->scale, 1);
             else if (s->cache_type == STACK_CACHE_BF16)
-                paged_decode_attention_bf16_team(&plan, q, (const uint16_t *)layer->k_cache,
+                paged_decode_attention_bf16_team(&plan, qt, (const uint16_t *)layer->k_cache,
                                                  (const uint16_t *)layer->v_cache, block_tables, table_width,
                                                  context_lens, attn, rows, s->heads, s->kv_heads, s->head_dim,
                                                  s->block_size, s->scale, 1);
             else
-                paged_decode_attention_f32_team(&plan, q, (const float *)layer->k_cache,
+                paged_decode_attention_f32_team(&plan, qt, (const float *)layer->k_cache,
                                                 (const float *)layer->v_cache, block_tables, table_width,
                                                 context_lens, attn, rows, s->heads, s->kv_heads, s->head_dim,
                                                 s->block_size, s->scale, 1);
@@ -425,8 +437,13 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
                 for (int64_t r = 0; r < rows; r++)
                     rms_norm(x + r * hidden, next->input_norm, hidden, s->eps, bf, normed + r * hidden);
                 team_product(kind, &next->qkv, normed, tmp, rows, xb, ys1, team, &tag);
-                if (t == 0) rotate_and_cache(s, next, tmp, q, rows, positions, cos_table, sin_table, slots);
-                team_barrier(sync); /* q and the cache, before anyone attends */
+                if (own_q) { /* the newest token's K/V by the thread that attends over it (above) */
+                    rotate_and_cache(s, next, tmp, qt, rows, positions, cos_table, sin_table, slots,
+                                     t == omp_get_num_threads() - 1);
+                } else {
+                    if (t == 0) rotate_and_cache(s, next, tmp, q, rows, positions, cos_table, sin_table, slots, 1);
+                    team_barrier(sync); /* q and the cache, before anyone attends */
+                }
             }
         }
         if (logits != NULL) /* the head here, not in a region of its own: a fork and a join fewer */
@@ -445,6 +462,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
 #undef ACT
 #undef ATTN
 #undef XB
+#undef QOWN
     free(scratch);
     return frc;
 }
@@ -500,7 +518,7 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
         for (int64_t r = 0; r < rows; r++)
             rms_norm(x + r * hidden, layer->input_norm, hidden, s->eps, bf, normed + r * hidden);
         if ((rc = product(kind, &layer->qkv, normed, qkv, rows, xb, yb)) != 0) break;
-        rotate_and_cache(s, layer, qkv, q, rows, positions, cos_table, sin_table, slots);
+        rotate_and_cache(s, layer, qkv, q, rows, positions, cos_table, sin_table, slots, 1);
         if ((rc = attention(s, layer, q, block_tables, table_width, context_lens, rows, attn)) != 0) break;
         if (bf)
             for (int64_t i = 0; i < rows * q_size; i++) attn[i] = rnd(attn[i], 1);
