@@ -1,5 +1,5 @@
 /* A barrier for the thread team of a parallel region that meets many times: a decode step in one
- * region meets ~180 times a step (decode_stack.c, layers_in_one_region).
+ * region meets ~150-180 times a step (decode_stack.c, layers_in_one_region).
  *
  * Why not `omp barrier`: libgomp's last thread to arrive makes a futex wake system call at every
  * barrier, whether or not anyone sleeps (~0.3-0.5 us on a 2-vCPU VM against ~0.05-0.2 us for
