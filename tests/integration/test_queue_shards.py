@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
+from collections.abc import Iterable
 
 import pytest
 
@@ -25,12 +27,27 @@ S = 8
 PARAMS = {"temperature": 0.0, "max_tokens": 3}
 
 
+def sharing_id(others: Iterable[str]) -> str:
+    """A random engine id that leaves each of ``others``, and itself, some of the S shards beside
+    them. Why: rendezvous hashing gives all 8 shards of two engines to one of them for about one
+    pair of random ids in 128, and a test that needs both to own shards then failed."""
+    others = list(others)
+    while True:
+        candidate = f"fake-{uuid.uuid4().hex[:6]}"
+        if set(shards.owners(S, [*others, candidate])) >= {*others, candidate}:
+            return candidate
+
+
 @pytest.fixture
 def services(clean_redis):
     started: list[FakeService] = []
 
-    def start(**kw) -> FakeService:
+    def start(beside: Iterable[str] = (), **kw) -> FakeService:
+        """A fake engine on S shards; by default with an id that leaves every engine started here,
+        and each id in ``beside`` (a ghost's), some of the shards (sharing_id)."""
         kw.setdefault("queue_shards", S)
+        if "engine_id" not in kw:
+            kw["engine_id"] = sharing_id([*(s.settings.engine_id for s in started), *beside])
         svc = FakeService(clean_redis, **kw).start()
         started.append(svc)
         return svc
@@ -123,7 +140,7 @@ def test_what_a_silent_owner_holds_is_stolen_past_the_bound(services, redis_clie
     """A live owner that never reads (hung, or busy): an engine with room takes its shards' entries
     once they waited ``steal_after_ms``, oldest first, and each exactly once."""
     ghost(redis_client, "ghost")
-    svc = services(steal_after_ms=300)
+    svc = services(steal_after_ms=300, beside=["ghost"])
     wait_until(lambda: "ghost" in svc.io.view.owners and svc.io.view.owned, 10, "the ghost owns shards")
     theirs = {i for i, o in enumerate(svc.io.view.owners) if o == "ghost"}
     client = WireClient(redis_client)
@@ -146,7 +163,7 @@ def test_a_saturated_owners_entries_are_taken_at_once(services, redis_client, si
         ghost(redis_client, "busy", room=b"0")
     else:
         ghost(redis_client, "busy", waiting=5)
-    svc = services(steal_after_ms=60_000)
+    svc = services(steal_after_ms=60_000, beside=["busy"])
     wait_until(lambda: "busy" in svc.io.view.owners, 10, "the busy owner seen")
     if signal == "registry":
         wait_until(lambda: "busy" in svc.io.view.saturated, 10, "the busy owner seen as saturated")
