@@ -12,9 +12,9 @@
  * during the products"): the int4 native step 1.08x faster; the bfloat16 one ~1.01x while the
  * VM's two vCPUs sat on two CCDs, and ~0.5% slower on one CCD, where the two cores share one link
  * to memory and every byte of the step is already the bottleneck. A burst of the same prefetches
- * right before attention, or 16 lines a chunk during the qkv product alone, had lost (eleventh and
- * thirteenth rounds): spread over the o, gate/up, down and next qkv products the extra lines are a
- * few percent of what the core fetches. */
+ * right before attention, or 16 or 32 lines a chunk during the qkv product alone, had lost
+ * (eleventh and thirteenth rounds, stop 49): spread over the o, gate/up, down and next qkv
+ * products the extra lines are a few percent of what the core fetches. */
 #ifndef SLUICE_KV_AHEAD_H
 #define SLUICE_KV_AHEAD_H
 
