@@ -264,10 +264,14 @@ static inline void one_block(const uint16_t *w, const uint16_t *xp, int64_t ldx,
 
 /* A team of two shares a product's blocks from both ends: thread 0 takes the first blocks in order,
  * thread 1 the last, each a fixed three eighths or so; the quarter between them goes to whichever
- * thread gets there first, a sixteenth of the product a claim (a compare-and-swap on `state`: the
- * product's tag, the next block from the front, the block after the last one left from the back;
- * each claim moves a cache line between the threads; claims of one block each read the same,
- * 1.009). Each thread's blocks stay one region of memory, and a thread that streams faster takes
+ * thread gets there first, a quarter of what is left a claim, down to one block (a compare-and-swap
+ * on `state`: the product's tag, the next block from the front, the block after the last one left
+ * from the back; each claim moves a cache line between the threads). Why shrinking claims: with a
+ * sixteenth of the product a claim, the head's were 48 blocks (3.5 MB, ~120 us on two CCDs) and
+ * the thread that finished first waited up to a whole claim at the barrier; shrinking ones leave it
+ * at most one block, and the step ran 1.009-1.015x as fast on two CCDs, as fast on one
+ * (scripts/bench_stack_ab.sh; docs/performance.md, "claims that shrink"). Each thread's blocks stay
+ * one region of memory, and a thread that streams faster takes
  * more. Why: on two CCDs each thread streams its own CCD's share, the two CCDs' rates drift apart
  * by up to ~15% under the VM's neighbours, and with a fixed half each the faster thread waited for
  * the slower at every product's barrier. A bfloat16 step ran ~1% faster this way there (the median
@@ -279,7 +283,7 @@ static void blocks_from_both_ends(const uint16_t *w, const uint16_t *xp, int64_t
     const int me = omp_get_thread_num();
     KvAhead *ahead = team->ahead != NULL ? team->ahead + me : NULL;
     const int64_t shared = blocks >= 3 ? blocks / 4 : 0, front = (blocks - shared) / 2;
-    const int64_t back = blocks - shared - front, grain = shared / 4 > 1 ? shared / 4 : 1;
+    const int64_t back = blocks - shared - front;
     const uint64_t mine = (uint64_t)tag << 32;
     for (uint64_t old = __atomic_load_n(&team->state, __ATOMIC_ACQUIRE); (old & ~0xffffffffull) != mine;) {
         const uint64_t fresh = mine | (uint64_t)front << 16 | (uint64_t)(blocks - back);
@@ -290,7 +294,7 @@ static void blocks_from_both_ends(const uint16_t *w, const uint16_t *xp, int64_t
     for (uint64_t old = __atomic_load_n(&team->state, __ATOMIC_ACQUIRE);;) {
         const int64_t next = (int64_t)(old >> 16 & 0xffff), end = (int64_t)(old & 0xffff);
         if (next >= end) break;
-        const int64_t n = end - next < grain ? end - next : grain;
+        const int64_t guided = (end - next) / 4, n = guided > 1 ? guided : 1;
         const uint64_t claimed = me == 0 ? mine | (uint64_t)(next + n) << 16 | (uint64_t)end
                                          : mine | (uint64_t)next << 16 | (uint64_t)(end - n);
         if (!__atomic_compare_exchange_n(&team->state, &old, claimed, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
