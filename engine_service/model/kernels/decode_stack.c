@@ -122,13 +122,14 @@ int64_t stack_team_barrier_check(int threads, int64_t rounds) {
     if (threads < 1 || threads > TEAM_BARRIER_MAX || rounds < 1) return -1;
     TeamBarrier sync = {0};
     TeamArrival slots[TEAM_BARRIER_MAX] = {{0}}; /* a line a thread, as the barrier's own */
+    static char fetch[16384];
     int64_t wrong = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : wrong)
     {
         const int me = omp_get_thread_num(), n = omp_get_num_threads();
         for (int64_t r = 1; r <= rounds; r++) {
             __atomic_store_n(&slots[me].passed, (uint32_t)r, __ATOMIC_RELAXED);
-            team_barrier(&sync);
+            team_barrier_fetching(&sync, fetch, fetch + sizeof fetch); /* the waiting thread fetching meanwhile */
             for (int i = 0; i < n; i++) wrong += __atomic_load_n(&slots[i].passed, __ATOMIC_RELAXED) != (uint32_t)r;
             team_barrier(&sync);
         }
@@ -216,7 +217,7 @@ static void to_bf16_rows(const float *x, int64_t rows, int64_t k, int64_t k_pad,
  * thread's own float copy y. xb: this thread's scratch (the bfloat16 input; int4: its quantized
  * rows). Every thread must call it. */
 static void team_product(int kind, const StackWeight *w, const float *x, float *y, int64_t rows, void *xb, void *ys,
-                         PgTeam *team, uint32_t *tag) {
+                         PgTeam *team, uint32_t *tag, const StackWeight *next) {
     if (kind == STACK_INT4) {
         q4_linear_f32_team((const uint8_t *)w->data, w->scales_zeros, x, (float *)ys, rows, w->n_out, w->n_pad, w->k,
                            w->extra, xb, team->barrier, team->ahead);
@@ -225,6 +226,8 @@ static void team_product(int kind, const StackWeight *w, const float *x, float *
     }
     uint16_t *yb = (uint16_t *)ys;
     to_bf16_rows(x, rows, w->k, w->extra, (uint16_t *)xb);
+    packed_gemm_bf16_team_next(team, next != NULL && rows == 1 ? (const uint16_t *)next->data : NULL,
+                               next != NULL ? next->n_pad : 0, next != NULL ? next->extra : 0);
     packed_gemm_bf16_team((const uint16_t *)w->data, (const uint16_t *)xb, w->extra, yb, rows, w->n_out, w->n_pad,
                           w->extra, team, ++*tag);
     for (int64_t i = 0; i < rows * w->n_out; i++) y[i] = bf16_to_f32(yb[i]);
@@ -251,6 +254,7 @@ static void team_head(const DecodeStack *s, const float *x, float *normed, int64
                            w->extra, xb, team->barrier, team->ahead);
     } else {
         to_bf16_rows(normed, rows, w->k, w->extra, (uint16_t *)xb);
+        packed_gemm_bf16_team_next(team, NULL, 0, 0); /* nothing after the head */
         packed_gemm_bf16_team((const uint16_t *)w->data, (const uint16_t *)xb, w->extra, (uint16_t *)ys, rows, vocab,
                               w->n_pad, w->extra, team, ++*tag);
     }
@@ -425,18 +429,19 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
                                                 context_lens, attn, rows, s->heads, s->kv_heads, s->head_dim,
                                                 s->block_size, s->scale, 1);
             /* bfloat16: attn rounds to bfloat16 as the product converts it */
-            team_product(kind, &layer->o, attn, tmp, rows, xb, ys0, team, &tag);
+            team_product(kind, &layer->o, attn, tmp, rows, xb, ys0, team, &tag, &layer->gate_up);
             for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + tmp[i], bf);
             for (int64_t r = 0; r < rows; r++)
                 rms_norm(x + r * hidden, layer->post_norm, hidden, s->eps, bf, normed + r * hidden);
-            team_product(kind, &layer->gate_up, normed, tmp, rows, xb, ys1, team, &tag);
+            team_product(kind, &layer->gate_up, normed, tmp, rows, xb, ys1, team, &tag, &layer->down);
             silu_rows(tmp, rows, inter, bf, act);
-            team_product(kind, &layer->down, act, tmp, rows, xb, ys0, team, &tag);
+            team_product(kind, &layer->down, act, tmp, rows, xb, ys0, team, &tag,
+                         next != NULL ? &next->qkv : logits != NULL ? &s->head : NULL);
             for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + tmp[i], bf);
             if (next != NULL) {
                 for (int64_t r = 0; r < rows; r++)
                     rms_norm(x + r * hidden, next->input_norm, hidden, s->eps, bf, normed + r * hidden);
-                team_product(kind, &next->qkv, normed, tmp, rows, xb, ys1, team, &tag);
+                team_product(kind, &next->qkv, normed, tmp, rows, xb, ys1, team, &tag, &next->o);
                 if (own_q) { /* the newest token's K/V by the thread that attends over it (above) */
                     rotate_and_cache(s, next, tmp, qt, rows, positions, cos_table, sin_table, slots,
                                      t == omp_get_num_threads() - 1);

@@ -277,13 +277,21 @@ static inline void one_block(const uint16_t *w, const uint16_t *xp, int64_t ldx,
  * the slower at every product's barrier. A bfloat16 step ran ~1% faster this way there (the median
  * of 16 runs' paired ratios 1.008, their range 0.990-1.047), and as fast on one CCD (scripts/bench_stack_ab.sh;
  * docs/performance.md, fourteenth round). Which thread computes a block does not change its sums. */
+/* a team of two's fixed runs of a product of `blocks` blocks: the first `front` (thread 0's) and the
+ * last `back` (thread 1's) */
+static inline void fixed_runs(int64_t blocks, int64_t *front, int64_t *back) {
+    const int64_t shared = blocks >= 3 ? blocks / 4 : 0;
+    *front = (blocks - shared) / 2;
+    *back = blocks - shared - *front;
+}
+
 static void blocks_from_both_ends(const uint16_t *w, const uint16_t *xp, int64_t ldx, const uint16_t *bias,
                                   uint16_t *y, int64_t rows, int64_t n_out, int64_t blocks, int64_t chunks, int tiles,
                                   int prefetch, PgTeam *team, uint32_t tag) {
     const int me = omp_get_thread_num();
     KvAhead *ahead = team->ahead != NULL ? team->ahead + me : NULL;
-    const int64_t shared = blocks >= 3 ? blocks / 4 : 0, front = (blocks - shared) / 2;
-    const int64_t back = blocks - shared - front;
+    int64_t front, back;
+    fixed_runs(blocks, &front, &back);
     const uint64_t mine = (uint64_t)tag << 32;
     for (uint64_t old = __atomic_load_n(&team->state, __ATOMIC_ACQUIRE); (old & ~0xffffffffull) != mine;) {
         const uint64_t fresh = mine | (uint64_t)front << 16 | (uint64_t)(blocks - back);
@@ -320,6 +328,12 @@ static void team_blocks(const uint16_t *w, const uint16_t *xp, int64_t ldx, cons
     KvAhead *ahead = team->ahead != NULL ? team->ahead + omp_get_thread_num() : NULL;
     if (omp_get_num_threads() == 2 && blocks <= 0xffff) {
         blocks_from_both_ends(w, xp, ldx, bias, y, rows, n_out, blocks, chunks, tiles, prefetch, team, tag);
+#if defined(PG_AMX)
+        if (tiles) _tile_release();
+#endif
+        const int me = omp_get_thread_num();
+        team_barrier_fetching(team->barrier, team->next[me], team->next_end[me]);
+        return;
     } else {
         _Pragma("omp for schedule(static) nowait")
         for (int64_t b = 0; b < blocks; b++) one_block(w, xp, ldx, bias, y, rows, n_out, chunks, tiles, prefetch, b, ahead);
@@ -355,6 +369,33 @@ void packed_gemm_bf16_team(const uint16_t *w, const uint16_t *x, int64_t ldx, ui
     team_blocks(w, x, ldx, NULL, y, rows, n_out, n_pad, k_pad, rows > 1 && use_tiles(), stream_prefetch(), team, tag);
 }
 
+/* The lines of the next product's run a thread fetches while it waits at a product's barrier, at
+ * most: 512 (32 KB). On two CCDs the step ran 1.003-1.009x as fast with 256-1024 of them and 1.003
+ * with 2048; with 8192 and more, 0.92-0.95x: the prefetches queue behind one another, and the waiting
+ * thread sees the others arrive late (scripts/bench_stack_ab.sh; docs/performance.md, "claims that
+ * shrink"). */
+#define PG_FETCH_NEXT_LINES 512
+
+/* Why: on two CCDs, a product's end keeps one thread waiting for the other ~1-3 us at each barrier
+ * (a 9-block product splits 5 and 4, and the two stream at different rates), ~0.2 ms a bfloat16 step
+ * in all; its memory sits idle meanwhile. It starts the next product's stream instead. */
+void packed_gemm_bf16_team_next(PgTeam *team, const uint16_t *w, int64_t n_pad, int64_t k_pad) {
+    const int me = omp_get_thread_num();
+    if (me > 1) return;
+    if (w == NULL) {
+        team->next[me] = team->next_end[me] = NULL;
+        return;
+    }
+    const int64_t blocks = n_pad / PG_BLOCK_N, block_bytes = k_pad * PG_BLOCK_N * 2;
+    int64_t front, back;
+    fixed_runs(blocks, &front, &back);
+    const char *start = (const char *)w + (me == 0 ? 0 : (blocks - back) * block_bytes);
+    const int64_t run = (me == 0 ? front : back) * block_bytes;
+    const int64_t bytes = PG_FETCH_NEXT_LINES * 64 < run ? PG_FETCH_NEXT_LINES * 64 : run;
+    team->next[me] = start;
+    team->next_end[me] = start + bytes;
+}
+
 int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t n_out,
                      int64_t k_in, int64_t n_pad, int64_t k_pad) {
     return packed_gemm_bf16(w, x, bias, y, 1, n_out, k_in, n_pad, k_pad);
@@ -382,6 +423,10 @@ int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
 void packed_gemm_bf16_team(const uint16_t *w, const uint16_t *x, int64_t ldx, uint16_t *y, int64_t rows,
                            int64_t n_out, int64_t n_pad, int64_t k_pad, PgTeam *team, uint32_t tag) {
     (void)w, (void)x, (void)ldx, (void)y, (void)rows, (void)n_out, (void)n_pad, (void)k_pad, (void)team, (void)tag;
+}
+
+void packed_gemm_bf16_team_next(PgTeam *team, const uint16_t *w, int64_t n_pad, int64_t k_pad) {
+    (void)team, (void)w, (void)n_pad, (void)k_pad;
 }
 
 int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t n_out,

@@ -58,7 +58,15 @@ typedef struct {
     /* one list a thread (kv_ahead.h) that the one-row loop without prefetches drains a few lines a
      * chunk, or NULL */
     struct KvAhead *ahead;
+    /* each thread's first lines of the team's next product, which it fetches while it waits at this
+     * product's barrier (packed_gemm_bf16_team_next) */
+    const char *next[2], *next_end[2];
 } PgTeam;
+
+/* tells a team of two which product comes after the one it calls next: while a thread waits at that
+ * product's barrier, it fetches the start of its own fixed run of this one. Every thread calls it,
+ * with its own thread's view; NULL w clears it. */
+void packed_gemm_bf16_team_next(PgTeam *team, const uint16_t *w, int64_t n_pad, int64_t k_pad);
 
 /* packed_gemm_bf16 without a parallel region of its own, for a caller already inside one: the
  * calling team shares the blocks out and meets at a barrier at the end, so every thread of the

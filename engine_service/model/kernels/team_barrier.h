@@ -24,6 +24,9 @@
 #include <omp.h>
 #include <sched.h>
 #include <stdint.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 #if defined(__linux__)
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -69,7 +72,11 @@ static inline void team_barrier_wake(uint32_t *word) {
 #endif
 }
 
-static inline void team_barrier(TeamBarrier *b) {
+static inline void team_barrier_fetching(TeamBarrier *b, const char *fetch, const char *fetch_end);
+static inline void team_barrier(TeamBarrier *b) { team_barrier_fetching(b, NULL, NULL); }
+/* team_barrier; a thread that waits fetches the lines [fetch, fetch_end) into L2 meanwhile, a few
+ * lines a turn, and stops fetching when the others arrive */
+static inline void team_barrier_fetching(TeamBarrier *b, const char *fetch, const char *fetch_end) {
     const int n = omp_get_num_threads();
     if (n == 1) return;
     if (b == NULL || n > TEAM_BARRIER_MAX) {
@@ -91,6 +98,13 @@ static inline void team_barrier(TeamBarrier *b) {
         for (uint32_t spins = 0;; spins++) {
             const uint32_t seen = __atomic_load_n(&other->passed, __ATOMIC_ACQUIRE);
             if ((int32_t)(seen - mine) >= 0) break;
+#if defined(__x86_64__) || defined(__i386__)
+            if (fetch < fetch_end) { /* into L2 (Zen 4: T1), four lines a look at the others' counts */
+                for (int line = 0; line < 4; line++) _mm_prefetch(fetch + 64 * line, _MM_HINT_T1);
+                fetch += 256;
+                continue;
+            }
+#endif
             if (spins < TEAM_BARRIER_SPINS) {
                 team_barrier_pause();
                 continue;
