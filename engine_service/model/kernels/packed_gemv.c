@@ -262,21 +262,6 @@ static inline void one_block(const uint16_t *w, const uint16_t *xp, int64_t ldx,
         }
 }
 
-/* A team of two shares a product's blocks from both ends: thread 0 takes the first blocks in order,
- * thread 1 the last, each a fixed three eighths or so; the quarter between them goes to whichever
- * thread gets there first, a quarter of what is left a claim, down to one block (a compare-and-swap
- * on `state`: the product's tag, the next block from the front, the block after the last one left
- * from the back; each claim moves a cache line between the threads). Why shrinking claims: with a
- * sixteenth of the product a claim, the head's were 48 blocks (3.5 MB, ~120 us on two CCDs) and
- * the thread that finished first waited up to a whole claim at the barrier; shrinking ones leave it
- * at most one block, and the step ran 1.009-1.015x as fast on two CCDs, as fast on one
- * (scripts/bench_stack_ab.sh; docs/performance.md, "claims that shrink"). Each thread's blocks stay
- * one region of memory, and a thread that streams faster takes
- * more. Why: on two CCDs each thread streams its own CCD's share, the two CCDs' rates drift apart
- * by up to ~15% under the VM's neighbours, and with a fixed half each the faster thread waited for
- * the slower at every product's barrier. A bfloat16 step ran ~1% faster this way there (the median
- * of 16 runs' paired ratios 1.008, their range 0.990-1.047), and as fast on one CCD (scripts/bench_stack_ab.sh;
- * docs/performance.md, fourteenth round). Which thread computes a block does not change its sums. */
 /* a team of two's fixed runs of a product of `blocks` blocks: the first `front` (thread 0's) and the
  * last `back` (thread 1's) */
 static inline void fixed_runs(int64_t blocks, int64_t *front, int64_t *back) {
@@ -285,6 +270,21 @@ static inline void fixed_runs(int64_t blocks, int64_t *front, int64_t *back) {
     *back = blocks - shared - *front;
 }
 
+/* A team of two shares a product's blocks from both ends: thread 0 takes the first blocks in order,
+ * thread 1 the last, each a fixed three eighths or so; the quarter between them goes to whichever
+ * thread gets there first, a quarter of what is left a claim, down to one block (a compare-and-swap
+ * on `state`: the product's tag, the next block from the front, the block after the last one left
+ * from the back; each claim moves a cache line between the threads). Why shrinking claims: with a
+ * sixteenth of the product a claim, the head's were 48 blocks (3.5 MB, ~120 us on two CCDs) and
+ * the thread that finished first waited up to a whole claim at the barrier; shrinking ones leave it
+ * at most one block, and the step ran 1.009-1.015x as fast on two CCDs, as fast on one
+ * (scripts/bench_stack_ab.sh; docs/performance.md, "claims that shrink, a waiting thread that
+ * fetches"). Each thread's blocks stay one region of memory, and a thread that streams faster takes
+ * more. Why: on two CCDs each thread streams its own CCD's share, the two CCDs' rates drift apart
+ * by up to ~15% under the VM's neighbours, and with a fixed half each the faster thread waited for
+ * the slower at every product's barrier. A bfloat16 step ran ~1% faster this way there (the median
+ * of 16 runs' paired ratios 1.008, their range 0.990-1.047), and as fast on one CCD (scripts/bench_stack_ab.sh;
+ * docs/performance.md, fourteenth round). Which thread computes a block does not change its sums. */
 static void blocks_from_both_ends(const uint16_t *w, const uint16_t *xp, int64_t ldx, const uint16_t *bias,
                                   uint16_t *y, int64_t rows, int64_t n_out, int64_t blocks, int64_t chunks, int tiles,
                                   int prefetch, PgTeam *team, uint32_t tag) {
@@ -370,10 +370,11 @@ void packed_gemm_bf16_team(const uint16_t *w, const uint16_t *x, int64_t ldx, ui
 }
 
 /* The lines of the next product's run a thread fetches while it waits at a product's barrier, at
- * most: 512 (32 KB). On two CCDs the step ran 1.003-1.009x as fast with 256-1024 of them and 1.003
- * with 2048; with 8192 and more, 0.92-0.95x: the prefetches queue behind one another, and the waiting
- * thread sees the others arrive late (scripts/bench_stack_ab.sh; docs/performance.md, "claims that
- * shrink"). */
+ * most: 512 (32 KB). On two CCDs the step ran 1.001-1.020x as fast with them (five runs), about as
+ * much with 256 or 1024, 1.003-1.004x with 2048, and 0.92-0.95x with 8192 and more: then the waiting
+ * thread's prefetches queue behind one another and it sees the other arrive late
+ * (scripts/bench_stack_ab.sh; docs/performance.md, "claims that shrink, a waiting thread that
+ * fetches"). */
 #define PG_FETCH_NEXT_LINES 512
 
 /* Why: on two CCDs, a product's end keeps one thread waiting for the other ~1-3 us at each barrier
