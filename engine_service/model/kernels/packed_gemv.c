@@ -325,15 +325,10 @@ static void team_blocks(const uint16_t *w, const uint16_t *xp, int64_t ldx, cons
 #if defined(PG_AMX)
     if (tiles) PG_AMX_CONFIGURE((int)rows);
 #endif
-    KvAhead *ahead = team->ahead != NULL ? team->ahead + omp_get_thread_num() : NULL;
-    if (omp_get_num_threads() == 2 && blocks <= 0xffff) {
+    const int me = omp_get_thread_num(), pair = omp_get_num_threads() == 2 && blocks <= 0xffff;
+    KvAhead *ahead = team->ahead != NULL ? team->ahead + me : NULL;
+    if (pair) {
         blocks_from_both_ends(w, xp, ldx, bias, y, rows, n_out, blocks, chunks, tiles, prefetch, team, tag);
-#if defined(PG_AMX)
-        if (tiles) _tile_release();
-#endif
-        const int me = omp_get_thread_num();
-        team_barrier_fetching(team->barrier, team->next[me], team->next_end[me]);
-        return;
     } else {
         _Pragma("omp for schedule(static) nowait")
         for (int64_t b = 0; b < blocks; b++) one_block(w, xp, ldx, bias, y, rows, n_out, chunks, tiles, prefetch, b, ahead);
@@ -341,7 +336,8 @@ static void team_blocks(const uint16_t *w, const uint16_t *xp, int64_t ldx, cons
 #if defined(PG_AMX)
     if (tiles) _tile_release(); /* so the kernel need not save this thread's tiles */
 #endif
-    team_barrier(team->barrier);
+    /* a team of two: the thread that waits starts the next product (packed_gemm_bf16_team_next) */
+    team_barrier_fetching(team->barrier, pair ? team->next[me] : NULL, pair ? team->next_end[me] : NULL);
 }
 
 int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t rows,
@@ -371,15 +367,16 @@ void packed_gemm_bf16_team(const uint16_t *w, const uint16_t *x, int64_t ldx, ui
 
 /* The lines of the next product's run a thread fetches while it waits at a product's barrier, at
  * most: 512 (32 KB). On two CCDs the step ran 1.001-1.020x as fast with them (five runs), about as
- * much with 256 or 1024, 1.003-1.004x with 2048, and 0.92-0.95x with 8192 and more: then the waiting
- * thread's prefetches queue behind one another and it sees the other arrive late
- * (scripts/bench_stack_ab.sh; docs/performance.md, "claims that shrink, a waiting thread that
- * fetches"). */
+ * much with 256 or 1024, 1.003-1.004x with 2048, and 0.92-0.95x with 8192 and more, which fill much
+ * of L2 (the K/V fetched ahead for the next attention among what they evict) and queue behind one
+ * another while the waiting thread looks for the other's arrival; which costs more was not
+ * measured (scripts/bench_stack_ab.sh; docs/performance.md, "claims that shrink, a waiting thread
+ * that fetches"). */
 #define PG_FETCH_NEXT_LINES 512
 
-/* Why: on two CCDs, a product's end keeps one thread waiting for the other ~1-3 us at each barrier
- * (a 9-block product splits 5 and 4, and the two stream at different rates), ~0.2 ms a bfloat16 step
- * in all; its memory sits idle meanwhile. It starts the next product's stream instead. */
+/* Why: on two CCDs, a product's end keeps one thread waiting for the other ~1-7 us at each barrier
+ * (a 9-block product splits 5 and 4, and the two stream at different rates), ~0.4 ms a bfloat16
+ * step in all; its memory sits idle meanwhile. It starts the next product's stream instead. */
 void packed_gemm_bf16_team_next(PgTeam *team, const uint16_t *w, int64_t n_pad, int64_t k_pad) {
     const int me = omp_get_thread_num();
     if (me > 1) return;
