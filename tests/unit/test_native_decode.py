@@ -558,9 +558,9 @@ def test_the_steps_barrier_holds_every_thread_until_all_arrive(threads):
     """The step's threads meet at a barrier of their own (``team_barrier.h``), not libgomp's: in
     ``stack_team_barrier_check`` each thread stores the round, meets the others, and reads every
     thread's store back, for thousands of rounds; at the first meeting of each round a thread that
-    waits fetches lines meanwhile, as a product's barrier fetches the next product's. Three and four threads on this machine's two cores
-    preempt each other, so waits outlast the spin and sleep on the futex until the last thread
-    wakes them. In a child process, so that a lost wake-up fails the test instead of hanging it."""
+    waits fetches lines meanwhile, as a product's barrier fetches the next product's. Three and four
+    threads on this machine's two cores preempt each other, so waits outlast the spin and sleep on
+    the futex until the last thread wakes them. In a child process, so that a lost wake-up fails the test instead of hanging it."""
     import subprocess
     import sys
 

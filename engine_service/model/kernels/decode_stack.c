@@ -226,10 +226,10 @@ static void team_product(int kind, const StackWeight *w, const float *x, float *
     }
     uint16_t *yb = (uint16_t *)ys;
     to_bf16_rows(x, rows, w->k, w->extra, (uint16_t *)xb);
-    packed_gemm_bf16_team_next(team, next != NULL && rows == 1 ? (const uint16_t *)next->data : NULL,
-                               next != NULL ? next->n_pad : 0, next != NULL ? next->extra : 0);
+    const int fetch = next != NULL && rows == 1; /* one row's step: the next product's start, while waiting */
     packed_gemm_bf16_team((const uint16_t *)w->data, (const uint16_t *)xb, w->extra, yb, rows, w->n_out, w->n_pad,
-                          w->extra, team, ++*tag);
+                          w->extra, team, ++*tag, fetch ? (const uint16_t *)next->data : NULL,
+                          fetch ? next->n_pad : 0, fetch ? next->extra : 0);
     for (int64_t i = 0; i < rows * w->n_out; i++) y[i] = bf16_to_f32(yb[i]);
 }
 
@@ -254,9 +254,8 @@ static void team_head(const DecodeStack *s, const float *x, float *normed, int64
                            w->extra, xb, team->barrier, team->ahead);
     } else {
         to_bf16_rows(normed, rows, w->k, w->extra, (uint16_t *)xb);
-        packed_gemm_bf16_team_next(team, NULL, 0, 0); /* nothing after the head */
         packed_gemm_bf16_team((const uint16_t *)w->data, (const uint16_t *)xb, w->extra, (uint16_t *)ys, rows, vocab,
-                              w->n_pad, w->extra, team, ++*tag);
+                              w->n_pad, w->extra, team, ++*tag, NULL, 0, 0);
     }
     if (omp_get_thread_num() != 0) return;
     if (s->kind == STACK_BF16)

@@ -313,6 +313,32 @@ static void blocks_from_both_ends(const uint16_t *w, const uint16_t *xp, int64_t
     }
 }
 
+/* The lines of the next product's run a thread fetches while it waits at a product's barrier, at
+ * most: 512 (32 KB). On two CCDs the step ran 1.001-1.020x as fast with them (five runs), about as
+ * much with 256 or 1024, 1.003-1.004x with 2048, and 0.92-0.95x with 8192 and more, which fill much
+ * of L2 (the K/V fetched ahead for the next attention among what they evict) and queue behind one
+ * another while the waiting thread looks for the other's arrival; which costs more was not
+ * measured (scripts/bench_stack_ab.sh; docs/performance.md, "claims that shrink, a waiting thread
+ * that fetches"). */
+#define PG_FETCH_NEXT_LINES 512
+
+/* [*from, *to): the first PG_FETCH_NEXT_LINES lines of the calling thread's fixed run (of a team of
+ * two) of the next product's weights w (n_pad x k_pad), for it to fetch while it waits at this
+ * product's barrier; empty where w is NULL. Why: on two CCDs, a product's end keeps one thread
+ * waiting for the other ~1-7 us at each barrier (a 9-block product splits 5 and 4, and the two
+ * stream at different rates), ~0.4 ms a bfloat16 step in all; its memory sits idle meanwhile. */
+static void next_run_start(const uint16_t *w, int64_t n_pad, int64_t k_pad, int me, const char **from,
+                           const char **to) {
+    *from = *to = NULL;
+    if (w == NULL) return;
+    const int64_t blocks = n_pad / PG_BLOCK_N, block_bytes = k_pad * PG_BLOCK_N * 2;
+    int64_t front, back;
+    fixed_runs(blocks, &front, &back);
+    const int64_t run = (me == 0 ? front : back) * block_bytes;
+    *from = (const char *)w + (me == 0 ? 0 : (blocks - back) * block_bytes);
+    *to = *from + (PG_FETCH_NEXT_LINES * 64 < run ? PG_FETCH_NEXT_LINES * 64 : run);
+}
+
 /* The block loop, shared out over the calling team, its barrier at the end (team->barrier's, or
  * `omp barrier` where that is NULL): inside a parallel region each thread takes its blocks, outside
  * one the caller takes them all. A team of two with `team` shares them from both ends
@@ -320,7 +346,7 @@ static void blocks_from_both_ends(const uint16_t *w, const uint16_t *xp, int64_t
  * equal runs (an orphaned omp for). x is whole chunks wide (k_pad), rows ldx elements apart. */
 static void team_blocks(const uint16_t *w, const uint16_t *xp, int64_t ldx, const uint16_t *bias, uint16_t *y,
                         int64_t rows, int64_t n_out, int64_t n_pad, int64_t k_pad, int tiles, int prefetch,
-                        PgTeam *team, uint32_t tag) {
+                        PgTeam *team, uint32_t tag, const uint16_t *next, int64_t next_n_pad, int64_t next_k_pad) {
     const int64_t blocks = n_pad / PG_BLOCK_N, chunks = k_pad / PG_BLOCK_K;
 #if defined(PG_AMX)
     if (tiles) PG_AMX_CONFIGURE((int)rows);
@@ -336,8 +362,9 @@ static void team_blocks(const uint16_t *w, const uint16_t *xp, int64_t ldx, cons
 #if defined(PG_AMX)
     if (tiles) _tile_release(); /* so the kernel need not save this thread's tiles */
 #endif
-    /* a team of two: the thread that waits starts the next product (packed_gemm_bf16_team_next) */
-    team_barrier_fetching(team->barrier, pair ? team->next[me] : NULL, pair ? team->next_end[me] : NULL);
+    const char *fetch = NULL, *fetch_end = NULL; /* a team of two: the thread that waits starts the next product */
+    if (pair) next_run_start(next, next_n_pad, next_k_pad, me, &fetch, &fetch_end);
+    team_barrier_fetching(team->barrier, fetch, fetch_end);
 }
 
 int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t rows,
@@ -355,43 +382,16 @@ int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
     const int tiles = rows > 1 && use_tiles(), prefetch = stream_prefetch();
     PgTeam team = {0};
     _Pragma("omp parallel")
-    team_blocks(w, xp, ldx, bias, y, rows, n_out, n_pad, k_pad, tiles, prefetch, &team, 1);
+    team_blocks(w, xp, ldx, bias, y, rows, n_out, n_pad, k_pad, tiles, prefetch, &team, 1, NULL, 0, 0);
     free(padded);
     return 0;
 }
 
 void packed_gemm_bf16_team(const uint16_t *w, const uint16_t *x, int64_t ldx, uint16_t *y, int64_t rows,
-                           int64_t n_out, int64_t n_pad, int64_t k_pad, PgTeam *team, uint32_t tag) {
-    team_blocks(w, x, ldx, NULL, y, rows, n_out, n_pad, k_pad, rows > 1 && use_tiles(), stream_prefetch(), team, tag);
-}
-
-/* The lines of the next product's run a thread fetches while it waits at a product's barrier, at
- * most: 512 (32 KB). On two CCDs the step ran 1.001-1.020x as fast with them (five runs), about as
- * much with 256 or 1024, 1.003-1.004x with 2048, and 0.92-0.95x with 8192 and more, which fill much
- * of L2 (the K/V fetched ahead for the next attention among what they evict) and queue behind one
- * another while the waiting thread looks for the other's arrival; which costs more was not
- * measured (scripts/bench_stack_ab.sh; docs/performance.md, "claims that shrink, a waiting thread
- * that fetches"). */
-#define PG_FETCH_NEXT_LINES 512
-
-/* Why: on two CCDs, a product's end keeps one thread waiting for the other ~1-7 us at each barrier
- * (a 9-block product splits 5 and 4, and the two stream at different rates), ~0.4 ms a bfloat16
- * step in all; its memory sits idle meanwhile. It starts the next product's stream instead. */
-void packed_gemm_bf16_team_next(PgTeam *team, const uint16_t *w, int64_t n_pad, int64_t k_pad) {
-    const int me = omp_get_thread_num();
-    if (me > 1) return;
-    if (w == NULL) {
-        team->next[me] = team->next_end[me] = NULL;
-        return;
-    }
-    const int64_t blocks = n_pad / PG_BLOCK_N, block_bytes = k_pad * PG_BLOCK_N * 2;
-    int64_t front, back;
-    fixed_runs(blocks, &front, &back);
-    const char *start = (const char *)w + (me == 0 ? 0 : (blocks - back) * block_bytes);
-    const int64_t run = (me == 0 ? front : back) * block_bytes;
-    const int64_t bytes = PG_FETCH_NEXT_LINES * 64 < run ? PG_FETCH_NEXT_LINES * 64 : run;
-    team->next[me] = start;
-    team->next_end[me] = start + bytes;
+                           int64_t n_out, int64_t n_pad, int64_t k_pad, PgTeam *team, uint32_t tag,
+                           const uint16_t *next, int64_t next_n_pad, int64_t next_k_pad) {
+    team_blocks(w, x, ldx, NULL, y, rows, n_out, n_pad, k_pad, rows > 1 && use_tiles(), stream_prefetch(), team, tag,
+                next, next_n_pad, next_k_pad);
 }
 
 int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t n_out,
@@ -419,12 +419,10 @@ int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
 }
 
 void packed_gemm_bf16_team(const uint16_t *w, const uint16_t *x, int64_t ldx, uint16_t *y, int64_t rows,
-                           int64_t n_out, int64_t n_pad, int64_t k_pad, PgTeam *team, uint32_t tag) {
+                           int64_t n_out, int64_t n_pad, int64_t k_pad, PgTeam *team, uint32_t tag,
+                           const uint16_t *next, int64_t next_n_pad, int64_t next_k_pad) {
     (void)w, (void)x, (void)ldx, (void)y, (void)rows, (void)n_out, (void)n_pad, (void)k_pad, (void)team, (void)tag;
-}
-
-void packed_gemm_bf16_team_next(PgTeam *team, const uint16_t *w, int64_t n_pad, int64_t k_pad) {
-    (void)team, (void)w, (void)n_pad, (void)k_pad;
+    (void)next, (void)next_n_pad, (void)next_k_pad;
 }
 
 int packed_gemv_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t n_out,

@@ -58,15 +58,7 @@ typedef struct {
     /* one list a thread (kv_ahead.h) that the one-row loop without prefetches drains a few lines a
      * chunk, or NULL */
     struct KvAhead *ahead;
-    /* each thread's first lines of the team's next product, which it fetches while it waits at this
-     * product's barrier (packed_gemm_bf16_team_next) */
-    const char *next[2], *next_end[2];
 } PgTeam;
-
-/* tells a team of two which product comes after the one it calls next: while a thread waits at that
- * product's barrier, it fetches the start of its own fixed run of this one. Every thread calls it,
- * with its own thread's view; NULL w clears it. */
-void packed_gemm_bf16_team_next(PgTeam *team, const uint16_t *w, int64_t n_pad, int64_t k_pad);
 
 /* packed_gemm_bf16 without a parallel region of its own, for a caller already inside one: the
  * calling team shares the blocks out and meets at a barrier at the end, so every thread of the
@@ -76,9 +68,12 @@ void packed_gemm_bf16_team_next(PgTeam *team, const uint16_t *w, int64_t n_pad, 
  * elements apart; rows and sizes as packed_gemm_bf16 takes them, unchecked (the caller checks them
  * first). The same outputs bit for bit as packed_gemm_bf16. Why: a decode step's products forked
  * and joined the thread team once each, and that cost ~2-4% of a bfloat16 step
- * (docs/performance.md, twelfth round). */
+ * (docs/performance.md, twelfth round). `next` (its sizes next_n_pad x next_k_pad), or NULL: the
+ * weights of the product the team computes after this one; in a team of two, a thread that waits at
+ * this product's barrier fetches the start of its own run of them meanwhile. */
 void packed_gemm_bf16_team(const uint16_t *w, const uint16_t *x, int64_t ldx, uint16_t *y, int64_t rows,
-                           int64_t n_out, int64_t n_pad, int64_t k_pad, PgTeam *team, uint32_t tag);
+                           int64_t n_out, int64_t n_pad, int64_t k_pad, PgTeam *team, uint32_t tag,
+                           const uint16_t *next, int64_t next_n_pad, int64_t next_k_pad);
 
 #ifdef __cplusplus
 }
