@@ -179,11 +179,14 @@ def test_several_rows_to_the_types_rounding_each_independent_of_the_others(out_f
         assert torch.equal(one, full)
 
 
-@pytest.mark.parametrize(("out_features", "in_features"), [(576, 1536), (960, 576), (3072, 576), (8256, 96)])
+@pytest.mark.parametrize(("out_features", "in_features"),
+                         [(576, 1536), (960, 576), (3072, 576), (8256, 96), (8256, 32)])
 def test_products_do_not_depend_on_the_thread_count(out_features, in_features):
-    """Each output's sum is the same whichever thread computes its block: one to three threads give
-    the same outputs bit for bit, for one row and several. 8256 outputs are 129 blocks: a team of two
-    shares 32 of them in claims that shrink from 8 blocks to one (packed_gemv.c)."""
+    """Each output's sum is the same whichever thread computes its block or half of one: one to
+    three threads give the same outputs bit for bit, for one row and several. 8256 outputs are 129
+    blocks: a team of two shares 32 of them in claims that shrink from 8 blocks to one, and the last
+    one in halves, which one thread may compute and the other add (packed_gemv.c); at 32 inputs a
+    block is one chunk, and no block is halved."""
     _gemv_or_skip()
     gen = torch.Generator().manual_seed(out_features + in_features)
     layer = PrepackedLinear((torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16(), None)

@@ -347,7 +347,8 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
      * attention output, its own q, the product scratch; shared: q, two product outputs (float-sized,
      * whichever the kind) */
     const int64_t own = rows * (2 * hidden + widest + inter + 2 * q_size) + (xb_bytes + 3) / 4 + 16;
-    const int64_t shared = rows * q_size + 2 * rows * widest + 32; /* + the PgTeam and its line */
+    /* + the PgTeam, from the next line */
+    const int64_t shared = rows * q_size + 2 * rows * widest + (int64_t)(sizeof(PgTeam) + 63) / 4;
     float *scratch = (float *)malloc(sizeof(float) * (size_t)(threads * own + shared));
     if (scratch == NULL) return 1;
     float *q = scratch + threads * own;

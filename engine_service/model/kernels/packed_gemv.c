@@ -14,8 +14,10 @@
  * operand of one VDPBF16PS, which multiplies bfloat16 pairs and accumulates in float32.
  *
  * Sums are float32, in input order per output (pairs), then the bias, then one rounding to
- * bfloat16. oneDNN blocks the sum differently, so a few outputs in ten thousand differ from its by
- * one bfloat16 ulp (tests/unit/test_prepacked.py bounds them against a float64 reference).
+ * bfloat16; the blocks a team of two shares out as it goes (halved_blocks) sum each half of the
+ * inputs in order and add the two. oneDNN blocks the sum differently, so a few outputs in ten
+ * thousand differ from its by one bfloat16 ulp (tests/unit/test_prepacked.py bounds them against a
+ * float64 reference).
  *
  * Two to PG_MAX_ROWS rows go through AMX's tile multiply where the CPU has it: the layout's chunk is
  * four B tiles as it lies (16 input pairs x 16 outputs each, rows 256 bytes apart), so a step of
@@ -239,21 +241,26 @@ static int use_tiles(void) {
 #endif
 }
 
-/* block b's rows x 64 sums, stored to y with the bias */
-static inline void one_block(const uint16_t *w, const uint16_t *xp, int64_t ldx, const uint16_t *bias, uint16_t *y,
-                             int64_t rows, int64_t n_out, int64_t chunks, int tiles, int prefetch, int64_t b,
-                             KvAhead *ahead) {
-    float sums[PG_MAX_ROWS * PG_BLOCK_N];
-    const uint16_t *block = w + b * chunks * CHUNK;
+/* the rows x 64 sums of chunks [c0, c1) of block b, into sums[m * 64 ...] */
+static inline void part_sums(const uint16_t *w, const uint16_t *xp, int64_t ldx, int64_t rows, int64_t chunks,
+                             int tiles, int prefetch, int64_t b, int64_t c0, int64_t c1, KvAhead *ahead,
+                             float *sums) {
+    const uint16_t *block = w + b * chunks * CHUNK + c0 * CHUNK, *xc = xp + c0 * PG_BLOCK_K;
+    const int64_t n = c1 - c0;
 #if defined(PG_AMX)
-    if (tiles) block_sums_amx(block, xp, ldx, chunks, sums);
+    if (tiles) block_sums_amx(block, xc, ldx, n, sums);
     else
 #else
     (void)tiles;
 #endif
-    if (rows > 1) block_sums_rows(block, xp, ldx, (int)rows, chunks, sums);
-    else if (prefetch) block_sums(block, xp, chunks, 1, sums);
-    else block_sums_256(block, xp, chunks, sums, ahead);
+    if (rows > 1) block_sums_rows(block, xc, ldx, (int)rows, n, sums);
+    else if (prefetch) block_sums(block, xc, n, 1, sums);
+    else block_sums_256(block, xc, n, sums, ahead);
+}
+
+/* block b's sums (rows x 64), stored to y with the bias */
+static inline void store_block(const float *sums, const uint16_t *bias, uint16_t *y, int64_t rows, int64_t n_out,
+                               int64_t b) {
     const int64_t first = b * PG_BLOCK_N, count = n_out - first < PG_BLOCK_N ? n_out - first : PG_BLOCK_N;
     for (int64_t m = 0; m < rows; m++)
         for (int64_t r = 0; r < count; r++) {
@@ -270,11 +277,71 @@ static inline void fixed_runs(int64_t blocks, int64_t *front, int64_t *back) {
     *back = blocks - shared - *front;
 }
 
+/* [*lo, *hi): the blocks a product sums in two halves (none where a block is a single chunk): those
+ * between a team of two's fixed runs, the ones it shares out as it goes (blocks_from_both_ends).
+ * A halved block sums its first half of the inputs in order, its second half in order, then adds
+ * the two. Why: the two threads meet somewhere among those blocks, and the one that got there
+ * first waited up to a whole block at the barrier (72 KB at K = 576, 192 KB at K = 1536); in
+ * halves, the last block left can go half to each. Chosen by the product's shape alone, so a
+ * block's sums do not depend on the team's size nor on which thread computes which half. */
+static inline void halved_blocks(int64_t blocks, int64_t chunks, int64_t *lo, int64_t *hi) {
+    int64_t front, back;
+    fixed_runs(blocks, &front, &back);
+    *lo = front, *hi = chunks >= 2 ? blocks - back : front;
+}
+
+/* block b whole: its rows x 64 sums (in two halves where it is one of halved_blocks), stored to y */
+static inline void one_block(const uint16_t *w, const uint16_t *xp, int64_t ldx, const uint16_t *bias, uint16_t *y,
+                             int64_t rows, int64_t n_out, int64_t blocks, int64_t chunks, int tiles, int prefetch,
+                             int64_t b, KvAhead *ahead) {
+    float sums[PG_MAX_ROWS * PG_BLOCK_N];
+    int64_t lo, hi;
+    halved_blocks(blocks, chunks, &lo, &hi);
+    if (b >= lo && b < hi) {
+        float second[PG_MAX_ROWS * PG_BLOCK_N];
+        const int64_t half = chunks / 2;
+        part_sums(w, xp, ldx, rows, chunks, tiles, prefetch, b, 0, half, ahead, sums);
+        part_sums(w, xp, ldx, rows, chunks, tiles, prefetch, b, half, chunks, ahead, second);
+        for (int64_t i = 0; i < rows * PG_BLOCK_N; i++) sums[i] += second[i];
+    } else {
+        part_sums(w, xp, ldx, rows, chunks, tiles, prefetch, b, 0, chunks, ahead, sums);
+    }
+    store_block(sums, bias, y, rows, n_out, b);
+}
+
+/* 1 when the calling thread's arrival with its half of a block is the second of the two in the
+ * product tagged `tag` (its half sits in team->halves by now), 0 when the first */
+static inline int second_half_in(PgTeam *team, uint32_t tag) {
+    const uint64_t mine = (uint64_t)tag << 32;
+    for (uint64_t old = __atomic_load_n(&team->halves_in, __ATOMIC_ACQUIRE);;) {
+        const uint64_t fresh = (old & ~0xffffffffull) == mine ? old + 1 : mine | 1;
+        /* release: this thread's half before the count; acquire: the other's, when it came first */
+        if (__atomic_compare_exchange_n(&team->halves_in, &old, fresh, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return fresh == (mine | 2);
+    }
+}
+
+/* one half (second: 0 the first, 1 the second) of halved block b, claimed on its own: its sums
+ * into team->halves[second]; the thread that brings the second of the two in adds them and stores
+ * the block */
+static inline void one_half(const uint16_t *w, const uint16_t *xp, int64_t ldx, const uint16_t *bias, uint16_t *y,
+                            int64_t rows, int64_t n_out, int64_t chunks, int tiles, int prefetch, int64_t b,
+                            int second, KvAhead *ahead, PgTeam *team, uint32_t tag) {
+    const int64_t half = chunks / 2;
+    part_sums(w, xp, ldx, rows, chunks, tiles, prefetch, b, second ? half : 0, second ? chunks : half, ahead,
+              team->halves[second]);
+    if (!second_half_in(team, tag)) return;
+    float sums[PG_MAX_ROWS * PG_BLOCK_N];
+    for (int64_t i = 0; i < rows * PG_BLOCK_N; i++) sums[i] = team->halves[0][i] + team->halves[1][i];
+    store_block(sums, bias, y, rows, n_out, b);
+}
+
 /* A team of two shares a product's blocks from both ends: thread 0 takes the first blocks in order,
  * thread 1 the last, each a fixed three eighths or so; the quarter between them goes to whichever
- * thread gets there first, a quarter of what is left a claim, down to one block (a compare-and-swap
- * on `state`: the product's tag, the next block from the front, the block after the last one left
- * from the back; each claim moves a cache line between the threads). Why shrinking claims: with a
+ * thread gets there first, a quarter of what is left a claim, down to one block, and the last block
+ * in its two halves (a compare-and-swap on `state`: the product's tag, the next half block from
+ * the front, the half block after the last one left from the back; each claim moves a cache line
+ * between the threads). Why shrinking claims: with a
  * sixteenth of the product a claim, the head's were 48 blocks (3.5 MB, ~120 us on two CCDs) and
  * the thread that finished first waited up to a whole claim at the barrier; shrinking ones leave it
  * at most one block, and the step ran 1.009-1.015x as fast on two CCDs, as fast on one
@@ -284,31 +351,46 @@ static inline void fixed_runs(int64_t blocks, int64_t *front, int64_t *back) {
  * by up to ~15% under the VM's neighbours, and with a fixed half each the faster thread waited for
  * the slower at every product's barrier. A bfloat16 step ran ~1% faster this way there (the median
  * of 16 runs' paired ratios 1.008, their range 0.990-1.047), and as fast on one CCD (scripts/bench_stack_ab.sh;
- * docs/performance.md, fourteenth round). Which thread computes a block does not change its sums. */
+ * docs/performance.md, fourteenth round). Why the last block in halves (halved_blocks): the
+ * thread that got there first waited up to that whole block; now up to half of it, and the step
+ * ran 1.011x as fast on two CCDs (the median of ten runs' paired ratios, their range 0.999-1.029)
+ * and as fast on one (1.002, 0.975-1.019 in thirteen) (scripts/bench_stack_ab.sh;
+ * docs/performance.md, "the last block in halves"). The thread that brings the second half in adds the two. Which thread computes a block
+ * or a half does not change its sums. */
 static void blocks_from_both_ends(const uint16_t *w, const uint16_t *xp, int64_t ldx, const uint16_t *bias,
                                   uint16_t *y, int64_t rows, int64_t n_out, int64_t blocks, int64_t chunks, int tiles,
                                   int prefetch, PgTeam *team, uint32_t tag) {
     const int me = omp_get_thread_num();
     KvAhead *ahead = team->ahead != NULL ? team->ahead + me : NULL;
-    int64_t front, back;
+    int64_t front, back, lo, hi;
     fixed_runs(blocks, &front, &back);
+    halved_blocks(blocks, chunks, &lo, &hi);
+    /* the state counts halves: the shared blocks are units 2 * front to 2 * (blocks - back) */
     const uint64_t mine = (uint64_t)tag << 32;
     for (uint64_t old = __atomic_load_n(&team->state, __ATOMIC_ACQUIRE); (old & ~0xffffffffull) != mine;) {
-        const uint64_t fresh = mine | (uint64_t)front << 16 | (uint64_t)(blocks - back);
+        const uint64_t fresh = mine | (uint64_t)(2 * front) << 16 | (uint64_t)(2 * (blocks - back));
         if (__atomic_compare_exchange_n(&team->state, &old, fresh, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) break;
     }
-    const int64_t lo = me == 0 ? 0 : blocks - back, hi = me == 0 ? front : blocks;
-    for (int64_t b = lo; b < hi; b++) one_block(w, xp, ldx, bias, y, rows, n_out, chunks, tiles, prefetch, b, ahead);
+    for (int64_t b = me == 0 ? 0 : blocks - back; b < (me == 0 ? front : blocks); b++)
+        one_block(w, xp, ldx, bias, y, rows, n_out, blocks, chunks, tiles, prefetch, b, ahead);
     for (uint64_t old = __atomic_load_n(&team->state, __ATOMIC_ACQUIRE);;) {
         const int64_t next = (int64_t)(old >> 16 & 0xffff), end = (int64_t)(old & 0xffff);
         if (next >= end) break;
-        const int64_t guided = (end - next) / 4, n = guided > 1 ? guided : 1;
+        /* whole blocks, a quarter of what is left, down to one; the last one left in halves where
+         * it is halved (a claim of one half only ever leaves one half) */
+        const int64_t guided = (end - next) / 2 / 4, n = end - next <= 2 && hi > lo ? 1 : 2 * (guided > 1 ? guided : 1);
         const uint64_t claimed = me == 0 ? mine | (uint64_t)(next + n) << 16 | (uint64_t)end
                                          : mine | (uint64_t)next << 16 | (uint64_t)(end - n);
         if (!__atomic_compare_exchange_n(&team->state, &old, claimed, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
             continue; /* old now holds the state another claim left */
-        for (int64_t b = me == 0 ? next : end - n; b < (me == 0 ? next + n : end); b++)
-            one_block(w, xp, ldx, bias, y, rows, n_out, chunks, tiles, prefetch, b, ahead);
+        const int64_t first = me == 0 ? next : end - n;
+        if (n == 1) {
+            one_half(w, xp, ldx, bias, y, rows, n_out, chunks, tiles, prefetch, first / 2, (int)(first % 2), ahead, team,
+                     tag);
+        } else {
+            for (int64_t b = first / 2; b < (first + n) / 2; b++)
+                one_block(w, xp, ldx, bias, y, rows, n_out, blocks, chunks, tiles, prefetch, b, ahead);
+        }
         old = __atomic_load_n(&team->state, __ATOMIC_ACQUIRE);
     }
 }
@@ -351,13 +433,14 @@ static void team_blocks(const uint16_t *w, const uint16_t *xp, int64_t ldx, cons
 #if defined(PG_AMX)
     if (tiles) PG_AMX_CONFIGURE((int)rows);
 #endif
-    const int me = omp_get_thread_num(), pair = omp_get_num_threads() == 2 && blocks <= 0xffff;
+    const int me = omp_get_thread_num(), pair = omp_get_num_threads() == 2 && 2 * blocks <= 0xffff;
     KvAhead *ahead = team->ahead != NULL ? team->ahead + me : NULL;
     if (pair) {
         blocks_from_both_ends(w, xp, ldx, bias, y, rows, n_out, blocks, chunks, tiles, prefetch, team, tag);
     } else {
         _Pragma("omp for schedule(static) nowait")
-        for (int64_t b = 0; b < blocks; b++) one_block(w, xp, ldx, bias, y, rows, n_out, chunks, tiles, prefetch, b, ahead);
+        for (int64_t b = 0; b < blocks; b++)
+            one_block(w, xp, ldx, bias, y, rows, n_out, blocks, chunks, tiles, prefetch, b, ahead);
     }
 #if defined(PG_AMX)
     if (tiles) _tile_release(); /* so the kernel need not save this thread's tiles */

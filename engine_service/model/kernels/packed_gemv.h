@@ -55,6 +55,10 @@ struct KvAhead;
 typedef struct {
     uint64_t state;
     struct TeamBarrier *barrier;
+    /* the last block a product's claims leave, claimed in halves: the halves' sums, and the
+     * product's tag beside the count of halves in, on a line of its own */
+    uint64_t halves_in __attribute__((aligned(64)));
+    float halves[2][PG_MAX_ROWS * PG_BLOCK_N];
     /* one list a thread (kv_ahead.h) that the one-row loop without prefetches drains a few lines a
      * chunk, or NULL */
     struct KvAhead *ahead;
