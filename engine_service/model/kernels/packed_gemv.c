@@ -336,6 +336,14 @@ static inline void one_half(const uint16_t *w, const uint16_t *xp, int64_t ldx, 
     store_block(sums, bias, y, rows, n_out, b);
 }
 
+/* The lines of the next product's run a thread fetches as it takes its last claim of a product: 16.
+ * Why: the thread that reaches the barrier last waits for nothing, so its barrier fetches nothing,
+ * and its next product started cold. With them the step ran 1.0075x as fast on one CCD (the median
+ * of ten runs' paired ratios, their range 0.987-1.042) and as fast on two (1.002, 0.998-1.003 in
+ * five); 48 lines, 0.994-1.010 (scripts/bench_stack_ab.sh; docs/performance.md, "the last block in
+ * halves"). */
+#define PG_START_NEXT_LINES 16
+
 /* A team of two shares a product's blocks from both ends: thread 0 takes the first blocks in order,
  * thread 1 the last, each a fixed three eighths or so; the quarter between them goes to whichever
  * thread gets there first, a quarter of what is left a claim, down to one block, and the last block
@@ -355,11 +363,12 @@ static inline void one_half(const uint16_t *w, const uint16_t *xp, int64_t ldx, 
  * thread that got there first waited up to that whole block; now up to half of it, and the step
  * ran 1.011x as fast on two CCDs (the median of ten runs' paired ratios, their range 0.999-1.029)
  * and as fast on one (1.002, 0.975-1.019 in thirteen) (scripts/bench_stack_ab.sh;
- * docs/performance.md, "the last block in halves"). The thread that brings the second half in adds the two. Which thread computes a block
- * or a half does not change its sums. */
+ * docs/performance.md, "the last block in halves"). The thread that brings the second half in
+ * adds the two. Which thread computes a block or a half does not change its sums. `fetch`: the
+ * start of the calling thread's run of the next product (next_run_start), or NULL. */
 static void blocks_from_both_ends(const uint16_t *w, const uint16_t *xp, int64_t ldx, const uint16_t *bias,
                                   uint16_t *y, int64_t rows, int64_t n_out, int64_t blocks, int64_t chunks, int tiles,
-                                  int prefetch, PgTeam *team, uint32_t tag) {
+                                  int prefetch, PgTeam *team, uint32_t tag, const char *fetch) {
     const int me = omp_get_thread_num();
     KvAhead *ahead = team->ahead != NULL ? team->ahead + me : NULL;
     int64_t front, back, lo, hi;
@@ -384,9 +393,11 @@ static void blocks_from_both_ends(const uint16_t *w, const uint16_t *xp, int64_t
         if (!__atomic_compare_exchange_n(&team->state, &old, claimed, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
             continue; /* old now holds the state another claim left */
         const int64_t first = me == 0 ? next : end - n;
+        if (fetch != NULL && n >= end - next) /* its last claim */
+            for (int line = 0; line < PG_START_NEXT_LINES; line++) _mm_prefetch(fetch + 64 * line, _MM_HINT_T1);
         if (n == 1) {
-            one_half(w, xp, ldx, bias, y, rows, n_out, chunks, tiles, prefetch, first / 2, (int)(first % 2), ahead, team,
-                     tag);
+            one_half(w, xp, ldx, bias, y, rows, n_out, chunks, tiles, prefetch, first / 2, (int)(first % 2), ahead,
+                     team, tag);
         } else {
             for (int64_t b = first / 2; b < (first + n) / 2; b++)
                 one_block(w, xp, ldx, bias, y, rows, n_out, blocks, chunks, tiles, prefetch, b, ahead);
@@ -435,8 +446,10 @@ static void team_blocks(const uint16_t *w, const uint16_t *xp, int64_t ldx, cons
 #endif
     const int me = omp_get_thread_num(), pair = omp_get_num_threads() == 2 && 2 * blocks <= 0xffff;
     KvAhead *ahead = team->ahead != NULL ? team->ahead + me : NULL;
+    const char *fetch = NULL, *fetch_end = NULL; /* a team of two: the thread that waits starts the next product */
+    if (pair) next_run_start(next, next_n_pad, next_k_pad, me, &fetch, &fetch_end);
     if (pair) {
-        blocks_from_both_ends(w, xp, ldx, bias, y, rows, n_out, blocks, chunks, tiles, prefetch, team, tag);
+        blocks_from_both_ends(w, xp, ldx, bias, y, rows, n_out, blocks, chunks, tiles, prefetch, team, tag, fetch);
     } else {
         _Pragma("omp for schedule(static) nowait")
         for (int64_t b = 0; b < blocks; b++)
@@ -445,8 +458,6 @@ static void team_blocks(const uint16_t *w, const uint16_t *xp, int64_t ldx, cons
 #if defined(PG_AMX)
     if (tiles) _tile_release(); /* so the kernel need not save this thread's tiles */
 #endif
-    const char *fetch = NULL, *fetch_end = NULL; /* a team of two: the thread that waits starts the next product */
-    if (pair) next_run_start(next, next_n_pad, next_k_pad, me, &fetch, &fetch_end);
     team_barrier_fetching(team->barrier, fetch, fetch_end);
 }
 
