@@ -1,7 +1,8 @@
 /* SmolLM2-135M's bfloat16 decode step through decode_stack (one row, its output projection
  * included) against what its weights alone cost: the same 121 products called back to back, and
  * two-thread reads of the same bytes (one parallel region per buffer as the products have; all of
- * them in one region, no barrier between; each thread's half read as 2 or 4 interleaved runs).
+ * them in one region, with no barrier between or one after each; as many bytes in one buffer, each
+ * thread its half, as torch's sum reads them for the anchor's bound, which the last column divides).
  * Random weights on 2 MiB pages, a bfloat16 KV cache whose blocks lie scattered, the context
  * growing from the first argument. The variants alternate within each step; medians.
  *
@@ -25,6 +26,7 @@
 
 #include "../engine_service/model/kernels/decode_stack.h"
 #include "../engine_service/model/kernels/packed_gemv.h"
+#include "../engine_service/model/kernels/team_barrier.h"
 #include "bench_harness.h"
 
 #define LAYERS 30
@@ -81,22 +83,36 @@ static void products(uint16_t *x, uint16_t *y) {
     }
 }
 
-/* a two-thread sum over the same weights, 64 bytes a load: what the machine reads */
+/* the lines [lo, hi) from base summed into acc as float32, 256-bit loads, eight sums. Why this loop:
+ * it is the one-row kernel's (block_sums_256) and reads at the rate of torch's sum, the anchor's
+ * bound; a 512-bit loop into one sum read 10-14% slower on two CCDs (scripts/bench_read_loops.c;
+ * docs/performance.md, "the last block in halves"). */
+static inline __m256 sum_lines(const char *base, int64_t lo, int64_t hi, __m256 acc) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    int64_t j = lo;
+    for (; j + 4 <= hi; j += 4)
+        for (int i = 0; i < 8; i++) a[i] = _mm256_add_ps(a[i], _mm256_load_ps((const float *)(base + 64 * j) + 8 * i));
+    for (; j < hi; j++) a[0] = _mm256_add_ps(a[0], _mm256_load_ps((const float *)(base + 64 * j)));
+    for (int i = 0; i < 8; i++) acc = _mm256_add_ps(acc, a[i]);
+    return acc;
+}
+
+static double first_lane(__m256 v) {
+    float f[8];
+    _mm256_storeu_ps(f, v);
+    return f[0];
+}
+
+/* a two-thread sum over the same weights, a parallel region a buffer: what the products read */
 static void read_all(void) {
     double total = 0;
     for (int i = 0; i < 4 * LAYERS + 1; i++) {
         const StackWeight *w = all[i];
         const int64_t lines = w->n_pad * w->k * 2 / 64;
-        const char *base = w->data;
-        __m512i acc = _mm512_setzero_si512();
 #pragma omp parallel for schedule(static) reduction(+ : total)
-        for (int64_t t = 0; t < 2; t++) {
-            __m512i a = _mm512_setzero_si512();
-            for (int64_t j = t * lines / 2; j < (t + 1) * lines / 2; j++)
-                a = _mm512_add_epi32(a, _mm512_load_si512(base + 64 * j));
-            total += _mm512_reduce_add_epi32(a);
-        }
-        (void)acc;
+        for (int64_t t = 0; t < 2; t++)
+            total += first_lane(sum_lines(w->data, t * lines / 2, (t + 1) * lines / 2, _mm256_setzero_ps()));
     }
     sink += total;
 }
@@ -107,46 +123,47 @@ static void read_one_region(void) {
 #pragma omp parallel reduction(+ : total)
     {
         const int t = omp_get_thread_num(), n = omp_get_num_threads();
-        __m512i a = _mm512_setzero_si512();
+        __m256 a = _mm256_setzero_ps();
         for (int i = 0; i < 4 * LAYERS + 1; i++) {
             const StackWeight *w = all[i];
             const int64_t lines = w->n_pad * w->k * 2 / 64;
-            const char *base = w->data;
-            for (int64_t j = t * lines / n; j < (t + 1) * lines / n; j++)
-                a = _mm512_add_epi32(a, _mm512_load_si512(base + 64 * j));
+            a = sum_lines(w->data, t * lines / n, (t + 1) * lines / n, a);
         }
-        total += _mm512_reduce_add_epi32(a);
+        total += first_lane(a);
     }
     sink += total;
 }
 
-/* each thread's half of each buffer read as S interleaved sub-streams (its half cut in S runs) */
-static void read_streams(int S) {
+/* read_one_region with the team meeting after each buffer, as a step's products meet (team_barrier.h) */
+static TeamBarrier read_barrier;
+static void read_one_region_met(void) {
     double total = 0;
-    for (int i = 0; i < 4 * LAYERS + 1; i++) {
-        const StackWeight *w = all[i];
-        const int64_t lines = w->n_pad * w->k * 2 / 64;
-        const char *base = w->data;
-#pragma omp parallel for schedule(static) reduction(+ : total)
-        for (int64_t t = 0; t < 2; t++) {
-            __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-            const int64_t lo = t * lines / 2, hi = (t + 1) * lines / 2, n = (hi - lo) / S;
-            if (S == 2) {
-                for (int64_t j = 0; j < n; j++) {
-                    a0 = _mm512_add_epi32(a0, _mm512_load_si512(base + 64 * (lo + j)));
-                    a1 = _mm512_add_epi32(a1, _mm512_load_si512(base + 64 * (lo + n + j)));
-                }
-            } else {
-                for (int64_t j = 0; j < n; j++) {
-                    a0 = _mm512_add_epi32(a0, _mm512_load_si512(base + 64 * (lo + j)));
-                    a1 = _mm512_add_epi32(a1, _mm512_load_si512(base + 64 * (lo + n + j)));
-                    a2 = _mm512_add_epi32(a2, _mm512_load_si512(base + 64 * (lo + 2 * n + j)));
-                    a3 = _mm512_add_epi32(a3, _mm512_load_si512(base + 64 * (lo + 3 * n + j)));
-                }
-            }
-            for (int64_t j = lo + S * n; j < hi; j++) a0 = _mm512_add_epi32(a0, _mm512_load_si512(base + 64 * j));
-            total += _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)));
+#pragma omp parallel reduction(+ : total)
+    {
+        const int t = omp_get_thread_num(), n = omp_get_num_threads();
+        __m256 a = _mm256_setzero_ps();
+        for (int i = 0; i < 4 * LAYERS + 1; i++) {
+            const StackWeight *w = all[i];
+            const int64_t lines = w->n_pad * w->k * 2 / 64;
+            a = sum_lines(w->data, t * lines / n, (t + 1) * lines / n, a);
+            team_barrier(&read_barrier);
         }
+        total += first_lane(a);
+    }
+    sink += total;
+}
+
+/* as many bytes in one buffer, each thread its contiguous half: what torch's sum reads for the
+ * anchor's bound (engine_service/bench/anchor.py, read_bandwidth_gb_s) */
+static char *one_buffer;
+static int64_t one_buffer_lines;
+static void read_one_buffer(void) {
+    double total = 0;
+#pragma omp parallel reduction(+ : total)
+    {
+        const int t = omp_get_thread_num(), n = omp_get_num_threads();
+        const int64_t lo = t * one_buffer_lines / n, hi = (t + 1) * one_buffer_lines / n;
+        total += first_lane(sum_lines(one_buffer, lo, hi, _mm256_setzero_ps()));
     }
     sink += total;
 }
@@ -233,10 +250,15 @@ int main(int argc, char **argv) {
 #ifdef STACK_AB
     return paired_ab(&stack, context, rounds * steps, cos_t, sin_t, table);
 #endif
-    double *t_stack = malloc(sizeof(double) * rounds), *t_prod = malloc(sizeof(double) * rounds),
-           *t_read = malloc(sizeof(double) * rounds), *t_one = malloc(sizeof(double) * rounds), *t_s2 = malloc(sizeof(double) * rounds), *t_s4 = malloc(sizeof(double) * rounds);
+    one_buffer_lines = (int64_t)(weight_bytes / 64);
+    one_buffer = huge((size_t)one_buffer_lines * 64);
+    memset(one_buffer, 0, (size_t)one_buffer_lines * 64);
+    /* the step, the products, and the three reads, in turn within each step */
+    enum { STEP, PRODUCTS, READ, ONE_REGION, MET, ONE_BUFFER, KINDS };
+    double *t[KINDS];
+    for (int k = 0; k < KINDS; k++) t[k] = malloc(sizeof(double) * rounds);
     for (int r = -2; r < rounds; r++) {
-        double a = 0, b = 0, c = 0, d = 0, e2 = 0, e4 = 0;
+        double sum[KINDS] = {0};
         for (int s = 0; s < steps; s++) {
             const int64_t pos = context + s, id = (pos * 31) % VOCAB, slot = table[pos / BLOCK] * BLOCK + pos % BLOCK;
             const int64_t len = pos + 1;
@@ -250,28 +272,26 @@ int main(int argc, char **argv) {
             double t3 = now();
             read_one_region();
             double t4 = now();
-            read_streams(2);
+            read_one_region_met();
             double t5 = now();
-            read_streams(4);
+            read_one_buffer();
             double t6 = now();
-            e2 += t5 - t4, e4 += t6 - t5;
-            a += t1 - t0, b += t2 - t1, c += t3 - t2, d += t4 - t3;
+            sum[STEP] += t1 - t0, sum[PRODUCTS] += t2 - t1, sum[READ] += t3 - t2, sum[ONE_REGION] += t4 - t3;
+            sum[MET] += t5 - t4, sum[ONE_BUFFER] += t6 - t5;
             sink += logits[0];
         }
-        if (r >= 0) t_stack[r] = a / steps, t_prod[r] = b / steps, t_read[r] = c / steps, t_one[r] = d / steps, t_s2[r] = e2 / steps, t_s4[r] = e4 / steps;
+        for (int k = 0; r >= 0 && k < KINDS; k++) t[k][r] = sum[k] / steps;
     }
-    const double ms = median(t_stack, rounds) * 1e3, mp = median(t_prod, rounds) * 1e3, mr = median(t_read, rounds) * 1e3,
-                 mo = median(t_one, rounds) * 1e3;
+    static const char *names[KINDS] = {"decode_stack (with head)", "the 121 products alone", "a read a buffer",
+                                       "the read in one region", "  and a barrier a buffer", "one buffer, halves"};
+    const double bound = median(t[ONE_BUFFER], rounds) * 1e3;
     printf("context %lld, %.1f MB of weights, medians of %d rounds of %d steps\n", (long long)context,
            weight_bytes / 1e6, rounds, steps);
-    printf("%-28s%10s%12s%14s\n", "", "ms", "GB/s", "of the read");
-    printf("%-28s%10.3f%12.1f%14.3f\n", "decode_stack (with head)", ms, weight_bytes / ms / 1e6, mr / ms);
-    printf("%-28s%10.3f%12.1f%14.3f\n", "the 121 products alone", mp, weight_bytes / mp / 1e6, mr / mp);
-    printf("%-28s%10.3f%12.1f%14.3f\n", "a two-thread read", mr, weight_bytes / mr / 1e6, 1.0);
-    printf("%-28s%10.3f%12.1f%14.3f\n", "the read in one region", mo, weight_bytes / mo / 1e6, mr / mo);
-    const double m2 = median(t_s2, rounds) * 1e3, m4 = median(t_s4, rounds) * 1e3;
-    printf("%-28s%10.3f%12.1f%14.3f\n", "read, 2 streams a thread", m2, weight_bytes / m2 / 1e6, mr / m2);
-    printf("%-28s%10.3f%12.1f%14.3f\n", "read, 4 streams a thread", m4, weight_bytes / m4 / 1e6, mr / m4);
+    printf("%-28s%10s%12s%18s\n", "", "ms", "GB/s", "of one buffer's");
+    for (int k = 0; k < KINDS; k++) {
+        const double ms = median(t[k], rounds) * 1e3;
+        printf("%-28s%10.3f%12.1f%18.3f\n", names[k], ms, weight_bytes / ms / 1e6, bound / ms);
+    }
     fprintf(stderr, "(sink %g)\n", sink);
     return 0;
 }
