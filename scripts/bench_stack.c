@@ -117,26 +117,10 @@ static void read_all(void) {
     sink += total;
 }
 
-/* the same reads in one parallel region: each thread its half of every buffer, no barrier between */
-static void read_one_region(void) {
-    double total = 0;
-#pragma omp parallel reduction(+ : total)
-    {
-        const int t = omp_get_thread_num(), n = omp_get_num_threads();
-        __m256 a = _mm256_setzero_ps();
-        for (int i = 0; i < 4 * LAYERS + 1; i++) {
-            const StackWeight *w = all[i];
-            const int64_t lines = w->n_pad * w->k * 2 / 64;
-            a = sum_lines(w->data, t * lines / n, (t + 1) * lines / n, a);
-        }
-        total += first_lane(a);
-    }
-    sink += total;
-}
-
-/* read_one_region with the team meeting after each buffer, as a step's products meet (team_barrier.h) */
+/* the same reads in one parallel region: each thread its half of every buffer, and where `meet`,
+ * the team meeting after each buffer, as a step's products meet (team_barrier.h) */
 static TeamBarrier read_barrier;
-static void read_one_region_met(void) {
+static void read_one_region(int meet) {
     double total = 0;
 #pragma omp parallel reduction(+ : total)
     {
@@ -146,7 +130,7 @@ static void read_one_region_met(void) {
             const StackWeight *w = all[i];
             const int64_t lines = w->n_pad * w->k * 2 / 64;
             a = sum_lines(w->data, t * lines / n, (t + 1) * lines / n, a);
-            team_barrier(&read_barrier);
+            if (meet) team_barrier(&read_barrier);
         }
         total += first_lane(a);
     }
@@ -270,9 +254,9 @@ int main(int argc, char **argv) {
             double t2 = now();
             read_all();
             double t3 = now();
-            read_one_region();
+            read_one_region(0);
             double t4 = now();
-            read_one_region_met();
+            read_one_region(1);
             double t5 = now();
             read_one_buffer();
             double t6 = now();
