@@ -2,7 +2,7 @@
  * included) against what its weights alone cost: the same 121 products called back to back, and
  * two-thread reads of the same bytes (one parallel region per buffer as the products have; all of
  * them in one region, with no barrier between or one after each; as many bytes in one buffer, each
- * thread its half, as torch's sum reads them for the anchor's bound, which the last column divides).
+ * thread its half, the pattern of torch's sum for the anchor's bound, which the last column divides).
  * Random weights on 2 MiB pages, a bfloat16 KV cache whose blocks lie scattered, the context
  * growing from the first argument. The variants alternate within each step; medians.
  *
@@ -84,9 +84,9 @@ static void products(uint16_t *x, uint16_t *y) {
 }
 
 /* the lines [lo, hi) from base summed into acc as float32, 256-bit loads, eight sums. Why this loop:
- * it is the one-row kernel's (block_sums_256) and reads at the rate of torch's sum, the anchor's
- * bound; a 512-bit loop into one sum read 10-14% slower on two CCDs (scripts/bench_read_loops.c;
- * docs/performance.md, "the last block in halves"). */
+ * it is the one-row kernel's (block_sums_256), and on two CCDs it read 2% under to 5% over torch's
+ * sum, the anchor's bound, where a 512-bit loop into one sum read 8-12% under it
+ * (scripts/bench_read_loops.c; docs/performance.md, "the last block in halves"). */
 static inline __m256 sum_lines(const char *base, int64_t lo, int64_t hi, __m256 acc) {
     __m256 a[8];
     for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
@@ -137,7 +137,7 @@ static void read_one_region(int meet) {
     sink += total;
 }
 
-/* as many bytes in one buffer, each thread its contiguous half: what torch's sum reads for the
+/* as many bytes in one buffer, each thread its contiguous half: the pattern of torch's sum for the
  * anchor's bound (engine_service/bench/anchor.py, read_bandwidth_gb_s) */
 static char *one_buffer;
 static int64_t one_buffer_lines;

@@ -560,7 +560,8 @@ def test_the_steps_barrier_holds_every_thread_until_all_arrive(threads):
     thread's store back, for thousands of rounds; at the first meeting of each round a thread that
     waits fetches lines meanwhile, as a product's barrier fetches the next product's. Three and four
     threads on this machine's two cores preempt each other, so waits outlast the spin and sleep on
-    the futex until the last thread wakes them. In a child process, so that a lost wake-up fails the test instead of hanging it."""
+    the futex until the last thread wakes them. In a child process, so that a lost wake-up fails the
+    test instead of hanging it."""
     import subprocess
     import sys
 

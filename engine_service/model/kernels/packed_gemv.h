@@ -48,8 +48,9 @@ int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
                      int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_pad);
 
 /* What a team of two shares to split a product's blocks as they stream (packed_gemv.c,
- * blocks_from_both_ends): zero before the team's first product; and where the team meets at the
- * end of each product (team_barrier.h; NULL: `omp barrier`). */
+ * blocks_from_both_ends): `state` and `halves_in` zero before the team's first product (`halves`
+ * is written before it is read); and where the team meets at the end of each product
+ * (team_barrier.h; NULL: `omp barrier`). */
 struct TeamBarrier;
 struct KvAhead;
 typedef struct {
@@ -66,9 +67,9 @@ typedef struct {
 
 /* packed_gemm_bf16 without a parallel region of its own, for a caller already inside one: the
  * calling team shares the blocks out and meets at a barrier at the end, so every thread of the
- * team must call it with the same arguments: the same `team` (shared, zeroed before the first
- * product) and a `tag` that differs from the one of the team's product before (a count of the
- * products from 1). No bias; x is whole chunks wide (k_pad, its padding zeros), its rows ldx
+ * team must call it with the same arguments: the same `team` (shared, its counts zeroed before the
+ * first product) and a `tag` that differs from the one of the team's product before (a count of
+ * the products from 1). No bias; x is whole chunks wide (k_pad, its padding zeros), its rows ldx
  * elements apart; rows and sizes as packed_gemm_bf16 takes them, unchecked (the caller checks them
  * first). The same outputs bit for bit as packed_gemm_bf16. Why: a decode step's products forked
  * and joined the thread team once each, and that cost ~2-4% of a bfloat16 step
