@@ -307,14 +307,16 @@ static inline float scores_max(const float *s, int64_t n) {
 #endif
 }
 
-/* One partition [start, end) of one sequence, all heads. scores: [heads][PARTITION] scratch; o:
- * [heads][head_dim] out; m, l: [heads] out. HEAD_DIM is a compile-time constant in the specialised
- * copies (64, 128), which lets the compiler unroll the row loops. */
+/* One partition [start, end) of one sequence, all heads. reach >= end: the token before which its
+ * K/V may be prefetched (the sequence's tokens [end, reach) are the calling thread's next).
+ * scores: [heads][PARTITION] scratch; o: [heads][head_dim] out; m, l: [heads] out. HEAD_DIM is a
+ * compile-time constant in the specialised copies (64, 128), which lets the compiler unroll the
+ * row loops. */
 #define DEFINE_PARTITION(NAME, T, LOAD, SCORES16, SUFFIX)                                          \
 static inline __attribute__((always_inline)) void NAME(                                          \
         const float *restrict q, const T *restrict k_cache, const T *restrict v_cache,            \
-        const int64_t *restrict table, int64_t start, int64_t end, int64_t heads, int64_t group, \
-        int64_t kv_heads, int64_t block_size, const int64_t head_dim, float scale,               \
+        const int64_t *restrict table, int64_t start, int64_t end, int64_t reach, int64_t heads, \
+        int64_t group, int64_t kv_heads, int64_t block_size, const int64_t head_dim, float scale,\
         float *restrict scores, float *restrict o, float *restrict m, float *restrict l) {       \
     const int64_t token_stride = kv_heads * head_dim;                                             \
     int32_t kv_of[MAX_HEADS];  /* the kv head of each query head, without a division per token */ \
@@ -322,17 +324,26 @@ static inline __attribute__((always_inline)) void NAME(                         
     /* token by token, every head: a cached token's K row is read once for all of its query heads;  \
      * the same token of the next block's K and this block's V are prefetched on the way (a block's \
      * rows are contiguous, but blocks are not, and the hardware prefetcher stops at each one), and \
-     * into L2 the K two blocks ahead and the next block's V. Why further: inside a decode step the \
-     * layer's weights have just flushed the caches, so every K/V line comes from memory; the     \
-     * longer reach made attention 1-11% faster there (docs/performance.md, eleventh round). */   \
+     * into L2 the K two and three blocks ahead and the V one and two ahead, as far as `reach` (the \
+     * end of this partition, or of the calling thread's last partition of the sequence, which     \
+     * follow it in token order). Why that far: inside a decode step the layer's weights have just \
+     * flushed the caches, so every K/V line comes from memory; two ahead made attention 1-11%     \
+     * faster there than one (docs/performance.md, eleventh round), three ahead and across the    \
+     * thread's partitions made the one-row step 1.005x as fast at context 300 and 1.047x at 1500, \
+     * and batches of 4-64 rows' attention 1.06-1.09x (docs/performance.md, "attention's K/V three \
+     * blocks ahead"); four ahead was no faster at 300. */                                          \
     for (int64_t t = start; t < end;) {                                                           \
         const int64_t blk = t / block_size, first = t % block_size;                               \
         const int64_t run = block_size - first < end - t ? block_size - first : end - t;          \
         const T *kp = k_cache + (table[blk] * block_size + first) * token_stride;                 \
-        const int more = t + run < end, two_more = t + run + block_size < end;                    \
+        const int64_t after = t + run; /* the next block's first token */                         \
+        const int more = after < reach, two_more = after + block_size < reach;                    \
+        const int three_more = after + 2 * block_size < reach;                                    \
         const T *ahead = more ? k_cache + table[blk + 1] * block_size * token_stride : kp;        \
         const T *v_ahead = more ? v_cache + table[blk + 1] * block_size * token_stride : NULL;    \
         const T *k_ahead2 = two_more ? k_cache + table[blk + 2] * block_size * token_stride : NULL; \
+        const T *v_ahead2 = two_more ? v_cache + table[blk + 2] * block_size * token_stride : NULL; \
+        const T *k_ahead3 = three_more ? k_cache + table[blk + 3] * block_size * token_stride : NULL; \
         const T *vp = v_cache + (table[blk] * block_size + first) * token_stride;                 \
         for (int64_t i = 0; i < run; i++) {                                                       \
             for (int64_t c = 0; c < token_stride * (int64_t)sizeof(T); c += 64) {                 \
@@ -340,6 +351,8 @@ static inline __attribute__((always_inline)) void NAME(                         
                 __builtin_prefetch((const char *)(vp + i * token_stride) + c);                    \
                 if (v_ahead) __builtin_prefetch((const char *)(v_ahead + i * token_stride) + c, 0, 2); \
                 if (k_ahead2) __builtin_prefetch((const char *)(k_ahead2 + i * token_stride) + c, 0, 2); \
+                if (k_ahead3) __builtin_prefetch((const char *)(k_ahead3 + i * token_stride) + c, 0, 2); \
+                if (v_ahead2) __builtin_prefetch((const char *)(v_ahead2 + i * token_stride) + c, 0, 2); \
             }                                                                                     \
         }                                                                                         \
         if (VECTOR_OK(head_dim)) {                                                                \
@@ -401,7 +414,7 @@ static inline __attribute__((always_inline)) void NAME(                         
 }
 
 #define RUN_PARTITION(FN, HD)                                                                     \
-    FN(qb, k_cache, v_cache, table, start, end, heads, group, kv_heads, block_size, HD, scale,    \
+    FN(qb, k_cache, v_cache, table, start, end, reach, heads, group, kv_heads, block_size, HD, scale, \
        scores, o, m, l)
 
 int pda_plan(PdaPlan *plan, const int64_t *context_lens, int64_t batch, int64_t heads, int64_t kv_heads,
@@ -489,6 +502,11 @@ static inline __attribute__((always_inline)) void combine(const PdaPlan *plan, i
     for (int64_t t = lo; t < hi; t++) {                                                           \
         int64_t b, start, end;                                                                    \
         pda_task_span(plan, context_lens, t, &b, &start, &end);                                   \
+        /* the prefetches' reach: the end of the last of tasks [t, hi) that is b's (a sequence's   \
+         * tasks are its partitions in token order) */                                            \
+        const int64_t last = (hi < plan->first_task[b + 1] ? hi : plan->first_task[b + 1]) - 1;   \
+        int64_t reach = end, last_b, last_start;                                                  \
+        if (last > t) pda_task_span(plan, context_lens, last, &last_b, &last_start, &reach);      \
         const float *qb = q + b * heads * head_dim;                                               \
         const int64_t *table = block_tables + b * table_width;                                    \
         float *o = partials + t * per_task, *m = o + heads * head_dim, *l = m + heads;            \
