@@ -328,10 +328,10 @@ static inline __attribute__((always_inline)) void NAME(                         
      * end of this partition, or of the calling thread's last partition of the sequence, which     \
      * follow it in token order). Why that far: inside a decode step the layer's weights have just \
      * flushed the caches, so every K/V line comes from memory; two ahead made attention 1-11%     \
-     * faster there than one (docs/performance.md, eleventh round), three ahead and across the    \
-     * thread's partitions made the one-row step 1.005x as fast at context 300 and 1.047x at 1500, \
-     * and batches of 4-64 rows' attention 1.06-1.09x (docs/performance.md, "attention's K/V three \
-     * blocks ahead"); four ahead was no faster at 300. */                                          \
+     * faster there than one (docs/performance.md, eleventh round); three ahead and across the   \
+     * thread's partitions made the one-row step 1.004x (two CCDs) and 1.009x (one) as fast at     \
+     * context 300, 1.04-1.05x at 1500, and the attention of batches of 4-64 rows 1.06-1.09x       \
+     * (docs/performance.md, "attention's K/V three blocks ahead"); four ahead was no faster. */    \
     for (int64_t t = start; t < end;) {                                                           \
         const int64_t blk = t / block_size, first = t % block_size;                               \
         const int64_t run = block_size - first < end - t ? block_size - first : end - t;          \
