@@ -330,8 +330,9 @@ static inline __attribute__((always_inline)) void NAME(                         
      * flushed the caches, so every K/V line comes from memory; two ahead made attention 1-11%     \
      * faster there than one (docs/performance.md, eleventh round); three ahead and across the   \
      * thread's partitions made the one-row step 1.004x (two CCDs) and 1.009x (one) as fast at     \
-     * context 300, 1.04-1.05x at 1500, and the attention of batches of 4-64 rows 1.06-1.09x       \
-     * (docs/performance.md, "attention's K/V three blocks ahead"); four ahead was no faster. */    \
+     * context 300, 1.04-1.06x at 1500, and the attention of batches of 4-64 rows 1.06-1.09x       \
+     * (docs/performance.md, "attention's K/V three blocks ahead"); four ahead on top read         \
+     * 0.99-1.01x at 300 and 1.00-1.01x at 1500, so it stays at three. */                          \
     for (int64_t t = start; t < end;) {                                                           \
         const int64_t blk = t / block_size, first = t % block_size;                               \
         const int64_t run = block_size - first < end - t ? block_size - first : end - t;          \
