@@ -50,7 +50,15 @@ int main(int argc, char **argv) {
     for (int64_t b = 0; b < batch; b++) lens[b] = context + b % 7;
     const int64_t q_n = batch * HEADS * HEAD_DIM;
     float *q = malloc(sizeof(float) * (size_t)q_n), *out[2] = {malloc(sizeof(float) * (size_t)q_n), malloc(sizeof(float) * (size_t)q_n)};
-    for (int64_t i = 0; i < q_n; i++) q[i] = 0.01f * (float)(i % 17);
+    /* q as a bfloat16 model's step hands it over: every value a bfloat16 (BENCH_Q_F32=1: not) */
+    const char *q_f32 = getenv("BENCH_Q_F32");
+    for (int64_t i = 0; i < q_n; i++) {
+        q[i] = 0.01f * (float)(i % 17);
+        uint32_t bits;
+        memcpy(&bits, q + i, sizeof bits);
+        if (q_f32 == NULL || strcmp(q_f32, "1") != 0) bits &= 0xFFFF0000u;
+        memcpy(q + i, &bits, sizeof bits);
+    }
     char *flush = huge_alloc(FLUSH_BYTES);
     double *ratio = malloc(sizeof(double) * (size_t)rounds);
     int same = 1;

@@ -66,8 +66,9 @@ def test_inplace_decode_attention_matches_reference(heads, kv_heads, block_size)
 
 
 # head sizes: multiples of 16 take the AVX-512 path (the outputs of up to three query heads of a kv
-# head in registers; 64 is the default model's): a bfloat16 K of whole 32s transposed so that a
-# token is a lane, a float32 K (and bfloat16 of 48) with 16 scores summed across lanes at once; 24
+# head in registers; 64 is the default model's): a bfloat16 K of whole 32s under a bfloat16 q as
+# VDPBF16PS with 16 scores summed across lanes at once (where the CPU has it; under a float32 q,
+# below, transposed so that a token is a lane), a float32 K (and bfloat16 of 48) with 16 scores summed across lanes at once; 24
 # the portable loops (float16: its own exact widening); blocks of 32 split a run in two; groups of 1 to 6 query heads a kv head take
 # every split in threes
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -91,6 +92,21 @@ def test_native_decode_attention_matches_reference(heads, kv_heads, block_size, 
     strided = torch.ops.sluice.paged_decode_attention(wide_q, k_cache, v_cache, wide_tables,
                                                       meta.decode_context_lens[::1], 0.3)
     assert torch.equal(strided, got)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_native_decode_attention_keeps_a_float32_query_over_a_bfloat16_cache(head_dim):
+    """kv_cache_dtype=bfloat16 under a float32 model: q is not a bfloat16, so its scores take the
+    transposed FMA path and keep q's float32 bits. VDPBF16PS, which a bfloat16 model's q takes
+    (the bfloat16 cases above), would round q to bfloat16 and miss this tolerance by far."""
+    kernel = load_paged_decode_attention()
+    q, k_cache, v_cache, meta = _random_paged_case(9, 3, 16, torch.float32, head_dim)
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    assert not torch.equal(q, q.bfloat16().float())
+    ref = decode_attention_reference(q, k_cache.float(), v_cache.float(), meta, 0.3)
+    got = kernel.op(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, 0.3)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, atol=5e-6, rtol=1e-5)  # float32 sums in another order
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -105,7 +105,8 @@ static inline __m512 sum16(const __m512 a[16]) {
 static inline __attribute__((always_inline)) void NAME(                                          \
         const float *restrict q, const T *restrict kp, int64_t n, int64_t token_stride,           \
         int64_t heads, const int32_t *kv_of, const int64_t head_dim, float scale,                \
-        float *restrict scores) {                                                                 \
+        float *restrict scores, int q_bf16) {                                                     \
+    (void)q_bf16;                                                                                 \
     const __mmask16 mask = (__mmask16)((1u << n) - 1u);                                           \
     const __m512 vscale = _mm512_set1_ps(scale);                                                  \
     for (int64_t h = 0; h < heads; h++) {                                                         \
@@ -179,6 +180,35 @@ DEFINE_SCORES_T(scores_t1, 1)
 DEFINE_SCORES_T(scores_t2, 2)
 DEFINE_SCORES_T(scores_t3, 3)
 
+/* scores16_bf16 where every q value is exactly a bfloat16 (a bfloat16 model's): each token's 32
+ * input pairs of one query head as VDPBF16PS on the K row as it lies, and the 16 tokens' lanes
+ * summed at once (sum16), with no transpose. The products are exact either way; the sums round in
+ * another order than the transposed path's, so the scores are not its bit for bit. */
+#if defined(__AVX512BF16__)
+#define PDA_DP_BF16 1
+static inline __attribute__((always_inline)) void scores16_dp_bf16(
+        const float *restrict q, const uint16_t *restrict kp, int64_t n, int64_t token_stride,
+        int64_t heads, const int32_t *kv_of, const int64_t head_dim, float scale, float *restrict scores) {
+    const __mmask16 mask = (__mmask16)((1u << n) - 1u);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t h = 0; h < heads; h++) {
+        __m512bh qv[HEAD_DIM_MAX / 32];
+        for (int64_t c = 0; c < head_dim / 32; c++)
+            qv[c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + h * head_dim + 32 * c + 16),
+                                        _mm512_loadu_ps(q + h * head_dim + 32 * c));
+        const uint16_t *kh = kp + kv_of[h] * head_dim;
+        __m512 acc[16];
+        for (int i = 0; i < 16; i++) {
+            acc[i] = _mm512_setzero_ps();
+            if (i < n)
+                for (int64_t c = 0; c < head_dim / 32; c++)
+                    acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(kh + i * token_stride + 32 * c), qv[c]);
+        }
+        _mm512_mask_storeu_ps(scores + h * PARTITION, mask, _mm512_mul_ps(sum16(acc), vscale));
+    }
+}
+#endif
+
 /* scores[h * PARTITION + i] = scale * q_h . k_i for the run's n <= 16 tokens, bfloat16 K. Where
  * head_dim is whole runs of 32: each kv head's 16 K rows are transposed once, in registers, so a
  * token is a lane; then each query head's 16 scores are FMAs with its q broadcast, one input at a
@@ -187,11 +217,18 @@ DEFINE_SCORES_T(scores_t3, 3)
  * the kernel's instructions (docs/performance.md, seventh round). */
 static inline __attribute__((always_inline)) void scores16_bf16(
         const float *restrict q, const uint16_t *restrict kp, int64_t n, int64_t token_stride,
-        int64_t heads, const int32_t *kv_of, const int64_t head_dim, float scale, float *restrict scores) {
+        int64_t heads, const int32_t *kv_of, const int64_t head_dim, float scale, float *restrict scores,
+        int q_bf16) {
     if (head_dim % 32 != 0) {
-        scores16_lanes_bf16(q, kp, n, token_stride, heads, kv_of, head_dim, scale, scores);
+        scores16_lanes_bf16(q, kp, n, token_stride, heads, kv_of, head_dim, scale, scores, 0);
         return;
     }
+#if defined(PDA_DP_BF16)
+    if (q_bf16) {
+        scores16_dp_bf16(q, kp, n, token_stride, heads, kv_of, head_dim, scale, scores);
+        return;
+    }
+#endif
     const __mmask16 mask = (__mmask16)((1u << n) - 1u);
     const __m512 vscale = _mm512_set1_ps(scale);
     const int64_t kv_heads = token_stride / head_dim, group = heads / kv_heads;
@@ -287,6 +324,23 @@ DEFINE_VALUES(values3_f16, 3, uint16_t, vload_f16)
 #define scores16_f16 0
 #endif
 
+/* Whether q's n values are all bfloat16 numbers (their low 16 bits zero), as a bfloat16 model's q
+ * is; only the VDPBF16PS scores (scores16_dp_bf16) ask, and only where the CPU has them. */
+static inline int bf16_exact(const float *q, int64_t n) {
+#if defined(PDA_DP_BF16)
+    uint32_t low = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, q + i, sizeof bits);
+        low |= bits & 0xFFFFu;
+    }
+    return low == 0;
+#else
+    (void)q, (void)n;
+    return 0;
+#endif
+}
+
 /* The largest of s[0..n), NaNs passed over, -INFINITY for none. Why vector code: the scalar loop
  * was one dependent chain of vmaxss (GCC keeps a NaN-ignoring select serial), 17% of the kernel's
  * time under perf. A maximum does not round, so the result is the scalar loop's. */
@@ -321,6 +375,8 @@ static inline __attribute__((always_inline)) void NAME(                         
     const int64_t token_stride = kv_heads * head_dim;                                             \
     int32_t kv_of[MAX_HEADS];  /* the kv head of each query head, without a division per token */ \
     for (int64_t h = 0; h < heads; h++) kv_of[h] = (int32_t)(h / group);                          \
+    const int q_bf16 = bf16_exact(q, heads * head_dim);                                           \
+    (void)q_bf16;                                                                                 \
     /* token by token, every head: a cached token's K row is read once for all of its query heads;  \
      * the same token of the next block's K and this block's V are prefetched on the way (a block's \
      * rows are contiguous, but blocks are not, and the hardware prefetcher stops at each one), and \
@@ -359,7 +415,8 @@ static inline __attribute__((always_inline)) void NAME(                         
         if (VECTOR_OK(head_dim)) {                                                                \
             for (int64_t i = 0; i < run; i += 16)                                                 \
                 VECTOR_SCORES(SCORES16, q, kp + i * token_stride, run - i < 16 ? run - i : 16,    \
-                              token_stride, heads, kv_of, head_dim, scale, scores + t - start + i); \
+                              token_stride, heads, kv_of, head_dim, scale, scores + t - start + i, \
+                              q_bf16);                                                            \
         } else {                                                                                  \
             for (int64_t i = 0; i < run; i++, kp += token_stride) {                               \
                 float *sp = scores + t - start + i;                                               \
