@@ -183,7 +183,10 @@ DEFINE_SCORES_T(scores_t3, 3)
 /* scores16_bf16 where every q value is exactly a bfloat16 (a bfloat16 model's): each token's 32
  * input pairs of one query head as VDPBF16PS on the K row as it lies, and the 16 tokens' lanes
  * summed at once (sum16), with no transpose. The products are exact either way; the sums round in
- * another order than the transposed path's, so the scores are not its bit for bit. */
+ * another order than the transposed path's, so the scores are not its bit for bit. Why: the
+ * transposes were most of the scores' instructions; attention alone ran 1.08-1.12x as fast at
+ * context 300, one row, and 1.02-1.07x for batches of 4-64 and at 1500 (docs/performance.md, "a
+ * bfloat16 q's scores as VDPBF16PS"). */
 #if defined(__AVX512BF16__)
 #define PDA_DP_BF16 1
 static inline __attribute__((always_inline)) void scores16_dp_bf16(
@@ -210,7 +213,8 @@ static inline __attribute__((always_inline)) void scores16_dp_bf16(
 #endif
 
 /* scores[h * PARTITION + i] = scale * q_h . k_i for the run's n <= 16 tokens, bfloat16 K. Where
- * head_dim is whole runs of 32: each kv head's 16 K rows are transposed once, in registers, so a
+ * head_dim is whole runs of 32 and q is a bfloat16 one (q_bf16, bf16_exact): scores16_dp_bf16.
+ * Under a float32 q: each kv head's 16 K rows are transposed once, in registers, so a
  * token is a lane; then each query head's 16 scores are FMAs with its q broadcast, one input at a
  * time, shared by up to three query heads, with no per-token horizontal sum. Why: summing each
  * token's products across lanes (scores16_lanes) and widening K once per query head took most of
