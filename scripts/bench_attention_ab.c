@@ -2,7 +2,8 @@
  * REV's paged_decode_attention.c is built with its symbols prefixed `before_` and linked beside
  * this tree's (scripts/bench_attention_ab.sh does it). Each pass runs a step's 30 layers of
  * attention (SmolLM2-135M's shape: 9 query heads, 3 kv heads of 64, a bfloat16 cache in 16-token
- * blocks that lie scattered) through the entry point, after 64 MB written to flush the caches as a
+ * blocks that lie scattered, q a bfloat16 model's: every value a bfloat16, or a float32 one with
+ * BENCH_Q_F32=1) through the entry point, after 64 MB written to flush the caches as a
  * step's weights flush them; the two builds alternate, and it prints the median of the rounds'
  * paired ratios (before / after) and whether the two gave the same output bit for bit.
  *
