@@ -184,9 +184,9 @@ DEFINE_SCORES_T(scores_t3, 3)
  * input pairs of one query head as VDPBF16PS on the K row as it lies, and the 16 tokens' lanes
  * summed at once (sum16), with no transpose. The products are exact either way; the sums round in
  * another order than the transposed path's, so the scores are not its bit for bit. Why: the
- * transposes and the widening were about half the scores' instructions; attention alone ran 1.08-1.12x as fast at
- * context 300, one row, and 1.02-1.07x for batches of 4-64 and at 1500 (docs/performance.md, "a
- * bfloat16 q's scores as VDPBF16PS"). */
+ * transposes and the widening were about half the scores' instructions; attention alone ran
+ * 1.05-1.12x as fast at context 300, one row, and 1.02-1.07x for batches of 4-64 and at 1500
+ * (docs/performance.md, "a bfloat16 q's scores as VDPBF16PS"). */
 #if defined(__AVX512BF16__)
 #define PDA_DP_BF16 1
 static inline __attribute__((always_inline)) void scores16_dp_bf16(
