@@ -13,6 +13,10 @@
  *
  * Needs AVX512-BF16 and Linux (madvise). docs/performance.md, twelfth round.
  *
+ * Built with -DSLUICE_STACK_PHASES as well, it prints at exit each phase of decode_stack's layers
+ * (attention, each product with its barrier and copies, the work between them), microseconds a
+ * layer for each thread (kernels/stack_phases.h; docs/performance.md, "stop 54").
+ *
  * Built with -DSTACK_AB (scripts/bench_stack_ab.sh REV does it), it times this tree's decode_stack
  * against another commit's (linked beside it as `before_decode_stack`), the two alternating step by
  * step, each pair tagged with where the two threads sat (a cache line passed between them: under

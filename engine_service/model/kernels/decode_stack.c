@@ -33,6 +33,12 @@
 #include "paged_decode_attention.h"
 #include "q4_gemv.h"
 #include "team_barrier.h"
+#ifdef SLUICE_STACK_PHASES
+#include "stack_phases.h"
+#define STACK_PHASE(t, k) stack_phase(t, k)
+#else
+#define STACK_PHASE(t, k) ((void)0)
+#endif
 
 #define NOCONTRACT __attribute__((optimize("fp-contract=off")))
 
@@ -424,6 +430,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
                               aheads + t);
             else if (aheads != NULL) /* the last layer: what is left of the list is of no use now */
                 kv_ahead_reset(aheads + t, 0);
+            STACK_PHASE(t, PHASE_ATTENTION);
             if (s->cache_type == STACK_CACHE_F16)
                 paged_decode_attention_f16_team(&plan, qt, (const uint16_t *)layer->k_cache,
                                                 (const uint16_t *)layer->v_cache, block_tables, table_width,
@@ -440,14 +447,20 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
                                                 context_lens, attn, rows, s->heads, s->kv_heads, s->head_dim,
                                                 s->block_size, s->scale, 1);
             /* bfloat16: attn rounds to bfloat16 as the product converts it */
+            STACK_PHASE(t, PHASE_O);
             team_product(kind, &layer->o, attn, tmp, rows, xb, ys0, team, &tag, &layer->gate_up);
+            STACK_PHASE(t, PHASE_NORM);
             for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + tmp[i], bf);
             for (int64_t r = 0; r < rows; r++)
                 rms_norm(x + r * hidden, layer->post_norm, hidden, s->eps, bf, normed + r * hidden);
+            STACK_PHASE(t, PHASE_GATE_UP);
             team_product(kind, &layer->gate_up, normed, tmp, rows, xb, ys1, team, &tag, &layer->down);
+            STACK_PHASE(t, PHASE_SILU);
             silu_rows(tmp, rows, inter, bf, act);
+            STACK_PHASE(t, PHASE_DOWN);
             team_product(kind, &layer->down, act, tmp, rows, xb, ys0, team, &tag,
                          next != NULL ? &next->qkv : logits != NULL ? &s->head : NULL);
+            STACK_PHASE(t, PHASE_QKV);
             for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + tmp[i], bf);
             if (next != NULL) {
                 for (int64_t r = 0; r < rows; r++)
@@ -460,6 +473,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
                     if (t == 0) rotate_and_cache(s, next, tmp, q, rows, positions, cos_table, sin_table, slots, 1);
                     team_barrier(sync); /* q and the cache, before anyone attends */
                 }
+                STACK_PHASE(t, PHASE_END); /* the last layer, with no qkv after it, is not counted */
             }
         }
         if (logits != NULL) /* the head here, not in a region of its own: a fork and a join fewer */
