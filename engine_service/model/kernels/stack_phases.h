@@ -17,23 +17,24 @@ enum { PHASE_ATTENTION, PHASE_O, PHASE_NORM, PHASE_GATE_UP, PHASE_SILU, PHASE_DO
 static const char *const phase_names[PHASE_END] = {
     "attention (partitions, barrier, combine)", "o (its barrier and copies in)", "residual and norm",
     "gate/up", "SiLU", "down", "residual, norm, qkv, rotary"};
-_Static_assert(PHASE_END + 1 <= 8, "a thread's stamps fill one row of 8");
-/* a row of 8 a thread, on a line of its own: the two threads' stamps share no line */
-static uint64_t phase_at[2][8] __attribute__((aligned(64)));
-static double phase_ticks[2][8] __attribute__((aligned(64)));
-static long phase_layers[2][8] __attribute__((aligned(64)));
+/* each thread's stamps and sums, on lines of their own: the two threads' writes share no line */
+static struct __attribute__((aligned(64))) {
+    uint64_t at[PHASE_END + 1];
+    double ticks[PHASE_END];
+    long layers;
+} phases[2];
 
 /* thread t reaches the start of phase k (PHASE_END: the end of the layer, which adds it up) */
 static inline void stack_phase(int t, int k) {
     if (t > 1) return;
-    phase_at[t][k] = __rdtsc();
+    phases[t].at[k] = __rdtsc();
     if (k != PHASE_END) return;
-    for (int p = 0; p < PHASE_END; p++) phase_ticks[t][p] += (double)(phase_at[t][p + 1] - phase_at[t][p]);
-    phase_layers[t][0]++;
+    for (int p = 0; p < PHASE_END; p++) phases[t].ticks[p] += (double)(phases[t].at[p + 1] - phases[t].at[p]);
+    phases[t].layers++;
 }
 
 __attribute__((destructor)) static void stack_phases_print(void) {
-    if (phase_layers[0][0] == 0) return;
+    if (phases[0].layers == 0) return;
     struct timespec a, b;
     clock_gettime(CLOCK_MONOTONIC, &a);
     const uint64_t t0 = __rdtsc();
@@ -43,11 +44,10 @@ __attribute__((destructor)) static void stack_phases_print(void) {
         ns = (double)(b.tv_sec - a.tv_sec) * 1e9 + (double)(b.tv_nsec - a.tv_nsec);
     } while (ns < 1e8);
     const double ticks_per_us = (double)(__rdtsc() - t0) / ns * 1e3;
-    fprintf(stderr, "decode_stack's phases, us a layer (%ld layers), thread 0 / thread 1:\n", phase_layers[0][0]);
+    fprintf(stderr, "decode_stack's phases, us a layer (%ld layers), thread 0 / thread 1:\n", phases[0].layers);
     for (int p = 0; p < PHASE_END; p++)
-        fprintf(stderr, "  %-42s %8.2f %8.2f\n", phase_names[p],
-                phase_ticks[0][p] / (double)phase_layers[0][0] / ticks_per_us,
-                phase_layers[1][0] ? phase_ticks[1][p] / (double)phase_layers[1][0] / ticks_per_us : 0.0);
+        fprintf(stderr, "  %-42s %8.2f %8.2f\n", phase_names[p], phases[0].ticks[p] / (double)phases[0].layers / ticks_per_us,
+                phases[1].layers ? phases[1].ticks[p] / (double)phases[1].layers / ticks_per_us : 0.0);
 }
 
 #endif
