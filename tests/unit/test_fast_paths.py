@@ -68,9 +68,9 @@ def test_inplace_decode_attention_matches_reference(heads, kv_heads, block_size)
 # head sizes: multiples of 16 take the AVX-512 path (the outputs of up to three query heads of a kv
 # head in registers; 64 is the default model's): a bfloat16 K of whole 32s under a bfloat16 q as
 # VDPBF16PS with 16 scores summed across lanes at once (where the CPU has it; under a float32 q,
-# below, transposed so that a token is a lane), a float32 K (and bfloat16 of 48) with 16 scores summed across lanes at once; 24
-# the portable loops (float16: its own exact widening); blocks of 32 split a run in two; groups of 1 to 6 query heads a kv head take
-# every split in threes
+# below, transposed so that a token is a lane), a float32 K (and bfloat16 of 48) with 16 scores
+# summed across lanes at once; 24 the portable loops (float16: its own exact widening); blocks of 32
+# split a run in two; groups of 1 to 6 query heads a kv head take every split in threes
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,block_size,head_dim", [
     (9, 3, 16, 32), (4, 4, 4, 32), (8, 2, 8, 32), (6, 1, 16, 32), (9, 3, 16, 64), (4, 2, 32, 64),
