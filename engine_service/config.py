@@ -217,6 +217,9 @@ class SchedulerConfig:
     # fewer than multi_step_max_rows rows (0: never; the engine sets it where the native step runs them)
     num_scheduler_steps: int = EngineConfig.num_scheduler_steps
     multi_step_max_rows: int = 0
+    # a step of decodes of fewer rows than this runs the runner's fast step (the native decode step);
+    # drafts never push such a step past it (0: no fast step; the engine sets it where one runs)
+    fast_step_max_rows: int = 0
 
     def resolved_watermark_blocks(self) -> int:
         if self.watermark_blocks is not None:

@@ -197,6 +197,7 @@ class LLMEngine:
             speculative_config=self.speculative_config,
             num_scheduler_steps=config.num_scheduler_steps,
             multi_step_max_rows=multi_step_rows,
+            fast_step_max_rows=self.runner.native_decode.max_rows if self.native_decode else 0,
         ))
         self.vocab_size = self.model_config.vocab_size
         self.sampler = Sampler(self.vocab_size, self.device, seed=config.seed)

@@ -190,6 +190,7 @@ class Scheduler:
         check_num_scheduler_steps(config.num_scheduler_steps, spec is not None)
         self.num_scheduler_steps = config.num_scheduler_steps
         self.multi_step_max_rows = config.multi_step_max_rows
+        self.fast_step_max_rows = config.fast_step_max_rows
 
     # --- views ---
     @property
@@ -345,6 +346,8 @@ class Scheduler:
         # drafts this step: speculation on, and the batch no larger than its disable_by_batch_size
         speculate = spec is not None and (spec.disable_by_batch_size is None
                                           or len(running) <= spec.disable_by_batch_size)
+        fast_rows = self.fast_step_max_rows
+        prefilling = False  # a prefill chunk in this step: it runs the full forward whatever its rows
 
         # 1. running requests, oldest first (preemption only ever pops the tail)
         for i, req in enumerate(running):
@@ -366,7 +369,13 @@ class Scheduler:
             if speculate:
                 drafter = states[req.request_id].drafter
                 if drafter is not None and num_new == 1:
-                    drafts = self._draft(req, drafter, start, known, budget, pairs, len(running) - i - 1)
+                    room = budget
+                    if fast_rows and not prefilling and num_batched + len(running) - i < fast_rows:
+                        # a step of decodes that the fast step takes stays on it: a verifying step
+                        # past its rows ran the compiled step's products, slower than its drafts
+                        # saved (docs/scheduler.md, "Drafts keep the fast step")
+                        room = min(budget, fast_rows - 1 - num_batched)
+                    drafts = self._draft(req, drafter, start, known, room, pairs, len(running) - i - 1)
                     if drafts:
                         num_new = cost = 1 + len(drafts)
                     else:
@@ -410,6 +419,7 @@ class Scheduler:
             budget -= cost
             if num_new > 1:
                 pairs -= attention_pairs(start, num_new)
+                prefilling |= drafts is None
             num_batched += num_new
         self._stats.forwarded_tokens += forwarded
 
@@ -562,8 +572,9 @@ class Scheduler:
                num_after: int) -> list[int]:
         """The drafts of a decoding request this step: what its n-gram drafter proposes, within
 
-        - the token budget, keeping one token for each of the ``num_after`` running requests after it
-          (speculation never pushes a running request out of a step);
+        - the token budget (or, in a step of decodes, the rows the runner's fast step has left),
+          keeping one token for each of the ``num_after`` running requests after it (speculation
+          never pushes a running request out of a step);
         - ``max_tokens``, the context and the free blocks (``_extra_token_room``): drafts never
           preempt anyone, they shrink or vanish instead;
         - the step's attention pairs (a draft chunk attends like a prefill chunk)."""

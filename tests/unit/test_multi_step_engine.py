@@ -48,6 +48,8 @@ def _engine(model_dir, monkeypatch, steps: int) -> LLM:
     llm = LLM(str(model_dir), dtype="float32", quantization="int4", enforce_eager=False, kv_cache_memory=32 << 20,
               enable_prefix_caching=False, num_scheduler_steps=steps)
     assert llm.engine.runner.native_decode is not None
+    # drafts keep a step of decodes on the native step (scheduler.py): the rows it takes
+    assert llm.engine.scheduler.fast_step_max_rows == llm.engine.runner.native_decode.max_rows > 1
     return llm
 
 
@@ -141,7 +143,7 @@ def test_the_engine_refuses_steps_that_cannot_work_before_loading_the_model(mode
 
 def test_without_a_native_step_the_engine_decodes_one_step_at_a_time(model_dir, caplog):
     llm = LLM(str(model_dir), dtype="float32", enforce_eager=True, kv_cache_memory=16 << 20, num_scheduler_steps=8)
-    assert llm.engine.scheduler.multi_step_max_rows == 0
+    assert llm.engine.scheduler.multi_step_max_rows == llm.engine.scheduler.fast_step_max_rows == 0
     assert "--num-scheduler-steps 8 runs as 1" in caplog.text
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 6

@@ -209,11 +209,12 @@ def cyclic_model(period: int = 7, vocab: int = 50):
 
 
 def make(num_blocks=64, block_size=4, budget=64, max_num_seqs=8, spec=NGRAM, caching=True, model=None,
-         max_model_len=4096):
+         max_model_len=4096, fast_step_max_rows=0):
     config = SchedulerConfig(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget,
                              max_num_seqs=max_num_seqs, max_model_len=max_model_len, watermark_blocks=0,
                              enable_prefix_caching=caching,
-                             speculative_config=SpeculativeConfig.parse(spec) if spec else None)
+                             speculative_config=SpeculativeConfig.parse(spec) if spec else None,
+                             fast_step_max_rows=fast_step_max_rows)
     return Scheduler(config), FakeKVRunner(num_blocks, block_size, next_token=model or cyclic_model())
 
 
@@ -313,6 +314,61 @@ def test_the_k_plus_one_tokens_are_budgeted_and_never_squeeze_out_a_running_requ
         sched.update_from_output(out, runner.step(out))
         sched.check_invariants()
     assert saw_drafts
+
+
+def _decode_steps(fast_step_max_rows: int, admit_late: bool = False):
+    """Four requests decoding a text that repeats (so each drafts k = 6 when it can), run to the
+    end; the rows of every step, whether it held a prefill chunk, and the requests."""
+    sched, runner = make(fast_step_max_rows=fast_step_max_rows)
+    reqs = [Request(f"r{i}", [0, 1, 2, 3, 4, 5, 6, 0, 1, i % 3], SamplingParams(max_tokens=40, ignore_eos=True))
+            for i in range(4)]
+    late = Request("late", list(range(1, 7)) * 3, SamplingParams(max_tokens=8, ignore_eos=True))
+    for r in reqs:
+        sched.add_request(r)
+    steps, n = [], 0
+    while sched.has_unfinished_requests():
+        if admit_late and n == 6:
+            sched.add_request(late)
+        out = sched.schedule()
+        prefill = any(c.num_tokens > 1 and not c.draft_token_ids for c in out.chunks)
+        steps.append((out.num_batched_tokens, len(out.chunks), prefill,
+                      sum(len(c.draft_token_ids or ()) for c in out.chunks)))
+        sched.update_from_output(out, runner.step(out))
+        sched.check_invariants()
+        n += 1
+    return steps, reqs, sched.spec_stats
+
+
+def test_drafts_keep_a_step_of_decodes_on_the_fast_steps_rows():
+    """Where the runner's fast step (the native decode step) takes fewer than 12 rows, four
+    decoding requests draft no step of decodes up to 12 rows; without the limit they do. They
+    still draft, and the tokens are plain decoding's either way. A step that prefills runs the
+    full forward anyway, so its drafts keep the token budget alone."""
+    free_steps, free_reqs, free_stats = _decode_steps(0)
+    assert any(rows >= 12 and not prefill for rows, _, prefill, _ in free_steps), "the limit would not bind"
+    capped_steps, capped_reqs, capped_stats = _decode_steps(12)
+    assert all(rows < 12 for rows, _, prefill, _ in capped_steps if not prefill)
+    assert capped_stats.num_drafts > 0 and capped_stats.num_accepted_tokens > 0
+    assert capped_stats.num_draft_tokens < free_stats.num_draft_tokens
+    plain_s, plain_r = make(spec=None)
+    plain = [Request(f"r{i}", [0, 1, 2, 3, 4, 5, 6, 0, 1, i % 3], SamplingParams(max_tokens=40, ignore_eos=True))
+             for i in range(4)]
+    run(plain_s, plain_r, plain)
+    want = [r.output_token_ids for r in plain]
+    assert [r.output_token_ids for r in capped_reqs] == want == [r.output_token_ids for r in free_reqs]
+    # with a prefill in the step, the drafts before it are not held to the fast step's rows
+    late_steps, _, _ = _decode_steps(12, admit_late=True)
+    assert any(prefill and rows >= 12 and drafted for rows, _, prefill, drafted in late_steps)
+
+
+def test_a_batch_the_fast_step_cannot_take_drafts_as_without_the_limit():
+    """Where the fast step takes fewer than 4 rows, a step of four decodes cannot run it whatever
+    it drafts, so it drafts within the token budget alone; once fewer run, their steps keep under
+    4 rows."""
+    steps, _, stats = _decode_steps(4)
+    assert any(chunks == 4 and not prefill and drafted > 0 for _, chunks, prefill, drafted in steps)
+    assert all(rows < 4 for rows, chunks, prefill, _ in steps if chunks < 4 and not prefill)
+    assert any(chunks < 4 for _, chunks, _, _ in steps) and stats.num_accepted_tokens > 0
 
 
 def test_no_drafts_in_a_step_of_more_requests_than_disable_by_batch_size():
