@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_service.bench.latency import LatencyRow, make_prompts
+from engine_service.bench.machine import cpu_model
 from engine_service.bench.modes import MODES
 
 INSTALL_HINT = "pip install 'sluice[anchor]'  (or: pip install llama-cpp-python; it compiles llama.cpp, ~5 minutes)"
@@ -324,7 +325,8 @@ def run(args: argparse.Namespace) -> int:
         "config": {"input_len": args.input_len, "output_len": args.output_len, "num_iters": args.num_iters,
                    "threads": args.threads, "modes": modes, "gguf": gguf.name,
                    "llama_extra_buffers": args.llama_extra_buffers},
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "llama_cpp": anchor.version},
+        "machine": {"platform": platform.platform(), "cpu": cpu_model(), "torch": torch.__version__,
+                    "llama_cpp": anchor.version},
         "read_bandwidth_gb_s": bw, "read_bandwidth_runs_gb_s": bandwidth,
         "rows": summary, "agreement_with_llama_cpp": agreement,
     }

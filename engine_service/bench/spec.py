@@ -30,6 +30,7 @@ import platform
 import time
 from pathlib import Path
 
+from engine_service.bench.machine import cpu_model
 from engine_service.bench.modes import MODES
 
 CODE = '''import json
@@ -232,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
         "mode": args.mode, "dtype": str(llm.engine.dtype), "attention_backend": llm.engine.attention_backend,
         "output_len": args.output_len, "random_prompt_len": args.random_prompt_len,
         "random_output_len": args.random_output_len, "rounds": args.rounds, "machine": platform.machine(),
-        "processor": platform.processor(), "results": results,
+        "processor": cpu_model(), "results": results,
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

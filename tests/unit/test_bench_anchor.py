@@ -13,6 +13,7 @@ import time
 import pytest
 
 from engine_service.bench import anchor
+from engine_service.bench.machine import cpu_model
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
 
@@ -96,6 +97,7 @@ def test_the_systems_take_turns_on_the_same_prompts(model_dir, tmp_path, monkeyp
     assert sluice["share_of_bandwidth_bound"] == pytest.approx(statistics.median(shares))
     assert llama["share_of_bandwidth_bound"] is None
     assert len(result["agreement_with_llama_cpp"]["float32"]) == 2
+    assert result["machine"]["cpu"] == cpu_model() != ""  # which machine a stored run came from
     text = capsys.readouterr().out
     assert "x llama.cpp" in text and "read bandwidth" in text
 

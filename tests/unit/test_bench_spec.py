@@ -9,6 +9,8 @@ import json
 
 import pytest
 
+from engine_service.bench.machine import cpu_model
+
 pytestmark = pytest.mark.model
 
 
@@ -29,6 +31,7 @@ def test_bench_spec_writes_table_and_json_and_outputs_are_identical(model_dir, t
     # the engine's configuration: "auto" resolved (float32 eager has no native step to time)
     assert doc["mode"] == "float32" and doc["speculative_config"] == {**spec, "backoff": "on"}
     assert doc["row_cost"] is None
+    assert doc["processor"] == cpu_model() != ""
     for r in (grounded, batched):
         assert r["identical_outputs"] == r["requests"]
         assert r["plain"]["tokens"] == r["spec"]["tokens"] > 0
