@@ -20,7 +20,7 @@
  * Built with -DSTACK_AB (scripts/bench_stack_ab.sh REV does it), it times this tree's decode_stack
  * against another commit's (linked beside it as `before_decode_stack`), the two alternating step by
  * step, each pair tagged with where the two threads sat (a cache line passed between them: under
- * 80 ns one CCD, else two), and prints the median paired ratio per placement and whether the two
+ * 80 ns one CCD, else two; "near" and "far" cores on a CPU other than AMD's), and prints the median paired ratio per placement and whether the two
  * gave the same logits bit for bit (docs/performance.md, fourteenth round). */
 #include <immintrin.h>
 #include <omp.h>
@@ -184,6 +184,10 @@ static int paired_ab(const DecodeStack *stack, int64_t context, int pairs, const
     }
     printf("context %lld-%lld, %d pairs of steps, the two alternating\n", (long long)context,
            (long long)(context + (pairs < 200 ? pairs : 200) - 1), pairs);
+    /* CCDs are AMD's; elsewhere (an Intel VM's mesh: ~100 ns between any two cores) the tag only
+     * says which side of 80 ns a pair's round trip fell */
+    __builtin_cpu_init();
+    const int amd = __builtin_cpu_is("amd");
     for (int far = 0; far < 2; far++) {
         double *ratio = malloc(sizeof(double) * pairs), *a = malloc(sizeof(double) * pairs), *b = malloc(sizeof(double) * pairs);
         int c = 0;
@@ -191,7 +195,8 @@ static int paired_ab(const DecodeStack *stack, int64_t context, int pairs, const
             if ((latency[n] >= 80) == far) ratio[c] = t[0][n] / t[1][n], a[c] = t[0][n], b[c] = t[1][n], c++;
         if (c)
             printf("%-9s %4d pairs: before %.3f ms, after %.3f ms, the median paired ratio (before / after) %.4f\n",
-                   far ? "two CCDs" : "one CCD", c, 1e3 * median(a, c), 1e3 * median(b, c), median(ratio, c));
+                   amd ? (far ? "two CCDs" : "one CCD") : far ? "far cores" : "near cores", c, 1e3 * median(a, c),
+                   1e3 * median(b, c), median(ratio, c));
         free(ratio), free(a), free(b);
     }
     printf("the same logits bit for bit: %s\n", same ? "yes" : "no");
