@@ -385,6 +385,41 @@ def test_the_next_layers_kv_fetched_ahead_changes_no_number(kind, request):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("kind", ["int4", "bfloat16"])
+def test_draft_rows_that_skip_their_prefetches_give_the_same_numbers(kind, request):
+    """A verifying step (a request's last token and five drafts at context 300, as six rows, beside
+    another request's one row): the rows after a draft chunk's first skip attention's prefetches
+    (``paged_decode_attention_set_follower_fetch(0)``, the default), and the logits are those of
+    every row prefetching, bit for bit, on one and two threads. The other request's row, whose
+    blocks are its own, is not taken for a follower."""
+    import ctypes
+
+    from engine_service.model.native import native_library
+
+    llm = request.getfixturevalue("llm" if kind == "int4" else "bf16")
+    set_fetch = native_library().paged_decode_attention_set_follower_fetch
+    set_fetch.restype, set_fetch.argtypes = ctypes.c_int, [ctypes.c_int]
+    runner = llm.engine.runner
+    native = NativeDecode(runner.model, runner.kv_caches)
+    (tokens, blocks), (other, other_blocks) = _sequences(llm, [300, 129], seed=5)
+    inputs = runner.prepare([_chunk(tokens[:301], blocks, 300, 6, drafts=tokens[301:306]),
+                             _chunk(other, other_blocks, 129, 1)])[:3]
+    assert inputs[0].shape[0] == 7
+    threads = torch.get_num_threads()
+    try:
+        for team in (1, 2):
+            torch.set_num_threads(team)
+            got = {}
+            for fetch in (1, 0):
+                assert set_fetch(fetch) == fetch
+                got[fetch] = native(*inputs, logits=True)
+            assert torch.equal(got[0], got[1])
+            assert torch.isfinite(got[0]).all()
+    finally:
+        set_fetch(0)
+        torch.set_num_threads(threads)
+
+
 def test_the_steps_float16_conversion_is_torchs():
     """The step writes a float16 cache (kv_cache_dtype) with a conversion of its own: bit for bit
     torch's, over normals of every magnitude, subnormals, ties, the edges of the range, infinities

@@ -375,7 +375,7 @@ static inline __attribute__((always_inline)) void NAME(                         
         const float *restrict q, const T *restrict k_cache, const T *restrict v_cache,            \
         const int64_t *restrict table, int64_t start, int64_t end, int64_t reach, int64_t heads, \
         int64_t group, int64_t kv_heads, int64_t block_size, const int64_t head_dim, float scale,\
-        float *restrict scores, float *restrict o, float *restrict m, float *restrict l) {       \
+        float *restrict scores, float *restrict o, float *restrict m, float *restrict l, int fetch) { \
     const int64_t token_stride = kv_heads * head_dim;                                             \
     int32_t kv_of[MAX_HEADS];  /* the kv head of each query head, without a division per token */ \
     for (int64_t h = 0; h < heads; h++) kv_of[h] = (int32_t)(h / group);                          \
@@ -406,7 +406,7 @@ static inline __attribute__((always_inline)) void NAME(                         
         const T *v_ahead2 = two_more ? v_cache + table[blk + 2] * block_size * token_stride : NULL; \
         const T *k_ahead3 = three_more ? k_cache + table[blk + 3] * block_size * token_stride : NULL; \
         const T *vp = v_cache + (table[blk] * block_size + first) * token_stride;                 \
-        for (int64_t i = 0; i < run; i++) {                                                       \
+        for (int64_t i = 0; fetch && i < run; i++) {                                              \
             for (int64_t c = 0; c < token_stride * (int64_t)sizeof(T); c += 64) {                 \
                 __builtin_prefetch((const char *)(ahead + i * token_stride) + c);                 \
                 __builtin_prefetch((const char *)(vp + i * token_stride) + c);                    \
@@ -477,7 +477,7 @@ static inline __attribute__((always_inline)) void NAME(                         
 
 #define RUN_PARTITION(FN, HD)                                                                     \
     FN(qb, k_cache, v_cache, table, start, end, reach, heads, group, kv_heads, block_size, HD, scale, \
-       scores, o, m, l)
+       scores, o, m, l, fetch)
 
 int pda_plan(PdaPlan *plan, const int64_t *context_lens, int64_t batch, int64_t heads, int64_t kv_heads,
              int64_t head_dim, int threads) {
@@ -559,6 +559,20 @@ static inline __attribute__((always_inline)) void combine(const PdaPlan *plan, i
     for (int64_t d = 0; d < head_dim; d++) ob[d] = acc[d] * inv;
 }
 
+/* Whether a row that follows another row of its own sequence prefetches its K/V (0: it does not,
+ * the default). Such rows are a draft chunk's: one sequence at consecutive positions, whose K/V
+ * the row before has just read. Why not: the prefetch loop issues six prefetches a cache line,
+ * ~36 instructions a token at SmolLM2's sizes, which bought nothing for lines already fetched and
+ * were a fifth of the work of a row whose attention runs on cached lines. Without them a step of
+ * seven draft rows ran 1.02-1.06x as fast at contexts 300-600 in bfloat16 and 1.09-1.12x in int4
+ * (a float32 cache), on an Intel Xeon VM, the two alternating in one engine, the same outputs bit
+ * for bit (docs/performance.md, stop 55). A row is taken to follow the row before it when both
+ * hold the same block at the second-last of its own blocks (a prefix shared with another sequence
+ * that reaches that far also counts; then only the last block goes unfetched). */
+static int follower_fetch = 0;
+
+int paged_decode_attention_set_follower_fetch(int on) { return follower_fetch = on != 0; }
+
 /* tasks [lo, hi) of DEFINE_TEAM's body */
 #define PDA_TASKS(PART)                                                                           \
     for (int64_t t = lo; t < hi; t++) {                                                           \
@@ -571,6 +585,9 @@ static inline __attribute__((always_inline)) void combine(const PdaPlan *plan, i
         if (last > t) pda_task_span(plan, context_lens, last, &last_b, &last_start, &reach);      \
         const float *qb = q + b * heads * head_dim;                                               \
         const int64_t *table = block_tables + b * table_width;                                    \
+        const int64_t both = context_lens[b] > block_size ? (context_lens[b] - 1) / block_size - 1 : 0; \
+        const int fetch = follower_fetch || b == 0 || context_lens[b - 1] <= both * block_size ||     \
+                          (table - table_width)[both] != table[both]; /* follower_fetch, above */    \
         float *o = partials + t * per_task, *m = o + heads * head_dim, *l = m + heads;            \
         if (head_dim == 64) RUN_PARTITION(PART, 64);                                              \
         else if (head_dim == 128) RUN_PARTITION(PART, 128);                                       \

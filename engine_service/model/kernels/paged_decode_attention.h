@@ -29,6 +29,11 @@ int paged_decode_attention_f16(const float *q, const uint16_t *k_cache, const ui
                                int64_t heads, int64_t kv_heads, int64_t head_dim,
                                int64_t block_size, float scale);
 
+/* Whether a row that follows a row of its own sequence (a draft chunk's rows) prefetches its K/V:
+ * 0, the default, it does not (the row before has just read those lines); 1, every row does. The
+ * outputs are the same either way. Returns the setting now in force. */
+int paged_decode_attention_set_follower_fetch(int on);
+
 /* A step's attention laid out once (its partitions and work buffers), for calls from inside a
  * parallel region: the context lengths must stay as planned. threads: the most threads a team
  * calling it will have (the scores scratch has a row for each). Returns 0, 1 (out of memory: nothing to free) or 2 (a shape outside the
