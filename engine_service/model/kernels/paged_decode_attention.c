@@ -564,9 +564,10 @@ static inline __attribute__((always_inline)) void combine(const PdaPlan *plan, i
  * the row before has just read. Why not: the prefetch loop issues six prefetches a cache line,
  * ~36 instructions a token at SmolLM2's sizes, which bought nothing for lines already fetched and
  * were a fifth of the work of a row whose attention runs on cached lines. Without them a step of
- * seven draft rows ran 1.02-1.06x as fast at contexts 300-600 in bfloat16 and 1.09-1.12x in int4
- * (a float32 cache), on an Intel Xeon VM, the two alternating in one engine, the same outputs bit
- * for bit (docs/performance.md, stop 55). A row is taken to follow the row before it when both
+ * seven draft rows ran 0.99-1.04x as fast at context 300 and 1.05-1.07x at 600 in bfloat16, and
+ * 1.09-1.11x and 1.12-1.15x in int4 (a float32 cache), on an Intel Xeon VM, the two alternating in
+ * one engine, the same outputs bit for bit (scripts/bench_draft_rows_ab.py; docs/performance.md,
+ * stop 55). A row is taken to follow the row before it when both
  * hold the same block at the second-last of its own blocks (a prefix shared with another sequence
  * that reaches that far also counts; then only the last block goes unfetched). */
 static int follower_fetch = 0;
