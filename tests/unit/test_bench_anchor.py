@@ -13,7 +13,7 @@ import time
 import pytest
 
 from engine_service.bench import anchor
-from engine_service.bench.machine import cpu_model
+from sluice.cpuinfo import cpu_model
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from engine_service.bench.machine import cpu_model
+from sluice.cpuinfo import cpu_model
 
 pytestmark = pytest.mark.model
 
