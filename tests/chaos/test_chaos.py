@@ -146,7 +146,8 @@ class Engine:
                     "--grpc-port", "0", "--engine-id", engine_id, "--served-model-name", MODEL,
                     "--num-blocks", "256", "--max-model-len", "256", "--max-num-seqs", "4",
                     "--heartbeat-ttl", "2", "--drain-grace-s", "4", "--log-level", "INFO"]
-        self.log = open(workdir / f"{engine_id}.log", "ab")  # noqa: SIM115
+        self.log_path = workdir / f"{engine_id}.log"
+        self.log = open(self.log_path, "ab")  # noqa: SIM115
         self.proc: subprocess.Popen | None = None
         self.started_wall = 0.0
 
@@ -160,7 +161,14 @@ class Engine:
 
     def drain(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(30)
+        try:
+            return self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            # the engine logs every thread's stack 5 s past its 4 s grace (service/main.py): show them
+            self.log.flush()
+            tail = (self.log_path.read_text(errors="replace").splitlines() or [""])[-80:]
+            raise AssertionError(f"{self.engine_id} still running 30 s after SIGTERM; its log ends:\n"
+                                 + "\n".join(tail)) from None
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
