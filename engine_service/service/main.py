@@ -277,7 +277,8 @@ def run(args: argparse.Namespace) -> int:
         log.info("signal %d: draining", signum)
         # A drain must end within its grace; if this process is still here well after it, every
         # thread's stack goes to stderr (the log), so that what held the drain up can be read.
-        # Cancelled at exit; a second signal re-arms it.
+        # Cancelled at exit; a second SIGTERM re-arms it. A drain asked for through EngineAdmin.Drain
+        # does not arm it: this handler is the only caller that does.
         faulthandler.dump_traceback_later(settings.drain_grace_s + DRAIN_STACKS_AFTER_S, exit=False)
         service.worker.request_drain()
 
