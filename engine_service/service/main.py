@@ -11,7 +11,6 @@ exit 0.
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import logging
 import os
 import signal
@@ -203,9 +202,6 @@ class EngineService:
             self._thread.join(timeout)
 
 
-# seconds past the drain grace after which a still-running engine logs every thread's stack
-DRAIN_STACKS_AFTER_S = 5.0
-
 # OpenMP threads that wait for work sleep instead of spinning (set before torch loads its OpenMP
 # runtime; $OMP_WAIT_POLICY, when set, wins). A served engine shares the CPUs with the gateway,
 # Redis and whatever else runs there: a spinning thread burns the CPU they need, and a thread
@@ -275,11 +271,6 @@ def run(args: argparse.Namespace) -> int:
             service.worker.request_stop()
             return
         log.info("signal %d: draining", signum)
-        # A drain must end within its grace; if this process is still here well after it, every
-        # thread's stack goes to stderr (the log), so that what held the drain up can be read.
-        # Cancelled at exit; a second SIGTERM re-arms it. A drain asked for through EngineAdmin.Drain
-        # does not arm it: this handler is the only caller that does.
-        faulthandler.dump_traceback_later(settings.drain_grace_s + DRAIN_STACKS_AFTER_S, exit=False)
         service.worker.request_drain()
 
     signal.signal(signal.SIGTERM, on_signal)

@@ -9,6 +9,7 @@ the loop blocks on the inbox instead of spinning.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import queue
 import threading
@@ -33,6 +34,9 @@ class DrainNote:
     grace_s: float | None = None  # None: the configured default
     requested_at: float = field(default_factory=time.monotonic)  # the grace runs from the signal
 
+
+# seconds past a drain's grace after which a step loop still running logs every thread's stack
+DRAIN_STACKS_AFTER_S = 5.0
 
 # Of a drain's grace period, this share (at most SHUTDOWN_RESERVE_S) is kept for what follows the
 # last step: flushing the final events, deregistering, stopping the threads and the gRPC server.
@@ -93,7 +97,16 @@ class Worker:
 
     # ------------------------------------------------------------------ control (any thread)
     def request_drain(self, grace_s: float | None = None) -> None:
+        # A drain must end within its grace. If the step loop has not ended well after it, every
+        # thread's stack goes to stderr (the engine's log), so that what held the drain up can be
+        # read; the loop's end cancels it. Armed here, in the asking thread (a signal handler, the
+        # admin service), because a loop that is stuck never takes the DrainNote.
+        faulthandler.dump_traceback_later(self._grace(grace_s) + DRAIN_STACKS_AFTER_S, exit=False)
         self.inbox.put(DrainNote(grace_s))
+
+    def _grace(self, grace_s: float | None) -> float:
+        """A drain's grace: the one asked for, else the configured default."""
+        return self.settings.drain_grace_s if grace_s is None or grace_s <= 0 else grace_s
 
     def request_stop(self) -> None:
         self.inbox.put(StopNote())
@@ -135,6 +148,7 @@ class Worker:
                 if self.draining and not self.live:
                     break
         finally:
+            faulthandler.cancel_dump_traceback_later()  # request_drain's, if any
             self.running = False
             self._set_serving(False)
             self._update_snapshot()
@@ -401,7 +415,7 @@ class Worker:
     def _start_drain(self, grace_s: float | None, batch: Batch, requested_at: float | None = None) -> None:
         if self.draining:
             return
-        grace = self.settings.drain_grace_s if grace_s is None or grace_s <= 0 else grace_s
+        grace = self._grace(grace_s)
         log.info("draining: %d live requests, grace %.1fs", len(self.live), grace)
         self.draining = True
         start = time.monotonic() if requested_at is None else requested_at

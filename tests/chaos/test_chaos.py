@@ -164,7 +164,7 @@ class Engine:
         try:
             return self.proc.wait(30)
         except subprocess.TimeoutExpired:
-            # the engine logs every thread's stack 5 s past its 4 s grace (service/main.py): show them
+            # the engine logs every thread's stack 5 s past its 4 s grace (service/worker.py): show them
             self.log.flush()
             tail = (self.log_path.read_text(errors="replace").splitlines() or [""])[-80:]
             raise AssertionError(f"{self.engine_id} still running 30 s after SIGTERM; its log ends:\n"
