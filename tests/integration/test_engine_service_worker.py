@@ -12,6 +12,7 @@ import time
 
 from engine_service.core.outputs import EngineOutput
 from engine_service.core.request import FinishReason
+from engine_service.service import worker as worker_module
 from engine_service.service.redis_io import Batch, CancelNote, Entry
 from engine_service.service.settings import ServiceSettings
 from engine_service.service.worker import DrainNote, Worker
@@ -228,3 +229,59 @@ def test_drain_grace_errors_what_is_left():
     assert not thread.is_alive()
     events = io.events("forever")
     assert events[-1].error.code == contract.ERR_DRAINING and len(terminal(events)) == 1
+
+
+class StuckEngine(FakeEngine):
+    """An engine whose step blocks until ``release`` is set: a step loop that cannot reach its drain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def step(self):
+        self.entered.set()
+        self.release.wait(30)
+        return super().step()
+
+
+STACKS = "most recent call first"  # faulthandler's header of each thread's stack
+
+
+def test_a_drain_held_up_by_a_stuck_step_writes_every_threads_stack(monkeypatch, capfd):
+    monkeypatch.setattr(worker_module, "DRAIN_STACKS_AFTER_S", 0.3)
+    engine = StuckEngine()
+    io = FakeIO()
+    worker = Worker(engine, io, ServiceSettings(engine_id="w", drain_grace_s=0.2), "m")
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        io.inbox.put(entry("held", max_tokens=100))
+        assert engine.entered.wait(5)
+        worker.request_drain()  # from this thread, as a signal handler or the admin service asks
+        err = ""
+        end = time.monotonic() + 5
+        while STACKS not in err and time.monotonic() < end:
+            time.sleep(0.05)
+            err += capfd.readouterr().err
+        # the stuck frame is named, in the step loop's thread, within grace + DRAIN_STACKS_AFTER_S
+        assert STACKS in err and "in step" in err and "in run" in err, err
+    finally:
+        engine.release.set()
+        thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_a_drain_that_ends_in_time_writes_no_stacks(monkeypatch, capfd):
+    monkeypatch.setattr(worker_module, "DRAIN_STACKS_AFTER_S", 0.3)
+    io = FakeIO()
+    worker = Worker(FakeEngine(slow=0.01), io, ServiceSettings(engine_id="w", drain_grace_s=0.2), "m")
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    io.inbox.put(entry("short", max_tokens=3))
+    wait_for(lambda: terminal(io.events("short")))
+    worker.request_drain()
+    thread.join(5)
+    assert not thread.is_alive()
+    time.sleep(1.0)  # past grace + DRAIN_STACKS_AFTER_S: the loop's end cancelled the dump
+    assert STACKS not in capfd.readouterr().err
