@@ -9,7 +9,11 @@
  *   gcc -O3 -march=native -fopenmp -fno-math-errno scripts/bench_stack.c \
  *       engine_service/model/kernels/{decode_stack,packed_gemv,paged_decode_attention,q4_gemv}.c \
  *       -lm -o /tmp/bench_stack
- *   OMP_NUM_THREADS=2 /tmp/bench_stack [context] [rounds]
+ *   OMP_NUM_THREADS=2 /tmp/bench_stack [context] [rounds] [rows]
+ *
+ * rows (1 to 16, default 1): the step's rows are one sequence's draft chunk, at positions context ...
+ * context + rows - 1, as a speculative step verifies k = rows - 1 drafts (the products' and reads'
+ * columns are unchanged; docs/performance.md, "stop 56").
  *
  * Needs AVX512-BF16 and Linux (madvise). docs/performance.md, twelfth round.
  *
@@ -207,6 +211,11 @@ static int paired_ab(const DecodeStack *stack, int64_t context, int pairs, const
 int main(int argc, char **argv) {
     const int64_t context = argc > 1 ? atoll(argv[1]) : 300;
     const int rounds = argc > 2 ? atoi(argv[2]) : 15;
+    const int rows = argc > 3 ? atoi(argv[3]) : 1;
+    if (rows < 1 || rows > 16 || context < 1 || context + 32 > POSITIONS || rounds < 1) {
+        fprintf(stderr, "context 1 to %d, rounds 1 or more, rows 1 to 16\n", POSITIONS - 32);
+        return 2;
+    }
     const int steps = 16; /* a round's steps; the context grows by one each */
     static StackLayer layers[LAYERS];
     int count = 0;
@@ -232,7 +241,9 @@ int main(int argc, char **argv) {
     for (int64_t i = 0; i < POSITIONS * HEAD_DIM; i++) cos_t[i] = 0.6f, sin_t[i] = 0.8f;
     int64_t table[BLOCKS]; /* scattered, as a pool that has served other requests hands them out */
     for (int64_t i = 0; i < BLOCKS; i++) table[i] = (i * 97 + 13) % BLOCKS;
-    float *logits = malloc(sizeof(float) * VOCAB);
+    float *logits = malloc(sizeof(float) * VOCAB * rows);
+    int64_t *tables = malloc(sizeof(int64_t) * BLOCKS * rows); /* every row the sequence's table */
+    for (int r = 0; r < rows; r++) memcpy(tables + r * BLOCKS, table, sizeof table);
     uint16_t *x = bf16_values(INTER, 0), *y = malloc(sizeof(uint16_t) * VOCAB);
 
     const double weight_bytes = ({
@@ -253,10 +264,14 @@ int main(int argc, char **argv) {
     for (int r = -2; r < rounds; r++) {
         double sum[KINDS] = {0};
         for (int s = 0; s < steps; s++) {
-            const int64_t pos = context + s, id = (pos * 31) % VOCAB, slot = table[pos / BLOCK] * BLOCK + pos % BLOCK;
-            const int64_t len = pos + 1;
+            int64_t pos[16], id[16], slot[16], len[16];
+            for (int r = 0; r < rows; r++) {
+                pos[r] = context + s + r, id[r] = (pos[r] * 31) % VOCAB;
+                slot[r] = table[pos[r] / BLOCK] * BLOCK + pos[r] % BLOCK, len[r] = pos[r] + 1;
+            }
             double t0 = now();
-            if (decode_stack(&stack, &id, &pos, cos_t, sin_t, POSITIONS, &slot, table, BLOCKS, &len, 1, NULL, logits, NULL))
+            if (decode_stack(&stack, id, pos, cos_t, sin_t, POSITIONS, slot, tables, BLOCKS, len, rows, NULL, logits,
+                             NULL))
                 abort();
             double t1 = now();
             products(x, y);
@@ -278,8 +293,8 @@ int main(int argc, char **argv) {
     static const char *names[KINDS] = {"decode_stack (with head)", "the 121 products alone", "a read a buffer",
                                        "the read in one region", "  and a barrier a buffer", "one buffer, halves"};
     const double bound = median(t[ONE_BUFFER], rounds) * 1e3;
-    printf("context %lld, %.1f MB of weights, medians of %d rounds of %d steps\n", (long long)context,
-           weight_bytes / 1e6, rounds, steps);
+    printf("context %lld, %d row%s, %.1f MB of weights, medians of %d rounds of %d steps\n", (long long)context, rows,
+           rows > 1 ? "s (a draft chunk)" : "", weight_bytes / 1e6, rounds, steps);
     printf("%-28s%10s%12s%18s\n", "", "ms", "GB/s", "of one buffer's");
     for (int k = 0; k < KINDS; k++) {
         const double ms = median(t[k], rounds) * 1e3;
