@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 import random
 import shutil
 import signal
@@ -49,7 +48,7 @@ from engine_service.core.scheduler import Scheduler
 from engine_service.service.metrics import NullMetrics
 from engine_service.service.redis_io import RedisIO
 from engine_service.service.settings import ServiceSettings
-from engine_service.service.worker import Worker
+from engine_service.service.worker import Worker, new_inbox
 from sluice.wire import card as wire_card
 from sluice.wire import codec, contract
 from sluice.wire.client import WireClient
@@ -161,9 +160,8 @@ def _start_engine(url: str, args: argparse.Namespace, shards: int, queue_times: 
             wire_card.F_CONTRACT_VERSION: str(contract.CONTRACT_VERSION),
             wire_card.F_QUEUE_SHARDS: str(shards), wire_card.F_BLOCK_SIZE: str(args.block_size),
             wire_card.F_SHARD_PREFIX_BLOCKS: str(args.prefix_blocks)}
-    inbox: queue.Queue = queue.Queue()
     holder: dict[str, Worker] = {}
-    io = RedisIO(settings, MODEL, inbox, card, lambda: holder["w"].snapshot().load() if "w" in holder else {})
+    io = RedisIO(settings, MODEL, new_inbox(), card, lambda: holder["w"].snapshot().load() if "w" in holder else {})
     worker = Worker(engine, io, settings, MODEL)
     holder["w"] = worker
     worker.metrics = _QueueTimes(queue_times)

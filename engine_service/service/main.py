@@ -117,17 +117,14 @@ class EngineService:
                  metrics: Any = None) -> None:
         """``metrics``: an ``EngineMetrics`` to report to; by default one is made, and served on
         ``settings.metrics_port``, when that port is set (``MetricsPortInUse`` when it is taken)."""
-        import queue
-
         from engine_service.service.redis_io import RedisIO
-        from engine_service.service.worker import Worker
+        from engine_service.service.worker import Worker, new_inbox
 
         self.engine = engine
         self.settings = settings
         self.model = model or engine.model_name
-        inbox: queue.Queue = queue.Queue()
         self.worker: Worker | None = None
-        self.io = RedisIO(settings, self.model, inbox, model_card(engine, self.model, settings).encode(), self._load)
+        self.io = RedisIO(settings, self.model, new_inbox(), model_card(engine, self.model, settings).encode(), self._load)
         self.worker = Worker(engine, self.io, settings, self.model)
         self.admin = None
         if settings.grpc_port:
@@ -265,16 +262,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
 
-    def on_signal(signum: int, frame: Any) -> None:
-        if service.worker.draining and signum == signal.SIGINT:
-            log.warning("second interrupt: stopping without waiting (pending entries stay for reclaim)")
-            service.worker.request_stop()
-            return
-        log.info("signal %d: draining", signum)
-        service.worker.request_drain()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    install_drain_signals(service.worker)
     from sluice.heap import freeze_startup_heap
 
     log.info("engine %s: %d start-up objects frozen out of the garbage collector's walks", settings.engine_id,
@@ -283,6 +271,23 @@ def run(args: argparse.Namespace) -> int:
     code = service.run()
     log.info("engine %s stopped", settings.engine_id)
     return code
+
+
+def install_drain_signals(worker: Any) -> None:
+    """SIGTERM and SIGINT drain the engine; a second SIGINT stops it without waiting. Python runs
+    the handler in the main thread, the step loop's, between any two of its bytecodes: it only
+    puts a note into the worker's inbox, whose put is reentrant (worker.new_inbox)."""
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if worker.draining and signum == signal.SIGINT:
+            log.warning("second interrupt: stopping without waiting (pending entries stay for reclaim)")
+            worker.request_stop()
+            return
+        log.info("signal %d: draining", signum)
+        worker.request_drain()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
 
 
 def name_os_threads() -> None:

@@ -229,7 +229,7 @@ class RedisIO:
         self,
         settings: Any,
         model: str,
-        inbox: queue.Queue,
+        inbox: queue.SimpleQueue,  # worker.new_inbox()
         card: dict[str, str],
         load: Callable[[], dict[str, Any]],
     ) -> None:

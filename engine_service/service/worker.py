@@ -29,6 +29,15 @@ from sluice.wire.stats import EngineStats
 log = logging.getLogger("sluice.engine.worker")
 
 
+def new_inbox() -> queue.SimpleQueue:
+    """The step loop's inbox. A SimpleQueue, not a Queue: the engine's signal handler puts a
+    DrainNote into it, and Python runs that handler in the main thread, which is the step loop's,
+    between any two of its bytecodes. A Queue's put takes the lock its get may hold at that moment
+    (a plain Lock: the handler waits on its own thread forever, and the drain never starts);
+    SimpleQueue's put is reentrant."""
+    return queue.SimpleQueue()
+
+
 @dataclass
 class DrainNote:
     grace_s: float | None = None  # None: the configured default
@@ -76,7 +85,7 @@ class Worker:
         self.io = io
         self.settings = settings
         self.model = model
-        self.inbox: queue.Queue = io.inbox if io is not None else queue.Queue()
+        self.inbox: queue.SimpleQueue = io.inbox if io is not None else new_inbox()
         self.engine_id = settings.engine_id
         self.live: dict[str, _Live] = {}
         self.recent_cancels: dict[str, float] = {}  # cancels for ids not (yet) seen here

@@ -16,7 +16,7 @@ import redis
 
 from engine_service.service.redis_io import EntryRef, RedisIO, trim_stream
 from engine_service.service.settings import ServiceSettings
-from engine_service.service.worker import Worker
+from engine_service.service.worker import Worker, new_inbox
 from sluice.wire import card, codec, contract, limits
 from sluice.wire.client import WireClient
 from sluice.wire.connection import connect
@@ -44,7 +44,7 @@ class FakeService:
         self.settings = ServiceSettings(redis_url=url, engine_id=engine_id or f"fake-{uuid.uuid4().hex[:6]}",
                                         heartbeat_ttl_s=2.0, heartbeat_interval_s=0.5, **settings)
         self.engine = FakeEngine(slow=slow)
-        inbox: queue.Queue = queue.Queue()
+        inbox: queue.SimpleQueue = new_inbox()
         self.io = RedisIO(self.settings, MODEL, inbox, fake_card(self.settings),
                           lambda: {"running": len(self.engine.reqs)})
         self.worker = Worker(self.engine, self.io, self.settings, MODEL)
@@ -381,7 +381,7 @@ def test_gateway_counts_as_lost_only_after_its_key_stays_missing(clean_redis, re
     def ref(entry_id: bytes) -> EntryRef:
         return EntryRef(contract.request_stream(MODEL, 1), entry_id)
 
-    inbox: queue.Queue = queue.Queue()
+    inbox: queue.SimpleQueue = new_inbox()
     io = RedisIO(settings, MODEL, inbox, {card.F_NAME: MODEL}, dict)
     io._held.update({ref(b"1-0"): ("r1", "gA"), ref(b"2-0"): ("r2", "gB"), ref(b"3-0"): ("r3", "gB"),
                      ref(b"4-0"): ("r4", "")})

@@ -6,16 +6,20 @@ What it pins down: one terminal event per completion and nothing after it, idemp
 
 from __future__ import annotations
 
+import os
 import queue
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 from engine_service.core.outputs import EngineOutput
 from engine_service.core.request import FinishReason
 from engine_service.service import worker as worker_module
 from engine_service.service.redis_io import Batch, CancelNote, Entry
 from engine_service.service.settings import ServiceSettings
-from engine_service.service.worker import DrainNote, Worker
+from engine_service.service.worker import DrainNote, Worker, new_inbox
 from sluice.wire import codec, contract
 from sluice.wire.messages_pb2 import FINISH_REASON_ABORT, FINISH_REASON_LENGTH
 from sluice.wire.stats import EngineStats
@@ -69,7 +73,7 @@ class FakeEngine:
 
 class FakeIO:
     def __init__(self) -> None:
-        self.inbox: queue.Queue = queue.Queue()
+        self.inbox: queue.SimpleQueue = new_inbox()
         self.batches: list[Batch] = []
         self.credit: list[tuple[int, int]] = []
         self.reading = True
@@ -285,3 +289,45 @@ def test_a_drain_that_ends_in_time_writes_no_stacks(monkeypatch, capfd):
     assert not thread.is_alive()
     time.sleep(1.0)  # past grace + DRAIN_STACKS_AFTER_S: the loop's end cancelled the dump
     assert STACKS not in capfd.readouterr().err
+
+
+# The engine's own signal handler and a step loop in the main thread, as `sluice engine` runs them,
+# under a storm of SIGTERMs: Python runs the handler in the main thread between any two bytecodes,
+# so some land while the loop is inside the inbox's get, holding whatever lock it takes.
+SIGNAL_STORM = r"""
+import os, signal, threading, time
+from engine_service.service.main import install_drain_signals
+from engine_service.service.settings import ServiceSettings
+from engine_service.service.worker import Worker
+from sluice.wire import contract
+from tests.integration.test_engine_service_worker import FakeEngine, FakeIO, entry
+
+io = FakeIO()
+worker = Worker(FakeEngine(), io, ServiceSettings(engine_id="w", drain_grace_s=3.0), "m")
+install_drain_signals(worker)
+io.inbox.put(entry("long", max_tokens=10**9))  # still running when the grace ends
+
+def storm():
+    while worker.engine.iterations < 100:
+        time.sleep(0.01)
+    for _ in range(400):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.002)
+
+threading.Thread(target=storm, daemon=True).start()
+worker.run()
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+events = io.events("long")
+print("drained", worker.engine.iterations, events[-1].error.code == contract.ERR_DRAINING, flush=True)
+"""
+
+
+def test_a_drain_signal_that_lands_inside_the_inbox_still_drains():
+    """The hang the chaos test met once (docs/service.md): with a queue.Queue inbox, a SIGTERM
+    that lands while the step loop holds the queue's lock made the handler's put wait on its own
+    thread forever, and the engine never drained. The inbox's put must be reentrant."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_STORM], cwd=root, capture_output=True, text=True,
+                          timeout=30, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("drained") and proc.stdout.split()[2] == "True", proc.stdout
