@@ -276,15 +276,15 @@ def run(args: argparse.Namespace) -> int:
 def install_drain_signals(worker: Any) -> None:
     """SIGTERM and SIGINT drain the engine; a second SIGINT stops it without waiting. Python runs
     the handler in the main thread, the step loop's, between any two of its bytecodes: it only
-    puts a note into the worker's inbox, whose put is reentrant (worker.new_inbox)."""
+    puts a note into the worker's inbox, whose put is reentrant (worker.new_inbox), and leaves the
+    logging to the loop (a log line written from here, while the loop is writing one, meets
+    stderr's buffer in use and raises into the loop)."""
 
     def on_signal(signum: int, frame: Any) -> None:
         if worker.draining and signum == signal.SIGINT:
-            log.warning("second interrupt: stopping without waiting (pending entries stay for reclaim)")
-            worker.request_stop()
+            worker.request_stop(cause="second interrupt")
             return
-        log.info("signal %d: draining", signum)
-        worker.request_drain()
+        worker.request_drain(cause=f"signal {signum}")
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

@@ -42,6 +42,7 @@ def new_inbox() -> queue.SimpleQueue:
 class DrainNote:
     grace_s: float | None = None  # None: the configured default
     requested_at: float = field(default_factory=time.monotonic)  # the grace runs from the signal
+    cause: str = "a drain request"  # for the log line the step loop writes when it takes the note
 
 
 # seconds past a drain's grace after which a step loop still running logs every thread's stack
@@ -56,7 +57,9 @@ SHUTDOWN_RESERVE_SHARE = 0.2
 
 @dataclass
 class StopNote:
-    """Leave at once (tests): nothing is handed back, pending entries stay pending."""
+    """Leave at once (tests, a second Ctrl-C): nothing is handed back, pending entries stay pending."""
+
+    cause: str = ""  # logged by the step loop when it takes the note
 
 
 @dataclass(frozen=True)
@@ -105,20 +108,20 @@ class Worker:
         self._update_snapshot()
 
     # ------------------------------------------------------------------ control (any thread)
-    def request_drain(self, grace_s: float | None = None) -> None:
+    def request_drain(self, grace_s: float | None = None, cause: str = "a drain request") -> None:
         # A drain must end within its grace. If the step loop has not ended well after it, every
         # thread's stack goes to stderr (the engine's log), so that what held the drain up can be
         # read; the loop's end cancels it. Armed here, in the asking thread (a signal handler, the
         # admin service), because a loop that is stuck never takes the DrainNote.
         faulthandler.dump_traceback_later(self._grace(grace_s) + DRAIN_STACKS_AFTER_S, exit=False)
-        self.inbox.put(DrainNote(grace_s))
+        self.inbox.put(DrainNote(grace_s, cause=cause))
 
     def _grace(self, grace_s: float | None) -> float:
         """A drain's grace: the one asked for, else the configured default."""
         return self.settings.drain_grace_s if grace_s is None or grace_s <= 0 else grace_s
 
-    def request_stop(self) -> None:
-        self.inbox.put(StopNote())
+    def request_stop(self, cause: str = "") -> None:
+        self.inbox.put(StopNote(cause))
 
     def snapshot(self) -> EngineStats:
         """The latest stats, refreshed after every step (immutable: safe to hand to other threads)."""
@@ -195,8 +198,10 @@ class Worker:
             elif isinstance(item, CancelNote):
                 self._on_cancel(item.request_ids, batch, item.cause)
             elif isinstance(item, DrainNote):
-                self._start_drain(item.grace_s, batch, item.requested_at)
+                self._start_drain(item.grace_s, batch, item.requested_at, item.cause)
             elif isinstance(item, StopNote):
+                if item.cause:
+                    log.warning("%s: stopping without waiting (pending entries stay for reclaim)", item.cause)
                 self._send(batch)
                 return True
         return False
@@ -421,11 +426,12 @@ class Worker:
         return event
 
     # ------------------------------------------------------------------ drain
-    def _start_drain(self, grace_s: float | None, batch: Batch, requested_at: float | None = None) -> None:
+    def _start_drain(self, grace_s: float | None, batch: Batch, requested_at: float | None = None,
+                     cause: str = "a drain request") -> None:
         if self.draining:
             return
         grace = self._grace(grace_s)
-        log.info("draining: %d live requests, grace %.1fs", len(self.live), grace)
+        log.info("draining (%s): %d live requests, grace %.1fs", cause, len(self.live), grace)
         self.draining = True
         start = time.monotonic() if requested_at is None else requested_at
         self.drain_end = start + grace  # when the process must be gone
