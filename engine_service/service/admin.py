@@ -57,7 +57,7 @@ class AdminServicer(admin_pb2_grpc.EngineAdminServicer):
                           "Drain needs `authorization: Bearer TOKEN` metadata with the engine's --admin-token")
         s = self.worker.snapshot()
         accepted = self.worker.running and not self.worker.draining
-        self.worker.request_drain(request.grace_period_s or None)
+        self.worker.request_drain(request.grace_period_s or None, cause="EngineAdmin.Drain")
         return admin_pb2.DrainResponse(accepted=accepted, running=s.running, waiting=s.waiting)
 
 

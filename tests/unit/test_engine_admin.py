@@ -71,7 +71,7 @@ class FakeWorker:
     def snapshot(self) -> EngineStats:
         return EngineStats(engine_id="e", running=1, waiting=2)
 
-    def request_drain(self, grace: float | None = None) -> None:
+    def request_drain(self, grace: float | None = None, cause: str = "") -> None:
         self.drains.append(grace)
         self.draining = True
 
