@@ -13,7 +13,7 @@
  *
  * rows (1 to 16, default 1): the step's rows are one sequence's draft chunk, at positions context ...
  * context + rows - 1, as a speculative step verifies k = rows - 1 drafts (the products' and reads'
- * columns are unchanged; docs/performance.md, "stop 56").
+ * columns are unchanged; the -DSTACK_AB build below times one row; docs/performance.md, "stop 56").
  *
  * Needs AVX512-BF16 and Linux (madvise). docs/performance.md, twelfth round.
  *
@@ -243,7 +243,7 @@ int main(int argc, char **argv) {
     for (int64_t i = 0; i < BLOCKS; i++) table[i] = (i * 97 + 13) % BLOCKS;
     float *logits = malloc(sizeof(float) * VOCAB * rows);
     int64_t *tables = malloc(sizeof(int64_t) * BLOCKS * rows); /* every row the sequence's table */
-    for (int r = 0; r < rows; r++) memcpy(tables + r * BLOCKS, table, sizeof table);
+    for (int j = 0; j < rows; j++) memcpy(tables + j * BLOCKS, table, sizeof table);
     uint16_t *x = bf16_values(INTER, 0), *y = malloc(sizeof(uint16_t) * VOCAB);
 
     const double weight_bytes = ({
@@ -265,9 +265,9 @@ int main(int argc, char **argv) {
         double sum[KINDS] = {0};
         for (int s = 0; s < steps; s++) {
             int64_t pos[16], id[16], slot[16], len[16];
-            for (int r = 0; r < rows; r++) {
-                pos[r] = context + s + r, id[r] = (pos[r] * 31) % VOCAB;
-                slot[r] = table[pos[r] / BLOCK] * BLOCK + pos[r] % BLOCK, len[r] = pos[r] + 1;
+            for (int j = 0; j < rows; j++) {
+                pos[j] = context + s + j, id[j] = (pos[j] * 31) % VOCAB;
+                slot[j] = table[pos[j] / BLOCK] * BLOCK + pos[j] % BLOCK, len[j] = pos[j] + 1;
             }
             double t0 = now();
             if (decode_stack(&stack, id, pos, cos_t, sin_t, POSITIONS, slot, tables, BLOCKS, len, rows, NULL, logits,
