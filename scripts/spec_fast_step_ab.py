@@ -16,7 +16,7 @@ from pathlib import Path
 
 from engine_service import LLM
 from engine_service.bench.modes import MODES
-from engine_service.bench.spec import _timed, grounded_prompts
+from engine_service.bench.spec import _timed, alternate, grounded_prompts
 from engine_service.core.sampling_params import SamplingParams
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -41,14 +41,8 @@ def main() -> int:
     prompts = grounded_prompts(llm.get_tokenizer())[: args.streams]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
     _timed(llm, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), True)  # warm-up
-    rates: dict[int, list[float]] = {limit: [], 0: []}
-    outputs: dict[int, list[list[int]]] = {}
-    for i in range(args.pairs):
-        for rows in (limit, 0) if i % 2 == 0 else (0, limit):
-            scheduler.fast_step_max_rows = rows
-            _, decode_seconds, out = _timed(llm, prompts, params, True)
-            rates[rows].append(sum(len(t) - 1 for t in out) / decode_seconds)
-            outputs.setdefault(rows, out)
+    arms = {rows: (lambda rows=rows: setattr(scheduler, "fast_step_max_rows", rows)) for rows in (limit, 0)}
+    rates, outputs = alternate(llm, [prompts], params, arms, args.pairs)
     scheduler.fast_step_max_rows = limit
     _, _, plain = _timed(llm, prompts, params, False)
     ratios = [a / b for a, b in zip(rates[limit], rates[0], strict=True)]

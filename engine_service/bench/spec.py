@@ -134,6 +134,29 @@ def _timed(llm, prompts, params, speculate: bool) -> tuple[float, float, list[li
         scheduler.speculative_config = config
 
 
+def alternate(llm, batches, params, arms: dict, pairs: int) -> tuple[dict[str, list[float]], dict]:
+    """Speculative decoding under several settings side by side in one engine: ``arms`` maps a
+    name to a function that sets the engine up for it; each of ``pairs`` rounds runs every batch
+    once under each arm, the arms' order rotating from round to round. Returns each arm's decode
+    tokens/s per round (tokens after each request's first over the batches' decode seconds) and
+    its first round's outputs."""
+    names = list(arms)
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    outputs: dict[str, list[list[int]]] = {}
+    for i in range(pairs):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            arms[name]()
+            decode_s, tokens, out = 0.0, 0, []
+            for prompts in batches:
+                _, d, o = _timed(llm, prompts, params, True)
+                decode_s += d
+                tokens += sum(max(len(t) - 1, 0) for t in o)
+                out += o
+            rates[name].append(tokens / decode_s if decode_s else 0.0)
+            outputs.setdefault(name, out)
+    return rates, outputs
+
+
 def _side_by_side(llm, batches, params) -> dict:
     """Each batch with and without speculation in turn (alternating the order); seconds, tokens,
     identity."""
