@@ -108,13 +108,13 @@ class Worker:
         self._update_snapshot()
 
     # ------------------------------------------------------------------ control (any thread)
-    def request_drain(self, grace_s: float | None = None, cause: str = "a drain request") -> None:
+    def request_drain(self, grace_s: float | None = None, cause: str | None = None) -> None:
         # A drain must end within its grace. If the step loop has not ended well after it, every
         # thread's stack goes to stderr (the engine's log), so that what held the drain up can be
         # read; the loop's end cancels it. Armed here, in the asking thread (a signal handler, the
         # admin service), because a loop that is stuck never takes the DrainNote.
         faulthandler.dump_traceback_later(self._grace(grace_s) + DRAIN_STACKS_AFTER_S, exit=False)
-        self.inbox.put(DrainNote(grace_s, cause=cause))
+        self.inbox.put(DrainNote(grace_s) if cause is None else DrainNote(grace_s, cause=cause))
 
     def _grace(self, grace_s: float | None) -> float:
         """A drain's grace: the one asked for, else the configured default."""
@@ -198,7 +198,7 @@ class Worker:
             elif isinstance(item, CancelNote):
                 self._on_cancel(item.request_ids, batch, item.cause)
             elif isinstance(item, DrainNote):
-                self._start_drain(item.grace_s, batch, item.requested_at, item.cause)
+                self._start_drain(item, batch)
             elif isinstance(item, StopNote):
                 if item.cause:
                     log.warning("%s: stopping without waiting (pending entries stay for reclaim)", item.cause)
@@ -426,15 +426,13 @@ class Worker:
         return event
 
     # ------------------------------------------------------------------ drain
-    def _start_drain(self, grace_s: float | None, batch: Batch, requested_at: float | None = None,
-                     cause: str = "a drain request") -> None:
+    def _start_drain(self, note: DrainNote, batch: Batch) -> None:
         if self.draining:
             return
-        grace = self._grace(grace_s)
-        log.info("draining (%s): %d live requests, grace %.1fs", cause, len(self.live), grace)
+        grace = self._grace(note.grace_s)
+        log.info("draining (%s): %d live requests, grace %.1fs", note.cause, len(self.live), grace)
         self.draining = True
-        start = time.monotonic() if requested_at is None else requested_at
-        self.drain_end = start + grace  # when the process must be gone
+        self.drain_end = note.requested_at + grace  # when the process must be gone
         self.drain_deadline = self.drain_end - min(SHUTDOWN_RESERVE_S, SHUTDOWN_RESERVE_SHARE * grace)
         self.io.stop_reading()
         self._set_serving(False)
