@@ -434,8 +434,9 @@ class LLMEngine:
         drafts = {c.request.request_id: c.draft_token_ids for c in scheduled.chunks if c.draft_token_ids}
         requests, counts = result.sample_requests, result.sample_counts
         rows = expand_rows(requests, counts, drafts)
-        self.grammars.apply_bitmask(result.sample_logits, rows)
-        out = self.sampler(result.sample_logits, rows)
+        masked = self.grammars.apply_bitmask(result.sample_logits, rows)
+        # the native step's argmax of every row, as in ``step``: all-greedy rows take it
+        out = self.sampler(result.sample_logits, rows, argmax=None if masked else result.greedy_token_ids)
         r = 0
         for req, count in zip(requests, counts, strict=True):
             rid = req.request_id

@@ -94,7 +94,7 @@ class ModelRunner:
         operations: the only per-request Python work is reading each chunk's fields and extending
         two flat lists (its token ids and its block ids). A step of a few one-token decodes takes
         ``_prepare_decodes``."""
-        if len(chunks) <= FEW_DECODES and all(c.num_tokens == 1 and not _drafts(c) for c in chunks):
+        if len(chunks) <= FEW_DECODES and all(c.num_tokens == 1 + len(_drafts(c) or ()) for c in chunks):
             return self._prepare_decodes(chunks)
         bs = self.block_size
         n = len(chunks)
@@ -175,23 +175,33 @@ class ModelRunner:
 
     def _prepare_decodes(self, chunks: Sequence[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                                   list[int]]:
-        """``prepare`` for a step of one-token decodes, a few of them: the same tensors, from
+        """``prepare`` for a step of one-token decodes, a few of them, each perhaps with its drafts
+        (a row per position, each attending as a decode of its own length): the same tensors, from
         Python lists and one numpy array. Why: the step before it streamed every weight through the
         caches, so each numpy or torch call here first fetches its own code and data from memory;
         the general path's thirty-odd array operations cost a step of one stream more than its
-        Python lists do (docs/performance.md, eleventh round)."""
+        Python lists do (docs/performance.md, eleventh round), and a verifying step twice what a
+        one-row step's layout costs (docs/performance.md, stop 57)."""
         bs = self.block_size
-        n = len(chunks)
-        positions = [c.start for c in chunks]
-        nblocks = [p // bs + 1 for p in positions]  # a decode at position p attends to p + 1 tokens
-        tables = np.zeros((n, max(max(nblocks), self.min_decode_width)), dtype=np.int64)
-        token_ids, slots = [], []
-        for r, (chunk, p, nb) in enumerate(zip(chunks, positions, nblocks, strict=True)):
-            req = chunk.request
-            blocks = req.block_ids
-            tables[r, :nb] = blocks[:nb]
-            slots.append(blocks[p // bs] * bs + p % bs)
+        rows = [(chunk, chunk.start + j) for chunk in chunks for j in range(chunk.num_tokens)]
+        # every row of a chunk reads the chunk's table: as many blocks as its last position needs
+        width = max(max((c.start + c.num_tokens - 1) // bs + 1 for c in chunks), self.min_decode_width)
+        tables = np.zeros((len(rows), width), dtype=np.int64)
+        token_ids, positions, slots, sample_rows = [], [], [], []
+        r = 0
+        for chunk in chunks:
+            req, p = chunk.request, chunk.start
+            blocks = req.block_ids[: (p + chunk.num_tokens - 1) // bs + 1]
+            drafts = _drafts(chunk) or ()
             token_ids.append(req.all_token_ids[p])
+            token_ids.extend(drafts)
+            for j in range(chunk.num_tokens):
+                tables[r + j, : len(blocks)] = blocks
+                slots.append(blocks[(p + j) // bs] * bs + (p + j) % bs)
+                positions.append(p + j)
+            if chunk.samples:
+                sample_rows.extend(range(r, r + chunk.num_tokens))
+            r += chunk.num_tokens
         self.model.rotary.ensure_positions(max(positions) + 1)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
@@ -202,7 +212,6 @@ class ModelRunner:
             decode_kernel=self.decode_kernel,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        sample_rows = [r for r, chunk in enumerate(chunks) if chunk.samples]
         return input_ids, torch.tensor(positions, dtype=torch.long, device=self.device), meta, sample_rows
 
     def enable_compiled_decode(self, scratch_slot: int) -> float:

@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from engine_service import LLM, SamplingParams
 from engine_service.core.request import Request
+from engine_service.core.scheduler import ScheduledChunk
 from engine_service.model.attention import (
     AttentionMetadata,
     decode_attention_inplace,
@@ -260,10 +261,12 @@ def test_prepare_layout_equals_per_request_computation():
     assert sample_rows == ends.tolist()  # every chunk reaches the end of its tokens here
 
 
+@pytest.mark.parametrize("drafting", [False, True])
 @pytest.mark.parametrize("min_width", [1, 2])
-def test_a_few_decodes_are_laid_out_as_the_general_path_lays_them(monkeypatch, min_width):
-    """``_prepare_decodes`` (up to FEW_DECODES one-token decodes) builds the tensors the numpy path
-    builds: ids, positions, slots, padded block tables, lengths and the sampled rows."""
+def test_a_few_decodes_are_laid_out_as_the_general_path_lays_them(monkeypatch, min_width, drafting):
+    """``_prepare_decodes`` (up to FEW_DECODES one-token decodes, some with drafts: a row per
+    position) builds the tensors the numpy path builds: ids, positions, slots, padded block tables,
+    lengths and the sampled rows."""
     import engine_service.model.runner as runner_module
 
     rng = random.Random(min_width)
@@ -272,24 +275,30 @@ def test_a_few_decodes_are_laid_out_as_the_general_path_lays_them(monkeypatch, m
     runner.min_decode_width = min_width
     free = list(range(10_000))
     rng.shuffle(free)
+    taken: list = []
+    few = runner_module.FEW_DECODES
+    monkeypatch.setattr(runner, "_prepare_decodes", lambda c: taken.append(c) or ModelRunner._prepare_decodes(runner, c))
     for n in range(1, runner_module.FEW_DECODES + 1):
         chunks = []
         for i in range(n):  # contexts of one token, a block's edge either side, and longer
             prompt = [rng.randrange(1000) for _ in range(rng.choice([1, bs - 1, bs, bs + 1, rng.randint(2, 200)]))]
             req = Request(f"r{i}", prompt, SamplingParams())
-            req.block_ids = [free.pop() for _ in range(-(-len(prompt) // bs))]
-            chunks.append(Chunk(req, len(prompt) - 1, 1))
+            drafts = [rng.randrange(1000) for _ in range(rng.choice([0, 1, 2, 6]) if drafting else 0)]
+            req.block_ids = [free.pop() for _ in range(-(-(len(prompt) + len(drafts)) // bs))]
+            chunks.append(ScheduledChunk(req, len(prompt) - 1, 1 + len(drafts), draft_token_ids=drafts or None))
+        taken.clear()
         fast = runner.prepare(chunks)
+        assert taken == [chunks]  # the step took the fast path
         monkeypatch.setattr(runner_module, "FEW_DECODES", 0)  # the general path
         general = runner.prepare(chunks)
-        monkeypatch.undo()
+        monkeypatch.setattr(runner_module, "FEW_DECODES", few)
         for got, want in [(fast[0], general[0]), (fast[1], general[1]), (fast[2].slot_mapping, general[2].slot_mapping),
                           (fast[2].decode_block_tables, general[2].decode_block_tables),
                           (fast[2].decode_context_lens, general[2].decode_context_lens)]:
             assert got.dtype == want.dtype == torch.long and torch.equal(got, want)
         assert fast[2].prefills == general[2].prefills == [] and fast[2].decode_token_index is None
         assert fast[2].decode_kernel is general[2].decode_kernel
-        assert fast[3] == general[3] == list(range(n))
+        assert fast[3] == general[3] == list(range(sum(c.num_tokens for c in chunks)))
 
 
 @pytest.fixture(scope="module")

@@ -564,6 +564,37 @@ def test_an_engine_times_a_verifying_row_and_resolves_the_back_off(llm, model_di
         assert max(calls) > 1  # verifying steps of several rows took the native call
 
 
+def test_a_verifying_step_takes_the_native_steps_argmax(model_dir, monkeypatch):
+    """An int4 engine speculating greedily: each verifying step's rows take the argmax the native
+    call computed with their logits (the sampler is handed it, one per row), and the tokens are
+    those of decoding without drafts (int4's native rows do not depend on the batch)."""
+    import engine_service.engine
+
+    monkeypatch.setattr(engine_service.engine, "compile_supported", lambda device: "no compiler (the test says)")
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2,
+            "backoff": "off"}
+    llm = LLM(str(model_dir), dtype="float32", quantization="int4", enforce_eager=False, block_size=BLOCK,
+              kv_cache_memory=32 << 20, speculative_config=spec)
+    engine = llm.engine
+    handed: list[tuple[int, int | None]] = []  # rows, argmax tokens handed
+    sampler = engine.sampler
+
+    def spy(logits, rows, **kwargs):
+        argmax = kwargs.get("argmax")
+        handed.append((len(rows), None if argmax is None else len(argmax)))
+        return sampler(logits, rows, **kwargs)
+
+    monkeypatch.setattr(engine, "sampler", spy)
+    text = "alpha beta gamma delta epsilon zeta eta theta " * 3
+    prompt, params = f"Repeat: {text}\n{text}", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    drafted = llm.generate(prompt, params)[0].outputs[0].token_ids
+    verifying = [(rows, argmax) for rows, argmax in handed if rows > 1]
+    assert verifying and all(argmax == rows for rows, argmax in verifying), handed
+    assert engine.scheduler.spec_stats.num_accepted_tokens > 0
+    engine.scheduler.speculative_config = None  # requests added now decode without drafts
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == drafted
+
+
 class _Counting:
     def __init__(self, native: NativeDecode, calls: list, logits_calls: list | None = None) -> None:
         self.native, self.calls, self.logits_calls = native, calls, logits_calls
