@@ -13,7 +13,7 @@
  *
  * rows (1 to 16, default 1): the step's rows are one sequence's draft chunk, at positions context ...
  * context + rows - 1, as a speculative step verifies k = rows - 1 drafts (the products' and reads'
- * columns are unchanged; the -DSTACK_AB build below times one row; docs/performance.md, "stop 56").
+ * columns are unchanged; docs/performance.md, "stop 56"; the -DSTACK_AB build below takes it too).
  *
  * Needs AVX512-BF16 and Linux (madvise). docs/performance.md, twelfth round.
  *
@@ -167,27 +167,30 @@ int before_decode_stack(const DecodeStack *s, const int64_t *ids, const int64_t 
                         void *out, float *logits, int64_t *argmax);
 
 static int paired_ab(const DecodeStack *stack, int64_t context, int pairs, const float *cos_t, const float *sin_t,
-                     const int64_t *table) {
+                     const int64_t *table, const int64_t *tables, int rows) {
     double *latency = malloc(sizeof(double) * pairs), *t[2] = {malloc(sizeof(double) * pairs), malloc(sizeof(double) * pairs)};
-    float *logits[2] = {malloc(sizeof(float) * VOCAB), malloc(sizeof(float) * VOCAB)};
+    float *logits[2] = {malloc(sizeof(float) * VOCAB * rows), malloc(sizeof(float) * VOCAB * rows)};
     int same = 1;
     for (int n = -4; n < pairs; n++) {
-        const int64_t pos = context + (n < 0 ? 0 : n) % 200, id = (pos * 31) % VOCAB;
-        const int64_t slot = table[pos / BLOCK] * BLOCK + pos % BLOCK, len = pos + 1;
+        int64_t pos[16], id[16], slot[16], len[16]; /* a draft chunk of `rows` rows (one: a decode) */
+        for (int r = 0; r < rows; r++) {
+            pos[r] = context + (n < 0 ? 0 : n) % 200 + r, id[r] = (pos[r] * 31) % VOCAB;
+            slot[r] = table[pos[r] / BLOCK] * BLOCK + pos[r] % BLOCK, len[r] = pos[r] + 1;
+        }
         const double lat = ping_pong(3000);
         for (int j = 0; j < 2; j++) {
             const int after = (n + j + 8) % 2; /* in turn first */
             const double t0 = now();
-            if ((after ? decode_stack : before_decode_stack)(stack, &id, &pos, cos_t, sin_t, POSITIONS, &slot, table,
-                                                              BLOCKS, &len, 1, NULL, logits[after], NULL))
+            if ((after ? decode_stack : before_decode_stack)(stack, id, pos, cos_t, sin_t, POSITIONS, slot, tables,
+                                                              BLOCKS, len, rows, NULL, logits[after], NULL))
                 abort();
             if (n >= 0) t[after][n] = now() - t0;
         }
-        same &= memcmp(logits[0], logits[1], sizeof(float) * VOCAB) == 0;
+        same &= memcmp(logits[0], logits[1], sizeof(float) * VOCAB * rows) == 0;
         if (n >= 0) latency[n] = lat;
     }
-    printf("context %lld-%lld, %d pairs of steps, the two alternating\n", (long long)context,
-           (long long)(context + (pairs < 200 ? pairs : 200) - 1), pairs);
+    printf("context %lld-%lld, %d row%s, %d pairs of steps, the two alternating\n", (long long)context,
+           (long long)(context + (pairs < 200 ? pairs : 200) - 1), rows, rows > 1 ? "s (a draft chunk)" : "", pairs);
     /* CCDs are AMD's; elsewhere (an Intel VM's mesh: ~100 ns between any two cores) the tag only
      * says which side of 80 ns a pair's round trip fell */
     __builtin_cpu_init();
@@ -252,7 +255,7 @@ int main(int argc, char **argv) {
         b;
     });
 #ifdef STACK_AB
-    return paired_ab(&stack, context, rounds * steps, cos_t, sin_t, table);
+    return paired_ab(&stack, context, rounds * steps, cos_t, sin_t, table, tables, rows);
 #endif
     one_buffer_lines = (int64_t)(weight_bytes / 64);
     one_buffer = huge((size_t)one_buffer_lines * 64);

@@ -4,11 +4,13 @@
 # `before_` prefix, linked beside this tree's, and scripts/bench_stack.c (-DSTACK_AB) alternates
 # the two step by step, the pairs tagged by where the VM's two threads sat.
 #
-#   scripts/bench_stack_ab.sh REV [context] [rounds]    e.g. scripts/bench_stack_ab.sh HEAD~1 300 8
+#   scripts/bench_stack_ab.sh REV [context] [rounds] [rows]    e.g. scripts/bench_stack_ab.sh HEAD~1 300 8
+#
+# rows (default 1): a draft chunk of that many rows, as bench_stack.c takes it.
 #
 # Needs gcc, binutils (ld, objcopy, nm), AVX512-BF16. docs/performance.md, fourteenth round.
 set -euo pipefail
-rev=${1:?usage: scripts/bench_stack_ab.sh REV [context] [rounds]}
+rev=${1:?usage: scripts/bench_stack_ab.sh REV [context] [rounds] [rows]}
 root=$(git rev-parse --show-toplevel)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -31,4 +33,4 @@ objcopy --redefine-syms="$work/undefined" "$work/prefixed.o" "$work/before_final
 gcc "${flags[@]}" -DSTACK_AB "$root/scripts/bench_stack.c" \
   "$root/$kernels/"{decode_stack,packed_gemv,paged_decode_attention,q4_gemv}.c "$work/before_final.o" -lm \
   -o "$work/bench_stack_ab"
-OMP_NUM_THREADS=2 OMP_PROC_BIND=true "$work/bench_stack_ab" "${2:-300}" "${3:-8}"
+OMP_NUM_THREADS=2 OMP_PROC_BIND=true "$work/bench_stack_ab" "${2:-300}" "${3:-8}" "${4:-1}"

@@ -281,8 +281,8 @@ def test_greedy_steps_are_single_steps_bit_for_bit(kind, request):
 @pytest.mark.parametrize("kind", ["int4", "bfloat16"])
 def test_a_step_in_one_parallel_region_is_the_same_step_bit_for_bit(kind, request):
     """A stack runs its layers inside one parallel region, every thread doing the work between the
-    products and attentions on its own copy (int4: quantizing each product's input too;
-    ``decode_stack_set_one_region``): its logits and argmax equal those of the step that forks and
+    products and attentions on its own copy (int4: quantizing each product's input too; a bfloat16
+    step of several rows shares its SiLU out instead; ``decode_stack_set_one_region``): its logits and argmax equal those of the step that forks and
     joins the thread team for each product and each attention, bit for bit, for one row and for a
     verifying step of several rows beside another request, with every thread count from one to
     three (one thread takes the plain path); and the same whether the team meets at its own barrier

@@ -200,6 +200,22 @@ NOCONTRACT static void silu_rows(const float *gate_up, int64_t rows, int64_t int
     }
 }
 
+/* silu_rows for a bfloat16 step, from the gate/up product's bfloat16 output straight into the down
+ * product's bfloat16 input (rows ld wide), columns [lo, hi) of each row: the same operations on the
+ * same values as converting the output, silu_rows and to_bf16_rows, so the same bits, without the
+ * float copies between them. */
+NOCONTRACT static void silu_bf16_rows(const uint16_t *gate_up, int64_t rows, int64_t inter, int64_t lo, int64_t hi,
+                                      int64_t ld, uint16_t *act) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
+        uint16_t *a = act + r * ld;
+        for (int64_t i = lo; i < hi; i++) {
+            const float gv = bf16_to_f32(g[i]), uv = bf16_to_f32(u[i]);
+            a[i] = f32_to_bf16(rnd(rnd(gv / (1.0f + fast_exp(-gv)), 1) * uv, 1));
+        }
+    }
+}
+
 /* the final norm into out, and the head's logits and their argmax */
 static int finish(const DecodeStack *s, const float *x, float *normed, int64_t rows, void *out, float *logits,
                   int64_t *argmax, uint16_t *xb, uint16_t *yb) {
@@ -232,7 +248,8 @@ static void to_bf16_rows(const float *x, int64_t rows, int64_t k, int64_t k_pad,
 /* a product inside the region, by the whole team: the input from this thread's own copy, the output
  * through a shared buffer (ys: bfloat16 bits for a bfloat16 product, float32 for int4) into this
  * thread's own float copy y. xb: this thread's scratch (the bfloat16 input; int4: its quantized
- * rows). Every thread must call it. */
+ * rows). A bfloat16 product may take x NULL, its input already in xb (a buffer shared or not), and
+ * y NULL, its output left in ys. Every thread must call it. */
 static void team_product(int kind, const StackWeight *w, const float *x, float *y, int64_t rows, void *xb, void *ys,
                          PgTeam *team, uint32_t *tag, const StackWeight *next) {
     if (kind == STACK_INT4) {
@@ -241,13 +258,13 @@ static void team_product(int kind, const StackWeight *w, const float *x, float *
         memcpy(y, ys, sizeof(float) * (size_t)(rows * w->n_out));
         return;
     }
+    if (x != NULL) to_bf16_rows(x, rows, w->k, w->extra, (uint16_t *)xb);
     uint16_t *yb = (uint16_t *)ys;
-    to_bf16_rows(x, rows, w->k, w->extra, (uint16_t *)xb);
     const int fetch = next != NULL && rows == 1; /* one row's step: the next product's start, while waiting */
     packed_gemm_bf16_team((const uint16_t *)w->data, (const uint16_t *)xb, w->extra, yb, rows, w->n_out, w->n_pad,
                           w->extra, team, ++*tag, fetch ? (const uint16_t *)next->data : NULL,
                           fetch ? next->n_pad : 0, fetch ? next->extra : 0);
-    for (int64_t i = 0; i < rows * w->n_out; i++) y[i] = bf16_to_f32(yb[i]);
+    for (int64_t i = 0; y != NULL && i < rows * w->n_out; i++) y[i] = bf16_to_f32(yb[i]);
 }
 
 /* the bytes of a thread's product scratch (team_product's xb) for a product of `rows` rows */
@@ -334,8 +351,10 @@ static void list_kv_ahead(const DecodeStack *s, const StackLayer *layer, const P
  * barrier stays. The work between the products (residuals,
  * norms, SiLU, and int4's quantizing of each product's input: a few thousand values) is done by
  * every thread on its own copy of the residual stream and of the products' inputs, so it needs no
- * barrier and every copy holds the same values; the products' outputs alternate between two shared
- * buffers, so that a product's writes cannot reach the one a slower thread is still reading. The
+ * barrier and every copy holds the same values (but for a bfloat16 step of several rows, whose SiLU
+ * the threads share out into the down product's input, and meet once more); the products' outputs
+ * alternate between two shared buffers, so that a product's writes cannot reach the one a slower
+ * thread is still reading. The
  * numbers are those of decode_stack's region-per-call loop bit for bit: the same operations on the
  * same values. Why: forking and joining the team cost ~2 us each time (docs/performance.md,
  * twelfth round for bfloat16, fourteenth for int4). The team meets at its own barrier (`sync`,
@@ -365,13 +384,21 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
      * whichever the kind) */
     const int64_t own = rows * (2 * hidden + widest + inter + 2 * q_size) + (xb_bytes + 3) / 4 + 16;
     /* + the PgTeam, from the next line */
-    const int64_t shared = rows * q_size + 2 * rows * widest + (int64_t)(sizeof(PgTeam) + 63) / 4;
+    /* a bfloat16 step of several rows: the SiLU product, shared, is the down product's bfloat16 input.
+     * Why only there: one row's SiLU is ~1.5 us a layer, about what the barrier the sharing needs
+     * costs; a verifying step of 7 rows spent ~10 us a layer on it in each thread (docs/performance.md,
+     * stop 57). */
+    const int split_silu = bf && rows > 1 && threads > 1;
+    const int64_t act_ld = s->layers[0].down.extra, act_floats = split_silu ? (rows * act_ld + 1) / 2 + 16 : 0;
+    const int64_t shared = rows * q_size + 2 * rows * widest + act_floats + (int64_t)(sizeof(PgTeam) + 63) / 4;
     float *scratch = (float *)malloc(sizeof(float) * (size_t)(threads * own + shared));
     if (scratch == NULL) return 1;
     float *q = scratch + threads * own;
     float *ys0 = q + rows * q_size, *ys1 = ys0 + rows * widest;
     /* shared by the products' claims, on a cache line of its own */
-    PgTeam *team = (PgTeam *)(((uintptr_t)(ys1 + rows * widest) + 63) & ~(uintptr_t)63);
+    uint16_t *act_shared = (uint16_t *)(ys1 + rows * widest);
+    if (split_silu) memset(act_shared, 0, sizeof(uint16_t) * (size_t)(rows * act_ld)); /* the padding stays 0 */
+    PgTeam *team = (PgTeam *)(((uintptr_t)(ys1 + rows * widest + act_floats) + 63) & ~(uintptr_t)63);
 #define OWN(t) (scratch + (int64_t)(t) * own)
 #define X(t) OWN(t)
 #define NORMED(t) (OWN(t) + rows * hidden)
@@ -454,12 +481,25 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
             for (int64_t r = 0; r < rows; r++)
                 rms_norm(x + r * hidden, layer->post_norm, hidden, s->eps, bf, normed + r * hidden);
             STACK_PHASE(t, PHASE_GATE_UP);
-            team_product(kind, &layer->gate_up, normed, tmp, rows, xb, ys1, team, &tag, &layer->down);
-            STACK_PHASE(t, PHASE_SILU);
-            silu_rows(tmp, rows, inter, bf, act);
-            STACK_PHASE(t, PHASE_DOWN);
-            team_product(kind, &layer->down, act, tmp, rows, xb, ys0, team, &tag,
-                         next != NULL ? &next->qkv : logits != NULL ? &s->head : NULL);
+            const StackWeight *after_down = next != NULL ? &next->qkv : logits != NULL ? &s->head : NULL;
+            if (split_silu) { /* SiLU from the product's bfloat16 output into the down product's shared
+                               * input, each thread its share of the columns; then the team meets */
+                team_product(kind, &layer->gate_up, normed, NULL, rows, xb, ys1, team, &tag, &layer->down);
+                STACK_PHASE(t, PHASE_SILU);
+                const int n = omp_get_num_threads();
+                const int64_t per = (inter + 16 * n - 1) / (16 * n) * 16;
+                const int64_t lo = t * per < inter ? t * per : inter, hi = lo + per < inter ? lo + per : inter;
+                silu_bf16_rows((const uint16_t *)ys1, rows, inter, lo, hi, act_ld, act_shared);
+                team_barrier(sync);
+                STACK_PHASE(t, PHASE_DOWN);
+                team_product(kind, &layer->down, NULL, tmp, rows, act_shared, ys0, team, &tag, after_down);
+            } else {
+                team_product(kind, &layer->gate_up, normed, tmp, rows, xb, ys1, team, &tag, &layer->down);
+                STACK_PHASE(t, PHASE_SILU);
+                silu_rows(tmp, rows, inter, bf, act);
+                STACK_PHASE(t, PHASE_DOWN);
+                team_product(kind, &layer->down, act, tmp, rows, xb, ys0, team, &tag, after_down);
+            }
             STACK_PHASE(t, PHASE_QKV);
             for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + tmp[i], bf);
             if (next != NULL) {
