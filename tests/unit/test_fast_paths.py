@@ -163,6 +163,75 @@ def test_native_decode_attention_is_batch_and_thread_invariant(dtype, head_dim):
         torch.set_num_threads(threads)
 
 
+def _chunk_scores_switch():
+    import ctypes
+
+    from engine_service.model.native import native_library
+
+    lib = native_library()
+    switch, passes = lib.paged_decode_attention_set_chunk_scores, lib.paged_decode_attention_chunk_passes
+    switch.restype, switch.argtypes = ctypes.c_int, [ctypes.c_int]
+    passes.restype, passes.argtypes = ctypes.c_int64, []
+    return switch, passes
+
+
+@pytest.mark.parametrize("heads,kv_heads,block_size", [(9, 3, 16), (10, 2, 32), (4, 4, 16)])
+@pytest.mark.parametrize("context", [1, 15, 16, 80, 300])
+def test_a_draft_chunks_rows_stay_their_own(heads, kv_heads, block_size, context):
+    """A draft chunk: one sequence's rows at consecutive positions over one block table, as a
+    verifying step lays them out (bfloat16, heads of 64, q a bfloat16 model's). Where the CPU has
+    AMX the chunk's scores come from tiles, all of its rows at once (``chunk_passes`` counts them;
+    a group of 5 query heads takes at most 6 rows a chunk, so its seventh row is a lone row). Each
+    row's output is the reference's, and bitwise the same in a chunk of any length from two rows,
+    beside another sequence, and on one to three threads; with the chunk scores switched off each
+    row is its lone row's, bit for bit."""
+    from sluice.cpuinfo import cpuinfo_field
+
+    kernel = load_paged_decode_attention()
+    switch, passes = _chunk_scores_switch()
+    gen = torch.Generator().manual_seed(context)
+    rows, head_dim = 7, 64
+    blocks = -(-(context + rows) // block_size) + 3
+    k_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    v_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    perm = torch.randperm(blocks, generator=gen)
+    width = -(-(context + rows - 1) // block_size)
+    tables = perm[:width].repeat(rows, 1)  # every row the chunk's whole table
+    lens = torch.arange(context, context + rows)
+    q = torch.randn(rows, heads, head_dim, generator=gen).bfloat16().float()
+    meta = AttentionMetadata(slot_mapping=torch.zeros(rows, dtype=torch.long), prefills=[], decode_token_index=None,
+                             decode_block_tables=tables, decode_context_lens=lens)
+    ref = decode_attention_reference(q, k_cache.float(), v_cache.float(), meta, 0.125)
+    threads = torch.get_num_threads()
+    before = passes()
+    try:
+        torch.set_num_threads(2)
+        got = kernel.op(q, k_cache, v_cache, tables, lens, 0.125)
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)  # float32 sums, bfloat16 inputs
+        tiles = {"amx_tile", "amx_bf16"} <= set((cpuinfo_field("flags") or "").split())
+        assert (passes() > before) == tiles, (passes(), before)
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(kernel.op(q, k_cache, v_cache, tables, lens, 0.125), got)
+        torch.set_num_threads(2)
+        for m in range(2, rows):
+            part = kernel.op(q[:m], k_cache, v_cache, tables[:m], lens[:m], 0.125)
+            assert torch.equal(part, got[:m]), m
+        other = torch.cat([tables[:1].flip(1), tables[:1]], dim=1)[:, :width]  # another sequence's blocks
+        beside = kernel.op(torch.cat([q[:1] * 2, q]), k_cache, v_cache, torch.cat([other, tables]),
+                           torch.cat([lens[-1:], lens]), 0.125)
+        assert torch.equal(beside[1:], got)
+        assert switch(0) == 0
+        off = kernel.op(q, k_cache, v_cache, tables, lens, 0.125)
+        for r in range(rows):
+            alone = kernel.op(q[r : r + 1], k_cache, v_cache, tables[r : r + 1], lens[r : r + 1], 0.125)
+            assert torch.equal(off[r], alone[0]), r
+        torch.testing.assert_close(off, got, atol=1e-4, rtol=1e-4)
+    finally:
+        switch(1)
+        torch.set_num_threads(threads)
+
+
 def test_native_decode_attention_refuses_what_it_cannot_run():
     kernel = load_paged_decode_attention()
     q, k_cache, v_cache, meta = _random_paged_case(9, 3, 16)

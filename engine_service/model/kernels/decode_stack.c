@@ -255,7 +255,7 @@ static void team_product(int kind, const StackWeight *w, const float *x, float *
     if (kind == STACK_INT4) {
         q4_linear_f32_team((const uint8_t *)w->data, w->scales_zeros, x, (float *)ys, rows, w->n_out, w->n_pad, w->k,
                            w->extra, xb, team->barrier, team->ahead);
-        memcpy(y, ys, sizeof(float) * (size_t)(rows * w->n_out));
+        if (y != NULL) memcpy(y, ys, sizeof(float) * (size_t)(rows * w->n_out));
         return;
     }
     if (x != NULL) to_bf16_rows(x, rows, w->k, w->extra, (uint16_t *)xb);
@@ -421,6 +421,9 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
         free(scratch);
         return prc == 1 ? 1 : 3;
     }
+    if (s->cache_type == STACK_CACHE_BF16) /* its draft chunks (none: as before) */
+        pda_plan_chunks(&plan, block_tables, table_width, context_lens, rows, s->heads, s->kv_heads, s->head_dim,
+                        s->block_size);
     plan.barrier = sync;
     /* the next layer's K/V during the products (kv_ahead.h): one row, a team to share its attention
      * out, products whose one-row loop drains the list (no allocation, no list: attention as before) */

@@ -375,7 +375,8 @@ static inline __attribute__((always_inline)) void NAME(                         
         const float *restrict q, const T *restrict k_cache, const T *restrict v_cache,            \
         const int64_t *restrict table, int64_t start, int64_t end, int64_t reach, int64_t heads, \
         int64_t group, int64_t kv_heads, int64_t block_size, const int64_t head_dim, float scale,\
-        float *restrict scores, float *restrict o, float *restrict m, float *restrict l, int fetch) { \
+        float *restrict scores, float *restrict o, float *restrict m, float *restrict l, int fetch, \
+        const float *restrict pre, int64_t pre_stride) {                                          \
     const int64_t token_stride = kv_heads * head_dim;                                             \
     int32_t kv_of[MAX_HEADS];  /* the kv head of each query head, without a division per token */ \
     for (int64_t h = 0; h < heads; h++) kv_of[h] = (int32_t)(h / group);                          \
@@ -416,7 +417,9 @@ static inline __attribute__((always_inline)) void NAME(                         
                 if (v_ahead2) __builtin_prefetch((const char *)(v_ahead2 + i * token_stride) + c, 0, 2); \
             }                                                                                     \
         }                                                                                         \
-        if (VECTOR_OK(head_dim)) {                                                                \
+        if (pre != NULL) {                                                                        \
+            /* the scores are the chunk's, computed before the partitions (chunk_scores) */       \
+        } else if (VECTOR_OK(head_dim)) {                                                         \
             for (int64_t i = 0; i < run; i += 16)                                                 \
                 VECTOR_SCORES(SCORES16, q, kp + i * token_stride, run - i < 16 ? run - i : 16,    \
                               token_stride, heads, kv_of, head_dim, scale, scores + t - start + i, \
@@ -437,6 +440,8 @@ static inline __attribute__((always_inline)) void NAME(                         
         t += run;                                                                                 \
     }                                                                                             \
     const int64_t n = end - start;                                                                \
+    for (int64_t h = 0; pre != NULL && h < heads; h++)                                            \
+        memcpy(scores + h * PARTITION, pre + h * pre_stride + start, sizeof(float) * (size_t)n);  \
     for (int64_t h = 0; h < heads; h++) {                                                         \
         float *s = scores + h * PARTITION;                                                        \
         const float mx = scores_max(s, n);                                                        \
@@ -477,7 +482,7 @@ static inline __attribute__((always_inline)) void NAME(                         
 
 #define RUN_PARTITION(FN, HD)                                                                     \
     FN(qb, k_cache, v_cache, table, start, end, reach, heads, group, kv_heads, block_size, HD, scale, \
-       scores, o, m, l, fetch)
+       scores, o, m, l, fetch, pre, pre ? plan->score_stride : 0)
 
 int pda_plan(PdaPlan *plan, const int64_t *context_lens, int64_t batch, int64_t heads, int64_t kv_heads,
              int64_t head_dim, int threads) {
@@ -527,10 +532,214 @@ void pda_plan_free(PdaPlan *plan) {
     free(plan->task_seq);
     free(plan->partials);
     free(plan->scores);
+    free(plan->row_chunk);
+    free(plan->chunk_first);
+    free(plan->chunk_rows);
+    free(plan->chunk_scores);
     memset(plan, 0, sizeof *plan);
 }
 
 int pda_plan_shared(const PdaPlan *plan) { return plan->total_len > SERIAL_TOKENS; }
+
+/* Draft chunks: the rows of one sequence at consecutive positions that a verifying step runs (its
+ * last token and its drafts), each attending over its own length of the same cache. Where the CPU
+ * has AMX, a bfloat16 cache and q (a bfloat16 model's) and heads of 64, their scores are computed
+ * before the partitions, by AMX tiles, for every row of the chunk at once: each 16 tokens' K rows
+ * are one tile, straight from the cache, and the chunk's query heads (its rows times a kv head's
+ * group, up to 32) the columns of the other, so K is read once for all of them; the partitions
+ * then take their scores from there. Why: the VDPBF16PS scores (scores16_dp_bf16) cost a row what
+ * they cost it alone, about half of a row's attention, and a verifying step's rows' attention was
+ * most of what a step of seven rows cost more than a step of one (docs/performance.md, stop 56
+ * and stop 57). Each score is one tile element, the sum of its own products only, so a row's
+ * scores do not depend on the other rows of its chunk, on the batch or on the threads; they round
+ * apart from a lone row's VDPBF16PS scores, as AMX's products already do a verifying step's. */
+#define PDA_MAX_CHUNKS 64
+#define CHUNK_K_AHEAD 2 /* runs: 1, 3 and 4 read the same within 1-2% (docs/performance.md, stop 57) */
+static int chunk_scores_on = 1;
+
+static int64_t chunk_passes; /* chunk_scores calls that computed some: what shows a test the path ran */
+
+int paged_decode_attention_set_chunk_scores(int on) { return chunk_scores_on = on != 0; }
+
+int64_t paged_decode_attention_chunk_passes(void) { return __atomic_load_n(&chunk_passes, __ATOMIC_RELAXED); }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(PDA_VECTOR)
+#define PDA_AMX 1
+#include "amx.h"
+#endif
+
+int pda_plan_chunks(PdaPlan *plan, const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
+                    int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size) {
+#if defined(PDA_AMX)
+    const int64_t group = kv_heads > 0 ? heads / kv_heads : 0, most = group > 0 ? 32 / group : 0;
+    if (!chunk_scores_on || head_dim != 64 || block_size % 16 != 0 || batch < 2 || most < 2 || !amx_usable())
+        return 0;
+    int64_t n = 0, longest = 0;
+    plan->row_chunk = (int64_t *)malloc(sizeof(int64_t) * (size_t)batch);
+    plan->chunk_first = (int64_t *)malloc(sizeof(int64_t) * (size_t)batch);
+    plan->chunk_rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)batch);
+    if (plan->row_chunk == NULL || plan->chunk_first == NULL || plan->chunk_rows == NULL) goto none;
+    for (int64_t b = 0; b < batch;) {
+        const int64_t len = context_lens[b], *table = block_tables + b * table_width;
+        int64_t m = 1;
+        /* the next row is the chunk's next position, and its table holds the same blocks */
+        while (len > 0 && b + m < batch && m < most && context_lens[b + m] == len + m) {
+            const int64_t *next = block_tables + (b + m) * table_width, blocks = (len + m - 1) / block_size + 1;
+            if (blocks > table_width || memcmp(next, table, sizeof(int64_t) * (size_t)blocks) != 0) break;
+            m++;
+        }
+        const int chunked = m >= 2 && n < PDA_MAX_CHUNKS;
+        for (int64_t i = 0; i < m; i++) plan->row_chunk[b + i] = chunked ? n : -1;
+        if (chunked) {
+            plan->chunk_first[n] = b, plan->chunk_rows[n] = m, n++;
+            longest = len + m - 1 > longest ? len + m - 1 : longest;
+        }
+        b += m;
+    }
+    if (n == 0) goto none;
+    plan->score_stride = (longest + 15) / 16 * 16;
+    plan->chunk_scores = (float *)aligned_alloc(64, sizeof(float) * (size_t)(batch * heads * plan->score_stride));
+    if (plan->chunk_scores == NULL) goto none;
+    plan->num_chunks = n;
+    return 0;
+none:
+    free(plan->row_chunk), free(plan->chunk_first), free(plan->chunk_rows);
+    plan->row_chunk = plan->chunk_first = plan->chunk_rows = NULL;
+    return n > 0 ? 1 : 0;
+#else
+    (void)plan, (void)block_tables, (void)table_width, (void)context_lens, (void)batch, (void)heads, (void)kv_heads;
+    (void)head_dim, (void)block_size;
+    return 0;
+#endif
+}
+
+#if defined(PDA_AMX)
+/* The chunks' scores (those with use[c]) by this thread's share of the (chunk, kv head, 16 tokens)
+ * items. Tiles: 0-1 the 16 tokens' K, a head's two halves of 32; 2-5 the chunk's q for this kv head,
+ * [half][columns 0-15, 16-31], as pairs; 6-7 the scores of columns 0-15 and 16-31, [token][column]. */
+static void chunk_scores(const PdaPlan *plan, const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                         const int64_t *block_tables,
+                         int64_t table_width, const int64_t *context_lens, int64_t heads, int64_t kv_heads,
+                         int64_t block_size, float scale, const char *use) {
+    const int64_t head_dim = 64, group = heads / kv_heads, token_stride = kv_heads * head_dim;
+    int64_t total = 0;
+    for (int64_t c = 0; c < plan->num_chunks; c++) {
+        const int64_t last = plan->chunk_first[c] + plan->chunk_rows[c] - 1;
+        total += use[c] ? kv_heads * ((context_lens[last] + 15) / 16) : 0;
+    }
+    const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
+    const int64_t lo = thread * total / threads, hi = (thread + 1) * total / threads;
+    if (lo >= hi) return;
+    __atomic_add_fetch(&chunk_passes, 1, __ATOMIC_RELAXED);
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+    uint16_t bq[2][2][16 * 32] __attribute__((aligned(64)));
+    float cb[2][16 * 16] __attribute__((aligned(64)));
+    const __m512 vscale = _mm512_set1_ps(scale);
+    int64_t item = 0;
+    for (int64_t c = 0; c < plan->num_chunks && item < hi; c++) {
+        if (!use[c]) continue;
+        const int64_t first = plan->chunk_first[c], cols = plan->chunk_rows[c] * group;
+        const int64_t runs = (context_lens[first + plan->chunk_rows[c] - 1] + 15) / 16;
+        const int64_t *table = block_tables + first * table_width;
+        for (int64_t g = 0; g < kv_heads && item < hi; g++) {
+            if (item + runs <= lo) {
+                item += runs;
+                continue;
+            }
+            memset(bq, 0, sizeof bq);
+            for (int64_t col = 0; col < cols; col++) {
+                const float *qh = q + ((first + col / group) * heads + g * group + col % group) * head_dim;
+                for (int64_t d = 0; d < head_dim; d++) { /* q's values are bfloat16s: their top halves */
+                    uint32_t bits;
+                    memcpy(&bits, qh + d, sizeof bits);
+                    bq[d / 32][col / 16][(d % 32) / 2 * 32 + col % 16 * 2 + d % 2] = (uint16_t)(bits >> 16);
+                }
+            }
+            __asm__ volatile("" ::: "memory"); /* GCC's _tile_loadd names no memory: bq must be written */
+            _tile_loadd(2, bq[0][0], 64);
+            _tile_loadd(3, bq[1][0], 64);
+            if (cols > 16) {
+                _tile_loadd(4, bq[0][1], 64);
+                _tile_loadd(5, bq[1][1], 64);
+            }
+            for (int64_t run = 0; run < runs && item < hi; run++, item++) {
+                if (item < lo) continue;
+                const int64_t t0 = run * 16; /* 16 tokens of one block: block_size is a multiple of 16 */
+                const uint16_t *kp = k_cache + (table[t0 / block_size] * block_size + t0 % block_size) * token_stride
+                                     + g * head_dim;
+                /* from memory (a step's weights have flushed the caches): this kv head's K two runs ahead,
+                 * and the V lines its partitions will read next, into L2 */
+                if (run + CHUNK_K_AHEAD < runs) {
+                    const int64_t ta = t0 + 16 * CHUNK_K_AHEAD;
+                    const char *ka = (const char *)(k_cache + (table[ta / block_size] * block_size + ta % block_size)
+                                                    * token_stride + g * head_dim);
+                    for (int i = 0; i < 16; i++) {
+                        __builtin_prefetch(ka + i * token_stride * 2);
+                        __builtin_prefetch(ka + i * token_stride * 2 + 64);
+                    }
+                }
+                const char *va = (const char *)(v_cache + (table[t0 / block_size] * block_size + t0 % block_size)
+                                                * token_stride + g * head_dim);
+                for (int i = 0; i < 16; i++) {
+                    __builtin_prefetch(va + i * token_stride * 2, 0, 2);
+                    __builtin_prefetch(va + i * token_stride * 2 + 64, 0, 2);
+                }
+                _tile_loadd(0, kp, token_stride * 2);
+                _tile_loadd(1, kp + 32, token_stride * 2);
+                _tile_zero(6);
+                _tile_dpbf16ps(6, 0, 2);
+                _tile_dpbf16ps(6, 1, 3);
+                _tile_stored(6, cb[0], 64);
+                if (cols > 16) {
+                    _tile_zero(7);
+                    _tile_dpbf16ps(7, 0, 4);
+                    _tile_dpbf16ps(7, 1, 5);
+                    _tile_stored(7, cb[1], 64);
+                }
+                __asm__ volatile("" ::: "memory"); /* and cb read after the tiles stored it */
+                for (int64_t ct = 0; ct * 16 < cols; ct++) {
+                    __m512i r[16];
+                    for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512(cb[ct] + 16 * i);
+                    transpose16(r); /* r[j]: column j's 16 tokens */
+                    for (int64_t j = 0; j < 16 && ct * 16 + j < cols; j++) {
+                        const int64_t col = ct * 16 + j, row = first + col / group, h = g * group + col % group;
+                        _mm512_storeu_ps(plan->chunk_scores + (row * heads + h) * plan->score_stride + t0,
+                                         _mm512_mul_ps(_mm512_castsi512_ps(r[j]), vscale));
+                    }
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
+/* A bfloat16 team's chunks before its partitions: use[c] for each (its q all bfloat16s: a float32
+ * q's values would round), the scores, and the team meets. Every thread must call it. */
+static void chunk_prepass(const PdaPlan *plan, const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                          const int64_t *block_tables,
+                          int64_t table_width, const int64_t *context_lens, int64_t heads, int64_t kv_heads,
+                          int64_t head_dim, int64_t block_size, float scale, char *use) {
+    if (plan->num_chunks == 0) return;
+#if defined(PDA_AMX)
+    for (int64_t c = 0; c < plan->num_chunks; c++)
+        use[c] = (char)bf16_exact(q + plan->chunk_first[c] * heads * head_dim, plan->chunk_rows[c] * heads * head_dim);
+    chunk_scores(plan, q, k_cache, v_cache, block_tables, table_width, context_lens, heads, kv_heads, block_size, scale,
+                 use);
+    team_barrier(plan->barrier); /* every chunk's scores before any partition */
+#else
+    (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)table_width, (void)context_lens, (void)heads;
+    (void)kv_heads, (void)head_dim, (void)block_size, (void)scale, (void)use;
+#endif
+}
 
 /* out's row bh (a sequence's head) from its partitions' o, m and l: their log-sum-exp rescaling */
 static inline __attribute__((always_inline)) void combine(const PdaPlan *plan, int64_t bh, int64_t heads,
@@ -590,6 +799,9 @@ int paged_decode_attention_set_follower_fetch(int on) { return follower_fetch = 
         const int fetch = follower_fetch || b == 0 || context_lens[b - 1] <= both * block_size ||     \
                           (table - table_width)[both] != table[both]; /* follower_fetch, above */    \
         float *o = partials + t * per_task, *m = o + heads * head_dim, *l = m + heads;            \
+        const int64_t chunk = plan->num_chunks ? plan->row_chunk[b] : -1;                         \
+        const float *pre = chunk >= 0 && use[chunk]                                               \
+                           ? plan->chunk_scores + b * heads * plan->score_stride : NULL;          \
         if (head_dim == 64) RUN_PARTITION(PART, 64);                                              \
         else if (head_dim == 128) RUN_PARTITION(PART, 128);                                       \
         else RUN_PARTITION(PART, head_dim);                                                       \
@@ -598,11 +810,15 @@ int paged_decode_attention_set_follower_fetch(int on) { return follower_fetch = 
 /* The kernel's work, shared out over the calling team: the partitions (omp for, or one thread when
  * the context is too short to share) and a barrier; then the combine, shared out (omp for) with a
  * barrier after it, or with own_out done whole by every thread into its own out, with none. */
-#define DEFINE_TEAM(NAME, T, PART)                                                                \
+#define DEFINE_TEAM(NAME, T, PART, PRE)                                                           \
 void NAME(const PdaPlan *plan, const float *q, const T *k_cache, const T *v_cache,                \
           const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,          \
           float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,           \
           int64_t block_size, float scale, int own_out) {                                         \
+    /* use[c]: chunk c's scores were computed ahead (chunk_prepass); the team meets after it */   \
+    char use[PDA_MAX_CHUNKS] = {0};                                                               \
+    PRE(plan, q, k_cache, v_cache, block_tables, table_width, context_lens, heads, kv_heads,      \
+        head_dim, block_size, scale, use);                                                        \
     const int64_t group = heads / kv_heads, tasks = plan->tasks;                                  \
     const int64_t per_task = heads * (head_dim + 2);      /* o, m, l of one partition */           \
     float *partials = plan->partials;                                                             \
@@ -633,7 +849,7 @@ void NAME(const PdaPlan *plan, const float *q, const T *k_cache, const T *v_cach
 
 /* The entry point: a plan, then a parallel region of its own (the calling thread alone for a short
  * context), then the plan freed. */
-#define DEFINE_KERNEL(NAME, TEAM, T)                                                              \
+#define DEFINE_KERNEL(NAME, TEAM, T, CHUNKS)                                                      \
 int NAME(const float *q, const T *k_cache, const T *v_cache, const int64_t *block_tables,         \
          int64_t table_width, const int64_t *context_lens, float *out, int64_t batch,             \
          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale) {    \
@@ -641,6 +857,8 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int64_t *bloc
     const int rc = pda_plan(&plan, context_lens, batch, heads, kv_heads, head_dim,                \
                             omp_get_max_threads());                                               \
     if (rc != 0) return rc;                                                                       \
+    if (CHUNKS) pda_plan_chunks(&plan, block_tables, table_width, context_lens, batch, heads,     \
+                                kv_heads, head_dim, block_size);                                  \
     _Pragma("omp parallel if(pda_plan_shared(&plan))")                                             \
     TEAM(&plan, q, k_cache, v_cache, block_tables, table_width, context_lens, out, batch, heads,  \
          kv_heads, head_dim, block_size, scale, 0);                                               \
@@ -654,9 +872,10 @@ int NAME(const float *q, const T *k_cache, const T *v_cache, const int64_t *bloc
 DEFINE_PARTITION(partition_f32, float, LOAD_F32, scores16_f32, f32)
 DEFINE_PARTITION(partition_bf16, uint16_t, LOAD_BF16, scores16_bf16, bf16)
 DEFINE_PARTITION(partition_f16, uint16_t, LOAD_F16, scores16_f16, f16)
-DEFINE_TEAM(paged_decode_attention_f32_team, float, partition_f32)
-DEFINE_TEAM(paged_decode_attention_bf16_team, uint16_t, partition_bf16)
-DEFINE_TEAM(paged_decode_attention_f16_team, uint16_t, partition_f16)
-DEFINE_KERNEL(paged_decode_attention_f32, paged_decode_attention_f32_team, float)
-DEFINE_KERNEL(paged_decode_attention_bf16, paged_decode_attention_bf16_team, uint16_t)
-DEFINE_KERNEL(paged_decode_attention_f16, paged_decode_attention_f16_team, uint16_t)
+#define NO_PREPASS(...) ((void)0)
+DEFINE_TEAM(paged_decode_attention_f32_team, float, partition_f32, NO_PREPASS)
+DEFINE_TEAM(paged_decode_attention_bf16_team, uint16_t, partition_bf16, chunk_prepass)
+DEFINE_TEAM(paged_decode_attention_f16_team, uint16_t, partition_f16, NO_PREPASS)
+DEFINE_KERNEL(paged_decode_attention_f32, paged_decode_attention_f32_team, float, 0)
+DEFINE_KERNEL(paged_decode_attention_bf16, paged_decode_attention_bf16_team, uint16_t, 1)
+DEFINE_KERNEL(paged_decode_attention_f16, paged_decode_attention_f16_team, uint16_t, 0)

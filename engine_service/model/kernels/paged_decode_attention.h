@@ -34,6 +34,13 @@ int paged_decode_attention_f16(const float *q, const uint16_t *k_cache, const ui
  * outputs are the same either way. Returns the setting now in force. */
 int paged_decode_attention_set_follower_fetch(int on);
 
+/* Whether a bfloat16 step's draft chunks take their scores from AMX tiles, all of a chunk's rows at
+ * once (paged_decode_attention.c, "Draft chunks"): 1, the default, where the CPU has AMX; 0, each
+ * row's own VDPBF16PS scores. Returns the setting now in force. */
+int paged_decode_attention_set_chunk_scores(int on);
+/* how many times a thread has computed draft chunks' scores through AMX (0 on a CPU without it) */
+int64_t paged_decode_attention_chunk_passes(void);
+
 /* A step's attention laid out once (its partitions and work buffers), for calls from inside a
  * parallel region: the context lengths must stay as planned. threads: the most threads a team
  * calling it will have (the scores scratch has a row for each). Returns 0, 1 (out of memory: nothing to free) or 2 (a shape outside the
@@ -49,10 +56,19 @@ typedef struct {
      * (pda_thread_tasks), so that it can fetch their K/V ahead (kv_ahead.h). The results are the
      * same bit for bit: a task's sums do not depend on the thread that computes it. */
     int static_tasks;
+    /* draft chunks whose scores AMX tiles compute before the partitions (pda_plan_chunks): each row's
+     * chunk (-1: none), each chunk's first row and row count, and the scores, [row][head][score_stride]
+     * floats, scaled; num_chunks 0: none */
+    int64_t num_chunks, score_stride, *row_chunk, *chunk_first, *chunk_rows;
+    float *chunk_scores;
 } PdaPlan;
 int pda_plan(PdaPlan *plan, const int64_t *context_lens, int64_t batch, int64_t heads, int64_t kv_heads,
              int64_t head_dim, int threads);
 void pda_plan_free(PdaPlan *plan);
+/* For a bfloat16 cache: find the plan's draft chunks (pda_plan_chunks in paged_decode_attention.c)
+ * and room for their scores. 0, or 1 (out of memory: the plan stays valid, without chunks). */
+int pda_plan_chunks(PdaPlan *plan, const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,
+                    int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size);
 /* 1 when a team shares the plan's tasks out, 0 when its context is short enough for one thread */
 int pda_plan_shared(const PdaPlan *plan);
 /* task `task`'s sequence and its tokens [start, end) */
