@@ -631,15 +631,7 @@ static void chunk_scores(const PdaPlan *plan, const float *q, const uint16_t *k_
     const int64_t lo = thread * total / threads, hi = (thread + 1) * total / threads;
     if (lo >= hi) return;
     __atomic_add_fetch(&chunk_passes, 1, __ATOMIC_RELAXED);
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-    _tile_loadconfig(&cfg);
+    amx_configure(16, 64, 16); /* every tile 16 rows of 64 bytes, whatever amx.h names them for */
     uint16_t bq[2][2][16 * 32] __attribute__((aligned(64)));
     float cb[2][16 * 16] __attribute__((aligned(64)));
     const __m512 vscale = _mm512_set1_ps(scale);
