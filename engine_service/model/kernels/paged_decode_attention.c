@@ -618,34 +618,29 @@ none:
  * items. Tiles: 0-1 the 16 tokens' K, a head's two halves of 32; 2-5 the chunk's q for this kv head,
  * [half][columns 0-15, 16-31], as pairs; 6-7 the scores of columns 0-15 and 16-31, [token][column]. */
 static void chunk_scores(const PdaPlan *plan, const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                         const int64_t *block_tables,
-                         int64_t table_width, const int64_t *context_lens, int64_t heads, int64_t kv_heads,
-                         int64_t block_size, float scale, const char *use) {
+                         const int64_t *block_tables, int64_t table_width, const int64_t *context_lens, int64_t heads,
+                         int64_t kv_heads, int64_t block_size, float scale, const char *use) {
     const int64_t head_dim = 64, group = heads / kv_heads, token_stride = kv_heads * head_dim;
-    int64_t total = 0;
-    for (int64_t c = 0; c < plan->num_chunks; c++) {
-        const int64_t last = plan->chunk_first[c] + plan->chunk_rows[c] - 1;
-        total += use[c] ? kv_heads * ((context_lens[last] + 15) / 16) : 0;
-    }
     const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
-    const int64_t lo = thread * total / threads, hi = (thread + 1) * total / threads;
-    if (lo >= hi) return;
-    __atomic_add_fetch(&chunk_passes, 1, __ATOMIC_RELAXED);
-    amx_configure(16, 64, 16); /* every tile 16 rows of 64 bytes, whatever amx.h names them for */
+    int configured = 0;
     uint16_t bq[2][2][16 * 32] __attribute__((aligned(64)));
     float cb[2][16 * 16] __attribute__((aligned(64)));
     const __m512 vscale = _mm512_set1_ps(scale);
-    int64_t item = 0;
-    for (int64_t c = 0; c < plan->num_chunks && item < hi; c++) {
+    for (int64_t c = 0; c < plan->num_chunks; c++) {
         if (!use[c]) continue;
         const int64_t first = plan->chunk_first[c], cols = plan->chunk_rows[c] * group;
         const int64_t runs = (context_lens[first + plan->chunk_rows[c] - 1] + 15) / 16;
+        /* this thread's share of the chunk's tokens, every kv head: the partitions over them are
+         * its own too (DEFINE_TEAM), and find their K and V in this core's caches */
+        const int64_t lo = thread * runs / threads, hi = (thread + 1) * runs / threads;
+        if (lo >= hi) continue;
+        if (!configured) {
+            __atomic_add_fetch(&chunk_passes, 1, __ATOMIC_RELAXED);
+            amx_configure(16, 64, 16); /* every tile 16 rows of 64 bytes, whatever amx.h names them for */
+            configured = 1;
+        }
         const int64_t *table = block_tables + first * table_width;
-        for (int64_t g = 0; g < kv_heads && item < hi; g++) {
-            if (item + runs <= lo) {
-                item += runs;
-                continue;
-            }
+        for (int64_t g = 0; g < kv_heads; g++) {
             memset(bq, 0, sizeof bq);
             for (int64_t col = 0; col < cols; col++) {
                 const float *qh = q + ((first + col / group) * heads + g * group + col % group) * head_dim;
@@ -662,14 +657,13 @@ static void chunk_scores(const PdaPlan *plan, const float *q, const uint16_t *k_
                 _tile_loadd(4, bq[0][1], 64);
                 _tile_loadd(5, bq[1][1], 64);
             }
-            for (int64_t run = 0; run < runs && item < hi; run++, item++) {
-                if (item < lo) continue;
+            for (int64_t run = lo; run < hi; run++) {
                 const int64_t t0 = run * 16; /* 16 tokens of one block: block_size is a multiple of 16 */
                 const uint16_t *kp = k_cache + (table[t0 / block_size] * block_size + t0 % block_size) * token_stride
                                      + g * head_dim;
                 /* from memory (a step's weights have flushed the caches): this kv head's K two runs ahead,
                  * and the V lines its partitions will read next, into L2 */
-                if (run + CHUNK_K_AHEAD < runs) {
+                if (run + CHUNK_K_AHEAD < hi) {
                     const int64_t ta = t0 + 16 * CHUNK_K_AHEAD;
                     const char *ka = (const char *)(k_cache + (table[ta / block_size] * block_size + ta % block_size)
                                                     * token_stride + g * head_dim);
@@ -710,7 +704,7 @@ static void chunk_scores(const PdaPlan *plan, const float *q, const uint16_t *k_
             }
         }
     }
-    _tile_release();
+    if (configured) _tile_release();
 }
 #endif
 
@@ -780,6 +774,8 @@ int paged_decode_attention_set_follower_fetch(int on) { return follower_fetch = 
     for (int64_t t = lo; t < hi; t++) {                                                           \
         int64_t b, start, end;                                                                    \
         pda_task_span(plan, context_lens, t, &b, &start, &end);                                   \
+        const int64_t chunk = plan->num_chunks ? plan->row_chunk[b] : -1;                         \
+        if ((chunk >= 0 && use[chunk]) != chunk_pass) continue; /* a chunk's row: its own loop */ \
         /* the prefetches' reach: the end of the last of tasks [t, hi) that is b's (a sequence's   \
          * tasks are its partitions in token order) */                                            \
         const int64_t last = (hi < plan->first_task[b + 1] ? hi : plan->first_task[b + 1]) - 1;   \
@@ -791,9 +787,7 @@ int paged_decode_attention_set_follower_fetch(int on) { return follower_fetch = 
         const int fetch = follower_fetch || b == 0 || context_lens[b - 1] <= both * block_size ||     \
                           (table - table_width)[both] != table[both]; /* follower_fetch, above */    \
         float *o = partials + t * per_task, *m = o + heads * head_dim, *l = m + heads;            \
-        const int64_t chunk = plan->num_chunks ? plan->row_chunk[b] : -1;                         \
-        const float *pre = chunk >= 0 && use[chunk]                                               \
-                           ? plan->chunk_scores + b * heads * plan->score_stride : NULL;          \
+        const float *pre = chunk_pass ? plan->chunk_scores + b * heads * plan->score_stride : NULL; \
         if (head_dim == 64) RUN_PARTITION(PART, 64);                                              \
         else if (head_dim == 128) RUN_PARTITION(PART, 128);                                       \
         else RUN_PARTITION(PART, head_dim);                                                       \
@@ -820,6 +814,7 @@ void NAME(const PdaPlan *plan, const float *q, const T *k_cache, const T *v_cach
      * thread is free (short contexts: one thread takes every task, the others none) */           \
     const int fixed = shared && plan->static_tasks;                                               \
     int64_t lo = 0, hi = 0;                                                                       \
+    int chunk_pass = 0; /* PDA_TASKS runs the tasks of rows outside chunks, then (1) of chunks' */ \
     if (fixed) pda_thread_tasks(plan, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);     \
     _Pragma("omp for schedule(dynamic, 1) nowait")                                                \
     for (int64_t task = 0; task < (fixed ? 0 : shared ? tasks : 1); task++) {                     \
@@ -827,6 +822,17 @@ void NAME(const PdaPlan *plan, const float *q, const T *k_cache, const T *v_cach
         PDA_TASKS(PART);                                                                          \
     }                                                                                             \
     if (fixed) PDA_TASKS(PART);                                                                   \
+    /* a draft chunk's rows: each thread the partitions over the tokens whose scores it computed  \
+     * (chunk_scores: the runs in the same share), whose K and V it has just read */              \
+    chunk_pass = 1;                                                                               \
+    for (int64_t b = 0; plan->num_chunks && b < batch; b++) {                                     \
+        if (plan->row_chunk[b] < 0 || !use[plan->row_chunk[b]]) continue;                         \
+        const int n = shared ? omp_get_num_threads() : 1, me = shared ? omp_get_thread_num() : 0; \
+        if (!shared && omp_get_thread_num() != 0) break;                                          \
+        const int64_t f = plan->first_task[b], parts = plan->first_task[b + 1] - f;               \
+        lo = f + me * parts / n, hi = f + (me + 1) * parts / n;                                   \
+        PDA_TASKS(PART);                                                                          \
+    }                                                                                             \
     team_barrier(plan->barrier); /* every partition done before any combine */                   \
     /* combine each (sequence, head) over its partitions: shared out, or all of it by every thread */ \
     if (own_out) {                                                                                \
