@@ -546,8 +546,9 @@ int pda_plan_shared(const PdaPlan *plan) { return plan->total_len > SERIAL_TOKEN
  * has AMX, a bfloat16 cache and q (a bfloat16 model's) and heads of 64, their scores are computed
  * before the partitions, by AMX tiles, for every row of the chunk at once: each 16 tokens' K rows
  * are one tile, straight from the cache, and the chunk's query heads (its rows times a kv head's
- * group, up to 32) the columns of the other, so K is read once for all of them; the partitions
- * then take their scores from there. Why: the VDPBF16PS scores (scores16_dp_bf16) cost a row what
+ * group, up to 32) the columns of the other, so K is read once for all of them; each thread takes
+ * a share of the chunk's tokens, and then runs the chunk rows' partitions over that share, whose K
+ * it has just read and whose V it prefetched; the partitions take their scores from there. Why: the VDPBF16PS scores (scores16_dp_bf16) cost a row what
  * they cost it alone, about half of a row's attention, and a verifying step's rows' attention was
  * most of what a step of seven rows cost more than a step of one (docs/performance.md, stop 56
  * and stop 57). Each score is one tile element, the sum of its own products only, so a row's
