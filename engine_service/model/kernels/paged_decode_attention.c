@@ -642,15 +642,25 @@ static void chunk_scores(const PdaPlan *plan, const float *q, const uint16_t *k_
         }
         const int64_t *table = block_tables + first * table_width;
         for (int64_t g = 0; g < kv_heads; g++) {
-            memset(bq, 0, sizeof bq);
-            for (int64_t col = 0; col < cols; col++) {
-                const float *qh = q + ((first + col / group) * heads + g * group + col % group) * head_dim;
-                for (int64_t d = 0; d < head_dim; d++) { /* q's values are bfloat16s: their top halves */
-                    uint32_t bits;
-                    memcpy(&bits, qh + d, sizeof bits);
-                    bq[d / 32][col / 16][(d % 32) / 2 * 32 + col % 16 * 2 + d % 2] = (uint16_t)(bits >> 16);
+            /* B [half][column tile]: row p the 16 columns' inputs 2p, 2p + 1 of that half, as bfloat16
+             * pairs: each column's 32 inputs converted (q's values are bfloat16s: exactly), then the 16
+             * columns' pairs transposed, one column a lane */
+            for (int64_t half = 0; half < 2; half++)
+                for (int64_t ct = 0; ct * 16 < cols; ct++) {
+                    __m512i r[16];
+                    for (int64_t j = 0; j < 16; j++) {
+                        const int64_t col = ct * 16 + j;
+                        if (col >= cols) {
+                            r[j] = _mm512_setzero_si512();
+                            continue;
+                        }
+                        const float *qh = q + ((first + col / group) * heads + g * group + col % group) * head_dim
+                                          + half * 32;
+                        r[j] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qh + 16), _mm512_loadu_ps(qh));
+                    }
+                    transpose16(r);
+                    for (int p = 0; p < 16; p++) _mm512_store_si512(bq[half][ct] + p * 32, r[p]);
                 }
-            }
             __asm__ volatile("" ::: "memory"); /* GCC's _tile_loadd names no memory: bq must be written */
             _tile_loadd(2, bq[0][0], 64);
             _tile_loadd(3, bq[1][0], 64);
