@@ -352,7 +352,8 @@ static void list_kv_ahead(const DecodeStack *s, const StackLayer *layer, const P
  * norms, SiLU, and int4's quantizing of each product's input: a few thousand values) is done by
  * every thread on its own copy of the residual stream and of the products' inputs, so it needs no
  * barrier and every copy holds the same values (but for a bfloat16 step of several rows, whose SiLU
- * the threads share out into the down product's input, and meet once more); the products' outputs
+ * and attention's combine the threads share out into the next product's input, and meet once more
+ * for each); the products' outputs
  * alternate between two shared buffers, so that a product's writes cannot reach the one a slower
  * thread is still reading. The
  * numbers are those of decode_stack's region-per-call loop bit for bit: the same operations on the
@@ -386,19 +387,28 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
     /* + the PgTeam, from the next line */
     /* a bfloat16 step of several rows: the SiLU product, shared, is the down product's bfloat16 input.
      * Why only there: one row's SiLU is ~1.5 us a layer, about what the barrier the sharing needs
-     * costs; a verifying step of 7 rows spent ~10 us a layer on it in each thread (docs/performance.md,
-     * stop 57). */
+     * costs; a verifying step of 7 rows spent ~10 us a layer on it in each thread, and ~6 on
+     * attention's combine (docs/performance.md, stop 57). */
     const int split_silu = bf && rows > 1 && threads > 1;
     const int64_t act_ld = s->layers[0].down.extra, act_floats = split_silu ? (rows * act_ld + 1) / 2 + 16 : 0;
-    const int64_t shared = rows * q_size + 2 * rows * widest + act_floats + (int64_t)(sizeof(PgTeam) + 63) / 4;
+    /* and so is attention's combine, into a shared output and the o product's shared bfloat16 input */
+    const int64_t o_ld = s->layers[0].o.extra;
+    const int64_t combine_floats = split_silu ? rows * q_size + (rows * o_ld + 1) / 2 + 16 : 0;
+    const int64_t shared = rows * q_size + 2 * rows * widest + act_floats + combine_floats
+                           + (int64_t)(sizeof(PgTeam) + 63) / 4;
     float *scratch = (float *)malloc(sizeof(float) * (size_t)(threads * own + shared));
     if (scratch == NULL) return 1;
     float *q = scratch + threads * own;
     float *ys0 = q + rows * q_size, *ys1 = ys0 + rows * widest;
     /* shared by the products' claims, on a cache line of its own */
     uint16_t *act_shared = (uint16_t *)(ys1 + rows * widest);
-    if (split_silu) memset(act_shared, 0, sizeof(uint16_t) * (size_t)(rows * act_ld)); /* the padding stays 0 */
-    PgTeam *team = (PgTeam *)(((uintptr_t)(ys1 + rows * widest + act_floats) + 63) & ~(uintptr_t)63);
+    float *attn_shared = ys1 + rows * widest + act_floats;
+    uint16_t *o_in_shared = (uint16_t *)(attn_shared + rows * q_size);
+    if (split_silu) { /* the paddings stay 0 */
+        memset(act_shared, 0, sizeof(uint16_t) * (size_t)(rows * act_ld));
+        memset(o_in_shared, 0, sizeof(uint16_t) * (size_t)(rows * o_ld));
+    }
+    PgTeam *team = (PgTeam *)(((uintptr_t)(ys1 + rows * widest + act_floats + combine_floats) + 63) & ~(uintptr_t)63);
 #define OWN(t) (scratch + (int64_t)(t) * own)
 #define X(t) OWN(t)
 #define NORMED(t) (OWN(t) + rows * hidden)
@@ -461,24 +471,40 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
             else if (aheads != NULL) /* the last layer: what is left of the list is of no use now */
                 kv_ahead_reset(aheads + t, 0);
             STACK_PHASE(t, PHASE_ATTENTION);
+            /* several bfloat16 rows: each thread combines its share of the (row, head)s into a shared
+             * output and converts that share into the o product's shared input; then the team meets */
+            float *attn_out = split_silu ? attn_shared : attn;
+            const int out_mode = split_silu ? 2 : 1;
             if (s->cache_type == STACK_CACHE_F16)
                 paged_decode_attention_f16_team(&plan, qt, (const uint16_t *)layer->k_cache,
                                                 (const uint16_t *)layer->v_cache, block_tables, table_width,
-                                                context_lens, attn, rows, s->heads, s->kv_heads, s->head_dim,
-                                                s->block_size, s->scale, 1);
+                                                context_lens, attn_out, rows, s->heads, s->kv_heads, s->head_dim,
+                                                s->block_size, s->scale, out_mode);
             else if (s->cache_type == STACK_CACHE_BF16)
                 paged_decode_attention_bf16_team(&plan, qt, (const uint16_t *)layer->k_cache,
                                                  (const uint16_t *)layer->v_cache, block_tables, table_width,
-                                                 context_lens, attn, rows, s->heads, s->kv_heads, s->head_dim,
-                                                 s->block_size, s->scale, 1);
+                                                 context_lens, attn_out, rows, s->heads, s->kv_heads, s->head_dim,
+                                                 s->block_size, s->scale, out_mode);
             else
                 paged_decode_attention_f32_team(&plan, qt, (const float *)layer->k_cache,
                                                 (const float *)layer->v_cache, block_tables, table_width,
-                                                context_lens, attn, rows, s->heads, s->kv_heads, s->head_dim,
-                                                s->block_size, s->scale, 1);
+                                                context_lens, attn_out, rows, s->heads, s->kv_heads, s->head_dim,
+                                                s->block_size, s->scale, out_mode);
             /* bfloat16: attn rounds to bfloat16 as the product converts it */
             STACK_PHASE(t, PHASE_O);
-            team_product(kind, &layer->o, attn, tmp, rows, xb, ys0, team, &tag, &layer->gate_up);
+            if (split_silu) {
+                int64_t lo2, hi2;
+                pda_combine_share(rows * s->heads, t, omp_get_num_threads(), &lo2, &hi2);
+                for (int64_t bh = lo2; bh < hi2; bh++) {
+                    const int64_t r = bh / s->heads, h = bh % s->heads, d = s->head_dim;
+                    for (int64_t i = 0; i < d; i++)
+                        o_in_shared[r * o_ld + h * d + i] = f32_to_bf16(attn_shared[bh * d + i]);
+                }
+                team_barrier(sync);
+                team_product(kind, &layer->o, NULL, tmp, rows, o_in_shared, ys0, team, &tag, &layer->gate_up);
+            } else {
+                team_product(kind, &layer->o, attn, tmp, rows, xb, ys0, team, &tag, &layer->gate_up);
+            }
             STACK_PHASE(t, PHASE_NORM);
             for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + tmp[i], bf);
             for (int64_t r = 0; r < rows; r++)

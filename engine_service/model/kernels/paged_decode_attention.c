@@ -541,6 +541,11 @@ void pda_plan_free(PdaPlan *plan) {
 
 int pda_plan_shared(const PdaPlan *plan) { return plan->total_len > SERIAL_TOKENS; }
 
+void pda_combine_share(int64_t total, int thread, int threads, int64_t *lo, int64_t *hi) {
+    *lo = thread * total / threads;
+    *hi = (thread + 1) * total / threads;
+}
+
 /* Draft chunks: the rows of one sequence at consecutive positions that a verifying step runs (its
  * last token and its drafts), each attending over its own length of the same cache. Where the CPU
  * has AMX, a bfloat16 cache and q (a bfloat16 model's) and heads of 64, their scores are computed
@@ -846,8 +851,13 @@ void NAME(const PdaPlan *plan, const float *q, const T *k_cache, const T *v_cach
     }                                                                                             \
     team_barrier(plan->barrier); /* every partition done before any combine */                   \
     /* combine each (sequence, head) over its partitions: shared out, or all of it by every thread */ \
-    if (own_out) {                                                                                \
+    if (own_out == 1) {                                                                           \
         for (int64_t bh = 0; bh < batch * heads; bh++)                                            \
+            combine(plan, bh, heads, head_dim, out);                                              \
+    } else if (own_out == 2) { /* this thread's share (pda_combine_share), no barrier */          \
+        int64_t lo2, hi2;                                                                         \
+        pda_combine_share(batch * heads, omp_get_thread_num(), omp_get_num_threads(), &lo2, &hi2); \
+        for (int64_t bh = lo2; bh < hi2; bh++)                                                    \
             combine(plan, bh, heads, head_dim, out);                                              \
     } else {                                                                                      \
         _Pragma("omp for schedule(static)")                                                       \
