@@ -539,7 +539,12 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
                     rotate_and_cache(s, next, tmp, qt, rows, positions, cos_table, sin_table, slots,
                                      t == omp_get_num_threads() - 1);
                 } else {
-                    if (t == 0) rotate_and_cache(s, next, tmp, q, rows, positions, cos_table, sin_table, slots, 1);
+                    /* each thread its share of the rows (its copy of the product is every thread's) */
+                    const int n = omp_get_num_threads();
+                    const int64_t r0 = t * rows / n, r1 = (t + 1) * rows / n;
+                    if (r1 > r0)
+                        rotate_and_cache(s, next, tmp + r0 * qkv_size, q + r0 * q_size, r1 - r0, positions + r0,
+                                         cos_table, sin_table, slots + r0, 1);
                     team_barrier(sync); /* q and the cache, before anyone attends */
                 }
                 STACK_PHASE(t, PHASE_END); /* the last layer, with no qkv after it, is not counted */
