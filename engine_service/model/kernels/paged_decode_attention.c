@@ -569,7 +569,7 @@ int paged_decode_attention_set_chunk_scores(int on) { return chunk_scores_on = o
 
 int64_t paged_decode_attention_chunk_passes(void) { return __atomic_load_n(&chunk_passes, __ATOMIC_RELAXED); }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(PDA_VECTOR)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(PDA_VECTOR)
 #define PDA_AMX 1
 #include "amx.h"
 #endif
