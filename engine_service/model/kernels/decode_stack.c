@@ -494,7 +494,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
             STACK_PHASE(t, PHASE_O);
             if (split_silu) {
                 int64_t lo2, hi2;
-                pda_combine_share(rows * s->heads, t, omp_get_num_threads(), &lo2, &hi2);
+                pda_share(rows * s->heads, t, omp_get_num_threads(), &lo2, &hi2);
                 for (int64_t bh = lo2; bh < hi2; bh++) {
                     const int64_t r = bh / s->heads, h = bh % s->heads, d = s->head_dim;
                     for (int64_t i = 0; i < d; i++)
@@ -540,8 +540,8 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
                                      t == omp_get_num_threads() - 1);
                 } else {
                     /* each thread its share of the rows (its copy of the product is every thread's) */
-                    const int n = omp_get_num_threads();
-                    const int64_t r0 = t * rows / n, r1 = (t + 1) * rows / n;
+                    int64_t r0, r1;
+                    pda_share(rows, t, omp_get_num_threads(), &r0, &r1);
                     if (r1 > r0)
                         rotate_and_cache(s, next, tmp + r0 * qkv_size, q + r0 * q_size, r1 - r0, positions + r0,
                                          cos_table, sin_table, slots + r0, 1);

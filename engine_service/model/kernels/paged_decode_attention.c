@@ -522,9 +522,13 @@ void pda_task_span(const PdaPlan *plan, const int64_t *context_lens, int64_t tas
     *end = *start + span < len ? *start + span : len;
 }
 
+void pda_share(int64_t total, int thread, int threads, int64_t *lo, int64_t *hi) {
+    *lo = thread * total / threads;
+    *hi = (thread + 1) * total / threads;
+}
+
 void pda_thread_tasks(const PdaPlan *plan, int thread, int threads, int64_t *lo, int64_t *hi) {
-    *lo = thread * plan->tasks / threads;
-    *hi = (thread + 1) * plan->tasks / threads;
+    pda_share(plan->tasks, thread, threads, lo, hi);
 }
 
 void pda_plan_free(PdaPlan *plan) {
@@ -541,11 +545,6 @@ void pda_plan_free(PdaPlan *plan) {
 
 int pda_plan_shared(const PdaPlan *plan) { return plan->total_len > SERIAL_TOKENS; }
 
-void pda_combine_share(int64_t total, int thread, int threads, int64_t *lo, int64_t *hi) {
-    *lo = thread * total / threads;
-    *hi = (thread + 1) * total / threads;
-}
-
 /* Draft chunks: the rows of one sequence at consecutive positions that a verifying step runs (its
  * last token and its drafts), each attending over its own length of the same cache. Where the CPU
  * has AMX, a bfloat16 cache and q (a bfloat16 model's) and heads of 64, their scores are computed
@@ -553,8 +552,8 @@ void pda_combine_share(int64_t total, int thread, int threads, int64_t *lo, int6
  * are one tile, straight from the cache, and the chunk's query heads (its rows times a kv head's
  * group, up to 32) the columns of the other, so K is read once for all of them; each thread takes
  * a share of the chunk's tokens, and then runs the chunk rows' partitions over that share, whose K
- * it has just read and whose V it prefetched; the partitions take their scores from there. Why: the VDPBF16PS scores (scores16_dp_bf16) cost a row what
- * they cost it alone, about half of a row's attention, and a verifying step's rows' attention was
+ * it has just read and whose V it prefetched; the partitions take their scores from there. Why:
+ * the VDPBF16PS scores (scores16_dp_bf16) cost a row what they cost it alone, about half of a row's attention, and a verifying step's rows' attention was
  * most of what a step of seven rows cost more than a step of one (docs/performance.md, stop 56
  * and stop 57). Each score is one tile element, the sum of its own products only, so a row's
  * scores do not depend on the other rows of its chunk, on the batch or on the threads; they round
@@ -620,8 +619,8 @@ none:
 }
 
 #if defined(PDA_AMX)
-/* The chunks' scores (those with use[c]) by this thread's share of the (chunk, kv head, 16 tokens)
- * items. Tiles: 0-1 the 16 tokens' K, a head's two halves of 32; 2-5 the chunk's q for this kv head,
+/* The chunks' scores (those with use[c]) over this thread's share of each chunk's 16-token runs,
+ * every kv head. Tiles: 0-1 the 16 tokens' K, a head's two halves of 32; 2-5 the chunk's q for this kv head,
  * [half][columns 0-15, 16-31], as pairs; 6-7 the scores of columns 0-15 and 16-31, [token][column]. */
 static void chunk_scores(const PdaPlan *plan, const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
                          const int64_t *block_tables, int64_t table_width, const int64_t *context_lens, int64_t heads,
@@ -638,7 +637,8 @@ static void chunk_scores(const PdaPlan *plan, const float *q, const uint16_t *k_
         const int64_t runs = (context_lens[first + plan->chunk_rows[c] - 1] + 15) / 16;
         /* this thread's share of the chunk's tokens, every kv head: the partitions over them are
          * its own too (DEFINE_TEAM), and find their K and V in this core's caches */
-        const int64_t lo = thread * runs / threads, hi = (thread + 1) * runs / threads;
+        int64_t lo, hi;
+        pda_share(runs, thread, threads, &lo, &hi);
         if (lo >= hi) continue;
         if (!configured) {
             __atomic_add_fetch(&chunk_passes, 1, __ATOMIC_RELAXED);
@@ -809,9 +809,11 @@ int paged_decode_attention_set_follower_fetch(int on) { return follower_fetch = 
         else RUN_PARTITION(PART, head_dim);                                                       \
     }
 
-/* The kernel's work, shared out over the calling team: the partitions (omp for, or one thread when
- * the context is too short to share) and a barrier; then the combine, shared out (omp for) with a
- * barrier after it, or with own_out done whole by every thread into its own out, with none. */
+/* The kernel's work, shared out over the calling team: a bfloat16 step's draft chunks' scores
+ * (chunk_prepass) and a barrier; the partitions (omp for, or one thread when the context is too
+ * short to share; a chunk's rows each thread over its share of the tokens) and a barrier; then the
+ * combine, shared out (omp for) with a barrier after it, or with own_out 1 done whole by every
+ * thread into its own out, or with own_out 2 each thread's share, with none. */
 #define DEFINE_TEAM(NAME, T, PART, PRE)                                                           \
 void NAME(const PdaPlan *plan, const float *q, const T *k_cache, const T *v_cache,                \
           const int64_t *block_tables, int64_t table_width, const int64_t *context_lens,          \
@@ -841,12 +843,13 @@ void NAME(const PdaPlan *plan, const float *q, const T *k_cache, const T *v_cach
     /* a draft chunk's rows: each thread the partitions over the tokens whose scores it computed  \
      * (chunk_scores: the runs in the same share), whose K and V it has just read */              \
     chunk_pass = 1;                                                                               \
-    for (int64_t b = 0; plan->num_chunks && b < batch; b++) {                                     \
+    const int chunk_threads = shared ? omp_get_num_threads() : 1;  /* short: thread 0 alone */    \
+    const int chunk_me = shared ? omp_get_thread_num() : 0;                                       \
+    for (int64_t b = 0; plan->num_chunks && (shared || omp_get_thread_num() == 0) && b < batch; b++) { \
         if (plan->row_chunk[b] < 0 || !use[plan->row_chunk[b]]) continue;                         \
-        const int n = shared ? omp_get_num_threads() : 1, me = shared ? omp_get_thread_num() : 0; \
-        if (!shared && omp_get_thread_num() != 0) break;                                          \
-        const int64_t f = plan->first_task[b], parts = plan->first_task[b + 1] - f;               \
-        lo = f + me * parts / n, hi = f + (me + 1) * parts / n;                                   \
+        const int64_t f = plan->first_task[b];                                                    \
+        pda_share(plan->first_task[b + 1] - f, chunk_me, chunk_threads, &lo, &hi);                \
+        lo += f, hi += f;                                                                         \
         PDA_TASKS(PART);                                                                          \
     }                                                                                             \
     team_barrier(plan->barrier); /* every partition done before any combine */                   \
@@ -854,9 +857,9 @@ void NAME(const PdaPlan *plan, const float *q, const T *k_cache, const T *v_cach
     if (own_out == 1) {                                                                           \
         for (int64_t bh = 0; bh < batch * heads; bh++)                                            \
             combine(plan, bh, heads, head_dim, out);                                              \
-    } else if (own_out == 2) { /* this thread's share (pda_combine_share), no barrier */          \
+    } else if (own_out == 2) { /* this thread's share (pda_share), no barrier */                  \
         int64_t lo2, hi2;                                                                         \
-        pda_combine_share(batch * heads, omp_get_thread_num(), omp_get_num_threads(), &lo2, &hi2); \
+        pda_share(batch * heads, omp_get_thread_num(), omp_get_num_threads(), &lo2, &hi2);        \
         for (int64_t bh = lo2; bh < hi2; bh++)                                                    \
             combine(plan, bh, heads, head_dim, out);                                              \
     } else {                                                                                      \

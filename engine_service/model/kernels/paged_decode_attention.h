@@ -76,8 +76,9 @@ void pda_task_span(const PdaPlan *plan, const int64_t *context_lens, int64_t tas
                    int64_t *end);
 /* the tasks [lo, hi) that thread `thread` of a team of `threads` takes when static_tasks is set */
 void pda_thread_tasks(const PdaPlan *plan, int thread, int threads, int64_t *lo, int64_t *hi);
-/* the (sequence, head)s [lo, hi) of `total` a thread combines with own_out 2 */
-void pda_combine_share(int64_t total, int thread, int threads, int64_t *lo, int64_t *hi);
+/* a thread's share [lo, hi) of `total` items, contiguous, in thread order: the tasks above, the
+ * (sequence, head)s it combines with own_out 2, a draft chunk's tokens, a step's rows */
+void pda_share(int64_t total, int thread, int threads, int64_t *lo, int64_t *hi);
 
 /* The kernels' work for a team already running: every thread of the team calls it, and the results
  * are the entry points' above, bit for bit. own_out 0: the same arguments in every thread, and the
@@ -86,7 +87,7 @@ void pda_combine_share(int64_t total, int thread, int threads, int64_t *lo, int6
  * without the barrier a shared out needs (the partitions' barrier stays), so the caller must not
  * reuse the plan before every thread has combined (decode_stack.c: a product's barrier comes first).
  * own_out 2: the same out in every thread, each combining its share of the (sequence, head)s
- * (pda_combine_share), without a barrier: the caller meets before reading the rest. */
+ * (pda_share), without a barrier: the caller meets before reading the rest. */
 void paged_decode_attention_f32_team(const PdaPlan *plan, const float *q, const float *k_cache,
                                      const float *v_cache, const int64_t *block_tables, int64_t table_width,
                                      const int64_t *context_lens, float *out, int64_t batch, int64_t heads,
