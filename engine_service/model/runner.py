@@ -183,10 +183,9 @@ class ModelRunner:
         Python lists do (docs/performance.md, eleventh round), and a verifying step twice what a
         one-row step's layout costs (docs/performance.md, stop 57)."""
         bs = self.block_size
-        rows = [(chunk, chunk.start + j) for chunk in chunks for j in range(chunk.num_tokens)]
         # every row of a chunk reads the chunk's table: as many blocks as its last position needs
         width = max(max((c.start + c.num_tokens - 1) // bs + 1 for c in chunks), self.min_decode_width)
-        tables = np.zeros((len(rows), width), dtype=np.int64)
+        tables = np.zeros((sum(c.num_tokens for c in chunks), width), dtype=np.int64)
         token_ids, positions, slots, sample_rows = [], [], [], []
         r = 0
         for chunk in chunks:

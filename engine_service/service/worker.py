@@ -108,13 +108,13 @@ class Worker:
         self._update_snapshot()
 
     # ------------------------------------------------------------------ control (any thread)
-    def request_drain(self, grace_s: float | None = None, cause: str | None = None) -> None:
+    def request_drain(self, grace_s: float | None = None, cause: str = DrainNote.cause) -> None:
         # A drain must end within its grace. If the step loop has not ended well after it, every
         # thread's stack goes to stderr (the engine's log), so that what held the drain up can be
         # read; the loop's end cancels it. Armed here, in the asking thread (a signal handler, the
         # admin service), because a loop that is stuck never takes the DrainNote.
         faulthandler.dump_traceback_later(self._grace(grace_s) + DRAIN_STACKS_AFTER_S, exit=False)
-        self.inbox.put(DrainNote(grace_s) if cause is None else DrainNote(grace_s, cause=cause))
+        self.inbox.put(DrainNote(grace_s, cause=cause))
 
     def _grace(self, grace_s: float | None) -> float:
         """A drain's grace: the one asked for, else the configured default."""
