@@ -72,6 +72,10 @@ def test_the_systems_take_turns_on_the_same_prompts(model_dir, tmp_path, monkeyp
     real_run = anchor.SluiceStream.run
     monkeypatch.setattr(anchor.SluiceStream, "run",
                         lambda self, prompt, n, row: prompts_seen.append(list(prompt)) or real_run(self, prompt, n, row))
+    sizes: list[int] = []
+    real_read = anchor.read_bandwidth_gb_s
+    monkeypatch.setattr(anchor, "read_bandwidth_gb_s",
+                        lambda threads, mbytes=512: sizes.append(mbytes) or real_read(threads, mbytes, 0.05))
     _StandIn.calls = []
     out = tmp_path / "anchor.json"
     args = _args("--model", str(model_dir), "--modes", "float32", "--input-len", "16", "--output-len", "4",
@@ -96,10 +100,20 @@ def test_the_systems_take_turns_on_the_same_prompts(model_dir, tmp_path, monkeyp
     assert sluice["share_of_bandwidth_bound_runs"] == pytest.approx(shares)
     assert sluice["share_of_bandwidth_bound"] == pytest.approx(statistics.median(shares))
     assert llama["share_of_bandwidth_bound"] is None
+    # the working-set bound: a read of the mode's own weight bytes on either side of its run, and
+    # none for llama.cpp, whose weights the bench does not count
+    ws_mbytes = -(-sluice["weight_bytes_per_token"] // (1 << 20))
+    assert sizes == [512, 512, ws_mbytes, ws_mbytes, 512] * 2
+    assert len(sluice["working_set_read_beside_runs_gb_s"]) == 2
+    ws_shares = [tok_s * sluice["weight_bytes_per_token"] / (gb_s * 1e9) for tok_s, gb_s
+                 in zip(sluice["decode_tok_s_runs"], sluice["working_set_read_beside_runs_gb_s"], strict=True)]
+    assert sluice["share_of_working_set_bound_runs"] == pytest.approx(ws_shares)
+    assert sluice["share_of_working_set_bound"] == pytest.approx(statistics.median(ws_shares))
+    assert llama["working_set_read_beside_runs_gb_s"] == [] and llama["share_of_working_set_bound"] is None
     assert len(result["agreement_with_llama_cpp"]["float32"]) == 2
     assert result["machine"]["cpu"] == cpu_model() != ""  # which machine a stored run came from
     text = capsys.readouterr().out
-    assert "x llama.cpp" in text and "read bandwidth" in text
+    assert "x llama.cpp" in text and "read bandwidth" in text and "of ws bound" in text
 
 
 def test_weight_bytes_per_token_count_what_a_decode_step_reads(model_dir):
