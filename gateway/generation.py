@@ -158,6 +158,7 @@ class SubRequest:
     choices: list[Choice] = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)
     prompt_len: int | None = None  # a resumed request's (its record keeps only the prompt's tail)
+    cached_tokens: int = 0  # of its prompt, served from the engine's prefix cache (its first event says)
 
     @property
     def engine_active(self) -> bool:
@@ -228,9 +229,14 @@ class Generation:
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
 
+    @property
+    def cached_tokens(self) -> int:
+        return sum(s.cached_tokens for s in self.subs)
+
     def usage(self) -> dict:
         p, c = self.prompt_tokens, self.completion_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def detach(self, log_ttl_s: int, endpoint: str, render: dict) -> None:
         """Make this generation (not started, one engine request) a detached, logged one: a
@@ -418,6 +424,8 @@ class Generation:
             raise errors.from_engine(ev.error.code, ev.error.message, self.broker.retry_after_s)
         if ev.prompt_logprobs and not sub.prompt_logprobs:
             sub.prompt_logprobs = list(ev.prompt_logprobs)
+        if ev.cached_tokens and not sub.cached_tokens:  # the first admission's (a preempted one's may differ)
+            sub.cached_tokens = ev.cached_tokens
         if not 0 <= ev.index < len(sub.choices):
             return []
         if ev.token_ids and not self.resumed:  # latencies: observed by the gateway that started it

@@ -252,10 +252,15 @@ class DetokenizeRequest(BaseModel):
 # documents them (see ``gateway.routes``).
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens the engine served from its prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ResponseEnvelope(BaseModel):

@@ -390,13 +390,17 @@ class Worker:
                             out.error or "the engine failed the request")
                 self._finish(out.request_id, batch)
                 continue
-            if out.new_token_ids and not live.emitted:
+            first = bool(out.new_token_ids) and not live.emitted
+            if first:
                 live.emitted = True
                 batch.emitted.append(out.request_id)
             if out.finish_reason is not None:
                 live.open.discard(out.index)
             if out.new_token_ids or out.finish_reason is not None or out.prompt_logprobs:
-                batch.events.append(self._event(out, live))
+                event = self._event(out, live)
+                if first and out.num_cached_tokens:
+                    event.cached_tokens = out.num_cached_tokens
+                batch.events.append(event)
             if not live.open:
                 log.debug("finished %s", out.request_id)
                 self._finish(out.request_id, batch)

@@ -37,6 +37,7 @@ from gateway.responses.models import (
     ContentPartEvent,
     FunctionCallItem,
     IncompleteDetails,
+    InputTokensDetails,
     OutputItemEvent,
     OutputMessage,
     OutputText,
@@ -52,6 +53,14 @@ from gateway.responses.models import (
     TextDoneEvent,
 )
 from gateway.tools import parse_tools
+
+
+def response_usage(usage: dict[str, Any]) -> ResponseUsage:
+    """A generation's usage (chat's names) as the Responses API names it."""
+    prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return ResponseUsage(input_tokens=prompt, input_tokens_details=InputTokensDetails(cached_tokens=cached),
+                         output_tokens=completion, total_tokens=prompt + completion)
 
 
 @dataclass
@@ -229,18 +238,16 @@ class ResponseRenderer:
                                              **fields)
         return self.response
 
-    def finish(self, usage: dict[str, int], completed_at: int | None = None) -> list[Any]:
+    def finish(self, usage: dict[str, Any], completed_at: int | None = None) -> list[Any]:
         """The end of the generation: ``usage`` is the generation's (``prompt_tokens``,
-        ``completion_tokens``); ``completed_at`` a time the caller read (the renderer reads none)."""
+        ``completion_tokens``, ``prompt_tokens_details``); ``completed_at`` a time the caller read (the renderer reads none)."""
         cut = self.finish_reason == "length"
         events: list[Any] = []
         if not self.items:  # nothing said (the model ended at once): an empty message, as OpenAI answers
             events += self._add(OutputMessage(id=self._item_id("msg", 0), content=[], status="in_progress"))
         status = "incomplete" if cut else "completed"
         events += self._close(status)
-        use = ResponseUsage(input_tokens=usage["prompt_tokens"], output_tokens=usage["completion_tokens"],
-                            total_tokens=usage["prompt_tokens"] + usage["completion_tokens"])
-        extra: dict[str, Any] = {"usage": use}
+        extra: dict[str, Any] = {"usage": response_usage(usage)}
         if cut:
             extra["incomplete_details"] = IncompleteDetails(reason="max_output_tokens")
         else:
@@ -249,15 +256,13 @@ class ResponseRenderer:
         events.append(self._lifecycle(status, response))
         return events
 
-    def fail(self, code: str, message: str, usage: dict[str, int] | None = None) -> list[Any]:
+    def fail(self, code: str, message: str, usage: dict[str, Any] | None = None) -> list[Any]:
         """The generation failed (an engine error, a lost request, the deadline): the items said
         so far stay, ``incomplete``; ``response.failed`` carries the error."""
         events = self._close("incomplete")
         extra: dict[str, Any] = {"error": ResponseErrorInfo(code=code, message=message)}
         if usage is not None:
-            extra["usage"] = ResponseUsage(input_tokens=usage["prompt_tokens"],
-                                           output_tokens=usage["completion_tokens"],
-                                           total_tokens=usage["prompt_tokens"] + usage["completion_tokens"])
+            extra["usage"] = response_usage(usage)
         events.append(self._lifecycle("failed", self._final("failed", **extra)))
         return events
 

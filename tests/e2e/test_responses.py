@@ -3,6 +3,7 @@ sharing the Redis: tests/e2e/conftest.py) through the clients that speak it: the
 ``responses`` (plain, streamed, ``parse`` with a pydantic ``text_format``, a function tool through
 a two-turn loop with ``previous_response_id``, retrieve / input_items / delete) and the OpenAI
 Agents SDK's default model (``OpenAIResponsesModel``) running an agent with one function tool.
+Also: the usage of both APIs counts the prompt tokens the engine's prefix cache served.
 
 The 135M model's own skill decides nothing: every structured answer is forced (a named
 ``tool_choice`` or a JSON schema of enums and booleans, so that it completes within the budget).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from typing import Literal
 
 import openai
@@ -154,3 +156,29 @@ def test_openai_agents_default_responses_model_with_one_tool(stack) -> None:
     # every model call went through /v1/responses and was stored
     for raw in result.raw_responses:
         assert client(stack.gateway_urls[1]).responses.retrieve(raw.response_id).id == raw.response_id
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(stack) -> None:
+    """The engine's prefix-cache hits reach the client: ``prompt_tokens_details.cached_tokens`` in
+    chat usage and ``input_tokens_details.cached_tokens`` in a response's, from the request's first
+    event, so that a completion the gateway ends on a stop string reports them too."""
+    c = client(stack.base_url)
+    system = f"You are a terse assistant for ticket {uuid.uuid4().hex}. " + "Answer in one short sentence. " * 8
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Say hello."}]
+    kwargs = {"model": stack.model_name, "messages": messages, "max_tokens": 4, "temperature": 0}
+    first = c.chat.completions.create(**kwargs)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # a prompt never seen
+    again = c.chat.completions.create(**kwargs)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < again.usage.prompt_tokens == first.usage.prompt_tokens
+    # ended by the gateway on a stop string while the engine still decodes: the count came first
+    chunks = list(c.chat.completions.create(**{**kwargs, "max_tokens": 48}, stop=["e", "a", "o", " "], stream=True,
+                                            stream_options={"include_usage": True}))
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["stop"]
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    # the Responses API, through a second gateway: the same prefix, the same engine's cache
+    other = client(stack.gateway_urls[1])
+    kwargs = {"model": stack.model_name, "instructions": system, "input": "Say hello.", "max_output_tokens": 4,
+              "temperature": 0}
+    response = other.responses.create(**kwargs)
+    assert 16 <= response.usage.input_tokens_details.cached_tokens < response.usage.input_tokens

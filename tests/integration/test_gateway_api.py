@@ -72,7 +72,8 @@ def test_completion_non_streaming(gateway, fake_engine):
     assert choice["text"] == reply_prefix(fake_engine, 5)
     assert choice["finish_reason"] == "length"
     prompt_len = len(fake_engine.tokenizer.encode("Say hello"))
-    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 5, "total_tokens": prompt_len + 5}
+    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 5, "total_tokens": prompt_len + 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # the fake engine caches nothing
     (req,) = fake_engine.requests
     assert req.params.max_tokens == 5 and req.params.temperature == 0
     assert req.deadline > time.time() and req.enqueue_time <= time.time()
