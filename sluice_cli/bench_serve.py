@@ -47,6 +47,7 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    cached_tokens: int = 0  # of its prompt, served from the engine's prefix cache
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,6 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "next to --result-file, else bench-results/serve.png")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     parser.add_argument("--disable-tqdm", action="store_true")
+    parser.add_argument("--num-warmups", type=int, default=None,
+                        help="requests sent first, all at once and not counted: random prompts of the --random-* "
+                             "lengths from another seed, so that they warm no prefix the measured ones hit; the "
+                             "offline baseline runs them first too (default: --num-prompts with --offline-baseline, "
+                             "else 0)")
     parser.add_argument("--offline-baseline", action="store_true",
                         help="afterwards, run the same requests through the offline engine in this process "
                              "(needs the engine extra) and report the gateway + Redis overhead")
@@ -96,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def synthetic_dataset(num: int, input_len: int, output_len: int, range_ratio: float, vocab: tuple[int, int],
-                      seed: int) -> list[BenchRequest]:
+                      seed: int | str) -> list[BenchRequest]:
     rng = random.Random(seed)
 
     def draw(n: int) -> int:
@@ -166,6 +172,7 @@ async def send_one(client, url: str, model: str, req: BenchRequest, args, t0: fl
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                     res.prompt_len = chunk["usage"]["prompt_tokens"]
+                    res.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
                     if res.ttft == 0.0:
                         res.ttft = now - start
@@ -217,6 +224,7 @@ def summarize(results: list[RequestResult], duration: float, slos: dict[str, flo
     itls = [x for r in ok for x in r.itl]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
+    cached_tokens = sum(r.cached_tokens for r in ok)
     good = 0
     for r in ok:
         tpot = (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
@@ -229,6 +237,7 @@ def summarize(results: list[RequestResult], duration: float, slos: dict[str, flo
         "failed": len(results) - len(ok),
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
+        "total_cached_prompt_tokens": cached_tokens,
         "request_throughput": len(ok) / duration if duration else 0.0,
         "output_throughput": out_tokens / duration if duration else 0.0,
         "total_token_throughput": (in_tokens + out_tokens) / duration if duration else 0.0,
@@ -244,7 +253,8 @@ def summarize(results: list[RequestResult], duration: float, slos: dict[str, flo
     return summary
 
 
-async def benchmark(args, requests: list[BenchRequest]) -> tuple[dict, list[RequestResult]]:
+async def benchmark(args, requests: list[BenchRequest],
+                    warmups: list[BenchRequest] = ()) -> tuple[dict, list[RequestResult]]:
     import httpx
     from tqdm.asyncio import tqdm
 
@@ -261,8 +271,13 @@ async def benchmark(args, requests: list[BenchRequest]) -> tuple[dict, list[Requ
                 raise SystemExit("the gateway lists no model with a live engine")
             model = data[0]["id"]
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        bar = tqdm(total=len(requests), disable=args.disable_tqdm, desc="requests")
         url = f"{base}/v1/completions"
+        if warmups:
+            warm = await asyncio.gather(*(send_one(client, url, model, req, args) for req in warmups))
+            failed = [r for r in warm if not r.ok]
+            print(f"warm-up: {len(warm)} requests, {len(failed)} failed" +
+                  (f" ({failed[0].error})" if failed else ""))
+        bar = tqdm(total=len(requests), disable=args.disable_tqdm, desc="requests")
 
         async def run(req: BenchRequest) -> RequestResult:
             if sem is None:
@@ -310,6 +325,7 @@ def format_table(s: dict) -> str:
     row("Benchmark duration (s):", f"{s['duration_s']:.2f}")
     row("Total input tokens:", s["total_input_tokens"])
     row("Total generated tokens:", s["total_output_tokens"])
+    row("Prompt tokens from the prefix cache:", s["total_cached_prompt_tokens"])
     row("Request throughput (req/s):", f"{s['request_throughput']:.2f}")
     if "request_goodput" in s:
         row("Request goodput (req/s):", f"{s['request_goodput']:.2f}")
@@ -336,11 +352,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         requests = synthetic_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
                                      args.random_range_ratio, tuple(args.random_vocab), args.seed)
+    num_warmups = args.num_warmups if args.num_warmups is not None else (
+        args.num_prompts if args.offline_baseline else 0)
+    if num_warmups < 0:
+        print("--num-warmups must be at least 0", file=sys.stderr)
+        return 2
+    warmups = synthetic_dataset(num_warmups, args.random_input_len, args.random_output_len, args.random_range_ratio,
+                                tuple(args.random_vocab), f"warm-up {args.seed}")
     chart = plots.plot_target(args, args.result_file, "bench-results/serve.png", "sluice bench serve")
-    summary, _ = asyncio.run(benchmark(args, requests))
+    summary, _ = asyncio.run(benchmark(args, requests, warmups))
+    summary["num_warmups"] = num_warmups
     print(format_table(summary))
     if args.offline_baseline:
-        summary["offline_baseline"] = offline_baseline(args, requests, summary)
+        summary["offline_baseline"] = offline_baseline(args, requests, warmups, summary)
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(summary, indent=2))
         print(f"results written to {args.result_file}")
@@ -350,11 +374,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 
-def offline_baseline(args, requests: list[BenchRequest], served: dict) -> dict:
+def offline_baseline(args, requests: list[BenchRequest], warmups: list[BenchRequest], served: dict) -> dict:
     """The same requests through the offline engine (one process, no HTTP, no Redis), all at once:
     what the served run would reach without the gateway and Redis in between. It runs under the
     served engine's OpenMP wait policy (``sluice engine`` sets it; the same here unless
-    $OMP_WAIT_POLICY says otherwise), so that only the gateway and Redis differ."""
+    $OMP_WAIT_POLICY says otherwise), so that only the gateway and Redis differ. The warm-up
+    requests go first, untimed, as they went to the served engine; and both sides' prefix-cache
+    hits are compared, since a served engine that an earlier run with the same ``--seed`` left
+    holding these prompts computes less than a fresh offline engine."""
     import os
 
     from engine_service.service.main import OMP_WAIT_POLICY
@@ -364,20 +391,33 @@ def offline_baseline(args, requests: list[BenchRequest], served: dict) -> dict:
     from engine_service import LLM, SamplingParams  # the engine extra; imported only here
 
     llm = LLM(args.offline_model, **({"dtype": args.offline_dtype} if args.offline_dtype else {}))
-    prompts = [r.prompt if isinstance(r.prompt, list) else {"prompt": r.prompt} for r in requests]
-    params = [SamplingParams(temperature=args.temperature, max_tokens=r.output_len, ignore_eos=args.ignore_eos)
-              for r in requests]
+
+    def generate(batch: list[BenchRequest]) -> list:
+        prompts = [r.prompt if isinstance(r.prompt, list) else {"prompt": r.prompt} for r in batch]
+        params = [SamplingParams(temperature=args.temperature, max_tokens=r.output_len, ignore_eos=args.ignore_eos)
+                  for r in batch]
+        return llm.generate(prompts, params, use_tqdm=False) if batch else []
+
+    generate(warmups)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = generate(requests)
     duration = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    result = {"duration_s": duration, "total_output_tokens": tokens, "dtype": str(llm.engine.dtype).removeprefix("torch."),
+    cached = sum(o.num_cached_tokens for o in outs)
+    result = {"duration_s": duration, "total_output_tokens": tokens, "total_cached_prompt_tokens": cached,
+              "dtype": str(llm.engine.dtype).removeprefix("torch."),
               "output_throughput": tokens / duration if duration else 0.0}
     ratio = served["output_throughput"] / result["output_throughput"] if result["output_throughput"] else 0.0
     result["served_over_offline"] = ratio
     print("{s:-^60}".format(s=" Offline engine, same requests "))
     print(f"{'Duration (s):':<42}{duration:>18.2f}")
     print(f"{'Output token throughput (tok/s):':<42}{result['output_throughput']:>18.2f}")
+    print(f"{'Prompt tokens from the prefix cache:':<42}{cached:>18}")
     print(f"{'Served / offline throughput:':<42}{ratio:>18.3f}")
     print("=" * 60)
+    gap = abs(served["total_cached_prompt_tokens"] - cached)
+    if gap > 0.05 * max(served["total_input_tokens"], 1):
+        print(f"warning: the served engine took {served['total_cached_prompt_tokens']} prompt tokens from its prefix "
+              f"cache and the offline one {cached}: they did not compute the same work, so the ratio does not "
+              "measure the serving path (an earlier run with this --seed? give another)", file=sys.stderr)
     return result

@@ -50,6 +50,41 @@ def test_bench_serve_end_to_end(gateway, tmp_path, capsys):
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_offline_baseline_runs_the_warm_ups_first_and_compares_cache_hits(gateway, fake_engine, model_dir,
+                                                                              tmp_path, capsys, monkeypatch):
+    from engine_service.llm import LLM
+
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    out = tmp_path / "bench.json"
+    argv = ["--base-url", gateway.url, "--num-prompts", "6", "--random-input-len", "16", "--random-output-len", "4",
+            "--num-warmups", "3", "--offline-baseline", "--offline-model", str(model_dir), "--offline-dtype",
+            "float32", "--result-file", str(out), "--disable-tqdm", "--no-plot"]
+    offline_runs: list[list[list[int]]] = []
+    real = LLM.generate
+    monkeypatch.setattr(LLM, "generate", lambda self, prompts, *a, **kw: offline_runs.append(list(prompts))
+                        or real(self, prompts, *a, **kw))
+    before = len(fake_engine.requests)
+    assert bench_serve.run(parser.parse_args(argv)) == 0
+    result = json.loads(out.read_text())
+    sent = [list(r.prompt_token_ids) for r in fake_engine.requests[before:]]
+    warm, measured = sent[:3], sent[3:]
+    # the warm-ups went first to both sides, and share no prompt with the measured requests
+    assert len(sent) == 9 and result["completed"] == 6 and result["num_warmups"] == 3
+    assert [len(run) for run in offline_runs] == [3, 6]
+    assert sorted(offline_runs[0]) == sorted(warm) and sorted(offline_runs[1]) == sorted(measured)
+    assert not set(map(tuple, warm)) & set(map(tuple, measured))
+    base = result["offline_baseline"]
+    assert base["total_output_tokens"] == 6 * 4 and base["total_cached_prompt_tokens"] == 0
+    assert base["served_over_offline"] == pytest.approx(result["output_throughput"] / base["output_throughput"])
+    assert "warning" not in capsys.readouterr().err
+    # a served engine whose cache held the prompts (an earlier run's) did less work: said so
+    monkeypatch.setattr(fake_engine, "cached_tokens", 16)
+    assert bench_serve.run(parser.parse_args([*argv, "--num-warmups", "0"])) == 0
+    assert json.loads(out.read_text())["total_cached_prompt_tokens"] == 6 * 16
+    assert "did not compute the same work" in capsys.readouterr().err
+
+
 def test_dataset_and_arrivals_are_seeded():
     a = bench_serve.synthetic_dataset(5, 10, 4, 0.5, (100, 200), seed=3)
     b = bench_serve.synthetic_dataset(5, 10, 4, 0.5, (100, 200), seed=3)

@@ -63,6 +63,7 @@ class FakeEngine:
         self.error: tuple[str, str] | None = None  # answer every request with this error
         self.heartbeat = True
         self.max_running: int | None = None  # read only while fewer requests than this are running
+        self.cached_tokens = 0  # what the first token event says the prefix cache served
         self.running = 0
         self._loop = asyncio.new_event_loop()
         self._beat_lock = asyncio.Lock()  # a heartbeat and kill() never interleave
@@ -244,6 +245,8 @@ class FakeEngine:
                     ev = Event(request_id=req.request_id, index=i, engine_id=self.engine_id)
                     if step < len(ids):
                         ev.token_ids.append(ids[step])
+                        if step == 0 and i == 0 and self.cached_tokens:
+                            ev.cached_tokens = self.cached_tokens
                         if want_lp:
                             pos = PositionLogprobs()
                             pos.entries.append(TokenLogprob(token_id=ids[step], logprob=-0.25, rank=1))
