@@ -102,3 +102,17 @@ def test_summarize_goodput():
     assert s["completed"] == 2 and s["failed"] == 1
     assert s["request_goodput"] == 1.0
     assert s["tpot_ms"]["mean"] == pytest.approx((100 + 250) / 2)
+
+
+def test_failed_requests_are_counted_with_their_error(gateway, fake_engine, tmp_path, monkeypatch):
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    out = tmp_path / "bench.json"
+    monkeypatch.setattr(fake_engine, "error", ("invalid_request", "the fake engine refuses"))
+    args = parser.parse_args(["--base-url", gateway.url, "--num-prompts", "3", "--random-input-len", "8",
+                              "--random-output-len", "4", "--result-file", str(out), "--disable-tqdm", "--no-plot"])
+    assert bench_serve.run(args) == 1  # nothing completed
+    result = json.loads(out.read_text())
+    assert result["completed"] == 0 and result["failed"] == 3
+    (error,) = result["errors"]
+    assert error.startswith("HTTP 400") and "the fake engine refuses" in error
