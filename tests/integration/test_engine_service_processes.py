@@ -91,10 +91,13 @@ def test_two_engines_share_work_and_survive_kill9(engines, redis_client):
     a, b = engines(), engines()
     a.wait_ready(client)
     b.wait_ready(client)
-    max_tokens = 12
+    # Prompts shorter than a block go to shards by request id, so either engine could own them all:
+    # with 16 that is a chance of 2 in 65,536 (with 8, 2 in 256; a suite run failed here once). 24
+    # tokens keep each engine busy across heartbeats, which is when the registry shows it running.
+    max_tokens = 24
     handles = [
         client.submit(MODEL, prompt(i), {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True})
-        for i in range(8)
+        for i in range(16)
     ]
     results: dict[int, object] = {}
     ended_at: dict[int, float] = {}
