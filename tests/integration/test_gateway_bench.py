@@ -116,3 +116,11 @@ def test_failed_requests_are_counted_with_their_error(gateway, fake_engine, tmp_
     assert result["completed"] == 0 and result["failed"] == 3
     (error,) = result["errors"]
     assert error.startswith("HTTP 400") and "the fake engine refuses" in error
+
+
+def test_a_negative_warm_up_count_is_refused(capsys):
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    args = parser.parse_args(["--base-url", "http://127.0.0.1:9", "--num-warmups", "-1", "--no-plot"])
+    assert bench_serve.run(args) == 2  # before any request is sent: nothing listens on port 9
+    assert "--num-warmups must be at least 0" in capsys.readouterr().err
