@@ -12,6 +12,11 @@ fixed request rate, under an optional concurrency cap, and reports
 It prints a table, writes the figures as JSON (``--result-file``; with every request's send time,
 TTFT, ITLs and latency under ``requests``) and draws them (``--plot``, sluice/plots.py): the TTFT,
 TPOT and ITL distributions and output throughput over time.
+
+``--num-warmups`` sends untimed requests first, whose prompts share no prefix with the measured
+ones. ``--offline-baseline`` then runs the warm-ups and the measured requests through the offline
+engine in this process and reports served over offline throughput, with both sides' prefix-cache
+hits, so that a ratio between unlike runs is flagged.
 """
 
 from __future__ import annotations
