@@ -385,15 +385,16 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
      * whichever the kind) */
     const int64_t own = rows * (2 * hidden + widest + inter + 2 * q_size) + (xb_bytes + 3) / 4 + 16;
     /* + the PgTeam, from the next line */
-    /* a bfloat16 step of several rows: the SiLU product, shared, is the down product's bfloat16 input.
+    /* a bfloat16 step of several rows shares per-row work out among the threads (share_rows): the SiLU
+     * product, shared, is the down product's bfloat16 input.
      * Why only there: one row's SiLU is ~1.5 us a layer, about what the barrier the sharing needs
      * costs; a verifying step of 7 rows spent ~10 us a layer on it in each thread, and ~6 on
      * attention's combine (docs/performance.md, stop 57). */
-    const int split_silu = bf && rows > 1 && threads > 1;
-    const int64_t act_ld = s->layers[0].down.extra, act_floats = split_silu ? (rows * act_ld + 1) / 2 + 16 : 0;
+    const int share_rows = bf && rows > 1 && threads > 1;
+    const int64_t act_ld = s->layers[0].down.extra, act_floats = share_rows ? (rows * act_ld + 1) / 2 + 16 : 0;
     /* and so is attention's combine, into a shared output and the o product's shared bfloat16 input */
     const int64_t o_ld = s->layers[0].o.extra;
-    const int64_t combine_floats = split_silu ? rows * q_size + (rows * o_ld + 1) / 2 + 16 : 0;
+    const int64_t combine_floats = share_rows ? rows * q_size + (rows * o_ld + 1) / 2 + 16 : 0;
     const int64_t shared = rows * q_size + 2 * rows * widest + act_floats + combine_floats
                            + (int64_t)(sizeof(PgTeam) + 63) / 4;
     float *scratch = (float *)malloc(sizeof(float) * (size_t)(threads * own + shared));
@@ -404,7 +405,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
     uint16_t *act_shared = (uint16_t *)(ys1 + rows * widest);
     float *attn_shared = ys1 + rows * widest + act_floats;
     uint16_t *o_in_shared = (uint16_t *)(attn_shared + rows * q_size);
-    if (split_silu) { /* the paddings stay 0 */
+    if (share_rows) { /* the paddings stay 0 */
         memset(act_shared, 0, sizeof(uint16_t) * (size_t)(rows * act_ld));
         memset(o_in_shared, 0, sizeof(uint16_t) * (size_t)(rows * o_ld));
     }
@@ -473,8 +474,8 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
             STACK_PHASE(t, PHASE_ATTENTION);
             /* several bfloat16 rows: each thread combines its share of the (row, head)s into a shared
              * output and converts that share into the o product's shared input; then the team meets */
-            float *attn_out = split_silu ? attn_shared : attn;
-            const int out_mode = split_silu ? 2 : 1;
+            float *attn_out = share_rows ? attn_shared : attn;
+            const int out_mode = share_rows ? 2 : 1;
             if (s->cache_type == STACK_CACHE_F16)
                 paged_decode_attention_f16_team(&plan, qt, (const uint16_t *)layer->k_cache,
                                                 (const uint16_t *)layer->v_cache, block_tables, table_width,
@@ -492,7 +493,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
                                                 s->block_size, s->scale, out_mode);
             /* bfloat16: attn rounds to bfloat16 as the product converts it */
             STACK_PHASE(t, PHASE_O);
-            if (split_silu) {
+            if (share_rows) {
                 int64_t lo2, hi2;
                 pda_share(rows * s->heads, t, omp_get_num_threads(), &lo2, &hi2);
                 for (int64_t bh = lo2; bh < hi2; bh++) {
@@ -511,7 +512,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
                 rms_norm(x + r * hidden, layer->post_norm, hidden, s->eps, bf, normed + r * hidden);
             STACK_PHASE(t, PHASE_GATE_UP);
             const StackWeight *after_down = next != NULL ? &next->qkv : logits != NULL ? &s->head : NULL;
-            if (split_silu) { /* SiLU from the product's bfloat16 output into the down product's shared
+            if (share_rows) { /* SiLU from the product's bfloat16 output into the down product's shared
                                * input, each thread its share of the columns; then the team meets */
                 team_product(kind, &layer->gate_up, normed, NULL, rows, xb, ys1, team, &tag, &layer->down);
                 STACK_PHASE(t, PHASE_SILU);
