@@ -282,9 +282,13 @@ async def benchmark(args, requests: list[BenchRequest],
                                      timeout=aiohttp.ClientTimeout(total=args.timeout)) as client:
         model = args.model
         if model is None:
-            async with client.get(f"{base}/v1/models") as resp:
-                resp.raise_for_status()
-                data = (await resp.json())["data"]
+            try:
+                async with client.get(f"{base}/v1/models") as resp:
+                    resp.raise_for_status()
+                    data = (await resp.json())["data"]
+            except aiohttp.ClientError as exc:
+                raise SystemExit(f"sluice bench serve: cannot list the models at {base}/v1/models: "
+                                 f"{type(exc).__name__}: {exc}") from None
             if not data:
                 raise SystemExit("the gateway lists no model with a live engine")
             model = data[0]["id"]

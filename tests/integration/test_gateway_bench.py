@@ -104,14 +104,16 @@ def test_summarize_goodput():
     assert s["tpot_ms"]["mean"] == pytest.approx((100 + 250) / 2)
 
 
-def test_failed_requests_are_counted_with_their_error(gateway, fake_engine, tmp_path, monkeypatch):
+def test_failed_requests_are_counted_with_their_error(gateway, fake_engine, tmp_path, monkeypatch, capsys):
     parser = argparse.ArgumentParser()
     bench_serve.add_arguments(parser)
     out = tmp_path / "bench.json"
     monkeypatch.setattr(fake_engine, "error", ("invalid_request", "the fake engine refuses"))
     args = parser.parse_args(["--base-url", gateway.url, "--num-prompts", "3", "--random-input-len", "8",
-                              "--random-output-len", "4", "--result-file", str(out), "--disable-tqdm", "--no-plot"])
+                              "--random-output-len", "4", "--num-warmups", "2", "--result-file", str(out),
+                              "--disable-tqdm", "--no-plot"])
     assert bench_serve.run(args) == 1  # nothing completed
+    assert "warm-up: 2 requests, 2 failed (HTTP 400" in capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["completed"] == 0 and result["failed"] == 3
     (error,) = result["errors"]
@@ -124,3 +126,11 @@ def test_a_negative_warm_up_count_is_refused(capsys):
     args = parser.parse_args(["--base-url", "http://127.0.0.1:9", "--num-warmups", "-1", "--no-plot"])
     assert bench_serve.run(args) == 2  # before any request is sent: nothing listens on port 9
     assert "--num-warmups must be at least 0" in capsys.readouterr().err
+
+
+def test_a_gateway_that_does_not_answer_is_named():
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    args = parser.parse_args(["--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--no-plot"])
+    with pytest.raises(SystemExit, match=r"cannot list the models at http://127.0.0.1:9/v1/models: Client"):
+        bench_serve.run(args)
