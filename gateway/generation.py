@@ -424,7 +424,7 @@ class Generation:
             raise errors.from_engine(ev.error.code, ev.error.message, self.broker.retry_after_s)
         if ev.prompt_logprobs and not sub.prompt_logprobs:
             sub.prompt_logprobs = list(ev.prompt_logprobs)
-        if ev.cached_tokens and not sub.cached_tokens:  # the first admission's (a preempted one's may differ)
+        if ev.cached_tokens and not sub.cached_tokens:  # set on the first token's event only
             sub.cached_tokens = ev.cached_tokens
         if not 0 <= ev.index < len(sub.choices):
             return []
