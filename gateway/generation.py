@@ -28,6 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gateway import errors
 from gateway.broker import Broker, LoadedCard, Lost
@@ -37,6 +38,9 @@ from sluice.text.stream import TextStream
 from sluice.wire import codec, contract, limits, policy
 from sluice.wire.event_log import StreamRecord
 from sluice.wire.messages_pb2 import Event, SamplingParams
+
+if TYPE_CHECKING:
+    from gateway.reasoning import ThinkParser
 
 # With no event for this long, check that an engine for the model is still alive; with none alive,
 # untouched work waits this long for one (the rule: ``sluice.wire.policy.engine_lost``).
@@ -81,6 +85,7 @@ class Choice:
         self.stream = TextStream(card.tokenizer, sub.prompt_ids, stop=opts.get("stop"),
                                  include_stop_str_in_output=opts.get("include_stop_str", False),
                                  skip_special_tokens=opts.get("skip_special_tokens", True))
+        self.skip_special_tokens = opts.get("skip_special_tokens", True)
         self.want_logprobs = opts.get("logprobs") is not None
         self.num_top = opts.get("logprobs") or 0
         self.token_ids: list[int] = []
@@ -90,6 +95,10 @@ class Choice:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.logprobs: list[TokenInfo] = []
+
+    def decode(self, token_ids: list[int]) -> str:
+        """``token_ids`` (this choice's, or their head) as its text stream spells them."""
+        return self.tok.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
     def consume(self, ev: Event) -> Delta | None:
         if self.finished:
@@ -233,10 +242,18 @@ class Generation:
     def cached_tokens(self) -> int:
         return sum(s.cached_tokens for s in self.subs)
 
-    def usage(self) -> dict:
+    def usage(self, reasoning: ThinkParser | None = None, prompt: str = "", *, details: bool = False) -> dict:
+        """The usage OpenAI reports. ``details``: with ``completion_tokens_details``, whose
+        ``reasoning_tokens`` counts the tokens each choice's reasoning took as ``reasoning`` (the
+        model's parser, None for none) splits it, given the rendered ``prompt`` (which may have
+        opened the reasoning)."""
         p, c = self.prompt_tokens, self.completion_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        out = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+               "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if details:
+            out["completion_tokens_details"] = {"reasoning_tokens": 0 if reasoning is None else sum(
+                reasoning.reasoning_tokens(prompt, ch.token_ids, ch.decode) for ch in self.choices)}
+        return out
 
     def detach(self, log_ttl_s: int, endpoint: str, render: dict) -> None:
         """Make this generation (not started, one engine request) a detached, logged one: a

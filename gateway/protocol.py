@@ -256,11 +256,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens the engine served from its prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # output tokens up to the end of the reasoning (gateway.reasoning)
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class ResponseEnvelope(BaseModel):

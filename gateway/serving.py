@@ -29,6 +29,7 @@ from gateway.errors import OpenAIError
 from gateway.generation import Delta, Generation
 from gateway.metrics import METRICS
 from gateway.protocol import ResponseEnvelope, SamplingFields, UsageInfo
+from gateway.reasoning import ThinkParser
 from gateway.stream_chunks import keep_alive, sse_event
 from sluice.structured import StructuredOutputError, vocabulary_for
 from sluice.wire import codec, event_log, limits
@@ -66,8 +67,10 @@ def envelope(cls: type[E], gen: Generation, **fields: Any) -> E:
                model=gen.card.name, **fields)
 
 
-def usage(gen: Generation) -> UsageInfo:
-    return UsageInfo(**gen.usage())
+def usage(gen: Generation, reasoning: ThinkParser | None = None, prompt: str = "", *,
+          details: bool = False) -> UsageInfo:
+    """``gen``'s usage; ``details`` (chat) adds ``completion_tokens_details`` (``Generation.usage``)."""
+    return UsageInfo(**gen.usage(reasoning, prompt, details=details))
 
 
 def to_json(model: BaseModel) -> dict:

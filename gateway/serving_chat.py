@@ -206,7 +206,8 @@ def chat_response(gen: Generation, body: ChatCompletionRequest, spec: tools.Tool
             finish_reason=finish,
             stop_reason=c.stop_reason,
         ))
-    return envelope(ChatCompletionResponse, gen, choices=choices, usage=usage(gen))
+    return envelope(ChatCompletionResponse, gen, choices=choices,
+                    usage=usage(gen, dialects.reasoning if dialects else None, prompt, details=True))
 
 
 class ChatStreamFormatter:
@@ -214,6 +215,7 @@ class ChatStreamFormatter:
                  spec: tools.ToolSpec | None = None, dialects: Dialects | None = None, prompt: str = "") -> None:
         self.gen, self.card, self.body = gen, card, body
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.reasoning, self.prompt = (dialects.reasoning if dialects else None), prompt
         self.outputs = ({c.index: ChatOutputStream(dialects, spec, prompt) for c in gen.choices}
                         if _parses(spec, dialects) else None)
         # the plain chunks (no logprobs, nothing parsed) from a template: gateway.stream_chunks
@@ -272,4 +274,5 @@ class ChatStreamFormatter:
     def end(self) -> list[ChatCompletionStreamResponse]:
         if not self.include_usage:
             return []
-        return [envelope(ChatCompletionStreamResponse, self.gen, choices=[], usage=usage(self.gen))]
+        return [envelope(ChatCompletionStreamResponse, self.gen, choices=[],
+                         usage=usage(self.gen, self.reasoning, self.prompt, details=True))]

@@ -12,6 +12,7 @@ whitespace is dropped and the rest is the answer. Reasoning cut by ``max_tokens`
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import ClassVar
 
 from gateway.tool_parsers.base import partial_suffix
@@ -83,6 +84,33 @@ class ThinkParser:
 
     def stream(self, prompt: str) -> ReasoningStream:
         return ReasoningStream(self.thinks_from_start(prompt))
+
+    def reasoning_tokens(self, prompt: str, token_ids: list[int], decode: Callable[[list[int]], str]) -> int:
+        """How many of an output's tokens its reasoning took (OpenAI's ``reasoning_tokens``): up
+        to and including the one that completes ``</think>``; all of them when the reasoning never
+        ended (cut by ``max_tokens``); none when the output had no reasoning. ``decode`` turns
+        token ids into the text the client saw."""
+
+        def ended(k: int) -> bool:  # the reasoning had ended within the first k tokens
+            stream = self.stream(prompt)
+            stream.feed(decode(token_ids[:k]))
+            return stream.state in ("gap", "answer") and stream.thought
+
+        stream = self.stream(prompt)
+        stream.feed(decode(token_ids))
+        stream.finish()
+        if not stream.thought:
+            return 0
+        if not ended(len(token_ids)):
+            return len(token_ids)
+        lo, hi = 1, len(token_ids)  # ended(k) is monotone in k: the smallest k for which it holds
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if ended(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def split(self, prompt: str, text: str) -> tuple[str | None, str]:
         """(reasoning or None when the output had none, answer) of a finished text."""

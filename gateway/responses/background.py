@@ -57,10 +57,10 @@ def _end(renderer: ResponseRenderer, gen: Generation, failure: OpenAIError | Non
     completed/incomplete (``completed_at``: the stored one, when a replay renders an ended response
     again; else now)."""
     if failure is not None:
-        return renderer.fail(failure.code or "server_error", failure.message, gen.usage())
+        return renderer.fail(failure.code or "server_error", failure.message, renderer.usage_of(gen))
     if any(c.finish_reason == "abort" for c in gen.choices):
         return renderer.cancelled()
-    return renderer.finish(gen.usage(), completed_at or int(time.time()))
+    return renderer.finish(renderer.usage_of(gen), completed_at or int(time.time()))
 
 
 async def _store_final(store: ResponseStore, ttl_s: float, response_id: str, renderer: ResponseRenderer,

@@ -41,6 +41,7 @@ from gateway.responses.models import (
     OutputItemEvent,
     OutputMessage,
     OutputText,
+    OutputTokensDetails,
     ReasoningDeltaEvent,
     ReasoningDoneEvent,
     ReasoningItem,
@@ -59,8 +60,10 @@ def response_usage(usage: dict[str, Any]) -> ResponseUsage:
     """A generation's usage (chat's names) as the Responses API names it."""
     prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    reasoning_tokens = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
     return ResponseUsage(input_tokens=prompt, input_tokens_details=InputTokensDetails(cached_tokens=cached),
-                         output_tokens=completion, total_tokens=prompt + completion)
+                         output_tokens=completion, total_tokens=prompt + completion,
+                         output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens))
 
 
 @dataclass
@@ -113,6 +116,7 @@ class ResponseRenderer:
         spec = parse_tools(record.chat_tools, record.chat_tool_choice, record.parallel_tool_calls)
         dialects = Dialects(tool_parsers.get(record.tool_parser), reasoning.get(record.reasoning_parser))
         self.output = ChatOutputStream(dialects, spec, record.prompt)
+        self.reasoning = dialects.reasoning
         self.items: list[Any] = []  # OutputMessage | FunctionCallItem | ReasoningItem, by output index
         self.open: int | None = None  # the output index of the item still receiving text
         self.seq = 0
@@ -238,9 +242,14 @@ class ResponseRenderer:
                                              **fields)
         return self.response
 
+    def usage_of(self, gen: Any) -> dict[str, Any]:
+        """``gen``'s (a ``Generation``'s) usage, its reasoning tokens counted by the model's parser."""
+        return gen.usage(self.reasoning, self.record.prompt, details=True)
+
     def finish(self, usage: dict[str, Any], completed_at: int | None = None) -> list[Any]:
         """The end of the generation: ``usage`` is the generation's (``prompt_tokens``,
-        ``completion_tokens``, ``prompt_tokens_details``); ``completed_at`` a time the caller read (the renderer reads none)."""
+        ``completion_tokens``, ``prompt_tokens_details``, ``completion_tokens_details``: see
+        :meth:`usage_of`); ``completed_at`` a time the caller read (the renderer reads none)."""
         cut = self.finish_reason == "length"
         events: list[Any] = []
         if not self.items:  # nothing said (the model ended at once): an empty message, as OpenAI answers

@@ -191,8 +191,8 @@ def to_json(response: ResponseObject) -> dict[str, Any]:
 
 def _end(renderer: ResponseRenderer, gen: Any, exc: OpenAIError | None) -> list[Any]:
     if exc is None:
-        return renderer.finish(gen.usage(), int(time.time()))
-    return renderer.fail(exc.code or "server_error", exc.message, gen.usage())
+        return renderer.finish(renderer.usage_of(gen), int(time.time()))
+    return renderer.fail(exc.code or "server_error", exc.message, renderer.usage_of(gen))
 
 
 async def _collect(request: Request, prepared: PreparedResponse, renderer: ResponseRenderer) -> Response:
@@ -210,7 +210,7 @@ async def _collect(request: Request, prepared: PreparedResponse, renderer: Respo
     except serving.ClientGone:
         gen.close_nowait()
         renderer.fail("client_disconnected", "The client closed the connection before the response ended.",
-                      gen.usage())
+                      renderer.usage_of(gen))
         finalize_later(request, prepared, renderer)
         return Response(status_code=499)
     except OpenAIError as exc:
@@ -287,7 +287,7 @@ async def _stream(request: Request, prepared: PreparedResponse, renderer: Respon
             gen.close_nowait()
             if not done:  # the client went away mid-stream
                 renderer.fail("client_disconnected", "The client closed the connection before the response ended.",
-                              gen.usage())
+                              renderer.usage_of(gen))
                 finalize_later(request, prepared, renderer)
 
     return EventSourceResponse(events(), sep="\n", ping=15, ping_message_factory=keep_alive)

@@ -82,6 +82,43 @@ def test_reasoning_content_apart_from_content_streamed_and_not(thinking):
     assert (message.reasoning_content, message.content) == (THOUGHT, ANSWER)
 
 
+def _tokens_until(tokenizer, ids: list[int], tag: str) -> int:
+    """How many of ``ids`` it takes, decoded from the start, to spell ``tag``."""
+    return next(k for k in range(1, len(ids) + 1) if tag in tokenizer.decode(ids[:k]))
+
+
+def test_usage_counts_the_reasoning_tokens(thinking, fake_engine):
+    gw = thinking("deepseek_r1", f"{THOUGHT}</think>\n\n{ANSWER}")
+    ids = fake_engine.reply_ids
+    want = _tokens_until(fake_engine.tokenizer, ids, "</think>")
+    assert 0 < want < len(ids)  # the answer's tokens are not reasoning
+    usage = _chat(gw.url).json()["usage"]
+    assert usage["completion_tokens"] == len(ids)
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": want}
+    with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json={
+            "model": MODEL, "stream": True, "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "2+2?"}]}, timeout=30) as resp:
+        events = sse_events(resp)
+    assert events[-2]["usage"]["completion_tokens_details"] == {"reasoning_tokens": want}
+    from openai import OpenAI
+
+    sdk = OpenAI(base_url=f"{gw.url}/v1", api_key="x", max_retries=0)
+    got = sdk.responses.create(model=MODEL, input="2+2?")
+    assert got.output_text == ANSWER and got.usage.output_tokens == len(ids)
+    assert got.usage.output_tokens_details.reasoning_tokens == want
+    # reasoning that max_tokens cuts: every token is reasoning
+    cut = _chat(gw.url, max_tokens=3).json()
+    assert cut["choices"][0]["finish_reason"] == "length"
+    assert cut["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
+
+
+def test_a_model_without_reasoning_counts_none(thinking, fake_engine):
+    gw = thinking("qwen3", f"{ANSWER} <think>not a thought</think>")  # no opening tag first: no reasoning
+    usage = _chat(gw.url).json()["usage"]
+    assert usage["completion_tokens"] == len(fake_engine.reply_ids)
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": 0}
+
+
 def test_a_constraint_reaches_the_engine_wrapped_around_the_reasoning(thinking, fake_engine):
     gw = thinking("deepseek_r1", f"{THOUGHT}</think>\n\n{ANSWER}")
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}

@@ -65,6 +65,27 @@ def test_qwen3_reasons_only_when_the_output_or_the_prompt_opens_the_tag():
     check("qwen3", PLAIN_PROMPT + "<think>\n\n</think>\n\n", "Paris.", None, "Paris.")
 
 
+def _reasoning_tokens(parser: str, prompt: str, pieces: list[str]) -> int:
+    """The parser's count over tokens that spell ``pieces`` (token i is pieces[i])."""
+    return reasoning.get(parser).reasoning_tokens(prompt, list(range(len(pieces))),
+                                                  lambda ids: "".join(pieces[i] for i in ids))
+
+
+def test_reasoning_tokens_count_up_to_the_token_that_ends_the_reasoning():
+    # the end tag split over three tokens: the count takes the one that completes it
+    answered = ["Okay", ", 2+2", ".\n", "</", "think", ">", "\n\n", "The answer", " is 4."]
+    assert _reasoning_tokens("deepseek_r1", THINKING_PROMPT, answered) == 6
+    assert _reasoning_tokens("deepseek_r1", PLAIN_PROMPT, ["<think>", "\nHmm", "</think>Yes"]) == 3
+    # cut by length inside the reasoning: every token is reasoning
+    assert _reasoning_tokens("deepseek_r1", PLAIN_PROMPT, ["still", " thinking", " </thi"]) == 3
+    assert _reasoning_tokens("qwen3", PLAIN_PROMPT, ["<th", "ink>", "\nhm\n", "</think>", "\n\n", "Hi"]) == 4
+    # no reasoning: none, whatever the text holds
+    assert _reasoning_tokens("qwen3", PLAIN_PROMPT, ["Hi there", ", <think>", " is a tag", "</think>"]) == 0
+    assert _reasoning_tokens("qwen3", PLAIN_PROMPT + "<think>\n\n</think>\n\n", ["Paris", "."]) == 0
+    assert _reasoning_tokens("qwen3", THINKING_PROMPT, ["x", "</think>", "y"]) == 2
+    assert _reasoning_tokens("qwen3", THINKING_PROMPT, []) == 0  # nothing said, nothing counted
+
+
 def test_reasoning_in_front_of_tool_calls():
     auto = tools.parse_tools([WEATHER], "auto", None)
     check("qwen3", PLAIN_PROMPT, '<think>I need the weather.</think>\n<tool_call>{"name": "get_weather", '

@@ -73,7 +73,7 @@ def _gen(n: int):
     sub = SimpleNamespace(request_id="cmpl-1", prompt_ids=[1, 2], prompt_logprobs=[])
     choices = [SimpleNamespace(index=i, sub=sub) for i in range(n)]
     return SimpleNamespace(id="cmpl-1", created=1700000000, card=card, choices=choices,
-                           usage=lambda: {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5})
+                           usage=lambda *_, **__: {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5})
 
 
 DELTAS = [Delta(0, "Hello", None), Delta(1, " é", None), Delta(0, "", None), Delta(1, "x", None, "length"),
