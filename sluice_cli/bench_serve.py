@@ -16,7 +16,8 @@ TPOT and ITL distributions and output throughput over time.
 ``--num-warmups`` sends untimed requests first, whose prompts share no prefix with the measured
 ones. ``--offline-baseline`` then runs the warm-ups and the measured requests through the offline
 engine in this process and reports served over offline throughput, with both sides' prefix-cache
-hits, so that a ratio between unlike runs is flagged.
+hits, so that a ratio between unlike runs is flagged. ``--rounds N`` alternates the two N times on
+fresh prompts and reports the median ratio besides each round's.
 """
 
 from __future__ import annotations
@@ -96,6 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offline-baseline", action="store_true",
                         help="afterwards, run the same requests through the offline engine in this process "
                              "(needs the engine extra) and report the gateway + Redis overhead")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --offline-baseline: this many served runs, each followed by the offline "
+                             "engine on the same requests, fresh random prompts each round (the first round's "
+                             "are --seed's); reports each round's ratio and their median (default: 1)")
     parser.add_argument("--offline-model", default=None,
                         help="model directory for --offline-baseline (default: the embedded model)")
     parser.add_argument("--offline-dtype", default=None,
@@ -371,14 +376,20 @@ def format_table(s: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.rounds < 1 or (args.rounds > 1 and not args.offline_baseline):
+        print("--rounds must be at least 1, and more than 1 only with --offline-baseline", file=sys.stderr)
+        return 2
+    if args.rounds > 1 and args.dataset != "random":
+        # a second round of the same prompts would find them in both sides' prefix caches
+        print("--rounds above 1 needs --dataset random (each round draws fresh prompts)", file=sys.stderr)
+        return 2
     if args.dataset == "jsonl":
         if not args.dataset_path:
             print("--dataset jsonl needs --dataset-path", file=sys.stderr)
             return 2
         requests = jsonl_dataset(args.dataset_path, args.num_prompts, args.random_output_len, args.seed)
     else:
-        requests = synthetic_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
-                                     args.random_range_ratio, tuple(args.random_vocab), args.seed)
+        requests = round_requests(args, 0)
     num_warmups = args.num_warmups if args.num_warmups is not None else (
         args.num_prompts if args.offline_baseline else 0)
     if num_warmups < 0:
@@ -401,6 +412,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 
+def round_requests(args, index: int) -> list[BenchRequest]:
+    """Round ``index``'s random prompts (round 0's are ``--seed``'s), fresh to both engines' caches."""
+    seed = args.seed if index == 0 else f"round {index} {args.seed}"
+    return synthetic_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
+                             args.random_range_ratio, tuple(args.random_vocab), seed)
+
+
 def offline_baseline(args, requests: list[BenchRequest], warmups: list[BenchRequest], served: dict) -> dict:
     """The same requests through the offline engine (one process, no HTTP, no Redis), all at once:
     what the served run would reach without the gateway and Redis in between. It runs under the
@@ -408,7 +426,11 @@ def offline_baseline(args, requests: list[BenchRequest], warmups: list[BenchRequ
     $OMP_WAIT_POLICY says otherwise), so that only the gateway and Redis differ. The warm-up
     requests go first, untimed, as they went to the served engine; and both sides' prefix-cache
     hits are compared, since a served engine that an earlier run with the same ``--seed`` left
-    holding these prompts computes less than a fresh offline engine."""
+    holding these prompts computes less than a fresh offline engine.
+
+    With ``--rounds N`` the served run and this one alternate N times, each round on fresh prompts
+    (``round_requests``), and the result adds every round's figures and the median ratio: one
+    pair's ratio moves by a tenth from run to run on a machine the two sides share."""
     import os
 
     from engine_service.service.main import OMP_WAIT_POLICY
@@ -425,26 +447,50 @@ def offline_baseline(args, requests: list[BenchRequest], warmups: list[BenchRequ
                   for r in batch]
         return llm.generate(prompts, params, use_tqdm=False) if batch else []
 
+    def timed(batch: list[BenchRequest], served_round: dict) -> dict:
+        start = time.perf_counter()
+        outs = generate(batch)
+        duration = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        cached = sum(o.num_cached_tokens for o in outs)
+        throughput = tokens / duration if duration else 0.0
+        gap = abs(served_round["total_cached_prompt_tokens"] - cached)
+        if gap > 0.05 * max(served_round["total_input_tokens"], 1):
+            print(f"warning: the served engine took {served_round['total_cached_prompt_tokens']} prompt tokens from "
+                  f"its prefix cache and the offline one {cached}: they did not compute the same work, so the ratio "
+                  "does not measure the serving path (an earlier run with this --seed? give another)",
+                  file=sys.stderr)
+        return {"duration_s": duration, "total_output_tokens": tokens, "total_cached_prompt_tokens": cached,
+                "output_throughput": throughput,
+                "served_over_offline": served_round["output_throughput"] / throughput if throughput else 0.0}
+
     generate(warmups)
-    start = time.perf_counter()
-    outs = generate(requests)
-    duration = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    cached = sum(o.num_cached_tokens for o in outs)
-    result = {"duration_s": duration, "total_output_tokens": tokens, "total_cached_prompt_tokens": cached,
-              "dtype": str(llm.engine.dtype).removeprefix("torch."),
-              "output_throughput": tokens / duration if duration else 0.0}
-    ratio = served["output_throughput"] / result["output_throughput"] if result["output_throughput"] else 0.0
-    result["served_over_offline"] = ratio
+    result = timed(requests, served)
+    result["dtype"] = str(llm.engine.dtype).removeprefix("torch.")
     print("{s:-^60}".format(s=" Offline engine, same requests "))
-    print(f"{'Duration (s):':<42}{duration:>18.2f}")
+    print(f"{'Duration (s):':<42}{result['duration_s']:>18.2f}")
     print(f"{'Output token throughput (tok/s):':<42}{result['output_throughput']:>18.2f}")
-    print(f"{'Prompt tokens from the prefix cache:':<42}{cached:>18}")
-    print(f"{'Served / offline throughput:':<42}{ratio:>18.3f}")
+    print(f"{'Prompt tokens from the prefix cache:':<42}{result['total_cached_prompt_tokens']:>18}")
+    print(f"{'Served / offline throughput:':<42}{result['served_over_offline']:>18.3f}")
+    if args.rounds > 1:
+        rounds = [{"served_output_throughput": served["output_throughput"], "served_failed": served["failed"],
+                   **{k: result[k] for k in ("output_throughput", "served_over_offline")}}]
+        for index in range(1, args.rounds):
+            batch = round_requests(args, index)
+            served_round, _ = asyncio.run(benchmark(args, batch))
+            offline = timed(batch, served_round)
+            rounds.append({"served_output_throughput": served_round["output_throughput"],
+                           "served_failed": served_round["failed"],
+                           **{k: offline[k] for k in ("output_throughput", "served_over_offline")}})
+        print("{s:-^60}".format(s=f" {args.rounds} rounds, served then offline "))
+        for index, r in enumerate(rounds):
+            print(f"{f'Round {index} (tok/s served, offline; ratio):':<42}"
+                  f"{r['served_output_throughput']:>7.1f} {r['output_throughput']:>6.1f} {r['served_over_offline']:>4.3f}")
+        result["rounds"] = rounds
+        result["median_served_over_offline"] = statistics.median(r["served_over_offline"] for r in rounds)
+        print(f"{'Served / offline throughput, median:':<42}{result['median_served_over_offline']:>18.3f}")
+        if any(r["served_failed"] for r in rounds):
+            print("warning: some served requests failed in a later round; its ratio counts only those that "
+                  "completed", file=sys.stderr)
     print("=" * 60)
-    gap = abs(served["total_cached_prompt_tokens"] - cached)
-    if gap > 0.05 * max(served["total_input_tokens"], 1):
-        print(f"warning: the served engine took {served['total_cached_prompt_tokens']} prompt tokens from its prefix "
-              f"cache and the offline one {cached}: they did not compute the same work, so the ratio does not "
-              "measure the serving path (an earlier run with this --seed? give another)", file=sys.stderr)
     return result

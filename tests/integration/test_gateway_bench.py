@@ -85,6 +85,50 @@ def test_the_offline_baseline_runs_the_warm_ups_first_and_compares_cache_hits(ga
     assert "did not compute the same work" in capsys.readouterr().err
 
 
+def test_rounds_alternate_served_and_offline_runs_on_fresh_prompts(gateway, fake_engine, model_dir, tmp_path,
+                                                                    capsys, monkeypatch):
+    import statistics
+
+    from engine_service.llm import LLM
+
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    out = tmp_path / "bench.json"
+    offline_runs: list[list[list[int]]] = []
+    real = LLM.generate
+    monkeypatch.setattr(LLM, "generate", lambda self, prompts, *a, **kw: offline_runs.append(list(prompts))
+                        or real(self, prompts, *a, **kw))
+    before = len(fake_engine.requests)
+    assert bench_serve.run(parser.parse_args([
+        "--base-url", gateway.url, "--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "4",
+        "--num-warmups", "2", "--offline-baseline", "--offline-model", str(model_dir), "--offline-dtype", "float32",
+        "--rounds", "3", "--result-file", str(out), "--disable-tqdm", "--no-plot"])) == 0
+    sent = [list(r.prompt_token_ids) for r in fake_engine.requests[before:]]
+    # served: warm-ups, then three rounds of four; offline: the warm-ups, then each round's after it
+    assert len(sent) == 2 + 3 * 4 and [len(run) for run in offline_runs] == [2, 4, 4, 4]
+    rounds_sent = [sorted(sent[2 + 4 * i:6 + 4 * i]) for i in range(3)]
+    assert [sorted(run) for run in offline_runs[1:]] == rounds_sent
+    assert len({tuple(map(tuple, r)) for r in rounds_sent}) == 3  # fresh prompts each round
+    base = json.loads(out.read_text())["offline_baseline"]
+    ratios = [r["served_over_offline"] for r in base["rounds"]]
+    assert len(ratios) == 3 and ratios[0] == base["served_over_offline"]
+    assert all(r["served_over_offline"] == pytest.approx(r["served_output_throughput"] / r["output_throughput"])
+               for r in base["rounds"])
+    assert base["median_served_over_offline"] == statistics.median(ratios)
+    assert "Served / offline throughput, median:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra", [["--rounds", "0"], ["--rounds", "2"],
+                                   ["--rounds", "2", "--offline-baseline", "--dataset", "jsonl",
+                                    "--dataset-path", "x.jsonl"]])
+def test_rounds_that_cannot_work_are_refused(extra, capsys):
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    args = parser.parse_args(["--base-url", "http://127.0.0.1:9", "--no-plot", *extra])
+    assert bench_serve.run(args) == 2  # before a file is read or a request sent: nothing listens on port 9
+    assert "--rounds" in capsys.readouterr().err
+
+
 def test_dataset_and_arrivals_are_seeded():
     a = bench_serve.synthetic_dataset(5, 10, 4, 0.5, (100, 200), seed=3)
     b = bench_serve.synthetic_dataset(5, 10, 4, 0.5, (100, 200), seed=3)
