@@ -87,10 +87,12 @@ def main() -> None:
 
     tokens_per_s("warm-up")
     print(f"OMP_PROC_BIND={os.environ.get('OMP_PROC_BIND', '(unset)')}, duty {args.duty}")
+    slices = any(c.endswith("slice") for c in conditions)  # sched_setattr only where asked (Linux 6.12+)
     for rnd in range(args.rounds):
         got = {}
         for condition in conditions:
-            own_threads_slice(LONG_SLICE_NS if condition.endswith("slice") else 0)
+            if slices:
+                own_threads_slice(LONG_SLICE_NS if condition.endswith("slice") else 0)
             hog = start_hog(condition, args.duty) if condition != "alone" else None
             time.sleep(0.2)
             try:
@@ -101,7 +103,8 @@ def main() -> None:
                     hog.wait()
         print(f"round {rnd}: " + "  ".join(f"{c} {v:.1f} ({v / got['alone']:.3f})" for c, v in got.items()),
               flush=True)
-    own_threads_slice(0)
+    if slices:
+        own_threads_slice(0)
 
 
 if __name__ == "__main__":
