@@ -85,20 +85,16 @@ class Choice:
         self.stream = TextStream(card.tokenizer, sub.prompt_ids, stop=opts.get("stop"),
                                  include_stop_str_in_output=opts.get("include_stop_str", False),
                                  skip_special_tokens=opts.get("skip_special_tokens", True))
-        self.skip_special_tokens = opts.get("skip_special_tokens", True)
         self.want_logprobs = opts.get("logprobs") is not None
         self.num_top = opts.get("logprobs") or 0
         self.token_ids: list[int] = []
         self.text = ""
+        self.text_ends: list[int] = []  # len(self.text) through each of token_ids (the reasoning count's)
         self.finished = False  # done as far as the client is concerned
         self.engine_done = False  # the engine sent its terminal event
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.logprobs: list[TokenInfo] = []
-
-    def decode(self, token_ids: list[int]) -> str:
-        """``token_ids`` (this choice's, or their head) as its text stream spells them."""
-        return self.tok.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
     def consume(self, ev: Event) -> Delta | None:
         if self.finished:
@@ -107,6 +103,7 @@ class Choice:
             return None
         parts: list[str] = []
         lps: list[TokenInfo] | None = [] if self.want_logprobs else None
+        emitted = len(self.text)
         for i, tid in enumerate(ev.token_ids):
             self.token_ids.append(tid)
             if lps is not None:
@@ -114,6 +111,8 @@ class Choice:
                                          self.num_top))
             res = self.stream.add(tid)
             parts.append(res.text)
+            emitted += len(res.text)
+            self.text_ends.append(emitted)
             if res.stopped:
                 self.finished, self.finish_reason, self.stop_reason = True, "stop", res.stop
                 break
@@ -131,6 +130,8 @@ class Choice:
                 self.finished = True
         text = "".join(parts)
         self.text += text
+        if self.text_ends:  # what the stream's end released belongs to the last token
+            self.text_ends[-1] = len(self.text)
         if lps is not None:
             self.logprobs.extend(lps)
         if not text and not lps and not self.finished:
@@ -252,7 +253,7 @@ class Generation:
                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
         if details:
             out["completion_tokens_details"] = {"reasoning_tokens": 0 if reasoning is None else sum(
-                reasoning.reasoning_tokens(prompt, ch.token_ids, ch.decode) for ch in self.choices)}
+                reasoning.reasoning_tokens(prompt, ch.text, ch.text_ends) for ch in self.choices)}
         return out
 
     def detach(self, log_ttl_s: int, endpoint: str, render: dict) -> None:

@@ -6,8 +6,8 @@ knobs: what a served engine's neighbours (gateway, Redis, the load generator) co
 
 One engine (bfloat16, the default model) runs `sluice bench serve`'s workload offline: 64 random
 prompts of ~128 tokens, ~64 output tokens each, all at once (fresh prompts per pass, so no pass
-finds another's in the prefix cache). Each round runs every condition once, in turn; each pass's
-output tokens/s is printed over the round's ``alone`` pass. The "hog" busies one core for ``duty``
+finds another's in the prefix cache). Each round runs every condition once, starting one further
+along the list each round; each pass's output tokens/s is printed over the round's ``alone`` pass. The "hog" busies one core for ``duty``
 of every 10 ms:
 
 * ``hog``: in this process's session (one autogroup with the engine);
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import platform
 import struct
 import subprocess
 import sys
@@ -34,17 +35,25 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as a served engine waits
 
 HOG = ("import sys, time\nduty = float(sys.argv[1])\nwhile True:\n    t = time.perf_counter()\n"
        "    while time.perf_counter() - t < duty * 0.01: pass\n    time.sleep(0.01 * (1 - duty))\n")
-SYS_SCHED_SETATTR = 314  # x86-64
+SYS_SCHED_SETATTR, SYS_SCHED_GETATTR = 314, 315  # x86-64
 SCHED_ATTR = "IIQiIQQQII"  # struct sched_attr (size 56): size, policy, flags, nice, priority, runtime, ...
 LONG_SLICE_NS = 100_000_000
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
 def set_slice(tid: int, slice_ns: int) -> None:
-    """SCHED_OTHER with a custom slice (0: the kernel's default)."""
+    """SCHED_OTHER with a custom slice (0: the kernel's default), read back: a kernel before 6.12
+    takes the call and ignores the slice."""
+    if platform.machine() != "x86_64":
+        raise SystemExit("the slice conditions call sched_setattr by its x86-64 number")
     attr = ctypes.create_string_buffer(struct.pack(SCHED_ATTR, 56, 0, 0, 0, 0, slice_ns, 0, 0, 0, 0), 56)
     if _libc.syscall(SYS_SCHED_SETATTR, tid, attr, 0) != 0:
         raise OSError(ctypes.get_errno(), f"sched_setattr: {os.strerror(ctypes.get_errno())}")
+    got = ctypes.create_string_buffer(56)
+    if _libc.syscall(SYS_SCHED_GETATTR, tid, got, 56, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"sched_getattr: {os.strerror(ctypes.get_errno())}")
+    if slice_ns and struct.unpack(SCHED_ATTR, got.raw)[5] != slice_ns:
+        raise SystemExit("this kernel does not keep a custom slice (EEVDF's, Linux 6.12+)")
 
 
 def own_threads_slice(slice_ns: int) -> None:
@@ -90,7 +99,8 @@ def main() -> None:
     slices = any(c.endswith("slice") for c in conditions)  # sched_setattr only where asked (Linux 6.12+)
     for rnd in range(args.rounds):
         got = {}
-        for condition in conditions:
+        # each round in another order, so that a drift within a round favours no condition
+        for condition in conditions[rnd % len(conditions):] + conditions[:rnd % len(conditions)]:
             if slices:
                 own_threads_slice(LONG_SLICE_NS if condition.endswith("slice") else 0)
             hog = start_hog(condition, args.duty) if condition != "alone" else None
@@ -101,7 +111,7 @@ def main() -> None:
                 if hog is not None:
                     hog.kill()
                     hog.wait()
-        print(f"round {rnd}: " + "  ".join(f"{c} {v:.1f} ({v / got['alone']:.3f})" for c, v in got.items()),
+        print(f"round {rnd}: " + "  ".join(f"{c} {got[c]:.1f} ({got[c] / got['alone']:.3f})" for c in conditions),
               flush=True)
     if slices:
         own_threads_slice(0)

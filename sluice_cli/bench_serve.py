@@ -408,7 +408,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"results written to {args.result_file}")
     if chart is not None:
         print(f"chart written to {plots.plot_serve(summary, chart)}")
-    return 0 if summary["completed"] else 1
+    rounds = summary.get("offline_baseline", {}).get("rounds", [])
+    return 0 if summary["completed"] and all(r["served_completed"] for r in rounds) else 1
 
 
 
@@ -447,7 +448,7 @@ def offline_baseline(args, requests: list[BenchRequest], warmups: list[BenchRequ
                   for r in batch]
         return llm.generate(prompts, params, use_tqdm=False) if batch else []
 
-    def timed(batch: list[BenchRequest], served_round: dict) -> dict:
+    def timed(batch: list[BenchRequest], served_round: dict, label: str) -> dict:
         start = time.perf_counter()
         outs = generate(batch)
         duration = time.perf_counter() - start
@@ -456,16 +457,16 @@ def offline_baseline(args, requests: list[BenchRequest], warmups: list[BenchRequ
         throughput = tokens / duration if duration else 0.0
         gap = abs(served_round["total_cached_prompt_tokens"] - cached)
         if gap > 0.05 * max(served_round["total_input_tokens"], 1):
-            print(f"warning: the served engine took {served_round['total_cached_prompt_tokens']} prompt tokens from "
-                  f"its prefix cache and the offline one {cached}: they did not compute the same work, so the ratio "
-                  "does not measure the serving path (an earlier run with this --seed? give another)",
+            print(f"warning: {label}: the served engine took {served_round['total_cached_prompt_tokens']} prompt "
+                  f"tokens from its prefix cache and the offline one {cached}: they did not compute the same work, "
+                  "so the ratio does not measure the serving path (an earlier run with this --seed? give another)",
                   file=sys.stderr)
         return {"duration_s": duration, "total_output_tokens": tokens, "total_cached_prompt_tokens": cached,
                 "output_throughput": throughput,
                 "served_over_offline": served_round["output_throughput"] / throughput if throughput else 0.0}
 
     generate(warmups)
-    result = timed(requests, served)
+    result = timed(requests, served, "round 0" if args.rounds > 1 else "the measured requests")
     result["dtype"] = str(llm.engine.dtype).removeprefix("torch.")
     print("{s:-^60}".format(s=" Offline engine, same requests "))
     print(f"{'Duration (s):':<42}{result['duration_s']:>18.2f}")
@@ -473,14 +474,15 @@ def offline_baseline(args, requests: list[BenchRequest], warmups: list[BenchRequ
     print(f"{'Prompt tokens from the prefix cache:':<42}{result['total_cached_prompt_tokens']:>18}")
     print(f"{'Served / offline throughput:':<42}{result['served_over_offline']:>18.3f}")
     if args.rounds > 1:
-        rounds = [{"served_output_throughput": served["output_throughput"], "served_failed": served["failed"],
+        rounds = [{"served_output_throughput": served["output_throughput"], "served_completed": served["completed"],
+                   "served_failed": served["failed"],
                    **{k: result[k] for k in ("output_throughput", "served_over_offline")}}]
         for index in range(1, args.rounds):
             batch = round_requests(args, index)
             served_round, _ = asyncio.run(benchmark(args, batch))
-            offline = timed(batch, served_round)
+            offline = timed(batch, served_round, f"round {index}")
             rounds.append({"served_output_throughput": served_round["output_throughput"],
-                           "served_failed": served_round["failed"],
+                           "served_completed": served_round["completed"], "served_failed": served_round["failed"],
                            **{k: offline[k] for k in ("output_throughput", "served_over_offline")}})
         print("{s:-^60}".format(s=f" {args.rounds} rounds, served then offline "))
         for index, r in enumerate(rounds):
@@ -489,8 +491,9 @@ def offline_baseline(args, requests: list[BenchRequest], warmups: list[BenchRequ
         result["rounds"] = rounds
         result["median_served_over_offline"] = statistics.median(r["served_over_offline"] for r in rounds)
         print(f"{'Served / offline throughput, median:':<42}{result['median_served_over_offline']:>18.3f}")
-        if any(r["served_failed"] for r in rounds):
-            print("warning: some served requests failed in a later round; its ratio counts only those that "
-                  "completed", file=sys.stderr)
+        failed = [str(i) for i, r in enumerate(rounds) if r["served_failed"]]
+        if failed:
+            print(f"warning: served requests failed in round(s) {', '.join(failed)}; a round's ratio counts only "
+                  "the requests that completed", file=sys.stderr)
     print("=" * 60)
     return result

@@ -95,17 +95,31 @@ def test_rounds_alternate_served_and_offline_runs_on_fresh_prompts(gateway, fake
     bench_serve.add_arguments(parser)
     out = tmp_path / "bench.json"
     offline_runs: list[list[list[int]]] = []
-    real = LLM.generate
-    monkeypatch.setattr(LLM, "generate", lambda self, prompts, *a, **kw: offline_runs.append(list(prompts))
-                        or real(self, prompts, *a, **kw))
+    order: list[tuple[str, int]] = []  # both sides' runs, as they happened
+    real, real_benchmark = LLM.generate, bench_serve.benchmark
+
+    def generate(self, prompts, *a, **kw):
+        offline_runs.append(list(prompts))
+        order.append(("offline", len(prompts)))
+        return real(self, prompts, *a, **kw)
+
+    async def benchmark(args, requests, warmups=()):
+        order.append(("served", len(warmups) + len(requests)))
+        return await real_benchmark(args, requests, warmups)
+
+    monkeypatch.setattr(LLM, "generate", generate)
+    monkeypatch.setattr(bench_serve, "benchmark", benchmark)
     before = len(fake_engine.requests)
     assert bench_serve.run(parser.parse_args([
         "--base-url", gateway.url, "--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "4",
         "--num-warmups", "2", "--offline-baseline", "--offline-model", str(model_dir), "--offline-dtype", "float32",
         "--rounds", "3", "--result-file", str(out), "--disable-tqdm", "--no-plot"])) == 0
     sent = [list(r.prompt_token_ids) for r in fake_engine.requests[before:]]
-    # served: warm-ups, then three rounds of four; offline: the warm-ups, then each round's after it
-    assert len(sent) == 2 + 3 * 4 and [len(run) for run in offline_runs] == [2, 4, 4, 4]
+    # served: warm-ups and round 0, then each later round; the offline engine's warm-ups, then each
+    # round's requests right after the served ones
+    assert order == [("served", 6), ("offline", 2), ("offline", 4), ("served", 4), ("offline", 4), ("served", 4),
+                     ("offline", 4)]
+    assert len(sent) == 2 + 3 * 4
     rounds_sent = [sorted(sent[2 + 4 * i:6 + 4 * i]) for i in range(3)]
     assert [sorted(run) for run in offline_runs[1:]] == rounds_sent
     assert len({tuple(map(tuple, r)) for r in rounds_sent}) == 3  # fresh prompts each round

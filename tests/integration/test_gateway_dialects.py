@@ -132,8 +132,9 @@ def test_a_constraint_reaches_the_engine_wrapped_around_the_reasoning(thinking, 
 
 def test_a_model_without_a_reasoning_parser_keeps_the_think_text(thinking):
     gw = thinking("none", f"<think>{THOUGHT}</think>{ANSWER}")
-    message = _chat(gw.url).json()["choices"][0]["message"]
-    assert message == {"role": "assistant", "content": f"<think>{THOUGHT}</think>{ANSWER}"}
+    body = _chat(gw.url).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": f"<think>{THOUGHT}</think>{ANSWER}"}
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}  # no parser, no reasoning
 
 
 def test_tool_calls_after_the_reasoning(thinking, fake_engine):

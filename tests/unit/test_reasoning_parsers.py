@@ -67,8 +67,8 @@ def test_qwen3_reasons_only_when_the_output_or_the_prompt_opens_the_tag():
 
 def _reasoning_tokens(parser: str, prompt: str, pieces: list[str]) -> int:
     """The parser's count over tokens that spell ``pieces`` (token i is pieces[i])."""
-    return reasoning.get(parser).reasoning_tokens(prompt, list(range(len(pieces))),
-                                                  lambda ids: "".join(pieces[i] for i in ids))
+    ends = [len("".join(pieces[:i + 1])) for i in range(len(pieces))]
+    return reasoning.get(parser).reasoning_tokens(prompt, "".join(pieces), ends)
 
 
 def test_reasoning_tokens_count_up_to_the_token_that_ends_the_reasoning():
@@ -84,6 +84,9 @@ def test_reasoning_tokens_count_up_to_the_token_that_ends_the_reasoning():
     assert _reasoning_tokens("qwen3", PLAIN_PROMPT + "<think>\n\n</think>\n\n", ["Paris", "."]) == 0
     assert _reasoning_tokens("qwen3", THINKING_PROMPT, ["x", "</think>", "y"]) == 2
     assert _reasoning_tokens("qwen3", THINKING_PROMPT, []) == 0  # nothing said, nothing counted
+    # a token whose text the stream held back (a partial character, a stop-string candidate) and
+    # released with the next one: the end tag is credited to the token that released it
+    assert _reasoning_tokens("deepseek_r1", THINKING_PROMPT, ["a", "", "</think>b", "c"]) == 3
 
 
 def test_reasoning_in_front_of_tool_calls():
