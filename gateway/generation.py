@@ -89,7 +89,9 @@ class Choice:
         self.num_top = opts.get("logprobs") or 0
         self.token_ids: list[int] = []
         self.text = ""
-        self.text_ends: list[int] = []  # len(self.text) through each of token_ids (the reasoning count's)
+        # len(self.text) through each of token_ids, for the reasoning-token count; kept only for a
+        # model with a reasoning parser (the only one whose usage counts them)
+        self.text_ends: list[int] | None = [] if card.card.reasoning_parser is not None else None
         self.finished = False  # done as far as the client is concerned
         self.engine_done = False  # the engine sent its terminal event
         self.finish_reason: str | None = None
@@ -111,8 +113,9 @@ class Choice:
                                          self.num_top))
             res = self.stream.add(tid)
             parts.append(res.text)
-            emitted += len(res.text)
-            self.text_ends.append(emitted)
+            if self.text_ends is not None:
+                emitted += len(res.text)
+                self.text_ends.append(emitted)
             if res.stopped:
                 self.finished, self.finish_reason, self.stop_reason = True, "stop", res.stop
                 break
@@ -253,7 +256,7 @@ class Generation:
                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
         if details:
             out["completion_tokens_details"] = {"reasoning_tokens": 0 if reasoning is None else sum(
-                reasoning.reasoning_tokens(prompt, ch.text, ch.text_ends) for ch in self.choices)}
+                reasoning.reasoning_tokens(prompt, ch.text, ch.text_ends or []) for ch in self.choices)}
         return out
 
     def detach(self, log_ttl_s: int, endpoint: str, render: dict) -> None:
