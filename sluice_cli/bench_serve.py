@@ -412,7 +412,6 @@ def run(args: argparse.Namespace) -> int:
     return 0 if summary["completed"] and all(r["served_completed"] for r in rounds) else 1
 
 
-
 def round_requests(args, index: int) -> list[BenchRequest]:
     """Round ``index``'s random prompts (round 0's are ``--seed``'s), fresh to both engines' caches."""
     seed = args.seed if index == 0 else f"round {index} {args.seed}"
