@@ -132,6 +132,31 @@ def test_rounds_alternate_served_and_offline_runs_on_fresh_prompts(gateway, fake
     assert "Served / offline throughput, median:" in capsys.readouterr().out
 
 
+def test_a_round_that_serves_nothing_fails_the_bench_and_is_named(gateway, fake_engine, model_dir, tmp_path,
+                                                                  capsys, monkeypatch):
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    out = tmp_path / "bench.json"
+    real_benchmark = bench_serve.benchmark
+    calls = 0
+
+    async def benchmark(args, requests, warmups=()):
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # from round 1 on, the engine refuses every request
+            monkeypatch.setattr(fake_engine, "error", ("invalid_request", "the fake engine refuses"))
+        return await real_benchmark(args, requests, warmups)
+
+    monkeypatch.setattr(bench_serve, "benchmark", benchmark)
+    assert bench_serve.run(parser.parse_args([
+        "--base-url", gateway.url, "--num-prompts", "3", "--random-input-len", "16", "--random-output-len", "4",
+        "--num-warmups", "0", "--offline-baseline", "--offline-model", str(model_dir), "--offline-dtype", "float32",
+        "--rounds", "3", "--result-file", str(out), "--disable-tqdm", "--no-plot"])) == 1
+    assert "served requests failed in round(s) 1, 2;" in capsys.readouterr().err
+    rounds = json.loads(out.read_text())["offline_baseline"]["rounds"]
+    assert [(r["served_completed"], r["served_failed"]) for r in rounds] == [(3, 0), (0, 3), (0, 3)]
+
+
 @pytest.mark.parametrize("extra", [["--rounds", "0"], ["--rounds", "2"],
                                    ["--rounds", "2", "--offline-baseline", "--dataset", "jsonl",
                                     "--dataset-path", "x.jsonl"]])
