@@ -82,7 +82,7 @@ static int cmp(const void *a, const void *b) {
 
 int main(int argc, char **argv) {
     const int rows = argc > 1 ? atoi(argv[1]) : 7;
-    if (rows < 2 || rows > PG_MAX_ROWS || !amx_usable()) {
+    if (rows < 2 || rows > PG_TILE_ROWS || !amx_usable()) {
         fprintf(stderr, "rows must be 2-16, and the CPU must have AMX\n");
         return 2;
     }
@@ -119,7 +119,7 @@ int main(int argc, char **argv) {
                     for (int64_t b = 0; b < blocks; b++) {
                         float sums[PG_MAX_ROWS * PG_BLOCK_N];
                         const uint16_t *block = w[i] + b * chunks * CHUNK;
-                        if (amx && shipped) block_sums_amx(block, x, k[i], chunks, sums);
+                        if (amx && shipped) block_sums_amx(block, x, k[i], rows, chunks, sums);
                         else if (amx) tiles_burst(block, x, k[i], chunks, sums);
                         else if (shipped) block_sums(block, x, chunks, 1, sums);
                         else one_row_burst(block, x, chunks, sums);

@@ -120,9 +120,10 @@ def _native_ops_unavailable() -> str | None:
 # One row of bfloat16 (one stream's decode step) runs the native GEMV (kernels/packed_gemv.c) on
 # oneDNN's packed weight, which it reads in place: oneDNN's one-row product streams the weights at
 # ~18 GB/s on the development VM, the GEMV at ~25 (docs/performance.md). Up to gemv_max_rows() rows
-# do too (a verifying step's drafts, a small batch): the kernel reads each weight once for all of
-# them (AMX tiles where the CPU has them, else VDPBF16PS on groups of rows), where oneDNN's product
-# of a few rows takes about twice a one-row step. The layout is oneDNN's
+# do too (a verifying step's drafts, a batch's decode step, a short prefill chunk): the kernel reads
+# each weight once for all of them (up to 64 rows through AMX tiles where the CPU has them, else up
+# to 16 by VDPBF16PS on groups of rows), where oneDNN's product of a few rows takes about twice a
+# one-row step. The layout is oneDNN's
 # choice, not a promise, so each layer checks at load that its packed buffer is the one the kernel
 # reads (blocks of 64 rows x 32 inputs, input pairs innermost, zero padding); any other layout keeps
 # oneDNN for every product.

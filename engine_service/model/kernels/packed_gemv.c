@@ -22,12 +22,15 @@
  * Two to PG_MAX_ROWS rows go through AMX's tile multiply where the CPU has it: the layout's chunk is
  * four B tiles as it lies (16 input pairs x 16 outputs each, rows 256 bytes apart), so a step of
  * several rows reads each weight once, as one row does, and its tile multiplies cost about the
- * same at 2 rows as at 16. One row keeps VDPBF16PS, which streams faster than tile loads. The two
+ * same at 2 rows as at 16. A batch of 17 to PG_MAX_ROWS rows takes a block in passes of up to 16
+ * (block_sums_amx), the later ones reading it from L2: SmolLM2's 121 products at 32 rows ran 1.25x
+ * and at 64 rows 1.08x as fast as oneDNN's (scripts/bench_gemv.py --rows N; docs/performance.md,
+ * "a batch through the native step"). One row keeps VDPBF16PS, which streams faster than tile loads. The two
  * multiply the same bfloat16 pairs into float32 sums, but the tile multiply rounds its sums its own
  * way (docs/performance.md, sixth round): a few outputs in ten thousand differ from the one-row
  * kernel's by one ulp. A row's output through the tiles does not depend on the rows beside it.
- * Without AMX, several rows take VDPBF16PS in groups (block_sums_rows), bit for bit the one-row
- * kernel's. */
+ * Without AMX, up to PG_TILE_ROWS rows take VDPBF16PS in groups (block_sums_rows), bit for bit the
+ * one-row kernel's. */
 #include "packed_gemv.h"
 
 #include <immintrin.h>
@@ -197,12 +200,23 @@ static void block_sums_rows(const uint16_t *block, const uint16_t *x, int64_t ld
 #define PG_AMX 1
 #include "amx.h"
 
-/* tiles 0-3: a block's four 16-output sums (rows x 16 float32); 4: the rows' 32 inputs of a chunk
- * (64 bytes); 5-7: a chunk's 16 input pairs for 16 outputs */
-#define PG_AMX_CONFIGURE(rows) amx_configure((rows), PG_BLOCK_K * 2, PG_BLOCK_K / 2)
+/* The rows one tile pass takes for a product of `rows` rows: all of them up to a tile's 16, else
+ * the fewest passes of at most 16, as even as they go (17: two of 9; 40: three of 14; 64: four of
+ * 16). */
+static inline int amx_group_rows(int rows) {
+    const int passes = (rows + PG_TILE_ROWS - 1) / PG_TILE_ROWS;
+    return (rows + passes - 1) / passes;
+}
 
-/* the 64 sums of one block for the configured rows (lying ldx elements apart), into out[r * 64 ...] */
-static void block_sums_amx(const uint16_t *block, const uint16_t *x, int64_t ldx, int64_t chunks, float *out) {
+/* tiles 0-3: a block's four 16-output sums (group x 16 float32); 4: a pass's rows' 32 inputs of a
+ * chunk (64 bytes); 5-7: a chunk's 16 input pairs for 16 outputs */
+#define PG_AMX_CONFIGURE(rows) amx_configure(amx_group_rows(rows), PG_BLOCK_K * 2, PG_BLOCK_K / 2)
+
+/* the 64 sums of one block for the configured rows (lying ldx elements apart), into out[r * 64 ...];
+ * `stream`: prefetch the chunks two ahead (a pass after a block's first finds them in L2) */
+static inline __attribute__((always_inline)) void block_pass_amx(const uint16_t *block, const uint16_t *x,
+                                                                 int64_t ldx, int64_t chunks, const int stream,
+                                                                 float *out) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -210,16 +224,16 @@ static void block_sums_amx(const uint16_t *block, const uint16_t *x, int64_t ldx
     for (int64_t c = 0; c < chunks; c++) {
         const uint16_t *chunk = block + c * CHUNK, *ahead = chunk + 2 * CHUNK;
         _tile_loadd(4, x + c * PG_BLOCK_K, ldx * 2);
-        prefetch_lines(ahead, 0, 16);
+        if (stream) prefetch_lines(ahead, 0, 16);
         _tile_loadd(5, chunk, 4 * 64);
         _tile_dpbf16ps(0, 4, 5);
-        prefetch_lines(ahead, 16, 16);
+        if (stream) prefetch_lines(ahead, 16, 16);
         _tile_loadd(6, chunk + 32, 4 * 64);
         _tile_dpbf16ps(1, 4, 6);
-        prefetch_lines(ahead, 32, 16);
+        if (stream) prefetch_lines(ahead, 32, 16);
         _tile_loadd(7, chunk + 64, 4 * 64);
         _tile_dpbf16ps(2, 4, 7);
-        prefetch_lines(ahead, 48, 16);
+        if (stream) prefetch_lines(ahead, 48, 16);
         _tile_loadd(5, chunk + 96, 4 * 64);
         _tile_dpbf16ps(3, 4, 5);
     }
@@ -228,9 +242,24 @@ static void block_sums_amx(const uint16_t *block, const uint16_t *x, int64_t ldx
     _tile_stored(2, out + 32, PG_BLOCK_N * 4);
     _tile_stored(3, out + 48, PG_BLOCK_N * 4);
 }
-#endif
 
-int packed_gemm_bf16_max_rows(void) { return PG_MAX_ROWS; }
+/* the 64 sums of one block for `rows` rows, in passes of amx_group_rows(rows) (the configured tile
+ * rows): the first streams the block from memory, the others read it again from L2 (a block is
+ * 4 KB an input chunk: 72 KB at K = 576, 192 KB at K = 1536), so the weights leave memory once a
+ * step however many rows it has. The last pass starts at rows - group, redoing a row or two of the
+ * pass before where the passes do not divide the rows evenly: a row's sums through the tiles do not
+ * depend on the rows beside it, so it writes the same values again. Why passes, not more tiles:
+ * four row groups' sums would take 16 tiles, and AMX has 8. */
+static void block_sums_amx(const uint16_t *block, const uint16_t *x, int64_t ldx, int rows, int64_t chunks,
+                           float *out) {
+    const int group = amx_group_rows(rows);
+    for (int start = 0;;) {
+        block_pass_amx(block, x + start * ldx, ldx, chunks, start == 0, out + start * PG_BLOCK_N);
+        if (start + group >= rows) break;
+        start = start + 2 * group > rows ? rows - group : start + group;
+    }
+}
+#endif
 
 /* 1 when several rows go through AMX's tiles in this process, 0 when through block_sums_rows */
 static int use_tiles(void) {
@@ -241,6 +270,11 @@ static int use_tiles(void) {
 #endif
 }
 
+/* PG_MAX_ROWS through the tiles; PG_TILE_ROWS through block_sums_rows, the most rows measured
+ * against oneDNN on a CPU without AMX (AMD Zen 4: 1.23x as fast at 16 rows, docs/performance.md,
+ * ninth round); more go to oneDNN there */
+int packed_gemm_bf16_max_rows(void) { return use_tiles() ? PG_MAX_ROWS : PG_TILE_ROWS; }
+
 /* the rows x 64 sums of chunks [c0, c1) of block b, into sums[m * 64 ...] */
 static inline void part_sums(const uint16_t *w, const uint16_t *xp, int64_t ldx, int64_t rows, int64_t chunks,
                              int tiles, int prefetch, int64_t b, int64_t c0, int64_t c1, KvAhead *ahead,
@@ -248,7 +282,7 @@ static inline void part_sums(const uint16_t *w, const uint16_t *xp, int64_t ldx,
     const uint16_t *block = w + b * chunks * CHUNK + c0 * CHUNK, *xc = xp + c0 * PG_BLOCK_K;
     const int64_t n = c1 - c0;
 #if defined(PG_AMX)
-    if (tiles) block_sums_amx(block, xc, ldx, n, sums);
+    if (tiles) block_sums_amx(block, xc, ldx, (int)rows, n, sums);
     else
 #else
     (void)tiles;

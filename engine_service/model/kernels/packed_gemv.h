@@ -11,8 +11,11 @@ extern "C" {
 /* oneDNN's "AB16b64a2b" weight layout: blocks of PG_BLOCK_N output rows by PG_BLOCK_K inputs */
 #define PG_BLOCK_N 64
 #define PG_BLOCK_K 32
-/* the most rows one call takes (an AMX tile's rows) */
-#define PG_MAX_ROWS 16
+/* the most rows one call takes: a batch's decode step (AMX passes of up to PG_TILE_ROWS rows a
+ * block, or VDPBF16PS on groups of rows) */
+#define PG_MAX_ROWS 64
+/* an AMX tile's rows */
+#define PG_TILE_ROWS 16
 
 /* 1 when this build can run the kernel (the CPU has AVX512-BF16), else 0 */
 int packed_gemv_bf16_supported(void);
@@ -37,8 +40,9 @@ int packed_gemv_set_prefetch(int mode);
  * PgTeam.ahead), else 0 */
 int packed_gemv_one_row_streams(void);
 
-/* the most rows packed_gemm_bf16 takes: PG_MAX_ROWS where the CPU has AVX512-BF16 (through AMX
- * tiles where the CPU has them and Linux grants them, else VDPBF16PS on groups of rows), 0 without */
+/* the most rows packed_gemm_bf16 takes: PG_MAX_ROWS through AMX tiles where the CPU has them and
+ * Linux grants them, else PG_TILE_ROWS by VDPBF16PS on groups of rows where the CPU has
+ * AVX512-BF16, 0 without */
 int packed_gemm_bf16_max_rows(void);
 
 /* packed_gemv_bf16 for `rows` rows (1 to packed_gemm_bf16_max_rows()): x[rows][k_in] and
