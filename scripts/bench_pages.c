@@ -80,7 +80,7 @@ int main(void) {
                     for (int64_t b = first; b < last; b++) {
                         const uint16_t *block = in_arena ? arena[huge][t] + offset[huge][t][i] + (b - first) * chunks * CHUNK
                                                          : separate[huge][i] + b * chunks * CHUNK;
-                        block_sums_256(block, x, chunks, sums);
+                        block_sums_256(block, x, chunks, sums, NULL);
                         for (int r = 0; r < PG_BLOCK_N; r += 16) sink += sums[r] + sums[r + 1]; /* all four accumulators */
                     }
                 }

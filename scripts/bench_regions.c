@@ -33,7 +33,7 @@ int main(void) {
                 #pragma omp for schedule(static)
                 for (int64_t b = 0; b < blocks; b++) {
                     float sums[PG_BLOCK_N];
-                    block_sums_256(w[i] + b * chunks * CHUNK, x, chunks, sums);
+                    block_sums_256(w[i] + b * chunks * CHUNK, x, chunks, sums, NULL);
                     for (int j = 0; j < PG_BLOCK_N; j++) y[b * PG_BLOCK_N + j] = f32_to_bf16(sums[j]);
                 }
                 #pragma omp master
