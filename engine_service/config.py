@@ -75,10 +75,11 @@ class EngineConfig:
     enable_prefix_caching: bool = knob(True, "reuse KV blocks of shared prompt prefixes")
     seed: int = knob(0, "seeds the sampler's generator for unseeded requests")
     enforce_eager: bool | None = knob(
-        None, "no torch.compile and no CUDA graphs: run the eager forward only (vLLM's name). Default: "
-        "$SLUICE_ENFORCE_EAGER, else eager on CPU (the compiled decode step, --no-enforce-eager, takes less time "
-        "per token, but its first warm-up is long on CPU; the figures, with the command that measures them: "
-        "docs/performance.md) and not eager on CUDA (--cuda-graphs)")
+        None, "no torch.compile, no CUDA graphs and no native decode step: run the eager forward only, the "
+        "reference (vLLM's name). Default: $SLUICE_ENFORCE_EAGER, else on CPU the eager forward with the native "
+        "decode step (--native-decode) and no torch.compile (the compiled decode step, --no-enforce-eager, "
+        "takes less time per token, but its first warm-up is long on CPU; the figures, with the command that "
+        "measures them: docs/performance.md), and not eager on CUDA (--cuda-graphs)")
     cuda_graphs: bool = knob(
         True, "on CUDA, unless --enforce-eager: decode-only steps replay CUDA graphs captured per batch and "
         "context bucket at first use (engine_service.model.cuda_graphs); --no-cuda-graphs compiles the decode "
@@ -88,21 +89,28 @@ class EngineConfig:
         return self.dtype or os.environ.get("SLUICE_DTYPE") or "auto"
 
     def resolved_enforce_eager(self) -> bool:
+        asked = self.eager_asked()
+        if asked is not None:
+            return asked
+        # CPU: eager (the compiled step's first warm-up is long); CUDA: CUDA graphs (no inductor compile)
+        return not self.device.startswith("cuda")
+
+    def eager_asked(self) -> bool | None:
+        """--enforce-eager / --no-enforce-eager, else $SLUICE_ENFORCE_EAGER, else None (the device's
+        default). Asked for, eager is the reference: no native decode step either. CPU's default eager
+        keeps the native step, which needs no warm-up to speak of: only torch.compile's is long."""
         if self.enforce_eager is not None:
             return self.enforce_eager
         env = os.environ.get("SLUICE_ENFORCE_EAGER")
-        if env is not None:
-            return env.lower() in ("1", "true", "yes")
-        # CPU: eager (the compiled step's first warm-up is long); CUDA: CUDA graphs (no inductor compile)
-        return not self.device.startswith("cuda")
+        return env.lower() in ("1", "true", "yes") if env is not None else None
     attention_backend: str = knob(
         "auto", "decode attention: native (a C kernel built at first use that reads the paged KV cache in "
         "place; CPU only, needs gcc), torch (plain torch: a padded gather + SDPA, the reference), auto "
         "(native where it builds, else torch; docs/performance.md)", choices=list(ATTENTION_BACKENDS))
     native_decode: bool = knob(
-        True, "decode steps of an int4 Llama-family model (and a bfloat16 one's single stream) on CPU as one native "
-        "call per step instead of the compiled step (engine_service.model.native_decode; not with --enforce-eager, "
-        "which runs the eager reference)")
+        True, "decode steps of an int4 Llama-family model (and a bfloat16 one's, up to 64 rows where the CPU has "
+        "AMX, 16 without) on CPU as one native call per step instead of the compiled or eager step "
+        "(engine_service.model.native_decode; not with --enforce-eager asked for, which runs the eager reference)")
     generation_config: str = knob(
         "auto", "auto: the model's generation_config.json sets the temperature, top_p, top_k, min_p and "
         "repetition_penalty a request leaves unset (vLLM's behaviour); vllm: ignore it (neutral defaults)",

@@ -134,7 +134,8 @@ class LLMEngine:
                     self.dtype, f", {self.quantization}" if self.quantization else "", self.device, num_blocks,
                     config.block_size, self.kv_cache_dtype, time.perf_counter() - started)
         self.compile_warmup_seconds: float | None = None
-        eager_requested = self.enforce_eager
+        # eager asked for is the reference path: no native step either (CPU's default eager keeps it)
+        eager_reference = config.eager_asked() is True or self.stub_model
         if not self.enforce_eager and self.device.type == "cuda" and config.cuda_graphs:
             self.runner.enable_cuda_graphs(num_blocks * config.block_size, config.max_num_seqs, self.max_model_len)
             graphed = self.runner.graphed_decode
@@ -160,15 +161,21 @@ class LLMEngine:
                 self.enforce_eager = True
         # independent of inductor: a machine that cannot compile may still build the native step
         self.native_decode = False
-        if not eager_requested and config.native_decode:
+        if not eager_reference and config.native_decode:
             from engine_service.model.native_decode import native_decode_unavailable
 
             why_not = native_decode_unavailable(self.runner.model, kv)
             if why_not is None:
-                seconds = self.runner.enable_native_decode(num_blocks * config.block_size)
-                self.native_decode = True
-                logger.info("decode steps of up to %d rows: one native call (warm-up %.2fs)",
-                            self.runner.native_decode.max_rows - 1, seconds)
+                try:
+                    seconds = self.runner.enable_native_decode(num_blocks * config.block_size)
+                except Exception:  # as a compiler failure: the eager (or compiled) path is complete
+                    logger.exception("the native decode step failed to start; decode steps run %s",
+                                     "eagerly" if self.enforce_eager else "compiled")
+                    self.runner.native_decode = None
+                else:
+                    self.native_decode = True
+                    logger.info("decode steps of up to %d rows: one native call (warm-up %.2fs)",
+                                self.runner.native_decode.max_rows - 1, seconds)
             else:
                 logger.info("no native decode step: %s", why_not)
         self.spec_row_cost: float | None = None  # a verifying row's cost, as a share of a one-row step

@@ -126,7 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="auto (default), float32, bfloat16")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                        help="--enforce-eager: no torch.compile; --no-enforce-eager: compile the decode step")
+                        help="--enforce-eager: the eager reference (no torch.compile, no native decode step); "
+                        "--no-enforce-eager: compile the decode step; default: the engine's (on CPU: eager with "
+                        "the native decode step)")
     # the engine's own flags, as `sluice engine` has them (transformers runs unquantized, its own attention)
     add_engine_arguments(parser, title="the Sluice engine", only=BENCH_ENGINE_FLAGS)
     parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,

@@ -118,8 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
     parser.add_argument("--enforce-eager", dest="enforce_eager", action=argparse.BooleanOptionalAction,
-                        default=None, help="--enforce-eager: no torch.compile (vLLM's name); --no-enforce-eager: "
-                        "compile the decode step (default: the engine's, eager unless $SLUICE_ENFORCE_EAGER=0)")
+                        default=None, help="--enforce-eager: the eager reference, no torch.compile and no native "
+                        "decode step (vLLM's name); --no-enforce-eager: compile the decode step (default: the "
+                        "engine's, $SLUICE_ENFORCE_EAGER, else on CPU eager with the native decode step)")
     parser.add_argument("--compile", dest="enforce_eager", action="store_false",
                         help="the same as --no-enforce-eager")
     # the engine's own flags, as `sluice engine` has them (transformers runs unquantized, its own attention)

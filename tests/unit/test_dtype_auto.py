@@ -52,11 +52,15 @@ def test_default_is_auto_and_the_environment_or_a_keyword_pins_it(monkeypatch):
 def test_enforce_eager_default_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv("SLUICE_ENFORCE_EAGER", raising=False)
     assert EngineConfig().resolved_enforce_eager() is True  # CPU: the compiled step's warm-up is long
+    assert EngineConfig().eager_asked() is None  # ... but not asked for: the native step stays
+    assert EngineConfig(enforce_eager=True).eager_asked() is True
+    assert EngineConfig(enforce_eager=False).eager_asked() is False
     # CUDA: not eager, so decode steps replay CUDA graphs (no long compile at start)
     assert EngineConfig(device="cuda").resolved_enforce_eager() is False
     assert EngineConfig(device="cuda:1").resolved_enforce_eager() is False
     monkeypatch.setenv("SLUICE_ENFORCE_EAGER", "0")
-    assert EngineConfig().resolved_enforce_eager() is False
+    assert EngineConfig().resolved_enforce_eager() is False and EngineConfig().eager_asked() is False
     monkeypatch.setenv("SLUICE_ENFORCE_EAGER", "1")
+    assert EngineConfig().eager_asked() is True
     assert EngineConfig(device="cuda").resolved_enforce_eager() is True
     assert EngineConfig(enforce_eager=True).resolved_enforce_eager() is True

@@ -174,6 +174,42 @@ def bf16(model_dir):
     return plain
 
 
+def test_cpus_default_eager_keeps_the_native_step_and_eager_asked_for_is_the_reference(bf16, model_dir,
+                                                                                     monkeypatch, caplog):
+    """CPU's default eager (no flag, no $SLUICE_ENFORCE_EAGER) skips torch.compile's long warm-up,
+    not the native step: a bfloat16 engine's decode steps, a batch of 20 included, are native
+    calls. Eager asked for (the bf16 fixture) is the reference, with no native step. A native step
+    that fails to start leaves the engine eager, the failure logged."""
+    from engine_service.model.runner import ModelRunner
+
+    monkeypatch.delenv("SLUICE_ENFORCE_EAGER", raising=False)
+    assert bf16.engine.enforce_eager and not bf16.engine.native_decode and bf16.engine.runner.native_decode is None
+    llm = LLM(str(model_dir), dtype="bfloat16", kv_cache_memory=16 << 20)
+    engine = llm.engine
+    assert engine.enforce_eager and engine.native_decode and engine.decode_mode == "native step"
+    native = engine.runner.native_decode
+    rows = []
+    fn = native._fn
+    native._fn = lambda *args: rows.append(args[10]) or fn(*args)  # the step's row count
+    prompts = [f"Count from {i} to {i + 9}:" for i in range(20)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6] * 20
+    assert 20 in rows  # the batch's decode steps went native (gemv_max_rows() >= 16 here)
+    del llm, engine, native
+
+    def broken(self, slot):
+        raise RuntimeError("no native step today")
+
+    monkeypatch.setattr(ModelRunner, "enable_native_decode", broken)
+    with caplog.at_level("ERROR", logger="engine_service.engine"):
+        fallback = LLM(str(model_dir), dtype="bfloat16", kv_cache_memory=16 << 20)
+    assert "the native decode step failed to start; decode steps run eagerly" in caplog.text
+    assert not fallback.engine.native_decode and fallback.engine.runner.native_decode is None
+    assert fallback.engine.decode_mode == "eager"
+    out = fallback.generate(["Count from 1 to 5:"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 def test_a_bfloat16_stream_is_the_eager_forward(bf16):
     """bfloat16 weights prepacked for the native kernel: one stream's decode step, rounded to
     bfloat16 where the eager forward rounds. The products are the same kernel, so most rows agree
