@@ -1,6 +1,7 @@
-"""One bfloat16 row (`--rows N`: N rows, up to 16) through every projection of SmolLM2-135M: the
-native kernel on oneDNN's packed weight (kernels/packed_gemv.c: one row VDPBF16PS; several AMX tiles,
-or VDPBF16PS on groups of rows without AMX) against oneDNN's own product on the same weight.
+"""One bfloat16 row (`--rows N`: N rows, up to `gemv_max_rows()`: 64 with AMX, 16 without) through
+every projection of SmolLM2-135M: the native kernel on oneDNN's packed weight
+(kernels/packed_gemv.c: one row VDPBF16PS; several AMX tiles, or VDPBF16PS on groups of rows
+without AMX) against oneDNN's own product on the same weight.
 `python scripts/bench_gemv.py [--rows 1] [--repeats 15] [--prefetch-ab] [--json PATH]`;
 `--prefetch-ab` adds the kernel with its one-row prefetch forced on and off (the CPU decides it
 otherwise: off on AMD), the paths alternating.

@@ -22,8 +22,8 @@ MODE_SCHEDULER_STEPS = 8
 
 # mode name -> the LLM keywords that make it. "-compiled": torch.compile's decode step; "-native":
 # the decode step as one native call (engine_service.model.native_decode: int4, and bfloat16's
-# steps of up to 16 rows); "-steps": the native step, MODE_SCHEDULER_STEPS greedy decode steps a
-# scheduling step; "-bf16-cache"/"-fp16-cache": a 16-bit KV cache under the float32 activations
+# steps of up to 64 rows with AMX, 16 without); "-steps": the native step, MODE_SCHEDULER_STEPS
+# greedy decode steps a scheduling step; "-bf16-cache"/"-fp16-cache": a 16-bit KV cache under the float32 activations
 # (kv_cache_dtype). Without a suffix a mode is eager.
 MODES: dict[str, dict[str, Any]] = {
     "float32": _mode("float32"),

@@ -21,10 +21,11 @@ bfloat16 KV cache, and either
   compiled or eager step). Each row's output depends only on that row (the products and the attention
   are row-independent), so a prompt decodes to the same tokens alone or in a batch;
 * or every projection bfloat16 prepacked for the native kernel (``PrepackedLinear.gemv``): steps of
-  up to ``prepacked.gemv_max_rows()`` rows (16: one stream, its drafts, a small batch; bigger
-  batches run oneDNN's products in the compiled step). One row takes the VDPBF16PS kernel; several
-  take AMX tiles where the CPU has them, which round a few outputs in ten thousand apart by one ulp,
-  else VDPBF16PS on groups of rows, bit for bit the one-row kernel's. Rows do not depend on each
+  up to ``prepacked.gemv_max_rows()`` rows (64 where the CPU has AMX: one stream, its drafts, a
+  batch; 16 without; bigger batches run oneDNN's products in the compiled step). One row takes the
+  VDPBF16PS kernel; several take AMX tiles where the CPU has them, in passes of up to 16 rows, which
+  round a few outputs in ten thousand apart by one ulp, else VDPBF16PS on groups of rows, bit for
+  bit the one-row kernel's. Rows do not depend on each
   other.
 """
 
