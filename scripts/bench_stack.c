@@ -11,7 +11,7 @@
  *       -lm -o /tmp/bench_stack
  *   OMP_NUM_THREADS=2 /tmp/bench_stack [context] [rounds] [rows]
  *
- * rows (1 to 16, default 1): the step's rows are one sequence's draft chunk, at positions context ...
+ * rows (1 to PG_MAX_ROWS, default 1): the step's rows are one sequence's draft chunk, at positions context ...
  * context + rows - 1, as a speculative step verifies k = rows - 1 drafts (the products' and reads'
  * columns are unchanged; docs/performance.md, "stop 56"; the -DSTACK_AB build below takes it too).
  *
@@ -172,7 +172,7 @@ static int paired_ab(const DecodeStack *stack, int64_t context, int pairs, const
     float *logits[2] = {malloc(sizeof(float) * VOCAB * rows), malloc(sizeof(float) * VOCAB * rows)};
     int same = 1;
     for (int n = -4; n < pairs; n++) {
-        int64_t pos[16], id[16], slot[16], len[16]; /* a draft chunk of `rows` rows (one: a decode) */
+        int64_t pos[PG_MAX_ROWS], id[PG_MAX_ROWS], slot[PG_MAX_ROWS], len[PG_MAX_ROWS]; /* a draft chunk of `rows` rows (one: a decode) */
         for (int r = 0; r < rows; r++) {
             pos[r] = context + (n < 0 ? 0 : n) % 200 + r, id[r] = (pos[r] * 31) % VOCAB;
             slot[r] = table[pos[r] / BLOCK] * BLOCK + pos[r] % BLOCK, len[r] = pos[r] + 1;
@@ -215,8 +215,8 @@ int main(int argc, char **argv) {
     const int64_t context = argc > 1 ? atoll(argv[1]) : 300;
     const int rounds = argc > 2 ? atoi(argv[2]) : 15;
     const int rows = argc > 3 ? atoi(argv[3]) : 1;
-    if (rows < 1 || rows > 16 || context < 1 || context + 32 > POSITIONS || rounds < 1) {
-        fprintf(stderr, "context 1 to %d, rounds 1 or more, rows 1 to 16\n", POSITIONS - 32);
+    if (rows < 1 || rows > PG_MAX_ROWS || context < 1 || context + PG_MAX_ROWS + 16 > POSITIONS || rounds < 1) {
+        fprintf(stderr, "context 1 to %d, rounds 1 or more, rows 1 to %d\n", POSITIONS - PG_MAX_ROWS - 16, PG_MAX_ROWS);
         return 2;
     }
     const int steps = 16; /* a round's steps; the context grows by one each */
@@ -267,7 +267,7 @@ int main(int argc, char **argv) {
     for (int r = -2; r < rounds; r++) {
         double sum[KINDS] = {0};
         for (int s = 0; s < steps; s++) {
-            int64_t pos[16], id[16], slot[16], len[16];
+            int64_t pos[PG_MAX_ROWS], id[PG_MAX_ROWS], slot[PG_MAX_ROWS], len[PG_MAX_ROWS];
             for (int j = 0; j < rows; j++) {
                 pos[j] = context + s + j, id[j] = (pos[j] * 31) % VOCAB;
                 slot[j] = table[pos[j] / BLOCK] * BLOCK + pos[j] % BLOCK, len[j] = pos[j] + 1;

@@ -276,6 +276,32 @@ def test_the_logits_come_out_of_the_same_call_bit_for_bit(kind, request):
         native(input_ids, positions, meta, argmax=greedy)  # no logits to take it of
 
 
+def test_a_big_steps_kept_scratch_leaves_every_row_as_a_smaller_step_gives_it(model_dir):
+    """From 32 MB of scratch (a bfloat16 step of ~40 rows or more with the output projection) the
+    step keeps its buffer from one call to the next (decode_stack.c, step_scratch). A 64-row step,
+    a 17-row one (a buffer of its own) and a 48-row one (the kept buffer, as the 64-row step left
+    it): each row's logits bit for bit the same in all three, as rows through the tiles do not
+    depend on the rows beside them."""
+    from engine_service.model.prepacked import gemv_max_rows
+
+    if gemv_max_rows() < 64:
+        pytest.skip("no AMX tiles here: the native bfloat16 step takes 16 rows at most")
+    llm = LLM(str(model_dir), dtype="bfloat16", enforce_eager=True, block_size=BLOCK, kv_cache_memory=160 << 20)
+    runner = llm.engine.runner
+    native = NativeDecode(runner.model, runner.kv_caches)
+    lengths = [5 + (i * 7) % 40 for i in range(64)]
+    seqs = _sequences(llm, lengths, seed=11)
+    chunks = [_chunk(tokens, blocks, n, 1) for (tokens, blocks), n in zip(seqs, lengths, strict=True)]
+
+    def logits(rows: int) -> torch.Tensor:
+        input_ids, positions, meta, _ = runner.prepare(chunks[:rows])
+        return native(input_ids, positions, meta, logits=True)
+
+    big, small, kept = logits(64), logits(17), logits(48)
+    assert torch.equal(small, big[:17]) and torch.equal(kept, big[:48])
+    assert len({tuple(row.argmax(dim=-1).tolist()) for row in big.split(8)}) > 1  # not one row eight times over
+
+
 @pytest.mark.parametrize("kind", ["int4", "bfloat16"])
 def test_greedy_steps_are_single_steps_bit_for_bit(kind, request):
     """``greedy_steps`` (``num_scheduler_steps``): five decode steps of two rows in one call give

@@ -299,6 +299,34 @@ static void team_head(const DecodeStack *s, const float *x, float *normed, int64
 
 static int own_barrier = 1;
 
+/* A one-region step's scratch of KEEP_SCRATCH_BYTES or more is kept on the calling thread from one
+ * call to the next, and grown when a call needs more; a smaller one is taken and freed each call.
+ * Why: with the output projection fused, a 64-row bfloat16 step's scratch comes to ~50 MB, above
+ * glibc's largest mmap threshold (32 MB), so a buffer taken and freed every call was mapped afresh
+ * each step, and each page the step touched faulted in again (a few hundred to ~2,000 minor faults
+ * a step, varying with the heap's state). Kept, the 64-row step ran 1.07x as fast
+ * (scripts/bench_stack_ab.sh; docs/performance.md, "stop 60"). Why not every size: a one-row step
+ * kept its buffer 0.5% slower in the same A/B, for no reason found; below the threshold glibc
+ * serves the buffer from its heap anyway. */
+#define KEEP_SCRATCH_BYTES ((size_t)32 << 20)
+static __thread float *kept_scratch;
+static __thread size_t kept_floats;
+
+static float *step_scratch(size_t floats) {
+    if (sizeof(float) * floats < KEEP_SCRATCH_BYTES) return (float *)malloc(sizeof(float) * floats);
+    if (floats > kept_floats) {
+        free(kept_scratch);
+        kept_scratch = (float *)malloc(sizeof(float) * floats);
+        kept_floats = kept_scratch != NULL ? floats : 0;
+    }
+    return kept_scratch;
+}
+
+/* the scratch step_scratch gave, once the step is done with it */
+static void step_scratch_done(float *scratch) {
+    if (scratch != kept_scratch) free(scratch);
+}
+
 int decode_stack_set_own_barrier(int on) {
     own_barrier = on != 0;
     return own_barrier;
@@ -397,7 +425,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
     const int64_t combine_floats = share_rows ? rows * q_size + (rows * o_ld + 1) / 2 + 16 : 0;
     const int64_t shared = rows * q_size + 2 * rows * widest + act_floats + combine_floats
                            + (int64_t)(sizeof(PgTeam) + 63) / 4;
-    float *scratch = (float *)malloc(sizeof(float) * (size_t)(threads * own + shared));
+    float *scratch = step_scratch((size_t)(threads * own + shared));
     if (scratch == NULL) return 1;
     float *q = scratch + threads * own;
     float *ys0 = q + rows * q_size, *ys1 = ys0 + rows * widest;
@@ -429,7 +457,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
     PdaPlan plan; /* the step's attention partitions, the same in every layer */
     const int prc = pda_plan(&plan, context_lens, rows, s->heads, s->kv_heads, s->head_dim, threads);
     if (prc != 0) {
-        free(scratch);
+        step_scratch_done(scratch);
         return prc == 1 ? 1 : 3;
     }
     if (s->cache_type == STACK_CACHE_BF16) /* its draft chunks (none: as before) */
@@ -568,7 +596,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
 #undef ATTN
 #undef XB
 #undef QOWN
-    free(scratch);
+    step_scratch_done(scratch);
     return frc;
 }
 
