@@ -22,6 +22,7 @@
 
 #include <math.h>
 #include <omp.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -299,32 +300,66 @@ static void team_head(const DecodeStack *s, const float *x, float *normed, int64
 
 static int own_barrier = 1;
 
-/* A one-region step's scratch of KEEP_SCRATCH_BYTES or more is kept on the calling thread from one
- * call to the next, and grown when a call needs more; a smaller one is taken and freed each call.
- * Why: with the output projection fused, a 64-row bfloat16 step's scratch comes to ~50 MB, above
- * glibc's largest mmap threshold (32 MB), so a buffer taken and freed every call was mapped afresh
- * each step, and each page the step touched faulted in again (a few hundred to ~2,000 minor faults
- * a step, varying with the heap's state). Kept, the 64-row step ran 1.07x as fast
- * (scripts/bench_stack_ab.sh; docs/performance.md, "stop 60"). Why not every size: a one-row step
- * kept its buffer 0.5% slower in the same A/B, for no reason found; below the threshold glibc
- * serves the buffer from its heap anyway. */
-#define KEEP_SCRATCH_BYTES ((size_t)32 << 20)
-static __thread float *kept_scratch;
-static __thread size_t kept_floats;
+/* A one-region step's scratch of keep_min_bytes or more (32 MB: glibc's largest mmap threshold) is
+ * kept by the calling thread from one call to the next, grown when a call needs more, and freed
+ * when the thread exits; a smaller one is taken and freed each call. Why: glibc maps a buffer
+ * above that threshold afresh on every call, and each page the step touches then faults in again.
+ * A 64-row SmolLM2 step with its head once took ~50 MB (every thread's product output and both
+ * shared ones as wide as the vocabulary, where only the bfloat16 head's output needs that, in one
+ * shared buffer, at half the width: now ~11 MB) and ran 1.07x as fast with it kept
+ * (scripts/bench_stack_ab.sh; docs/performance.md, "stop 60"); a big model's step at many threads
+ * still takes hundreds of MB. Why not every size: a one-row step kept its buffer 0.5%
+ * slower in the same A/B, for no reason found; below the threshold glibc serves the buffer from
+ * its heap. */
+typedef struct {
+    float *data;
+    size_t floats;
+} KeptScratch;
+static pthread_key_t kept_key;
+static pthread_once_t kept_once = PTHREAD_ONCE_INIT;
+static size_t keep_min_bytes = (size_t)32 << 20;
+static int keep_poison; /* tests: fill a kept buffer with 0xff before each use */
 
-static float *step_scratch(size_t floats) {
-    if (sizeof(float) * floats < KEEP_SCRATCH_BYTES) return (float *)malloc(sizeof(float) * floats);
-    if (floats > kept_floats) {
-        free(kept_scratch);
-        kept_scratch = (float *)malloc(sizeof(float) * floats);
-        kept_floats = kept_scratch != NULL ? floats : 0;
+static void kept_free(void *p) {
+    free(((KeptScratch *)p)->data);
+    free(p);
+}
+
+static void kept_key_make(void) { (void)pthread_key_create(&kept_key, kept_free); }
+
+int64_t decode_stack_set_keep_scratch(int64_t min_bytes, int poison) {
+    if (min_bytes >= 0) keep_min_bytes = (size_t)min_bytes;
+    if (poison >= 0) keep_poison = poison != 0;
+    return (int64_t)keep_min_bytes;
+}
+
+/* `floats` of scratch for a step, *kept set when it is the calling thread's kept buffer */
+static float *step_scratch(size_t floats, int *kept) {
+    *kept = 0;
+    if (sizeof(float) * floats < keep_min_bytes || pthread_once(&kept_once, kept_key_make) != 0)
+        return (float *)malloc(sizeof(float) * floats);
+    KeptScratch *k = (KeptScratch *)pthread_getspecific(kept_key);
+    if (k == NULL) {
+        k = (KeptScratch *)calloc(1, sizeof *k);
+        if (k == NULL || pthread_setspecific(kept_key, k) != 0) {
+            free(k);
+            return (float *)malloc(sizeof(float) * floats);
+        }
     }
-    return kept_scratch;
+    if (floats > k->floats) {
+        free(k->data);
+        k->data = (float *)malloc(sizeof(float) * floats);
+        k->floats = k->data != NULL ? floats : 0;
+    }
+    if (k->data == NULL) return NULL;
+    *kept = 1;
+    if (keep_poison) memset(k->data, 0xff, sizeof(float) * floats);
+    return k->data;
 }
 
 /* the scratch step_scratch gave, once the step is done with it */
-static void step_scratch_done(float *scratch) {
-    if (scratch != kept_scratch) free(scratch);
+static void step_scratch_done(float *scratch, int kept) {
+    if (!kept) free(scratch);
 }
 
 int decode_stack_set_own_barrier(int on) {
@@ -399,8 +434,13 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
     const int64_t qkv_size = q_size + 2 * kv_size, inter = s->intermediate;
     const int kind = s->kind, bf = kind == STACK_BF16;
     const int threads = omp_get_max_threads();
-    int64_t widest = 2 * inter > qkv_size ? 2 * inter : qkv_size, xb_bytes = 0;
-    if (logits != NULL && s->head.n_out > widest) widest = s->head.n_out;
+    /* the layers' widest product output (float-sized: int4 writes floats); the bfloat16 head's output
+     * goes to the second shared buffer only (int4's head writes the logits themselves) */
+    const int64_t widest = 2 * inter > qkv_size ? (2 * inter > hidden ? 2 * inter : hidden)
+                                                : (qkv_size > hidden ? qkv_size : hidden);
+    const int64_t head_floats = logits != NULL && bf ? (rows * s->head.n_out + 1) / 2 : 0;
+    const int64_t ys1_floats = rows * widest > head_floats ? rows * widest : head_floats;
+    int64_t xb_bytes = 0;
     const StackWeight *ws[4] = {&s->layers[0].qkv, &s->layers[0].o, &s->layers[0].gate_up, &s->layers[0].down};
     for (int i = 0; i < 4; i++) {
         const int64_t b = product_scratch_bytes(kind, ws[i], rows);
@@ -410,7 +450,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
         xb_bytes = product_scratch_bytes(kind, &s->head, rows);
     /* per thread: the residual stream, a normed copy, a product's float output, the SiLU product, the
      * attention output, its own q, the product scratch; shared: q, two product outputs (float-sized,
-     * whichever the kind) */
+     * whichever the kind; the second holds the bfloat16 head's output too) */
     const int64_t own = rows * (2 * hidden + widest + inter + 2 * q_size) + (xb_bytes + 3) / 4 + 16;
     /* + the PgTeam, from the next line */
     /* a bfloat16 step of several rows shares per-row work out among the threads (share_rows): the SiLU
@@ -423,21 +463,22 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
     /* and so is attention's combine, into a shared output and the o product's shared bfloat16 input */
     const int64_t o_ld = s->layers[0].o.extra;
     const int64_t combine_floats = share_rows ? rows * q_size + (rows * o_ld + 1) / 2 + 16 : 0;
-    const int64_t shared = rows * q_size + 2 * rows * widest + act_floats + combine_floats
+    const int64_t shared = rows * q_size + rows * widest + ys1_floats + act_floats + combine_floats
                            + (int64_t)(sizeof(PgTeam) + 63) / 4;
-    float *scratch = step_scratch((size_t)(threads * own + shared));
+    int kept;
+    float *scratch = step_scratch((size_t)(threads * own + shared), &kept);
     if (scratch == NULL) return 1;
     float *q = scratch + threads * own;
     float *ys0 = q + rows * q_size, *ys1 = ys0 + rows * widest;
     /* shared by the products' claims, on a cache line of its own */
-    uint16_t *act_shared = (uint16_t *)(ys1 + rows * widest);
-    float *attn_shared = ys1 + rows * widest + act_floats;
+    uint16_t *act_shared = (uint16_t *)(ys1 + ys1_floats);
+    float *attn_shared = ys1 + ys1_floats + act_floats;
     uint16_t *o_in_shared = (uint16_t *)(attn_shared + rows * q_size);
     if (share_rows) { /* the paddings stay 0 */
         memset(act_shared, 0, sizeof(uint16_t) * (size_t)(rows * act_ld));
         memset(o_in_shared, 0, sizeof(uint16_t) * (size_t)(rows * o_ld));
     }
-    PgTeam *team = (PgTeam *)(((uintptr_t)(ys1 + rows * widest + act_floats + combine_floats) + 63) & ~(uintptr_t)63);
+    PgTeam *team = (PgTeam *)(((uintptr_t)(ys1 + ys1_floats + act_floats + combine_floats) + 63) & ~(uintptr_t)63);
 #define OWN(t) (scratch + (int64_t)(t) * own)
 #define X(t) OWN(t)
 #define NORMED(t) (OWN(t) + rows * hidden)
@@ -457,7 +498,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
     PdaPlan plan; /* the step's attention partitions, the same in every layer */
     const int prc = pda_plan(&plan, context_lens, rows, s->heads, s->kv_heads, s->head_dim, threads);
     if (prc != 0) {
-        step_scratch_done(scratch);
+        step_scratch_done(scratch, kept);
         return prc == 1 ? 1 : 3;
     }
     if (s->cache_type == STACK_CACHE_BF16) /* its draft chunks (none: as before) */
@@ -596,7 +637,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
 #undef ATTN
 #undef XB
 #undef QOWN
-    step_scratch_done(scratch);
+    step_scratch_done(scratch, kept);
     return frc;
 }
 

@@ -94,6 +94,12 @@ int decode_stack_set_kv_ahead(int lines);
 /* how many of those lists the steps have made so far (thread 0's, one a layer after the first) */
 int64_t decode_stack_kv_ahead_lists(void);
 
+/* From how many bytes a step's scratch stays with the calling thread between calls (default 32 MB,
+ * glibc's largest mmap threshold; a negative count leaves it), and whether a kept buffer is filled
+ * with 0xff bytes before each use (1 on, 0 off, -1 leaves it). For tests: set it between steps.
+ * Returns the byte count now in force. */
+int64_t decode_stack_set_keep_scratch(int64_t min_bytes, int poison);
+
 /* The index of v's largest value, the first of equal ones, as torch's argmax picks it: a NaN counts
  * as the largest (the first NaN), and all -inf gives 0; -1 for n <= 0. */
 int64_t stack_argmax(const float *v, int64_t n);
