@@ -164,7 +164,9 @@ class LLMEngine:
         if not eager_reference and config.native_decode:
             from engine_service.model.native_decode import native_decode_unavailable
 
-            why_not = native_decode_unavailable(self.runner.model, kv)
+            # the torch attention asked for is the reference too: the native step has its own attention
+            why_not = ("the torch attention was asked for (the reference)" if config.attention_backend == "torch"
+                       else native_decode_unavailable(self.runner.model, kv))
             if why_not is None:
                 try:
                     seconds = self.runner.enable_native_decode(num_blocks * config.block_size)
@@ -305,7 +307,8 @@ class LLMEngine:
     @property
     def decode_mode(self) -> str:
         """How decode steps run: "cuda graphs", "native step", "compiled" or "eager" (what benches
-        print). A native step takes the steps of up to its row count; larger ones run compiled."""
+        print). A native step takes the steps of up to its row count; larger ones run compiled, or
+        eagerly in an eager engine (CPU's default)."""
         if self.cuda_graphs:
             return "cuda graphs"
         if self.native_decode:

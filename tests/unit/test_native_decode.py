@@ -10,6 +10,7 @@ Each row must also be independent of the batch, bit for bit."""
 
 from __future__ import annotations
 
+import ctypes
 from types import SimpleNamespace
 
 import pytest
@@ -177,9 +178,11 @@ def bf16(model_dir):
 def test_cpus_default_eager_keeps_the_native_step_and_eager_asked_for_is_the_reference(bf16, model_dir,
                                                                                      monkeypatch, caplog):
     """CPU's default eager (no flag, no $SLUICE_ENFORCE_EAGER) skips torch.compile's long warm-up,
-    not the native step: a bfloat16 engine's decode steps, a batch of 20 included, are native
-    calls. Eager asked for (the bf16 fixture) is the reference, with no native step. A native step
-    that fails to start leaves the engine eager, the failure logged."""
+    not the native step: a bfloat16 engine's decode steps, a batch of 20 included (16 without AMX
+    tiles), are native calls. Eager asked for (the bf16 fixture) is the reference, with no native
+    step; so is the torch attention asked for. A native step that fails to start leaves the engine
+    eager, the failure logged."""
+    from engine_service.model.prepacked import gemv_max_rows
     from engine_service.model.runner import ModelRunner
 
     monkeypatch.delenv("SLUICE_ENFORCE_EAGER", raising=False)
@@ -191,11 +194,17 @@ def test_cpus_default_eager_keeps_the_native_step_and_eager_asked_for_is_the_ref
     rows = []
     fn = native._fn
     native._fn = lambda *args: rows.append(args[10]) or fn(*args)  # the step's row count
-    prompts = [f"Count from {i} to {i + 9}:" for i in range(20)]
+    batch = min(20, gemv_max_rows())
+    prompts = [f"Count from {i} to {i + 9}:" for i in range(batch)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    assert [len(o.outputs[0].token_ids) for o in outs] == [6] * 20
-    assert 20 in rows  # the batch's decode steps went native (gemv_max_rows() >= 16 here)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6] * batch
+    assert batch in rows  # the batch's decode steps went native
     del llm, engine, native
+    with caplog.at_level("INFO", logger="engine_service.engine"):
+        reference = LLM(str(model_dir), dtype="bfloat16", attention_backend="torch", kv_cache_memory=16 << 20)
+    assert not reference.engine.native_decode and reference.engine.decode_mode == "eager"
+    assert "no native decode step: the torch attention was asked for" in caplog.text
+    del reference
 
     def broken(self, slot):
         raise RuntimeError("no native step today")
@@ -276,20 +285,24 @@ def test_the_logits_come_out_of_the_same_call_bit_for_bit(kind, request):
         native(input_ids, positions, meta, argmax=greedy)  # no logits to take it of
 
 
-def test_a_big_steps_kept_scratch_leaves_every_row_as_a_smaller_step_gives_it(model_dir):
-    """From 32 MB of scratch (a bfloat16 step of ~40 rows or more with the output projection) the
-    step keeps its buffer from one call to the next (decode_stack.c, step_scratch). A 64-row step,
-    a 17-row one (a buffer of its own) and a 48-row one (the kept buffer, as the 64-row step left
-    it): each row's logits bit for bit the same in all three, as rows through the tiles do not
-    depend on the rows beside them."""
+def test_a_kept_scratch_leaves_every_row_as_a_fresh_buffer_gives_it(bf16, model_dir):
+    """A step's scratch from ``decode_stack_set_keep_scratch``'s size up (32 MB by default: a big
+    model's step at many threads) stays with the calling thread from one call to the next
+    (decode_stack.c, step_scratch). Kept for every size and filled with 0xff bytes before each use,
+    it gives a big step, a smaller one after it (the buffer as the big one left it) and a middling
+    one the logits that steps with a fresh buffer each give them, bit for bit: nothing reads scratch
+    it did not write."""
+    from engine_service.model.native import native_library
     from engine_service.model.prepacked import gemv_max_rows
 
-    if gemv_max_rows() < 64:
-        pytest.skip("no AMX tiles here: the native bfloat16 step takes 16 rows at most")
+    if torch.get_num_threads() < 2:
+        pytest.skip("one core: the step runs without its one-region path, which takes the kept scratch")
     llm = LLM(str(model_dir), dtype="bfloat16", enforce_eager=True, block_size=BLOCK, kv_cache_memory=160 << 20)
     runner = llm.engine.runner
     native = NativeDecode(runner.model, runner.kv_caches)
-    lengths = [5 + (i * 7) % 40 for i in range(64)]
+    most = gemv_max_rows()
+    sizes = [most, most // 4 + 1, 3 * most // 4]  # 64, 17, 48 with AMX tiles; 16, 5, 12 without
+    lengths = [5 + (i * 7) % 40 for i in range(most)]
     seqs = _sequences(llm, lengths, seed=11)
     chunks = [_chunk(tokens, blocks, n, 1) for (tokens, blocks), n in zip(seqs, lengths, strict=True)]
 
@@ -297,9 +310,20 @@ def test_a_big_steps_kept_scratch_leaves_every_row_as_a_smaller_step_gives_it(mo
         input_ids, positions, meta, _ = runner.prepare(chunks[:rows])
         return native(input_ids, positions, meta, logits=True)
 
-    big, small, kept = logits(64), logits(17), logits(48)
-    assert torch.equal(small, big[:17]) and torch.equal(kept, big[:48])
-    assert len({tuple(row.argmax(dim=-1).tolist()) for row in big.split(8)}) > 1  # not one row eight times over
+    keep = native_library().decode_stack_set_keep_scratch
+    keep.restype, keep.argtypes = ctypes.c_int64, [ctypes.c_int64, ctypes.c_int]
+    default = keep(-1, -1)
+    try:
+        keep(1 << 62, 0)  # never kept: a fresh buffer each call
+        fresh = [logits(n) for n in sizes]
+        keep(0, 1)  # always kept, poisoned before each use
+        kept = [logits(n) for n in sizes]
+    finally:
+        keep(default, 0)
+    assert default == 32 << 20
+    assert all(torch.equal(a, b) for a, b in zip(kept, fresh, strict=True))
+    assert torch.equal(kept[1], kept[0][: sizes[1]]) and torch.equal(kept[2], kept[0][: sizes[2]])
+    assert len({tuple(row.argmax(dim=-1).tolist()) for row in kept[0].split(4)}) > 1  # not one row over and over
 
 
 @pytest.mark.parametrize("kind", ["int4", "bfloat16"])
