@@ -173,10 +173,16 @@ def test_several_rows_to_the_types_rounding_each_independent_of_the_others(out_f
     full = layer(x)
     exact = x.double() @ weight.double().t() + (0 if b is None else b.double())
     ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
-    # plus float32's own error over in_features sums, where a sum nearly cancels (at 64 rows x 576
-    # outputs one does: ~1e-6 out of terms ~1e-2, which float32 itself rounds 20% off)
+    # where a sum nearly cancels, float32's own rounding over in_features terms can pass one bfloat16
+    # ulp of the result (at 64 rows x 576 outputs one sum is ~1e-6 out of terms ~1e-2, which float32
+    # itself rounds 20% off): those outputs are held to that rounding (a random walk's, 4 sigma),
+    # the rest to one ulp
     magnitude = x.double().abs() @ weight.double().abs().t() + (0 if b is None else b.double().abs())
-    assert ((full.double() - exact).abs() <= ulp + in_features * 2.0**-24 * magnitude).all()
+    float32_error = 4 * in_features**0.5 * 2.0**-24 * magnitude
+    error = (full.double() - exact).abs()
+    cancels = float32_error > ulp / 2
+    assert (error[~cancels] <= ulp[~cancels]).all() and (error <= ulp + float32_error).all()
+    assert cancels.float().mean() < 0.2  # the strict bound still holds most outputs
     for rows in sorted({2, 3, 7, 15, 16, 17, 31, 33, 40, 63, most - 1} & set(range(2, most))):
         assert torch.equal(layer(x[:rows]), full[:rows]), rows
         assert torch.equal(layer(x[most - rows:]), full[most - rows:]), rows
