@@ -215,8 +215,9 @@ int main(int argc, char **argv) {
     const int64_t context = argc > 1 ? atoll(argv[1]) : 300;
     const int rounds = argc > 2 ? atoi(argv[2]) : 15;
     const int rows = argc > 3 ? atoi(argv[3]) : 1;
-    if (rows < 1 || rows > PG_MAX_ROWS || context < 1 || context + PG_MAX_ROWS + 16 > POSITIONS || rounds < 1) {
-        fprintf(stderr, "context 1 to %d, rounds 1 or more, rows 1 to %d\n", POSITIONS - PG_MAX_ROWS - 16, PG_MAX_ROWS);
+    /* the paired A/B's positions reach context + 199 + rows - 1 (paired_ab), the table's end POSITIONS */
+    if (rows < 1 || rows > PG_MAX_ROWS || context < 1 || context + 200 + PG_MAX_ROWS > POSITIONS || rounds < 1) {
+        fprintf(stderr, "context 1 to %d, rounds 1 or more, rows 1 to %d\n", POSITIONS - 200 - PG_MAX_ROWS, PG_MAX_ROWS);
         return 2;
     }
     const int steps = 16; /* a round's steps; the context grows by one each */

@@ -24,7 +24,9 @@ MODE_SCHEDULER_STEPS = 8
 # the decode step as one native call (engine_service.model.native_decode: int4, and bfloat16's
 # steps of up to 64 rows with AMX, 16 without); "-steps": the native step, MODE_SCHEDULER_STEPS
 # greedy decode steps a scheduling step; "-bf16-cache"/"-fp16-cache": a 16-bit KV cache under the float32 activations
-# (kv_cache_dtype). Without a suffix a mode is eager.
+# (kv_cache_dtype). Without a suffix a mode is eager, asked for: the reference, with no native step,
+# which CPU's default engine (enforce_eager left unset) takes; no mode names that default
+# (scripts/bench_native_default_ab.py measures it against the reference).
 MODES: dict[str, dict[str, Any]] = {
     "float32": _mode("float32"),
     "float32-compiled": _mode("float32", eager=False),

@@ -508,7 +508,7 @@ int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
     const uint16_t *xp = padded != NULL ? padded : x;
     const int64_t ldx = padded != NULL ? k_pad : k_in;
     const int tiles = rows > 1 && use_tiles(), prefetch = stream_prefetch();
-    PgTeam team; /* the fields a product reads before it writes them (not the 8 KB of halves) */
+    PgTeam team; /* the fields a product reads before it writes them (not the 32 KB of halves) */
     team.state = team.halves_in = 0, team.barrier = NULL, team.ahead = NULL;
     _Pragma("omp parallel")
     team_blocks(w, xp, ldx, bias, y, rows, n_out, n_pad, k_pad, tiles, prefetch, &team, 1, NULL, 0, 0);
