@@ -18,6 +18,17 @@ from sluice.cpuinfo import cpu_model
 pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_back():
+    """The anchor sets the process's torch threads (``--threads``: a CLI's choice); the tests after
+    these get theirs back, or every later step in the session would run on one thread."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     anchor.add_arguments(parser)

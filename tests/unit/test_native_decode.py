@@ -295,8 +295,6 @@ def test_a_kept_scratch_leaves_every_row_as_a_fresh_buffer_gives_it(bf16, model_
     from engine_service.model.native import native_library
     from engine_service.model.prepacked import gemv_max_rows
 
-    if torch.get_num_threads() < 2:
-        pytest.skip("one core: the step runs without its one-region path, which takes the kept scratch")
     llm = LLM(str(model_dir), dtype="bfloat16", enforce_eager=True, block_size=BLOCK, kv_cache_memory=160 << 20)
     runner = llm.engine.runner
     native = NativeDecode(runner.model, runner.kv_caches)
@@ -312,7 +310,10 @@ def test_a_kept_scratch_leaves_every_row_as_a_fresh_buffer_gives_it(bf16, model_
 
     keep = native_library().decode_stack_set_keep_scratch
     keep.restype, keep.argtypes = ctypes.c_int64, [ctypes.c_int64, ctypes.c_int]
-    default = keep(-1, -1)
+    default, threads = keep(-1, -1), torch.get_num_threads()
+    # two threads at least (an earlier test may have left one): one thread runs the step without
+    # the one-region path, which is the one that takes the kept scratch
+    torch.set_num_threads(max(2, threads))
     try:
         keep(1 << 62, 0)  # never kept: a fresh buffer each call
         fresh = [logits(n) for n in sizes]
@@ -320,6 +321,7 @@ def test_a_kept_scratch_leaves_every_row_as_a_fresh_buffer_gives_it(bf16, model_
         kept = [logits(n) for n in sizes]
     finally:
         keep(default, 0)
+        torch.set_num_threads(threads)
     assert default == 32 << 20
     assert all(torch.equal(a, b) for a, b in zip(kept, fresh, strict=True))
     assert torch.equal(kept[1], kept[0][: sizes[1]]) and torch.equal(kept[2], kept[0][: sizes[2]])
