@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prompts, --rounds, --input-len and --output-len must be at least 1")
     if args.compiled and args.against != "rows16":
         parser.error("--compiled compares the 16-row cap: use it with --against rows16")
+    prefill = args.against == "prefill16"
+    if prefill and (args.input_len > 64 or args.output_len != 1):
+        parser.error("--against prefill16 compares chunks of up to 64 tokens: --input-len 64 or less, --output-len 1")
     os.environ.pop("SLUICE_ENFORCE_EAGER", None)  # the engine's own default, not a test's
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as a served engine waits
 
@@ -62,9 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.against == "rows16" and full <= 17:
         print(f"bench_native_default_ab: the native step takes {full - 1} rows here: nothing to cap")
         return 2
-    prefill = args.against == "prefill16"
-    if prefill and (args.input_len > 64 or args.output_len != 1):
-        parser.error("--against prefill16 compares chunks of up to 64 tokens: --input-len 64 or less, --output-len 1")
     names = {"eager": ("native step", "eager reference"),
              "rows16": (f"native up to {full - 1} rows", "native up to 16 rows"),
              "prefill16": ("kernel up to 64 rows", "kernel up to 16 rows")}[args.against]
