@@ -17,11 +17,24 @@ make_gateway = support.make_gateway
 pytestmark = pytest.mark.model
 
 
-def test_bench_serve_end_to_end(gateway, tmp_path, capsys):
+def _args(argv: list[str]) -> argparse.Namespace:
+    """``sluice bench serve``'s arguments, as its command line parses them."""
     parser = argparse.ArgumentParser()
     bench_serve.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def _baseline_argv(url: str, model_dir, out, prompts: int, warmups: int, *extra: str) -> list[str]:
+    """A short random run against ``url`` with the offline baseline (the default model in float32),
+    its result written to ``out``."""
+    return ["--base-url", url, "--num-prompts", str(prompts), "--random-input-len", "16", "--random-output-len", "4",
+            "--num-warmups", str(warmups), "--offline-baseline", "--offline-model", str(model_dir),
+            "--offline-dtype", "float32", *extra, "--result-file", str(out), "--disable-tqdm", "--no-plot"]
+
+
+def test_bench_serve_end_to_end(gateway, tmp_path, capsys):
     out = tmp_path / "bench.json"
-    args = parser.parse_args([
+    args = _args([
         "--base-url", gateway.url, "--num-prompts", "12", "--random-input-len", "16", "--random-output-len", "8",
         "--request-rate", "50", "--max-concurrency", "4", "--goodput", "ttft:10000", "tpot:1000",
         "--result-file", str(out), "--disable-tqdm",
@@ -54,18 +67,14 @@ def test_the_offline_baseline_runs_the_warm_ups_first_and_compares_cache_hits(ga
                                                                               tmp_path, capsys, monkeypatch):
     from engine_service.llm import LLM
 
-    parser = argparse.ArgumentParser()
-    bench_serve.add_arguments(parser)
     out = tmp_path / "bench.json"
-    argv = ["--base-url", gateway.url, "--num-prompts", "6", "--random-input-len", "16", "--random-output-len", "4",
-            "--num-warmups", "3", "--offline-baseline", "--offline-model", str(model_dir), "--offline-dtype",
-            "float32", "--result-file", str(out), "--disable-tqdm", "--no-plot"]
+    argv = _baseline_argv(gateway.url, model_dir, out, 6, 3)
     offline_runs: list[list[list[int]]] = []
     real = LLM.generate
     monkeypatch.setattr(LLM, "generate", lambda self, prompts, *a, **kw: offline_runs.append(list(prompts))
                         or real(self, prompts, *a, **kw))
     before = len(fake_engine.requests)
-    assert bench_serve.run(parser.parse_args(argv)) == 0
+    assert bench_serve.run(_args(argv)) == 0
     result = json.loads(out.read_text())
     sent = [list(r.prompt_token_ids) for r in fake_engine.requests[before:]]
     warm, measured = sent[:3], sent[3:]
@@ -80,7 +89,7 @@ def test_the_offline_baseline_runs_the_warm_ups_first_and_compares_cache_hits(ga
     assert "warning" not in capsys.readouterr().err
     # a served engine whose cache held the prompts (an earlier run's) did less work: said so
     monkeypatch.setattr(fake_engine, "cached_tokens", 16)
-    assert bench_serve.run(parser.parse_args([*argv, "--num-warmups", "0"])) == 0
+    assert bench_serve.run(_args([*argv, "--num-warmups", "0"])) == 0
     assert json.loads(out.read_text())["total_cached_prompt_tokens"] == 6 * 16
     assert "did not compute the same work" in capsys.readouterr().err
 
@@ -91,8 +100,6 @@ def test_rounds_alternate_served_and_offline_runs_on_fresh_prompts(gateway, fake
 
     from engine_service.llm import LLM
 
-    parser = argparse.ArgumentParser()
-    bench_serve.add_arguments(parser)
     out = tmp_path / "bench.json"
     offline_runs: list[list[list[int]]] = []
     order: list[tuple[str, int]] = []  # both sides' runs, as they happened
@@ -110,10 +117,7 @@ def test_rounds_alternate_served_and_offline_runs_on_fresh_prompts(gateway, fake
     monkeypatch.setattr(LLM, "generate", generate)
     monkeypatch.setattr(bench_serve, "benchmark", benchmark)
     before = len(fake_engine.requests)
-    assert bench_serve.run(parser.parse_args([
-        "--base-url", gateway.url, "--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "4",
-        "--num-warmups", "2", "--offline-baseline", "--offline-model", str(model_dir), "--offline-dtype", "float32",
-        "--rounds", "3", "--result-file", str(out), "--disable-tqdm", "--no-plot"])) == 0
+    assert bench_serve.run(_args(_baseline_argv(gateway.url, model_dir, out, 4, 2, "--rounds", "3"))) == 0
     sent = [list(r.prompt_token_ids) for r in fake_engine.requests[before:]]
     # served: warm-ups and round 0, then each later round; the offline engine's warm-ups, then each
     # round's requests right after the served ones
@@ -134,8 +138,6 @@ def test_rounds_alternate_served_and_offline_runs_on_fresh_prompts(gateway, fake
 
 def test_a_round_that_serves_nothing_fails_the_bench_and_is_named(gateway, fake_engine, model_dir, tmp_path,
                                                                   capsys, monkeypatch):
-    parser = argparse.ArgumentParser()
-    bench_serve.add_arguments(parser)
     out = tmp_path / "bench.json"
     real_benchmark = bench_serve.benchmark
     calls = 0
@@ -148,10 +150,7 @@ def test_a_round_that_serves_nothing_fails_the_bench_and_is_named(gateway, fake_
         return await real_benchmark(args, requests, warmups)
 
     monkeypatch.setattr(bench_serve, "benchmark", benchmark)
-    assert bench_serve.run(parser.parse_args([
-        "--base-url", gateway.url, "--num-prompts", "3", "--random-input-len", "16", "--random-output-len", "4",
-        "--num-warmups", "0", "--offline-baseline", "--offline-model", str(model_dir), "--offline-dtype", "float32",
-        "--rounds", "3", "--result-file", str(out), "--disable-tqdm", "--no-plot"])) == 1
+    assert bench_serve.run(_args(_baseline_argv(gateway.url, model_dir, out, 3, 0, "--rounds", "3"))) == 1
     assert "served requests failed in round(s) 1, 2;" in capsys.readouterr().err
     rounds = json.loads(out.read_text())["offline_baseline"]["rounds"]
     assert [(r["served_completed"], r["served_failed"]) for r in rounds] == [(3, 0), (0, 3), (0, 3)]
@@ -161,9 +160,7 @@ def test_a_round_that_serves_nothing_fails_the_bench_and_is_named(gateway, fake_
                                    ["--rounds", "2", "--offline-baseline", "--dataset", "jsonl",
                                     "--dataset-path", "x.jsonl"]])
 def test_rounds_that_cannot_work_are_refused(extra, capsys):
-    parser = argparse.ArgumentParser()
-    bench_serve.add_arguments(parser)
-    args = parser.parse_args(["--base-url", "http://127.0.0.1:9", "--no-plot", *extra])
+    args = _args(["--base-url", "http://127.0.0.1:9", "--no-plot", *extra])
     assert bench_serve.run(args) == 2  # before a file is read or a request sent: nothing listens on port 9
     assert "--rounds" in capsys.readouterr().err
 
@@ -188,11 +185,9 @@ def test_summarize_goodput():
 
 
 def test_failed_requests_are_counted_with_their_error(gateway, fake_engine, tmp_path, monkeypatch, capsys):
-    parser = argparse.ArgumentParser()
-    bench_serve.add_arguments(parser)
     out = tmp_path / "bench.json"
     monkeypatch.setattr(fake_engine, "error", ("invalid_request", "the fake engine refuses"))
-    args = parser.parse_args(["--base-url", gateway.url, "--num-prompts", "3", "--random-input-len", "8",
+    args = _args(["--base-url", gateway.url, "--num-prompts", "3", "--random-input-len", "8",
                               "--random-output-len", "4", "--num-warmups", "2", "--result-file", str(out),
                               "--disable-tqdm", "--no-plot"])
     assert bench_serve.run(args) == 1  # nothing completed
@@ -204,16 +199,12 @@ def test_failed_requests_are_counted_with_their_error(gateway, fake_engine, tmp_
 
 
 def test_a_negative_warm_up_count_is_refused(capsys):
-    parser = argparse.ArgumentParser()
-    bench_serve.add_arguments(parser)
-    args = parser.parse_args(["--base-url", "http://127.0.0.1:9", "--num-warmups", "-1", "--no-plot"])
+    args = _args(["--base-url", "http://127.0.0.1:9", "--num-warmups", "-1", "--no-plot"])
     assert bench_serve.run(args) == 2  # before any request is sent: nothing listens on port 9
     assert "--num-warmups must be at least 0" in capsys.readouterr().err
 
 
 def test_a_gateway_that_does_not_answer_is_named():
-    parser = argparse.ArgumentParser()
-    bench_serve.add_arguments(parser)
-    args = parser.parse_args(["--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--no-plot"])
+    args = _args(["--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--no-plot"])
     with pytest.raises(SystemExit, match=r"cannot list the models at http://127.0.0.1:9/v1/models: Client"):
         bench_serve.run(args)
