@@ -473,16 +473,17 @@ def offline_baseline(args, requests: list[BenchRequest], warmups: list[BenchRequ
     print(f"{'Prompt tokens from the prefix cache:':<42}{result['total_cached_prompt_tokens']:>18}")
     print(f"{'Served / offline throughput:':<42}{result['served_over_offline']:>18.3f}")
     if args.rounds > 1:
-        rounds = [{"served_output_throughput": served["output_throughput"], "served_completed": served["completed"],
-                   "served_failed": served["failed"],
-                   **{k: result[k] for k in ("output_throughput", "served_over_offline")}}]
+        def row(served_round: dict, offline: dict) -> dict:  # a round's line in the JSON
+            return {"served_output_throughput": served_round["output_throughput"],
+                    "served_completed": served_round["completed"], "served_failed": served_round["failed"],
+                    "output_throughput": offline["output_throughput"],
+                    "served_over_offline": offline["served_over_offline"]}
+
+        rounds = [row(served, result)]
         for index in range(1, args.rounds):
             batch = round_requests(args, index)
             served_round, _ = asyncio.run(benchmark(args, batch))
-            offline = timed(batch, served_round, f"round {index}")
-            rounds.append({"served_output_throughput": served_round["output_throughput"],
-                           "served_completed": served_round["completed"], "served_failed": served_round["failed"],
-                           **{k: offline[k] for k in ("output_throughput", "served_over_offline")}})
+            rounds.append(row(served_round, timed(batch, served_round, f"round {index}")))
         print("{s:-^60}".format(s=f" {args.rounds} rounds, served then offline "))
         for index, r in enumerate(rounds):
             print(f"{f'Round {index} (tok/s served, offline; ratio):':<42}"
