@@ -436,8 +436,8 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
     const int threads = omp_get_max_threads();
     /* the layers' widest product output (float-sized: int4 writes floats); the bfloat16 head's output
      * goes to the second shared buffer only (int4's head writes the logits themselves) */
-    const int64_t widest = 2 * inter > qkv_size ? (2 * inter > hidden ? 2 * inter : hidden)
-                                                : (qkv_size > hidden ? qkv_size : hidden);
+    int64_t widest = 2 * inter > qkv_size ? 2 * inter : qkv_size;
+    if (hidden > widest) widest = hidden;
     const int64_t head_floats = logits != NULL && bf ? (rows * s->head.n_out + 1) / 2 : 0;
     const int64_t ys1_floats = rows * widest > head_floats ? rows * widest : head_floats;
     int64_t xb_bytes = 0;
