@@ -7,7 +7,9 @@ native kernel on the packed weight (kernels/packed_gemv.c) where its layout chec
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import platform
 
 import pytest
 import torch
@@ -145,7 +147,12 @@ def test_the_kernel_takes_up_to_its_rows_and_onednn_the_rest():
 
 
 def _tiles() -> bool:
-    return {"amx_tile", "amx_bf16"} <= set(_cpu_flags().split())
+    """Whether this process may use AMX's tiles, asked of the CPU's flags and of Linux (which grants
+    their register state on request, 5.16+) here, not of the kernel under test."""
+    if not {"amx_tile", "amx_bf16"} <= set(_cpu_flags().split()) or platform.machine() != "x86_64":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XTILEDATA
 
 
 def test_the_kernel_takes_a_batch_through_the_tiles_and_sixteen_rows_without():
