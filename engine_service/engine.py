@@ -82,6 +82,13 @@ class LLMEngine:
             from engine_service.model.stub import check_bench_mode
 
             check_bench_mode()
+        if config.cpus is not None:  # before the model loads: its threads start there
+            from sluice.cpu_placement import check_cpus, format_cpu_list, pin_process
+
+            cpus = check_cpus(config.cpus, "cpus")
+            pin_process(cpus)
+            torch.set_num_threads(len(cpus))
+            logger.info("pinned to CPUs %s, compute threads: %d", format_cpu_list(cpus), len(cpus))
         self.model_dir = resolve_model_dir(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.model_name = config.served_model_name or self.model_dir.name + ("-stub" if self.stub_model else "")

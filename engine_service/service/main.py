@@ -233,6 +233,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("--speculative-config: %s", exc)
         return 2
+    if getattr(args, "cpus", None) is not None:  # and CPUs it may not use, or a list that names none
+        from sluice.cpu_placement import check_cpus
+
+        try:
+            check_cpus(args.cpus, "--cpus")
+        except ValueError as exc:
+            log.error("%s", exc)
+            return 2
     try:  # so does a number of scheduler steps that cannot work
         from engine_service.config import check_num_scheduler_steps
 

@@ -11,6 +11,7 @@ import sys
 import pytest
 from openai import OpenAI
 
+from sluice.cpu_placement import format_cpu_list
 from tests.docker_support import free_port
 from tests.waiting import wait_http
 
@@ -54,3 +55,57 @@ def test_serve_one_command_then_ctrl_c(model_dir, tmp_path):
     assert "start-up objects frozen out of the garbage collector's walks" in output
     redis_port = int(output.split("private Redis at redis://127.0.0.1:")[1].split("/")[0])
     assert not _port_open(redis_port), "the private redis-server outlived sluice serve"
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _thread_cpus(pid: int) -> set[tuple[int, ...]]:
+    return {tuple(sorted(os.sched_getaffinity(int(tid)))) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+def test_serve_reserved_cpus_keeps_redis_and_the_gateway_off_the_engines(model_dir, tmp_path):
+    """--reserved-cpus 1: Redis and the gateway (every thread) on the first CPU, every thread of the
+    engine on the others, with a compute thread each; and the service answers."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("a CPU for Redis and the gateway and one for the engine: this machine gives one")
+    port, grpc_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    log = (tmp_path / "serve.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sluice_cli.cli", "serve", "--model", str(model_dir), "--port", str(port),
+         "--grpc-port", str(grpc_port), "--max-model-len", "1024", "--reserved-cpus", "1"],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=300, procs=[proc], log=tmp_path / "serve.log")
+        c = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
+        resp = c.completions.create(model=model_dir.name, prompt="Hello", max_tokens=4, temperature=0)
+        assert resp.usage.completion_tokens == 4
+        roles = {}
+        for pid in _children(proc.pid):
+            cmdline = open(f"/proc/{pid}/cmdline").read().split("\0")
+            role = "redis" if "redis-server" in cmdline[0] else cmdline[3] if len(cmdline) > 3 else "?"
+            roles[role] = _thread_cpus(pid)
+        assert roles == {"redis": {(cpus[0],)}, "gateway": {(cpus[0],)}, "engine": {tuple(cpus[1:])}}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    output = (tmp_path / "serve.log").read_text()
+    assert code == 0, output
+    assert f"pinned to CPUs {format_cpu_list(cpus[1:])}, compute threads: {len(cpus) - 1}" in output

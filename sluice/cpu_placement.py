@@ -1,0 +1,114 @@
+"""Which CPUs a process runs on: Linux CPU lists ("0-3,8") read and written, and a whole process
+pinned to one.
+
+Why an engine wants CPUs of its own: its compute threads meet at a barrier many times a step, so a
+thread that loses its core to a neighbour (the gateway, Redis, a client) stalls the others until
+it runs again. On a 2-vCPU VM a process busy 6% of the machine cost the offline engine 13-18% of
+its tokens/s (docs/performance.md, "Stop 59"). `sluice serve --reserved-cpus N` gives Redis and
+the gateway N CPUs and the engine the rest, as vLLM's CPU backend reserves CPUs for its front end.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+MAX_CPU = 1 << 16  # a bound on what a list may name, far above any machine's CPU count
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """The CPUs a Linux CPU list names ("0-3,8,10-11"), sorted, each once; ValueError saying what
+    is wrong with the text otherwise."""
+    cpus: set[int] = set()
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("an empty CPU list (write them as 0-3,8)")
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        try:
+            lo, hi = int(first), int(last) if dash else int(first)
+        except ValueError:
+            raise ValueError(f"{part.strip()!r} is not a CPU number or a range of them (write 0-3,8)") from None
+        if lo < 0 or hi < lo or hi >= MAX_CPU:
+            raise ValueError(f"{part.strip()!r} is not a range of CPUs (numbers from 0, the lower first)")
+        cpus.update(range(lo, hi + 1))
+    return sorted(cpus)
+
+
+def format_cpu_list(cpus: list[int] | set[int]) -> str:
+    """The shortest Linux CPU list for ``cpus``: [0, 1, 2, 5] -> "0-2,5"."""
+    out: list[str] = []
+    ordered = sorted(cpus)
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity: a container's cpuset, a `taskset`)."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def allowed_cpus() -> list[int]:
+    """The CPUs any thread of this process may be given, whatever its affinity now: its cgroup's
+    cpuset where cgroup v2 says, else every online CPU. (A process started under `taskset -c 0`
+    may still move a thread to CPU 1; one in a container's cpuset may not leave it.)"""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            if line.startswith("0::"):
+                effective = Path("/sys/fs/cgroup", line[3:].lstrip("/"), "cpuset.cpus.effective")
+                return parse_cpu_list(effective.read_text())
+    except (OSError, ValueError):
+        pass
+    try:
+        return parse_cpu_list(Path("/sys/devices/system/cpu/online").read_text())
+    except (OSError, ValueError):
+        return list(range(os.cpu_count() or 1))
+
+
+def check_cpus(text: str, knob: str) -> list[int]:
+    """``text`` parsed, every CPU one this process may be given; ValueError naming ``knob``
+    otherwise."""
+    try:
+        cpus = parse_cpu_list(text)
+    except ValueError as exc:
+        raise ValueError(f"{knob}: {exc}") from None
+    allowed = allowed_cpus()
+    outside = sorted(set(cpus) - set(allowed))
+    if outside:
+        which = f"CPU {outside[0]} is" if len(outside) == 1 else f"CPUs {format_cpu_list(outside)} are"
+        raise ValueError(f"{knob}: {which} not this process's to use (it may use {format_cpu_list(allowed)})")
+    return cpus
+
+
+def pin_process(cpus: list[int]) -> None:
+    """Every thread of this process, and so every thread it starts from now on, on ``cpus``.
+    Why every thread: Linux sets one thread's affinity at a time, and threads already started
+    (torch's OpenMP team, gRPC's, the Redis I/O threads) keep theirs."""
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+    os.sched_setaffinity(0, cpus)
+    got = sorted(os.sched_getaffinity(0))
+    if got != sorted(set(cpus)):  # a cpuset the kernel intersected the list with
+        raise ValueError(f"asked for CPUs {format_cpu_list(cpus)}, the kernel gave {format_cpu_list(got)}")
+
+
+@contextmanager
+def pinned(cpus: list[int]) -> Iterator[None]:
+    """The whole process on ``cpus`` for the block, then every thread back on the CPUs the calling
+    thread had (a bench's offline engine placed as a served one, its client elsewhere)."""
+    home = sorted(os.sched_getaffinity(0))
+    pin_process(cpus)
+    try:
+        yield
+    finally:
+        pin_process(home)
