@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import math
 import random
@@ -103,6 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "are --seed's); reports each round's ratio and their median (default: 1)")
     parser.add_argument("--offline-model", default=None,
                         help="model directory for --offline-baseline (default: the embedded model)")
+    parser.add_argument("--offline-cpus", default=None, metavar="LIST",
+                        help="with --offline-baseline: the offline engine runs on these CPUs (a Linux CPU list) "
+                             "with a compute thread each, as `sluice serve --reserved-cpus` places the served "
+                             "engine; between its runs this process goes back to the CPUs it had (run the bench "
+                             "on the reserved ones: taskset -c 0 sluice bench serve ...)")
     parser.add_argument("--offline-dtype", default=None,
                         help="dtype of the --offline-baseline engine; give the served engine's (dtype auto "
                              "probes the CPU at start, and two probes under load may choose differently)")
@@ -376,6 +383,14 @@ def format_table(s: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.offline_cpus is not None:
+        from sluice.cpu_placement import check_cpus
+
+        try:
+            check_cpus(args.offline_cpus, "--offline-cpus")
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return 2
     if args.rounds < 1 or (args.rounds > 1 and not args.offline_baseline):
         print("--rounds must be at least 1, and more than 1 only with --offline-baseline", file=sys.stderr)
         return 2
@@ -439,13 +454,24 @@ def offline_baseline(args, requests: list[BenchRequest], warmups: list[BenchRequ
         os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
     from engine_service import LLM, SamplingParams  # the engine extra; imported only here
 
-    llm = LLM(args.offline_model, **({"dtype": args.offline_dtype} if args.offline_dtype else {}))
+    place = contextlib.nullcontext
+    if args.offline_cpus is not None:
+        import torch
+
+        from sluice.cpu_placement import parse_cpu_list, pinned
+
+        cpus = parse_cpu_list(args.offline_cpus)  # checked when the bench started
+        torch.set_num_threads(len(cpus))
+        place = functools.partial(pinned, cpus)
+    with place():
+        llm = LLM(args.offline_model, **({"dtype": args.offline_dtype} if args.offline_dtype else {}))
 
     def generate(batch: list[BenchRequest]) -> list:
         prompts = [r.prompt if isinstance(r.prompt, list) else {"prompt": r.prompt} for r in batch]
         params = [SamplingParams(temperature=args.temperature, max_tokens=r.output_len, ignore_eos=args.ignore_eos)
                   for r in batch]
-        return llm.generate(prompts, params, use_tqdm=False) if batch else []
+        with place():
+            return llm.generate(prompts, params, use_tqdm=False) if batch else []
 
     def timed(batch: list[BenchRequest], served_round: dict, label: str) -> dict:
         start = time.perf_counter()

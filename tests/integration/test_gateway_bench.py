@@ -136,6 +136,49 @@ def test_rounds_alternate_served_and_offline_runs_on_fresh_prompts(gateway, fake
     assert "Served / offline throughput, median:" in capsys.readouterr().out
 
 
+def test_offline_cpus_place_the_offline_engine_and_only_it(gateway, fake_engine, model_dir, tmp_path, monkeypatch):
+    """--offline-cpus: every offline run on those CPUs with a compute thread each, as `sluice serve
+    --reserved-cpus` places the served engine; the served runs (the client) on the CPUs the bench had."""
+    import os
+
+    import torch
+
+    from engine_service.llm import LLM
+
+    home = sorted(os.sched_getaffinity(0))
+    if len(home) < 2:
+        pytest.skip("an offline engine on one CPU of several needs two CPUs; this machine gives one")
+    seen: list[tuple[str, list[int], int]] = []
+    real, real_benchmark = LLM.generate, bench_serve.benchmark
+
+    def generate(self, prompts, *a, **kw):
+        seen.append(("offline", sorted(os.sched_getaffinity(0)), torch.get_num_threads()))
+        return real(self, prompts, *a, **kw)
+
+    async def benchmark(args, requests, warmups=()):
+        seen.append(("served", sorted(os.sched_getaffinity(0)), 0))
+        return await real_benchmark(args, requests, warmups)
+
+    monkeypatch.setattr(LLM, "generate", generate)
+    monkeypatch.setattr(bench_serve, "benchmark", benchmark)
+    threads = torch.get_num_threads()
+    try:
+        argv = _baseline_argv(gateway.url, model_dir, tmp_path / "b.json", 2, 1, "--rounds", "2",
+                              "--offline-cpus", str(home[-1]))
+        assert bench_serve.run(_args(argv)) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [("served", home, 0), ("offline", [home[-1]], 1), ("offline", [home[-1]], 1),
+                    ("served", home, 0), ("offline", [home[-1]], 1)]
+    assert sorted(os.sched_getaffinity(0)) == home
+
+
+def test_offline_cpus_it_may_not_use_are_refused(capsys):
+    args = _args(["--base-url", "http://127.0.0.1:9", "--no-plot", "--offline-baseline", "--offline-cpus", "0-x"])
+    assert bench_serve.run(args) == 2  # before a request is sent: nothing listens on port 9
+    assert "--offline-cpus: '0-x' is not" in capsys.readouterr().err
+
+
 def test_a_round_that_serves_nothing_fails_the_bench_and_is_named(gateway, fake_engine, model_dir, tmp_path,
                                                                   capsys, monkeypatch):
     out = tmp_path / "bench.json"
