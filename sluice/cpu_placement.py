@@ -99,7 +99,8 @@ def pin_process(cpus: list[int]) -> None:
     os.sched_setaffinity(0, cpus)
     got = sorted(os.sched_getaffinity(0))
     if got != sorted(set(cpus)):  # a cpuset the kernel intersected the list with
-        raise ValueError(f"asked for CPUs {format_cpu_list(cpus)}, the kernel gave {format_cpu_list(got)}")
+        raise ValueError(f"the kernel gave CPUs {format_cpu_list(got)} of the {format_cpu_list(cpus)} asked for "
+                         "(a cpuset narrower than the list?)")
 
 
 @contextmanager

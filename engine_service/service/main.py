@@ -234,12 +234,17 @@ def run(args: argparse.Namespace) -> int:
         log.error("--speculative-config: %s", exc)
         return 2
     if getattr(args, "cpus", None) is not None:  # and CPUs it may not use, or a list that names none
-        from sluice.cpu_placement import check_cpus
+        from sluice.cpu_placement import check_cpus, pin_process
 
         try:
-            check_cpus(args.cpus, "--cpus")
+            cpus = check_cpus(args.cpus, "--cpus")
         except ValueError as exc:
             log.error("%s", exc)
+            return 2
+        try:  # pinned now, before any thread starts; the engine pins again, to the same CPUs
+            pin_process(cpus)
+        except (ValueError, OSError) as exc:
+            log.error("--cpus: %s", exc)
             return 2
     try:  # so does a number of scheduler steps that cannot work
         from engine_service.config import check_num_scheduler_steps

@@ -125,3 +125,26 @@ def test_sluice_serve_refuses_a_split_it_cannot_make(flags, says):
                           *flags], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     assert says in out.stderr
+
+
+def test_an_engine_in_a_narrower_cpuset_refuses_to_start_on_fewer_cpus(tmp_path):
+    """A cgroup v1 cpuset of one CPU: Linux takes `--cpus 0-1` as the one and says nothing; the
+    engine reads the CPUs back and exits 2 saying which it got."""
+    cpus = _two_cpus()
+    root = "/sys/fs/cgroup/cpuset"
+    if not os.access(root, os.W_OK) or not os.path.exists(f"{root}/cpuset.cpus"):
+        pytest.skip("no writable cgroup v1 cpuset hierarchy on this machine")
+    group = f"{root}/sluice-test-{os.getpid()}"
+    os.mkdir(group)
+    try:
+        for name, value in (("cpuset.cpus", str(cpus[0])), ("cpuset.mems", open(f"{root}/cpuset.mems").read())):
+            with open(f"{group}/{name}", "w") as f:
+                f.write(value)
+        engine = [sys.executable, "-m", "sluice_cli.cli", "engine", "--redis-url", "redis://127.0.0.1:1/0",
+                  "--cpus", format_cpu_list(cpus)]
+        out = subprocess.run(["sh", "-c", f'echo $$ > {group}/tasks && exec "$@"', "sh", *engine],
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        os.rmdir(group)
+    assert out.returncode == 2, out.stderr
+    assert f"--cpus: the kernel gave CPUs {cpus[0]} of the {format_cpu_list(cpus)} asked for" in out.stderr
