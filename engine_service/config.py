@@ -66,9 +66,9 @@ class EngineConfig:
     device: str = knob("cpu", "cpu | cuda | cuda:N")
     cpus: str | None = knob(
         None, "the CPUs the engine runs on, as a Linux CPU list (0-3,8): every thread of its process is pinned "
-        "there, its compute threads one per CPU listed (name one CPU a physical core where the machine has SMT). "
-        "Default: every CPU the process may use, torch's thread count. `sluice serve --reserved-cpus N` sets it "
-        "to the CPUs after Redis's and the gateway's (sluice.cpu_placement)", metavar="LIST")
+        "there (with LLM(), the calling process's), and torch computes with one thread a physical core of the "
+        "list. Default: every CPU the process may use, torch's thread count. `sluice serve --reserved-cpus N` "
+        "sets it to the CPUs after Redis's and the gateway's (sluice.cpu_placement)", metavar="LIST")
     block_size: int = knob(16, "tokens per KV-cache block")
     num_blocks: int | None = knob(None, "KV-cache blocks (default: as many as --kv-cache-memory allows)")
     kv_cache_memory: int | None = knob(None, "bytes for the KV pool (default: 1 GiB on CPU, 90% of free memory on CUDA)")

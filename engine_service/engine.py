@@ -82,13 +82,38 @@ class LLMEngine:
             from engine_service.model.stub import check_bench_mode
 
             check_bench_mode()
-        if config.cpus is not None:  # before the model loads: its threads start there
-            from sluice.cpu_placement import check_cpus, format_cpu_list, pin_process
+        # before the model loads (its threads start there, the dtype probe and the speculative
+        # back-off time steps at the thread count the engine will run), undone if the engine fails
+        undo = self._place_on_cpus(config.cpus)
+        try:
+            self._build(config)
+        except BaseException:
+            if undo is not None:
+                undo()
+            raise
 
-            cpus = check_cpus(config.cpus, "cpus")
-            pin_process(cpus)
-            torch.set_num_threads(len(cpus))
-            logger.info("pinned to CPUs %s, compute threads: %d", format_cpu_list(cpus), len(cpus))
+    @staticmethod
+    def _place_on_cpus(cpus_text: str | None):
+        """Every thread of this process on the CPU list, torch's compute threads one per physical
+        core of it (sluice.cpu_placement); returns what puts the process back, or None."""
+        if cpus_text is None:
+            return None
+        from sluice.cpu_placement import check_cpus, format_cpu_list, physical_cores, pin_process, usable_cpus
+
+        cpus = check_cpus(cpus_text, "cpus")
+        home, threads = usable_cpus(), torch.get_num_threads()
+        pin_process(cpus)
+        cores = len(physical_cores(cpus))
+        torch.set_num_threads(cores)
+        logger.info("pinned to CPUs %s, compute threads: %d (one a physical core)", format_cpu_list(cpus), cores)
+
+        def undo() -> None:
+            pin_process(home)
+            torch.set_num_threads(threads)
+
+        return undo
+
+    def _build(self, config: EngineConfig) -> None:
         self.model_dir = resolve_model_dir(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.model_name = config.served_model_name or self.model_dir.name + ("-stub" if self.stub_model else "")

@@ -1,5 +1,5 @@
-"""Which CPUs a process runs on: Linux CPU lists ("0-3,8") read and written, and a whole process
-pinned to one.
+"""Which CPUs a process runs on: Linux CPU lists ("0-3,8") read and written, CPUs grouped by
+physical core, and a whole process pinned to a list.
 
 Why an engine wants CPUs of its own: its compute threads meet at a barrier many times a step, so a
 thread that loses its core to a neighbour (the gateway, Redis, a client) stalls the others until
@@ -11,27 +11,34 @@ the gateway N CPUs and the engine the rest, as vLLM's CPU backend reserves CPUs 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 MAX_CPU = 1 << 16  # a bound on what a list may name, far above any machine's CPU count
+CPU_TOPOLOGY = Path("/sys/devices/system/cpu")
+_ITEM = re.compile(r"([0-9]+)(?:-([0-9]+))?")
 
 
 def parse_cpu_list(text: str) -> list[int]:
     """The CPUs a Linux CPU list names ("0-3,8,10-11"), sorted, each once; ValueError saying what
     is wrong with the text otherwise."""
-    cpus: set[int] = set()
-    if not isinstance(text, str) or not text.strip():
+    if not isinstance(text, str):
+        raise ValueError(f"a CPU list is text such as '0-3,8', not {type(text).__name__} {text!r}")
+    if not text.strip():
         raise ValueError("an empty CPU list (write them as 0-3,8)")
+    cpus: set[int] = set()
     for part in text.split(","):
-        first, dash, last = part.strip().partition("-")
-        try:
-            lo, hi = int(first), int(last) if dash else int(first)
-        except ValueError:
-            raise ValueError(f"{part.strip()!r} is not a CPU number or a range of them (write 0-3,8)") from None
-        if lo < 0 or hi < lo or hi >= MAX_CPU:
-            raise ValueError(f"{part.strip()!r} is not a range of CPUs (numbers from 0, the lower first)")
+        item = _ITEM.fullmatch(part.strip())
+        if item is None:
+            raise ValueError(f"{part.strip()!r} is not a CPU number or a range of them (write 0-3,8)")
+        lo = int(item.group(1))
+        hi = int(item.group(2)) if item.group(2) is not None else lo
+        if hi < lo:
+            raise ValueError(f"{part.strip()!r} is not a range of CPUs (the lower number first)")
+        if hi >= MAX_CPU:
+            raise ValueError(f"{part.strip()!r} names a CPU above {MAX_CPU - 1}")
         cpus.update(range(lo, hi + 1))
     return sorted(cpus)
 
@@ -51,7 +58,7 @@ def format_cpu_list(cpus: list[int] | set[int]) -> str:
 
 
 def usable_cpus() -> list[int]:
-    """The CPUs this process may run on (its affinity: a container's cpuset, a `taskset`)."""
+    """The CPUs this process runs on now (its affinity: a container's cpuset, a `taskset`)."""
     return sorted(os.sched_getaffinity(0))
 
 
@@ -67,9 +74,23 @@ def allowed_cpus() -> list[int]:
     except (OSError, ValueError):
         pass
     try:
-        return parse_cpu_list(Path("/sys/devices/system/cpu/online").read_text())
+        return parse_cpu_list((CPU_TOPOLOGY / "online").read_text())
     except (OSError, ValueError):
         return list(range(os.cpu_count() or 1))
+
+
+def physical_cores(cpus: list[int], topology: Path = CPU_TOPOLOGY) -> list[list[int]]:
+    """``cpus`` grouped by physical core (a core's SMT siblings together), the groups in the order
+    of their first CPU; a CPU whose topology Linux does not show is a core of its own."""
+    groups: dict[tuple, list[int]] = {}
+    for cpu in sorted(cpus):
+        try:
+            where = topology / f"cpu{cpu}" / "topology"
+            key: tuple = (int((where / "physical_package_id").read_text()), int((where / "core_id").read_text()))
+        except (OSError, ValueError):
+            key = ("cpu", cpu)
+        groups.setdefault(key, []).append(cpu)
+    return sorted(groups.values(), key=lambda group: group[0])
 
 
 def check_cpus(text: str, knob: str) -> list[int]:
@@ -87,20 +108,48 @@ def check_cpus(text: str, knob: str) -> list[int]:
     return cpus
 
 
+def _threads() -> list[int]:
+    return [int(task.name) for task in Path(f"/proc/{os.getpid()}/task").iterdir()]
+
+
+def _set_all(masks: dict[int, list[int]]) -> None:
+    for tid, mask in masks.items():
+        try:
+            os.sched_setaffinity(tid, mask)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+
+
 def pin_process(cpus: list[int]) -> None:
     """Every thread of this process, and so every thread it starts from now on, on ``cpus``.
     Why every thread: Linux sets one thread's affinity at a time, and threads already started
-    (torch's OpenMP team, gRPC's, the Redis I/O threads) keep theirs."""
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        try:
-            os.sched_setaffinity(int(task.name), cpus)
-        except ProcessLookupError:  # a thread that ended meanwhile
-            pass
-    os.sched_setaffinity(0, cpus)
-    got = sorted(os.sched_getaffinity(0))
-    if got != sorted(set(cpus)):  # a cpuset the kernel intersected the list with
-        raise ValueError(f"the kernel gave CPUs {format_cpu_list(got)} of the {format_cpu_list(cpus)} asked for "
-                         "(a cpuset narrower than the list?)")
+    (torch's OpenMP team, gRPC's, the Redis I/O threads) keep theirs. On failure (a cpuset the
+    list falls outside, or one that narrows it) every thread is put back and ValueError says why."""
+    before: dict[int, list[int]] = {}
+    try:
+        seen: set[int] = set()
+        while True:  # again while threads appear: one started during a pass took the old mask
+            fresh = [tid for tid in _threads() if tid not in seen]
+            if not fresh:
+                break
+            for tid in fresh:
+                seen.add(tid)
+                try:
+                    before[tid] = sorted(os.sched_getaffinity(tid))
+                    os.sched_setaffinity(tid, cpus)
+                except ProcessLookupError:
+                    before.pop(tid, None)
+        got = sorted(os.sched_getaffinity(0))
+        if got != sorted(set(cpus)):  # a cpuset the kernel intersected the list with
+            raise ValueError(f"the kernel gave CPUs {format_cpu_list(got)} of the {format_cpu_list(cpus)} asked "
+                             "for (a cpuset narrower than the list?)")
+    except OSError as exc:
+        _set_all(before)
+        raise ValueError(f"CPUs {format_cpu_list(cpus)}: the kernel refused them ({exc.strerror}; a cpuset "
+                         "without them?)") from None
+    except ValueError:
+        _set_all(before)
+        raise
 
 
 @contextmanager
@@ -108,8 +157,8 @@ def pinned(cpus: list[int]) -> Iterator[None]:
     """The whole process on ``cpus`` for the block, then every thread back on the CPUs the calling
     thread had (a bench's offline engine placed as a served one, its client elsewhere)."""
     home = sorted(os.sched_getaffinity(0))
-    pin_process(cpus)
     try:
+        pin_process(cpus)
         yield
     finally:
         pin_process(home)

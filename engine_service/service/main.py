@@ -213,6 +213,21 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("redis").setLevel(logging.INFO)  # its DEBUG lines are connection chatter
+    # --cpus first, before torch (and its OpenMP runtime, which reads the affinity it starts with)
+    # loads and before any thread starts: CPUs it may not use, or a list that names none, stop it
+    if getattr(args, "cpus", None) is not None:
+        from sluice.cpu_placement import check_cpus, pin_process
+
+        try:
+            cpus = check_cpus(args.cpus, "--cpus")
+        except ValueError as exc:
+            log.error("%s", exc)
+            return 2
+        try:  # the engine pins again, to the same CPUs, and sets the compute threads
+            pin_process(cpus)
+        except ValueError as exc:
+            log.error("--cpus: %s", exc)
+            return 2
     settings = settings_from_args(args)
     from engine_service.engine import LLMEngine
     from engine_service.service.metrics import MetricsPortInUse, check_port_free
@@ -233,19 +248,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("--speculative-config: %s", exc)
         return 2
-    if getattr(args, "cpus", None) is not None:  # and CPUs it may not use, or a list that names none
-        from sluice.cpu_placement import check_cpus, pin_process
-
-        try:
-            cpus = check_cpus(args.cpus, "--cpus")
-        except ValueError as exc:
-            log.error("%s", exc)
-            return 2
-        try:  # pinned now, before any thread starts; the engine pins again, to the same CPUs
-            pin_process(cpus)
-        except (ValueError, OSError) as exc:
-            log.error("--cpus: %s", exc)
-            return 2
     try:  # so does a number of scheduler steps that cannot work
         from engine_service.config import check_num_scheduler_steps
 
