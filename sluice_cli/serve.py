@@ -20,7 +20,7 @@ import time
 import urllib.request
 
 from engine_service.config import add_engine_arguments, engine_cli_args, engine_config_from_args
-from sluice.cpu_placement import format_cpu_list, usable_cpus
+from sluice.cpu_placement import format_cpu_list, physical_cores, pin_process, usable_cpus
 
 # Redis persists its data with an append-only file, fsynced every second: a Redis restart loses at
 # most the last second of queue (the same settings as compose.yaml and deploy/k8s).
@@ -62,21 +62,26 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def _reserve_cpus(count: int, engine_config) -> list[int] | None:
-    """The CPUs Redis and the gateway run on, the engine's --cpus set to the others; None for 0.
+def _reserve_cpus(count: int, engine_config, own_redis: bool) -> list[int] | None:
+    """The CPUs Redis and the gateway run on, whole physical cores from the first of those this
+    command may use, at least ``count`` of them; the engine's --cpus set to the others. None for 0.
     Raises ValueError naming the flag when the split cannot be made."""
     if count == 0:
         return None
-    usable = usable_cpus()
-    if count < 0 or count >= len(usable):
-        raise ValueError(f"--reserved-cpus must be from 0 to {len(usable) - 1} here (this process may use "
-                         f"{len(usable)} CPUs: {format_cpu_list(usable)}, and the engine needs one), got {count}")
     if engine_config.cpus is not None:
         raise ValueError("give --reserved-cpus or --cpus, not both")
-    reserved, engine = usable[:count], usable[count:]
-    engine_config.cpus = format_cpu_list(engine)
-    print(f"sluice serve: Redis and the gateway on CPUs {format_cpu_list(reserved)}, the engine on "
-          f"{engine_config.cpus}", file=sys.stderr)
+    usable = usable_cpus()
+    cores = physical_cores(usable)
+    if count < 0 or count > len(usable) - len(cores[-1]):
+        raise ValueError(f"--reserved-cpus must be from 0 to {len(usable) - len(cores[-1])} here (this process may "
+                         f"use CPUs {format_cpu_list(usable)}, {len(cores)} physical cores, and the engine needs "
+                         f"one core), got {count}")
+    reserved: list[int] = []
+    while len(reserved) < count:  # a core's SMT siblings stay together: never a core shared with the engine
+        reserved += cores.pop(0)
+    engine_config.cpus = format_cpu_list([cpu for core in cores for cpu in core])
+    print(f"sluice serve: {'Redis and the gateway' if own_redis else 'the gateway'} on CPUs "
+          f"{format_cpu_list(reserved)}, the engine on {engine_config.cpus}", file=sys.stderr)
     return reserved
 
 
@@ -92,9 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the engine's Prometheus /metrics port, on 127.0.0.1 (0: off)")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--reserved-cpus", type=int, default=0, metavar="N",
-                        help="run Redis and the gateway on the first N CPUs this process may use and the engine "
-                             "on the rest (its --cpus), so that their work never stalls the engine's compute "
-                             "threads; 0 (the default): every process on every CPU")
+                        help="run Redis and the gateway on the first N CPUs this process may use (whole physical "
+                             "cores: a core's SMT siblings go together) and the engine on the rest (its --cpus), "
+                             "so that their work never stalls the engine's compute threads; 0 (the default): "
+                             "every process on every CPU")
     # Every engine knob, generated from EngineConfig (torch-free), forwarded to `sluice engine`.
     add_engine_arguments(parser)
 
@@ -114,11 +120,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine_config = engine_config_from_args(args)
         try:
-            reserved = _reserve_cpus(args.reserved_cpus, engine_config)
+            reserved = _reserve_cpus(args.reserved_cpus, engine_config, own_redis=not args.redis_url)
+            if reserved is not None:  # this command, and so Redis and the gateway it starts; the engine
+                pin_process(reserved)  # moves itself to its --cpus before it loads torch
         except ValueError as exc:
             print(f"sluice serve: {exc}", file=sys.stderr)
             return 2
-        on_reserved = None if reserved is None else (lambda: os.sched_setaffinity(0, reserved))
         if engine_config.model is None:
             from engine_service.model.prepare import ModelPrepareError, prepare_default_model
 
@@ -139,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
             port = _free_port()
             procs.append(subprocess.Popen(
                 [server, *REDIS_DURABILITY, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                 "--dir", tmp], stdout=subprocess.DEVNULL, start_new_session=True, preexec_fn=on_reserved))
+                 "--dir", tmp], stdout=subprocess.DEVNULL, start_new_session=True))
             names[procs[-1].pid] = "redis-server"
             _wait(lambda: _redis_ready(port), 10, "redis-server", procs)
             redis_url = f"redis://127.0.0.1:{port}/0"
@@ -157,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
                        "--workers", str(args.workers)]
         if args.api_key:
             gateway_cmd += ["--api-key", args.api_key]
-        procs.append(subprocess.Popen(gateway_cmd, start_new_session=True, preexec_fn=on_reserved))
+        procs.append(subprocess.Popen(gateway_cmd, start_new_session=True))
         names[procs[-1].pid] = "gateway"
 
         health = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/health"
