@@ -387,6 +387,8 @@ def run(args: argparse.Namespace) -> int:
         from sluice.cpu_placement import check_cpus
 
         try:
+            if not args.offline_baseline:
+                raise ValueError("--offline-cpus places the --offline-baseline engine; there is none without it")
             check_cpus(args.offline_cpus, "--offline-cpus")
         except ValueError as exc:
             print(exc, file=sys.stderr)
@@ -458,10 +460,10 @@ def offline_baseline(args, requests: list[BenchRequest], warmups: list[BenchRequ
     if args.offline_cpus is not None:
         import torch
 
-        from sluice.cpu_placement import parse_cpu_list, pinned
+        from sluice.cpu_placement import parse_cpu_list, physical_cores, pinned
 
         cpus = parse_cpu_list(args.offline_cpus)  # checked when the bench started
-        torch.set_num_threads(len(cpus))
+        torch.set_num_threads(len(physical_cores(cpus)))  # as the served engine's --cpus sets them
         place = functools.partial(pinned, cpus)
     with place():
         llm = LLM(args.offline_model, **({"dtype": args.offline_dtype} if args.offline_dtype else {}))
@@ -493,6 +495,7 @@ def offline_baseline(args, requests: list[BenchRequest], warmups: list[BenchRequ
     generate(warmups)
     result = timed(requests, served, "round 0" if args.rounds > 1 else "the measured requests")
     result["dtype"] = str(llm.engine.dtype).removeprefix("torch.")
+    result["cpus"] = args.offline_cpus  # None: the CPUs the bench had
     print("{s:-^60}".format(s=" Offline engine, same requests "))
     print(f"{'Duration (s):':<42}{result['duration_s']:>18.2f}")
     print(f"{'Output token throughput (tok/s):':<42}{result['output_throughput']:>18.2f}")
