@@ -7,11 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from openai import OpenAI
 
-from sluice.cpu_placement import format_cpu_list
+from sluice.cpu_placement import format_cpu_list, physical_cores
 from tests.docker_support import free_port
 from tests.waiting import wait_http
 
@@ -62,7 +63,7 @@ def _children(pid: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                stat = open(f"/proc/{entry}/stat").read()
+                stat = Path(f"/proc/{entry}/stat").read_text()
             except OSError:
                 continue
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
@@ -71,15 +72,22 @@ def _children(pid: int) -> list[int]:
 
 
 def _thread_cpus(pid: int) -> set[tuple[int, ...]]:
-    return {tuple(sorted(os.sched_getaffinity(int(tid)))) for tid in os.listdir(f"/proc/{pid}/task")}
+    masks = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            masks.add(tuple(sorted(os.sched_getaffinity(int(tid)))))
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+    return masks
 
 
 def test_serve_reserved_cpus_keeps_redis_and_the_gateway_off_the_engines(model_dir, tmp_path):
-    """--reserved-cpus 1: Redis and the gateway (every thread) on the first CPU, every thread of the
-    engine on the others, with a compute thread each; and the service answers."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("a CPU for Redis and the gateway and one for the engine: this machine gives one")
+    """--reserved-cpus 1: Redis and the gateway (every thread) on the first physical core, every
+    thread of the engine on the others, with a compute thread a core; and the service answers."""
+    cores = physical_cores(sorted(os.sched_getaffinity(0)))
+    if len(cores) < 2:
+        pytest.skip("a core for Redis and the gateway and one for the engine: this machine gives one")
+    reserved, engine = tuple(cores[0]), tuple(cpu for core in cores[1:] for cpu in core)
     port, grpc_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     log = (tmp_path / "serve.log").open("w")
@@ -95,10 +103,10 @@ def test_serve_reserved_cpus_keeps_redis_and_the_gateway_off_the_engines(model_d
         assert resp.usage.completion_tokens == 4
         roles = {}
         for pid in _children(proc.pid):
-            cmdline = open(f"/proc/{pid}/cmdline").read().split("\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
             role = "redis" if "redis-server" in cmdline[0] else cmdline[3] if len(cmdline) > 3 else "?"
             roles[role] = _thread_cpus(pid)
-        assert roles == {"redis": {(cpus[0],)}, "gateway": {(cpus[0],)}, "engine": {tuple(cpus[1:])}}
+        assert roles == {"redis": {reserved}, "gateway": {reserved}, "engine": {engine}}
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -108,4 +116,5 @@ def test_serve_reserved_cpus_keeps_redis_and_the_gateway_off_the_engines(model_d
             raise
     output = (tmp_path / "serve.log").read_text()
     assert code == 0, output
-    assert f"pinned to CPUs {format_cpu_list(cpus[1:])}, compute threads: {len(cpus) - 1}" in output
+    assert f"pinned to CPUs {format_cpu_list(engine)}, compute threads: {len(cores) - 1} (one a physical core)" \
+        in output

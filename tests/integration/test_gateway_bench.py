@@ -162,21 +162,28 @@ def test_offline_cpus_place_the_offline_engine_and_only_it(gateway, fake_engine,
     monkeypatch.setattr(LLM, "generate", generate)
     monkeypatch.setattr(bench_serve, "benchmark", benchmark)
     threads = torch.get_num_threads()
+    out = tmp_path / "b.json"
     try:
-        argv = _baseline_argv(gateway.url, model_dir, tmp_path / "b.json", 2, 1, "--rounds", "2",
-                              "--offline-cpus", str(home[-1]))
+        argv = _baseline_argv(gateway.url, model_dir, out, 2, 1, "--rounds", "2", "--offline-cpus", str(home[-1]))
         assert bench_serve.run(_args(argv)) == 0
-    finally:
+        assert sorted(os.sched_getaffinity(0)) == home
+    finally:  # whatever the bench did, the rest of the session runs as it did
         torch.set_num_threads(threads)
+        os.sched_setaffinity(0, home)
     assert seen == [("served", home, 0), ("offline", [home[-1]], 1), ("offline", [home[-1]], 1),
                     ("served", home, 0), ("offline", [home[-1]], 1)]
-    assert sorted(os.sched_getaffinity(0)) == home
+    assert json.loads(out.read_text())["offline_baseline"]["cpus"] == str(home[-1])
 
 
-def test_offline_cpus_it_may_not_use_are_refused(capsys):
-    args = _args(["--base-url", "http://127.0.0.1:9", "--no-plot", "--offline-baseline", "--offline-cpus", "0-x"])
+@pytest.mark.parametrize(("extra", "says"), [
+    (["--offline-baseline", "--offline-cpus", "0-x"], "--offline-cpus: '0-x' is not"),
+    (["--offline-baseline", "--offline-cpus", "65535"], "--offline-cpus: CPU 65535 is not this process's to use"),
+    (["--offline-cpus", "0"], "--offline-cpus places the --offline-baseline engine; there is none without it"),
+])
+def test_offline_cpus_that_cannot_work_are_refused(extra, says, capsys):
+    args = _args(["--base-url", "http://127.0.0.1:9", "--no-plot", *extra])
     assert bench_serve.run(args) == 2  # before a request is sent: nothing listens on port 9
-    assert "--offline-cpus: '0-x' is not" in capsys.readouterr().err
+    assert says in capsys.readouterr().err
 
 
 def test_a_round_that_serves_nothing_fails_the_bench_and_is_named(gateway, fake_engine, model_dir, tmp_path,

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from sluice.cpu_placement import allowed_cpus, check_cpus, format_cpu_list, parse_cpu_list
+from sluice.cpu_placement import allowed_cpus, check_cpus, format_cpu_list, parse_cpu_list, physical_cores
 
 
 def _two_cpus() -> list[int]:
@@ -33,7 +33,9 @@ def test_cpu_lists_read_as_linux_writes_them():
 @pytest.mark.parametrize(("text", "says"), [
     ("", "empty"), ("  ", "empty"), ("a", "'a' is not a CPU number"), ("1-", "'1-' is not"),
     ("-1", "'-1' is not"), ("3-1", "'3-1' is not a range"), ("0,,1", "'' is not"), ("1.5", "'1.5'"),
-    ("0-70000", "not a range"),
+    ("+1", "'+1' is not"), ("1_0", "'1_0' is not"), ("\u0663", "is not a CPU number"),
+    ("0-70000", "names a CPU above 65535"), ([0, 1], "is text such as '0-3,8', not list"),
+    (3, "not int 3"),
 ])
 def test_a_list_that_names_no_cpus_is_refused_saying_why(text, says):
     with pytest.raises(ValueError, match="^--cpus: ") as err:
@@ -42,10 +44,48 @@ def test_a_list_that_names_no_cpus_is_refused_saying_why(text, says):
 
 
 def test_cpus_this_process_may_not_use_are_refused():
-    beyond = max(allowed_cpus()) + 1
+    allowed = allowed_cpus()
+    beyond = max(allowed) + 1
     with pytest.raises(ValueError, match=f"--cpus: CPU {beyond} is not this process's to use"):
-        check_cpus(f"0,{beyond}", "--cpus")
-    assert check_cpus(format_cpu_list(allowed_cpus()), "--cpus") == allowed_cpus()
+        check_cpus(f"{min(allowed)},{beyond}", "--cpus")
+    assert check_cpus(format_cpu_list(allowed), "--cpus") == allowed
+
+
+def _topology(root, cores: dict[int, tuple[int, int]]):
+    for cpu, (package, core) in cores.items():
+        where = root / f"cpu{cpu}" / "topology"
+        where.mkdir(parents=True)
+        (where / "physical_package_id").write_text(f"{package}\n")
+        (where / "core_id").write_text(f"{core}\n")
+    return root
+
+
+def test_cpus_group_by_physical_core(tmp_path):
+    """SMT siblings (the same package and core id) go together, in the order of their first CPU; a
+    CPU Linux shows no topology for is a core of its own."""
+    root = _topology(tmp_path, {0: (0, 0), 1: (0, 1), 2: (0, 0), 3: (0, 1), 4: (1, 0), 5: (1, 0)})
+    assert physical_cores([0, 1, 2, 3, 4, 5, 9], root) == [[0, 2], [1, 3], [4, 5], [9]]
+    assert physical_cores([3, 5], root) == [[3], [5]]
+
+
+def test_reserved_cpus_take_whole_cores(tmp_path, monkeypatch, capsys):
+    """--reserved-cpus 1 on a machine of two-thread cores reserves a core's both CPUs, and the
+    engine gets no sibling of theirs; what would leave the engine no core is refused."""
+    from engine_service.config import EngineConfig
+    from sluice_cli import serve
+
+    root = _topology(tmp_path, {0: (0, 0), 1: (0, 1), 2: (0, 0), 3: (0, 1)})
+    monkeypatch.setattr(serve, "usable_cpus", lambda: [0, 1, 2, 3])
+    monkeypatch.setattr(serve, "physical_cores", lambda cpus: physical_cores(cpus, root))
+    config = EngineConfig()
+    assert serve._reserve_cpus(1, config, own_redis=True) == [0, 2]
+    assert config.cpus == "1,3"
+    assert "Redis and the gateway on CPUs 0,2, the engine on 1,3" in capsys.readouterr().err
+    assert serve._reserve_cpus(0, EngineConfig(), own_redis=True) is None
+    with pytest.raises(ValueError, match="--reserved-cpus must be from 0 to 2 here"):
+        serve._reserve_cpus(3, EngineConfig(), own_redis=True)
+    serve._reserve_cpus(2, config := EngineConfig(), own_redis=False)
+    assert config.cpus == "1,3" and "the gateway on CPUs 0,2" in capsys.readouterr().err
 
 
 def _run(code: str) -> str:
@@ -81,22 +121,69 @@ def test_pinned_moves_every_thread_and_puts_them_back():
 
 
 def test_an_engine_given_cpus_runs_every_thread_there_with_a_compute_thread_each(model_dir):
+    """A thread the process had before the engine is moved, the engine's own threads start there,
+    torch computes with one thread, and it decodes."""
     cpus = _two_cpus()
     got = _run(f"""
-        import os, torch
+        import os, threading, torch
         from pathlib import Path
         from engine_service import LLM, SamplingParams
 
+        stop = threading.Event()
+        early = threading.Thread(target=stop.wait); early.start()
         llm = LLM({str(model_dir)!r}, cpus="{cpus[-1]}", kv_cache_memory=64 << 20)
         out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0))
         tasks = list(Path(f"/proc/{{os.getpid()}}/task").iterdir())
-        print(len(out[0].outputs[0].token_ids), torch.get_num_threads(), len(tasks),
+        print(len(out[0].outputs[0].token_ids), torch.get_num_threads(), sorted(os.sched_getaffinity(early.native_id)),
               sorted({{tuple(sorted(os.sched_getaffinity(int(t.name)))) for t in tasks}}))
+        stop.set()
         """)
-    tokens, threads, tasks, masks = got.split(" ", 3)
-    assert (tokens, threads) == ("4", "1")
-    assert int(tasks) > 1  # torch's threads and the rest started, and all of them on the one CPU
-    assert masks.strip() == str([(cpus[-1],)])
+    tokens, threads, early, masks = got.strip().split(" ", 3)
+    assert (tokens, threads, early) == ("4", "1", f"[{cpus[-1]}]")
+    assert masks == str([(cpus[-1],)])
+
+
+def test_an_engine_that_fails_to_start_puts_the_process_back(tmp_path):
+    """LLM(cpus=...) pins the calling process; an engine that then fails (no model there) leaves its
+    CPUs and torch's thread count as they were."""
+    cpus = _two_cpus()
+    got = _run(f"""
+        import os, torch
+        from engine_service import LLM
+
+        torch.set_num_threads(2)
+        try:
+            LLM({str(tmp_path / "no-model")!r}, cpus="{cpus[-1]}")
+        except Exception as exc:
+            print(type(exc).__name__, sorted(os.sched_getaffinity(0)), torch.get_num_threads())
+        """)
+    assert got.split(" ", 1)[1].strip() == f"{cpus} 2"
+
+
+def test_cpus_the_kernel_narrows_or_refuses_leave_every_thread_where_it_was():
+    """A list with a CPU that is not online: Linux keeps the ones that are, and pin_process, reading
+    the mask back, says so and puts back every thread it had moved; a list of none online: Linux
+    refuses it (EINVAL), and pin_process says that."""
+    cpus = _two_cpus()
+    got = _run(f"""
+        import os, threading
+        from sluice.cpu_placement import pin_process
+
+        stop = threading.Event()
+        early = threading.Thread(target=stop.wait); early.start()
+        for cpus in ([{cpus[-1]}, 65535], [65535]):
+            try:
+                pin_process(cpus)
+            except ValueError as exc:
+                print(exc)
+            print(sorted(os.sched_getaffinity(0)), sorted(os.sched_getaffinity(early.native_id)))
+        stop.set()
+        """)
+    narrowed, masks, refused, masks_after = got.strip().splitlines()
+    assert narrowed == f"the kernel gave CPUs {cpus[-1]} of the {cpus[-1]},65535 asked for (a cpuset narrower than " \
+                       "the list?)"
+    assert refused.startswith("CPUs 65535: the kernel refused them (Invalid argument")
+    assert masks == masks_after == f"{cpus} {cpus}"
 
 
 def test_an_engine_refuses_cpus_it_may_not_use_before_loading_anything():
