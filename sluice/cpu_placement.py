@@ -3,9 +3,10 @@ physical core, and a whole process pinned to a list.
 
 Why an engine wants CPUs of its own: its compute threads meet at a barrier many times a step, so a
 thread that loses its core to a neighbour (the gateway, Redis, a client) stalls the others until
-it runs again. On a 2-vCPU VM a process busy 6% of the machine cost the offline engine 13-18% of
-its tokens/s (docs/performance.md, "Stop 59"). `sluice serve --reserved-cpus N` gives Redis and
-the gateway N CPUs and the engine the rest, as vLLM's CPU backend reserves CPUs for its front end.
+it runs again; a small neighbour costs the engine several times its own share of the CPUs
+(docs/performance.md, "Stop 59" and "stop 61"). `sluice serve --reserved-cpus N` gives Redis and
+the gateway whole cores holding at least N CPUs and the engine the rest, as vLLM's CPU backend
+reserves CPUs for its front end.
 """
 
 from __future__ import annotations
@@ -81,14 +82,18 @@ def allowed_cpus() -> list[int]:
 
 def physical_cores(cpus: list[int], topology: Path = CPU_TOPOLOGY) -> list[list[int]]:
     """``cpus`` grouped by physical core (a core's SMT siblings together), the groups in the order
-    of their first CPU; a CPU whose topology Linux does not show is a core of its own."""
+    of their first CPU. A core is what Linux lists as the CPUs sharing it (``core_cpus_list``, or
+    ``thread_siblings_list`` on kernels before 5.7); a CPU it shows no topology for is a core of
+    its own."""
     groups: dict[tuple, list[int]] = {}
     for cpu in sorted(cpus):
-        try:
-            where = topology / f"cpu{cpu}" / "topology"
-            key: tuple = (int((where / "physical_package_id").read_text()), int((where / "core_id").read_text()))
-        except (OSError, ValueError):
-            key = ("cpu", cpu)
+        key: tuple = ("cpu", cpu)
+        for name in ("core_cpus_list", "thread_siblings_list"):
+            try:
+                key = tuple(parse_cpu_list((topology / f"cpu{cpu}" / "topology" / name).read_text()))
+                break
+            except (OSError, ValueError):
+                continue
         groups.setdefault(key, []).append(cpu)
     return sorted(groups.values(), key=lambda group: group[0])
 
@@ -116,7 +121,7 @@ def _set_all(masks: dict[int, list[int]]) -> None:
     for tid, mask in masks.items():
         try:
             os.sched_setaffinity(tid, mask)
-        except ProcessLookupError:  # a thread that ended meanwhile
+        except OSError:  # a thread that ended meanwhile; the others still go back
             pass
 
 
@@ -124,7 +129,8 @@ def pin_process(cpus: list[int]) -> None:
     """Every thread of this process, and so every thread it starts from now on, on ``cpus``.
     Why every thread: Linux sets one thread's affinity at a time, and threads already started
     (torch's OpenMP team, gRPC's, the Redis I/O threads) keep theirs. On failure (a cpuset the
-    list falls outside, or one that narrows it) every thread is put back and ValueError says why."""
+    list falls outside, or one that narrows it) every thread is put back and ValueError says why;
+    a thread that a moved thread started during the pass keeps the new CPUs."""
     before: dict[int, list[int]] = {}
     try:
         seen: set[int] = set()
@@ -147,7 +153,7 @@ def pin_process(cpus: list[int]) -> None:
         _set_all(before)
         raise ValueError(f"CPUs {format_cpu_list(cpus)}: the kernel refused them ({exc.strerror}; a cpuset "
                          "without them?)") from None
-    except ValueError:
+    except BaseException:  # a narrowed list, or an interrupt half way: every thread back
         _set_all(before)
         raise
 

@@ -51,21 +51,25 @@ def test_cpus_this_process_may_not_use_are_refused():
     assert check_cpus(format_cpu_list(allowed), "--cpus") == allowed
 
 
-def _topology(root, cores: dict[int, tuple[int, int]]):
-    for cpu, (package, core) in cores.items():
-        where = root / f"cpu{cpu}" / "topology"
-        where.mkdir(parents=True)
-        (where / "physical_package_id").write_text(f"{package}\n")
-        (where / "core_id").write_text(f"{core}\n")
+def _topology(root, cores: list[list[int]], name: str = "core_cpus_list"):
+    """A sysfs CPU tree where each of ``cores`` lists its CPUs as sharing it."""
+    for core in cores:
+        for cpu in core:
+            where = root / f"cpu{cpu}" / "topology"
+            where.mkdir(parents=True)
+            (where / name).write_text(format_cpu_list(core) + "\n")
     return root
 
 
 def test_cpus_group_by_physical_core(tmp_path):
-    """SMT siblings (the same package and core id) go together, in the order of their first CPU; a
-    CPU Linux shows no topology for is a core of its own."""
-    root = _topology(tmp_path, {0: (0, 0), 1: (0, 1), 2: (0, 0), 3: (0, 1), 4: (1, 0), 5: (1, 0)})
+    """A core's SMT siblings go together, in the order of their first CPU, as Linux lists them
+    (core_cpus_list; thread_siblings_list before 5.7); a CPU Linux shows no topology for is a
+    core of its own."""
+    root = _topology(tmp_path / "new", [[0, 2], [1, 3], [4, 5]])
     assert physical_cores([0, 1, 2, 3, 4, 5, 9], root) == [[0, 2], [1, 3], [4, 5], [9]]
     assert physical_cores([3, 5], root) == [[3], [5]]
+    old = _topology(tmp_path / "old", [[0, 1], [2, 3]], name="thread_siblings_list")
+    assert physical_cores([0, 1, 2, 3], old) == [[0, 1], [2, 3]]
 
 
 def test_reserved_cpus_take_whole_cores(tmp_path, monkeypatch, capsys):
@@ -74,7 +78,7 @@ def test_reserved_cpus_take_whole_cores(tmp_path, monkeypatch, capsys):
     from engine_service.config import EngineConfig
     from sluice_cli import serve
 
-    root = _topology(tmp_path, {0: (0, 0), 1: (0, 1), 2: (0, 0), 3: (0, 1)})
+    root = _topology(tmp_path, [[0, 2], [1, 3]])
     monkeypatch.setattr(serve, "usable_cpus", lambda: [0, 1, 2, 3])
     monkeypatch.setattr(serve, "physical_cores", lambda cpus: physical_cores(cpus, root))
     config = EngineConfig()
