@@ -89,7 +89,10 @@ class LLMEngine:
             self._build(config)
         except BaseException:
             if undo is not None:
-                undo()
+                try:
+                    undo()
+                except Exception:  # the engine's own error is the one to see
+                    logger.exception("could not put the process back on its CPUs")
             raise
 
     @staticmethod
