@@ -121,8 +121,6 @@ def run(args: argparse.Namespace) -> int:
         engine_config = engine_config_from_args(args)
         try:
             reserved = _reserve_cpus(args.reserved_cpus, engine_config, own_redis=not args.redis_url)
-            if reserved is not None:  # this command, and so Redis and the gateway it starts; the engine
-                pin_process(reserved)  # moves itself to its --cpus before it loads torch
         except ValueError as exc:
             print(f"sluice serve: {exc}", file=sys.stderr)
             return 2
@@ -135,6 +133,12 @@ def run(args: argparse.Namespace) -> int:
                 print(f"sluice serve: {exc}", file=sys.stderr)
                 return 1
 
+        if reserved is not None:  # after the model's preparation, which may take every CPU once
+            try:  # this command, and so Redis and the gateway it starts; the engine moves itself to
+                pin_process(reserved)  # its --cpus before it loads torch
+            except ValueError as exc:
+                print(f"sluice serve: --reserved-cpus: {exc}", file=sys.stderr)
+                return 2
         redis_url = args.redis_url
         if not redis_url:
             server = shutil.which("redis-server")
