@@ -419,7 +419,11 @@ def run(args: argparse.Namespace) -> int:
     summary["num_warmups"] = num_warmups
     print(format_table(summary))
     if args.offline_baseline:
-        summary["offline_baseline"] = offline_baseline(args, requests, warmups, summary)
+        try:
+            summary["offline_baseline"] = offline_baseline(args, requests, warmups, summary)
+        except ValueError as exc:  # its engine refused its settings, or a cpuset its --offline-cpus
+            print(f"--offline-baseline: {exc}", file=sys.stderr)
+            return 2
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(summary, indent=2))
         print(f"results written to {args.result_file}")

@@ -144,6 +144,7 @@ def test_offline_cpus_place_the_offline_engine_and_only_it(gateway, fake_engine,
     import torch
 
     from engine_service.llm import LLM
+    from sluice.cpu_placement import pin_process
 
     home = sorted(os.sched_getaffinity(0))
     if len(home) < 2:
@@ -167,9 +168,9 @@ def test_offline_cpus_place_the_offline_engine_and_only_it(gateway, fake_engine,
         argv = _baseline_argv(gateway.url, model_dir, out, 2, 1, "--rounds", "2", "--offline-cpus", str(home[-1]))
         assert bench_serve.run(_args(argv)) == 0
         assert sorted(os.sched_getaffinity(0)) == home
-    finally:  # whatever the bench did, the rest of the session runs as it did
+    finally:  # whatever the bench did, every thread of the session runs where it did
         torch.set_num_threads(threads)
-        os.sched_setaffinity(0, home)
+        pin_process(home)
     assert seen == [("served", home, 0), ("offline", [home[-1]], 1), ("offline", [home[-1]], 1),
                     ("served", home, 0), ("offline", [home[-1]], 1)]
     assert json.loads(out.read_text())["offline_baseline"]["cpus"] == str(home[-1])
@@ -184,6 +185,16 @@ def test_offline_cpus_that_cannot_work_are_refused(extra, says, capsys):
     args = _args(["--base-url", "http://127.0.0.1:9", "--no-plot", *extra])
     assert bench_serve.run(args) == 2  # before a request is sent: nothing listens on port 9
     assert says in capsys.readouterr().err
+
+
+def test_an_offline_engine_that_refuses_its_settings_ends_the_bench_with_its_reason(gateway, model_dir, tmp_path,
+                                                                                     capsys):
+    """The served run done, an offline engine that cannot start (here a dtype it does not know; a
+    cpuset that narrows --offline-cpus ends the same way) exits 2 with its reason, no traceback."""
+    argv = _baseline_argv(gateway.url, model_dir, tmp_path / "b.json", 2, 0)
+    argv[argv.index("--offline-dtype") + 1] = "float8"
+    assert bench_serve.run(_args(argv)) == 2
+    assert "--offline-baseline: dtype must be one of" in capsys.readouterr().err
 
 
 def test_a_round_that_serves_nothing_fails_the_bench_and_is_named(gateway, fake_engine, model_dir, tmp_path,
