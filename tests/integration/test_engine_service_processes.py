@@ -121,6 +121,8 @@ def test_two_engines_share_work_and_survive_kill9(engines, redis_client):
     time.sleep(0.5)
     a.proc.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
+    a.proc.wait(timeout=30)
+    dead_at = time.monotonic()
     for t in threads:
         t.join(250)
     assert not any(t.is_alive() for t in threads), "a client hung"
@@ -145,7 +147,9 @@ def test_two_engines_share_work_and_survive_kill9(engines, redis_client):
             )
         else:
             assert result.finish_reason == "length" and len(result.token_ids) == max_tokens
-            assert result.events[-1].engine_id == b.engine_id or ended_at[i] < killed_at
+            # finished by the survivor, or by the killed engine before it died: what it put in Redis
+            # then may reach the client a moment after the kill (a suite run saw 0.13 ms after)
+            assert result.events[-1].engine_id == b.engine_id or ended_at[i] < dead_at + 0.5
     assert served_by[a.engine_id] > 0 and served_by[b.engine_id] > 0, served_by
     # everything acknowledged: nothing of the dead engine is left pending
     end = time.monotonic() + 10
