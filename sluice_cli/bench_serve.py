@@ -461,16 +461,17 @@ def offline_baseline(args, requests: list[BenchRequest], warmups: list[BenchRequ
     from engine_service import LLM, SamplingParams  # the engine extra; imported only here
 
     place = contextlib.nullcontext
-    if args.offline_cpus is not None:
-        import torch
+    if args.offline_cpus is not None:  # the engine places itself (threads, CPUs) as the served one does;
+        from sluice.cpu_placement import parse_cpu_list, pin_process, pinned, usable_cpus
 
-        from sluice.cpu_placement import parse_cpu_list, physical_cores, pinned
-
-        cpus = parse_cpu_list(args.offline_cpus)  # checked when the bench started
-        torch.set_num_threads(len(physical_cores(cpus)))  # as the served engine's --cpus sets them
-        place = functools.partial(pinned, cpus)
-    with place():
-        llm = LLM(args.offline_model, **({"dtype": args.offline_dtype} if args.offline_dtype else {}))
+        home = usable_cpus()  # this process then goes back, and onto those CPUs for each offline run only
+        place = functools.partial(pinned, parse_cpu_list(args.offline_cpus))
+    try:
+        llm = LLM(args.offline_model, **({"dtype": args.offline_dtype} if args.offline_dtype else {}),
+                  **({"cpus": args.offline_cpus} if args.offline_cpus is not None else {}))
+    finally:
+        if args.offline_cpus is not None:
+            pin_process(home)
 
     def generate(batch: list[BenchRequest]) -> list:
         prompts = [r.prompt if isinstance(r.prompt, list) else {"prompt": r.prompt} for r in batch]
