@@ -162,7 +162,7 @@ def pin_process(cpus: list[int]) -> None:
 def pinned(cpus: list[int]) -> Iterator[None]:
     """The whole process on ``cpus`` for the block, then every thread back on the CPUs the calling
     thread had (a bench's offline engine placed as a served one, its client elsewhere)."""
-    home = sorted(os.sched_getaffinity(0))
+    home = usable_cpus()
     try:
         pin_process(cpus)
         yield
