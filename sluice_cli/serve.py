@@ -133,12 +133,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"sluice serve: {exc}", file=sys.stderr)
                 return 1
 
-        if reserved is not None:  # after the model's preparation, which may take every CPU once
-            try:  # this command, and so Redis and the gateway it starts; the engine moves itself to
-                pin_process(reserved)  # its --cpus before it loads torch
-            except ValueError as exc:
-                print(f"sluice serve: --reserved-cpus: {exc}", file=sys.stderr)
-                return 2
+        if reserved is not None:  # after the model's preparation, which may take every CPU once. This
+            # command, and so Redis and the gateway it starts (the engine moves itself to its --cpus
+            # before it loads torch); the CPUs are some of its own, which Linux cannot refuse it
+            pin_process(reserved)
         redis_url = args.redis_url
         if not redis_url:
             server = shutil.which("redis-server")
