@@ -111,8 +111,8 @@ class LLMEngine:
         logger.info("pinned to CPUs %s, compute threads: %d (one a physical core)", format_cpu_list(cpus), cores)
 
         def undo() -> None:
-            pin_process(home)
             torch.set_num_threads(threads)
+            pin_process(home)
 
         return undo
 

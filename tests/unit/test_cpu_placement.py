@@ -239,3 +239,33 @@ def test_an_engine_in_a_narrower_cpuset_refuses_to_start_on_fewer_cpus(tmp_path)
         os.rmdir(group)
     assert out.returncode == 2, out.stderr
     assert f"--cpus: the kernel gave CPUs {cpus[0]} of the {format_cpu_list(cpus)} asked for" in out.stderr
+
+
+def test_an_engine_whose_placement_cannot_be_undone_still_raises_its_own_error(tmp_path, monkeypatch, caplog):
+    """An engine that fails to start puts its threads back; where even that fails (a cpuset changed
+    meanwhile), the failure is logged and the engine's own error is the one raised. Linux's side is
+    stood in for: the first pin a no-op, the one back refused."""
+    import torch
+
+    from engine_service import LLM
+    from sluice import cpu_placement
+
+    calls = []
+
+    def pin(cpus):
+        calls.append(cpus)
+        if len(calls) > 1:
+            raise ValueError("the kernel refused them")
+
+    monkeypatch.setattr(cpu_placement, "pin_process", pin)
+    threads = torch.get_num_threads()
+    try:
+        with caplog.at_level("ERROR", logger="engine_service.engine"), \
+                pytest.raises(FileNotFoundError, match="no-model"):
+            LLM(str(tmp_path / "no-model"), cpus=str(min(allowed_cpus())))
+        after = torch.get_num_threads()  # put back before the CPUs were tried
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [[min(allowed_cpus())], cpu_placement.usable_cpus()]
+    assert "could not put the process back on its CPUs" in caplog.text
+    assert after == threads
