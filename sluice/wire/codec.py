@@ -147,6 +147,8 @@ def make_request(
     log_events: bool = False,
     detached: bool = False,
     log_ttl_s: int = 0,
+    tenant: str = "",
+    tenant_weight: int = 0,
 ) -> GenerateRequest:
     """THE request builder: a ``GenerateRequest`` of this contract version. ``params`` is a wire
     ``SamplingParams``, or anything ``sampling_params_to_proto`` takes (the engine's
@@ -154,7 +156,8 @@ def make_request(
     (``contract.events_channel``) the events go to. ``gateway_id``: the process whose liveness
     key (``contract.gateway_key``) engines watch for this request; empty: none. ``log_events``: the
     engine also appends its events to ``contract.log_key(request_id)`` (kept ``log_ttl_s`` after the
-    end); ``detached``: never aborted because its gateway is gone (``sluice.wire.event_log``)."""
+    end); ``detached``: never aborted because its gateway is gone (``sluice.wire.event_log``).
+    ``tenant`` / ``tenant_weight``: who it is for and its fair share (``sluice.wire.tenants``)."""
     if not reply_to:
         raise ValueError("a request needs reply_to: the id whose events channel its answer goes to")
     return GenerateRequest(
@@ -171,6 +174,8 @@ def make_request(
         log_events=log_events,
         detached=detached,
         log_ttl_s=log_ttl_s,
+        tenant=tenant,
+        tenant_weight=tenant_weight,
     )
 
 

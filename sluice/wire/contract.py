@@ -67,7 +67,8 @@ from sluice.wire.messages_pb2 import ErrorCode
 # 4: the queue is sharded (``{q:<model>:<shard>}``, shard chosen from the prompt's prefix; the card
 #    carries the shard count, block size and prefix blocks; the registry the shard counts published);
 #    the per-request event log (GenerateRequest.log_events, detached, log_ttl_s; the {r:<rid>} family).
-CONTRACT_VERSION = 4
+# 5: tenants (GenerateRequest.tenant, tenant_weight; sluice.wire.tenants).
+CONTRACT_VERSION = 5
 PREFIX = "sluice"
 
 CONSUMER_GROUP = "engines"

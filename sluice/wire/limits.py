@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from sluice.wire import tenants
 from sluice.wire.error_codes import Code
 from sluice.wire.messages_pb2 import GenerateRequest
 
@@ -238,6 +239,10 @@ def check_request(req: GenerateRequest, *, vocab_size: int | None, max_model_len
     per completion: an entry with ``n = 2**32 - 1`` is refused at once."""
     if problem := REQUEST_ID.problem(req.request_id):
         return invalid("request_id", problem)
+    if problem := tenants.check_tenant_id(req.tenant):
+        return invalid("tenant", problem)
+    if req.tenant_weight and (problem := tenants.check_weight(req.tenant_weight)):
+        return invalid("tenant_weight", problem)
     p = req.params
     values: dict[str, Any] = {name: getattr(p, name) for name in SCALARS
                               if name != "min_tokens" and p.HasField(name)}

@@ -105,7 +105,7 @@ class ChoiceList(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("version", "request_id", "model", "prompt_token_ids", "params", "deadline", "enqueue_time", "attempt", "gateway_id", "reply_to", "log_events", "detached", "log_ttl_s")
+    __slots__ = ("version", "request_id", "model", "prompt_token_ids", "params", "deadline", "enqueue_time", "attempt", "gateway_id", "reply_to", "log_events", "detached", "log_ttl_s", "tenant", "tenant_weight")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,8 @@ class GenerateRequest(_message.Message):
     LOG_EVENTS_FIELD_NUMBER: _ClassVar[int]
     DETACHED_FIELD_NUMBER: _ClassVar[int]
     LOG_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     version: int
     request_id: str
     model: str
@@ -132,7 +134,9 @@ class GenerateRequest(_message.Message):
     log_events: bool
     detached: bool
     log_ttl_s: int
-    def __init__(self, version: _Optional[int] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline: _Optional[float] = ..., enqueue_time: _Optional[float] = ..., attempt: _Optional[int] = ..., gateway_id: _Optional[str] = ..., reply_to: _Optional[str] = ..., log_events: _Optional[bool] = ..., detached: _Optional[bool] = ..., log_ttl_s: _Optional[int] = ...) -> None: ...
+    tenant: str
+    tenant_weight: int
+    def __init__(self, version: _Optional[int] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., deadline: _Optional[float] = ..., enqueue_time: _Optional[float] = ..., attempt: _Optional[int] = ..., gateway_id: _Optional[str] = ..., reply_to: _Optional[str] = ..., log_events: _Optional[bool] = ..., detached: _Optional[bool] = ..., log_ttl_s: _Optional[int] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "rank")
