@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import json
 import logging
 from contextlib import asynccontextmanager
@@ -10,9 +10,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from gateway import errors
+from gateway.admission import peek_headers
 from gateway.body_checks import check_body, check_content_type
 from gateway.broker import Broker
 from gateway.config import GatewayConfig
+from gateway.keyring import ANONYMOUS, Keyring, flag_records
+from gateway.keys_file import load_keys_file
 from gateway.metrics import METRICS
 from gateway.responses.models import STREAM_EVENT_MODELS
 from gateway.responses.routes import router as responses_router
@@ -52,44 +55,68 @@ async def _send_json(send, status: int, body: dict, headers: dict[str, str] | No
     await send({"type": "http.response.body", "body": raw})
 
 
-class GatewayMiddleware:
-    """Pure ASGI: counts responses by status, checks API keys (every path but ``OPEN_PATHS``),
-    enforces the body size limit, and
-    refuses bodies that are not declared JSON or are not valid Unicode (``body_checks``).
+def _bearer(scope) -> bytes | None:
+    for name, value in scope.get("headers", []):
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            token = token.strip()
+            return token if scheme.lower() == b"bearer" and token else None
+    return None
 
+
+class GatewayMiddleware:
+    """Pure ASGI: finds who calls (the API key's tenant, ``gateway.keyring``; every path but
+    ``OPEN_PATHS``), counts responses by status and tenant, adds the tenant's ``x-ratelimit-*``
+    headers, enforces the body size limit, and refuses bodies that are not declared JSON or are not
+    valid Unicode (``body_checks``).
+
+    A key is checked before the body is read: an unknown or revoked key is a 401 at once.
     The body is read here (up to the limit) and replayed to the app, so a chunked upload without
     Content-Length is held to the same limit; afterwards ``receive`` is the server's again, so the
     app still sees the client's disconnect.
     """
 
-    def __init__(self, app, config: GatewayConfig) -> None:
+    def __init__(self, app, config: GatewayConfig, keyring: Keyring) -> None:
         self.app = app
         self.config = config
-        self.keys = [k.encode() for k in config.api_keys]
-
-    def _authorized(self, scope) -> bool:
-        for name, value in scope.get("headers", []):
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                token = token.strip()
-                return scheme.lower() == b"bearer" and any(hmac.compare_digest(token, k) for k in self.keys)
-        return False
+        self.keyring = keyring
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        label = _endpoint_label(scope["path"])
+        path = scope["path"]
+        label = _endpoint_label(path)
+        state = scope.setdefault("state", {})
+        principal = ANONYMOUS
 
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":
-                METRICS.requests.labels(endpoint=label, status=str(message["status"])).inc()
+                status = str(message["status"])
+                METRICS.requests.labels(endpoint=label, status=status).inc()
+                if state.get("principal") is not None:  # a known key: its tenant (a 401 has none)
+                    METRICS.tenant_requests.labels(tenant=METRICS.tenant_label(principal.tenant), endpoint=label,
+                                                   status=status).inc()
+                extra = state.get("ratelimit_headers")
+                if extra is None and principal.limits.any and path.startswith("/v1/"):
+                    extra = await peek_headers(scope["app"].state.broker, principal)
+                if extra:
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      *((k.encode(), v.encode()) for k, v in extra.items())]}
             await send(message)
 
-        if self.keys and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
-            err = errors.unauthorized()
-            await _send_json(counting_send, err.status, err.body(), {"WWW-Authenticate": "Bearer"})
-            return
+        if self.keyring.enabled and path not in OPEN_PATHS:
+            token = _bearer(scope)
+            found = self.keyring.lookup(token) if token is not None else None
+            if found is None:
+                if token is not None and not self.keyring.loaded:  # the key table is in Redis, not read yet
+                    err = errors.redis_down()
+                    await _send_json(counting_send, err.status, err.body(), err.headers)
+                    return
+                err = errors.unauthorized()
+                await _send_json(counting_send, err.status, err.body(), {"WWW-Authenticate": "Bearer"})
+                return
+            principal = state["principal"] = found
         if scope.get("method") in ("POST", "PUT", "PATCH"):
             limit = self.config.max_body_bytes
             too_large = errors.body_too_large(limit)
@@ -157,17 +184,35 @@ def _openapi_with_stream_chunks(app: FastAPI) -> dict:
     return schema
 
 
+def build_keyring(config: GatewayConfig) -> Keyring:
+    """The key table of ``config``: ``--api-key`` keys, the keys file, and the Redis table with
+    ``--redis-keys``. Raises ``KeysFileError`` (``FILE:LINE: why``) for a keys file it cannot use."""
+    records = flag_records(config.api_keys)
+    if config.keys_file:
+        flagged = {r.key_hash for r in records}
+        for record in load_keys_file(config.keys_file):
+            if record.key_hash in flagged:
+                raise ValueError(f"{config.keys_file}: a key of tenant {record.tenant!r} is also given with --api-key")
+            records.append(record)
+    return Keyring(records, redis_keys=config.redis_keys)
+
+
 def create_app(config: GatewayConfig | None = None, *, broker: Broker | None = None) -> FastAPI:
     config = config or GatewayConfig.from_env()
+    keyring = build_keyring(config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         b = broker or Broker(config.redis_url, card_ttl_s=config.card_ttl_s, retry_after_s=config.retry_after_s)
         app.state.broker = b
         await b.start()
+        follower = asyncio.create_task(keyring.follow(b.redis), name="sluice-keys") if keyring.redis_keys else None
         try:
             yield
         finally:
+            if follower is not None:
+                follower.cancel()
+                await asyncio.gather(follower, return_exceptions=True)
             await b.close()
 
     app = FastAPI(
@@ -177,11 +222,12 @@ def create_app(config: GatewayConfig | None = None, *, broker: Broker | None = N
         lifespan=lifespan,
     )
     app.state.config = config
+    app.state.keyring = keyring
     app.openapi = lambda: _openapi_with_stream_chunks(app)  # type: ignore[method-assign]
     errors.install_handlers(app)
     app.include_router(router)
     app.include_router(responses_router)
-    app.add_middleware(GatewayMiddleware, config=config)
+    app.add_middleware(GatewayMiddleware, config=config, keyring=keyring)
     return app
 
 

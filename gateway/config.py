@@ -16,7 +16,9 @@ ENV_VAR = "SLUICE_GATEWAY_CONFIG"
 @dataclass
 class GatewayConfig:
     redis_url: str = "redis://localhost:6379/0"
-    api_keys: list[str] = field(default_factory=list)
+    api_keys: list[str] = field(default_factory=list)  # each key a tenant of its own (gateway.keyring)
+    keys_file: str | None = None  # tenants, weights, limits and keys in YAML (gateway.keys_file)
+    redis_keys: bool = False  # also accept the keys `sluice keys` keeps in Redis
     max_queue_len: int | None = None  # 429 when the model's queue holds this many or more
     request_timeout_s: float = 600.0  # a request's deadline, from arrival
     max_body_bytes: int = 4 * 1024 * 1024

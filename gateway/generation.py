@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from gateway import errors
 from gateway.broker import Broker, LoadedCard, Lost
+from gateway.keyring import ANONYMOUS, Principal
 from gateway.metrics import METRICS
 from sluice.text.detokenizer import CONTEXT_TOKENS, token_text
 from sluice.text.stream import TextStream
@@ -40,6 +41,7 @@ from sluice.wire.event_log import StreamRecord
 from sluice.wire.messages_pb2 import Event, SamplingParams
 
 if TYPE_CHECKING:
+    from gateway.admission import Ticket
     from gateway.reasoning import ThinkParser
 
 # With no event for this long, check that an engine for the model is still alive; with none alive,
@@ -171,6 +173,8 @@ class SubRequest:
     choices: list[Choice] = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)
     prompt_len: int | None = None  # a resumed request's (its record keeps only the prompt's tail)
+    index: int = 0  # its place among the generation's engine requests
+    started: bool = False  # its first token came (its admission's queued place was freed)
     cached_tokens: int = 0  # of its prompt, served from the engine's prefix cache (its first event says)
 
     @property
@@ -195,8 +199,12 @@ class Generation:
         log_ttl_s: int | None = None,
         detached: bool = False,
         render: dict | None = None,
+        principal: Principal = ANONYMOUS,
     ) -> None:
         self.broker = broker
+        self.principal = principal  # whose request: its tenant, fair-share weight and limits
+        self.ticket: Ticket | None = None  # what admission took for it (gateway.admission), given back at the end
+        self._unseen_tokens = 0  # tokens generated after its client went away (an orphaned request's)
         self.card = card
         self.deadline = deadline
         self.endpoint = endpoint
@@ -219,7 +227,7 @@ class Generation:
         n = params.n or 1
         for p_idx, ids in enumerate(prompts):
             rid = self.id if len(prompts) == 1 else f"{self.id}-{p_idx}"
-            sub = SubRequest(rid, ids, params)
+            sub = SubRequest(rid, ids, params, index=p_idx)
             sub.choices = [Choice(p_idx * n + i, sub, card, opts) for i in range(n)]
             self.subs.append(sub)
         self._by_id = {s.request_id: s for s in self.subs}
@@ -274,7 +282,7 @@ class Generation:
         it from the log."""
         gen = cls(broker, card, record.prompt_ids, params, opts, deadline=record.deadline or time.time() + 3600,
                   endpoint=record.endpoint, id_prefix="", log_ttl_s=0, detached=record.detached,
-                  render=record.render)
+                  render=record.render, principal=Principal(record.tenant))
         gen.id, gen.created, gen.reply_to, gen.resumed = record.id, record.created, record.reply_to, True
         for sub, rid, length in zip(gen.subs, record.request_ids, record.prompt_tokens, strict=True):
             sub.request_id, sub.prompt_len = rid, length
@@ -288,7 +296,7 @@ class Generation:
                             prompt_ids=[s.prompt_ids if self.render.get("whole_prompt") else s.prompt_ids[-CONTEXT_TOKENS:]
                                         for s in self.subs],
                             prompt_tokens=[len(s.prompt_ids) for s in self.subs], deadline=self.deadline,
-                            detached=self.detached, render=self.render)
+                            detached=self.detached, render=self.render, tenant=self.principal.tenant)
 
     def follow(self) -> None:
         """Feed this (resumed) generation from its log, holding the request's lease meanwhile."""
@@ -325,7 +333,9 @@ class Generation:
         reqs = [codec.make_request(sub.request_id, self.card.name, sub.prompt_ids, sub.params,
                                    deadline=self.deadline, enqueue_time=now, reply_to=self.broker.gateway_id,
                                    gateway_id=self.broker.gateway_id, log_events=self.logged,
-                                   detached=self.detached, log_ttl_s=self.log_ttl_s) for sub in self.subs]
+                                   detached=self.detached, log_ttl_s=self.log_ttl_s,
+                                   tenant=self.principal.tenant, tenant_weight=self.principal.weight)
+                for sub in self.subs]
         for req in reqs:  # the limits the engine enforces too (sluice.wire.limits): a 400 here, not there
             problem = limits.check_request(req, vocab_size=self.card.vocab_size, max_model_len=self.card.max_model_len)
             if problem is not None:
@@ -450,6 +460,9 @@ class Generation:
         if not 0 <= ev.index < len(sub.choices):
             return []
         if ev.token_ids and not self.resumed:  # latencies: observed by the gateway that started it
+            if self.ticket is not None and not sub.started:
+                sub.started = True
+                self.ticket.started(sub.index)
             if self.first_token_time is None:
                 self.first_token_time = now
                 METRICS.ttft.observe(now - self.arrival)
@@ -479,6 +492,7 @@ class Generation:
             if active and not self.detached:
                 self.broker.cancel_nowait(active, give_up_at=self.deadline, reply_to=self.reply_to)
             self._forget()
+            self._release()
         if self.resumed:
             return
         METRICS.running.dec()
@@ -526,6 +540,7 @@ class Generation:
                     sub = self._by_id.get(item.request_id)
                     if sub is None:
                         continue
+                    self._unseen_tokens += len(item.token_ids)  # generated for nobody, used all the same
                     if item.HasField("error"):
                         for c in sub.choices:
                             c.engine_done = True
@@ -548,6 +563,12 @@ class Generation:
         finally:
             self._stop_following()
             self._forget()
+            self._release()
+
+    def _release(self) -> None:
+        """Give back what admission took for this request (its places, the tokens it did not use)."""
+        if self.ticket is not None:
+            self.ticket.release(self.prompt_tokens + self.completion_tokens + self._unseen_tokens)
 
     def _forget(self) -> None:
         """Stop tracking and routing our requests' events, unless this is a resumed generation: it

@@ -63,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes (default: 1)")
     parser.add_argument("--api-key", action="append", default=[], dest="api_keys", metavar="KEY",
                         help="require `Authorization: Bearer KEY` on /v1 (repeatable; also $SLUICE_API_KEY)")
+    parser.add_argument("--keys-file", default=None, metavar="FILE",
+                        help="tenants with their keys, weights and limits, in YAML (docs/tenants.md); "
+                             "refused at start naming the line when it cannot be used")
+    parser.add_argument("--redis-keys", action="store_true",
+                        help="also accept the keys `sluice keys create` keeps in Redis (a revoked key is "
+                             "refused on every gateway within about a second)")
     parser.add_argument("--max-queue-len", type=int, default=None,
                         help="answer 429 when a model's queue holds this many requests (default: no limit)")
     parser.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
@@ -93,6 +99,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         redis_url=args.redis_url,
         api_keys=keys,
+        keys_file=args.keys_file,
+        redis_keys=args.redis_keys,
         max_queue_len=args.max_queue_len,
         request_timeout_s=args.request_timeout_s,
         max_body_bytes=args.max_body_bytes,
@@ -114,6 +122,13 @@ def run(args: argparse.Namespace) -> int:
     try:  # a URL of the wrong topology stops the gateway now, with the flag named
         check_url(config.redis_url)
     except RedisURLError as exc:
+        logging.getLogger("sluice.gateway").error("%s", exc)
+        return 2
+    from gateway.app import build_keyring
+
+    try:  # a keys file that cannot be used stops the gateway now, naming the line
+        build_keyring(config)
+    except ValueError as exc:
         logging.getLogger("sluice.gateway").error("%s", exc)
         return 2
     os.environ[ENV_VAR] = config.to_json()  # the workers build their app from it (app_factory)

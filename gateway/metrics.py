@@ -11,6 +11,7 @@ aggregates all workers (prometheus-client's multi-process mode).
 from __future__ import annotations
 
 import os
+import threading
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -21,9 +22,14 @@ from prometheus_client import (
     generate_latest,
 )
 
+from sluice.wire import tenants
 from sluice.wire.error_codes import Code
 
 PREFIX = "sluice_gateway:"
+# Tenant labels a process exports at most: past them, tenants share the label OTHER_TENANTS, so a
+# deployment with many keys cannot blow up the number of series.
+MAX_TENANT_LABELS = 100
+OTHER_TENANTS = "other"
 LOST_CODES = (Code.REQUEST_LOST.value, Code.REDIS_UNAVAILABLE.value)  # the broker's Lost codes
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -81,11 +87,32 @@ class Metrics:
             f"{p}requests_lost", "Requests that cannot complete: their queue entry or output was lost with "
             "Redis (request_lost) or Redis stayed unavailable (redis_unavailable); answered 503",
             ["code"], **kw)
+        # per tenant (labels bounded: tenant_label)
+        self.tenant_requests = Counter(
+            f"{p}tenant_requests", "HTTP requests answered, by tenant, endpoint and status code "
+            f"(at most {MAX_TENANT_LABELS} tenant labels a process, the rest as '{OTHER_TENANTS}')",
+            ["tenant", "endpoint", "status"], **kw)
+        self.rate_limited = Counter(
+            f"{p}tenant_rate_limited", "Requests refused with 429 by a tenant's limit, by tenant and limit "
+            "(requests, tokens, tokens_too_large, concurrent, queued)", ["tenant", "limit"], **kw)
+        self._tenant_labels: set[str] = set()
+        self._tenant_lock = threading.Lock()
         # the labelled series an alert reads exist from the start, at zero
         for code in LOST_CODES:
             self.requests_lost.labels(code=code)
         for reason in ("stop", "length", "abort"):
             self.finished.labels(finished_reason=reason)
+
+    def tenant_label(self, tenant: str) -> str:
+        """The label of ``tenant``: its id while fewer than MAX_TENANT_LABELS are in use, else OTHER_TENANTS."""
+        name = tenants.label(tenant)
+        if name in self._tenant_labels:
+            return name
+        with self._tenant_lock:
+            if len(self._tenant_labels) < MAX_TENANT_LABELS:
+                self._tenant_labels.add(name)
+                return name
+        return OTHER_TENANTS
 
 
 METRICS = Metrics()

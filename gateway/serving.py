@@ -22,12 +22,12 @@ from pydantic import BaseModel
 from redis.exceptions import RedisError
 from sse_starlette.sse import EventSourceResponse
 
-from gateway import errors
+from gateway import admission, errors
 from gateway.broker import Broker, LoadedCard
 from gateway.config import GatewayConfig
 from gateway.errors import OpenAIError
 from gateway.generation import Delta, Generation
-from gateway.metrics import METRICS
+from gateway.keyring import ANONYMOUS, Principal
 from gateway.protocol import ResponseEnvelope, SamplingFields, UsageInfo
 from gateway.reasoning import ThinkParser
 from gateway.stream_chunks import keep_alive, sse_event
@@ -203,24 +203,42 @@ async def encode(tok, text: str, *, add_special_tokens: bool) -> list[int]:
     return await asyncio.to_thread(tok.encode, text, add_special_tokens=add_special_tokens)
 
 
-async def _admit(broker: Broker, cfg: GatewayConfig, model: str, num_requests: int) -> None:
-    if cfg.max_queue_len is None:
-        return
-    depth = await broker.queue_depth(model)
-    METRICS.queue_depth.labels(model=model).set(depth)
-    if depth + num_requests > cfg.max_queue_len:
-        raise errors.queue_full(model, cfg.retry_after_s)
+def principal_of(request: Request) -> Principal:
+    """Who is calling (set by the middleware from the API key; the default tenant without keys)."""
+    return getattr(request.state, "principal", ANONYMOUS)
 
 
-async def start(gen: Generation, broker: Broker, cfg: GatewayConfig, model: str) -> None:
-    """Admission (429 over ``max_queue_len``), then subscribe and enqueue."""
+def reserved_tokens(gen: Generation) -> int:
+    """What a request may use at most, reserved against its tenant's tokens per minute: each prompt,
+    plus max_tokens for each of its completions."""
+    total = 0
+    for sub in gen.subs:
+        n = sub.params.n or 1
+        max_tokens = sub.params.max_tokens if sub.params.HasField("max_tokens") else gen.card.max_model_len
+        total += len(sub.prompt_ids) + n * max_tokens
+    return total
+
+
+async def start(gen: Generation, request: Request, model: str) -> None:
+    """Admission (the tenant's quotas, the model's queue limit: ``gateway.admission``), then
+    subscribe and enqueue. The quota headers go on the response (the middleware adds them)."""
+    broker, cfg = broker_of(request), config_of(request)
     try:
-        await _admit(broker, cfg, model, len(gen.subs))
+        gen.ticket = await admission.admit(
+            broker, gen.principal, member=gen.id, model=model, tokens=reserved_tokens(gen),
+            num_requests=len(gen.subs), max_queue_len=cfg.max_queue_len,
+            place_ttl_s=admission.deadline_ttl(gen.deadline), retry_after_s=cfg.retry_after_s)
+        if gen.ticket is not None and gen.ticket.verdict is not None:
+            request.state.ratelimit_headers = admission.headers(gen.principal.limits, gen.ticket.verdict)
         await gen.start()
     except OpenAIError:
+        if gen.ticket is not None:
+            gen.ticket.release(refused=True)
         gen.close_nowait()
         raise
     except (TimeoutError, RedisError, OSError) as exc:
+        if gen.ticket is not None:
+            gen.ticket.release(refused=True)
         gen.close_nowait()
         raise redis_down(exc) from exc
 
@@ -354,9 +372,11 @@ def stream_not_found(record_id: str) -> OpenAIError:
                         "has expired.", param="Last-Event-ID")
 
 
-async def resumable_record(broker: Broker, last_event_id: str, endpoint: str) -> tuple[StreamRecord, int]:
+async def resumable_record(broker: Broker, last_event_id: str, endpoint: str,
+                           principal: Principal) -> tuple[StreamRecord, int]:
     """The record a ``Last-Event-ID`` names and the number of the last chunk the client has: a 400
-    for a malformed id, a 404 for one unknown (or expired, or another endpoint's)."""
+    for a malformed id, a 404 for one unknown (or expired, or another endpoint's, or another
+    tenant's: exactly as if it did not exist)."""
     try:
         record_id, seq = event_log.parse_event_id(last_event_id)
     except ValueError as exc:
@@ -365,7 +385,7 @@ async def resumable_record(broker: Broker, last_event_id: str, endpoint: str) ->
         record = await broker.load_record(record_id)
     except (RedisError, OSError) as exc:
         raise redis_down(exc) from exc
-    if record is None or record.endpoint != endpoint:
+    if record is None or record.endpoint != endpoint or record.tenant != principal.tenant:
         raise stream_not_found(record_id)
     return record, seq
 

@@ -85,7 +85,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if (last_event_id := request.headers.get(serving.LAST_EVENT_ID)) is not None:
         return await resume_chat_completion(request, last_event_id)
     chat = await prepare_chat(body, request)
-    await serving.start(chat.gen, serving.broker_of(request), serving.config_of(request), body.model)
+    await serving.start(chat.gen, request, body.model)
     gen, card, spec, dialects, text = chat.gen, chat.card, chat.spec, chat.dialects, chat.prompt
     return await serving.respond(
         request, gen,
@@ -150,7 +150,7 @@ async def prepare_chat(body: ChatCompletionRequest, request: Request, *, id_pref
                      endpoint="chat", id_prefix=id_prefix,
                      log_ttl_s=cfg.event_log_ttl_s if (body.stream and cfg.resumable_streams if resumable is None
                                                        else resumable) else None,
-                     render=render)
+                     render=render, principal=serving.principal_of(request))
     return PreparedChat(gen, card, spec, dialects, text)
 
 
@@ -158,7 +158,8 @@ async def resume_chat_completion(request: Request, last_event_id: str) -> Respon
     """A client resuming a chat completion stream (any gateway): the chunks after its
     Last-Event-ID, rendered from the request's record and event log."""
     broker = serving.broker_of(request)
-    record, after = await serving.resumable_record(broker, last_event_id, "chat")
+    record, after = await serving.resumable_record(broker, last_event_id, "chat",
+                                                   serving.principal_of(request))
     render = record.render
     body = ChatCompletionRequest.model_validate({**render["body"], "messages": [{"role": "user", "content": ""}]})
 

@@ -59,8 +59,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     gen = Generation(broker, card, prompts, params, opts, deadline=arrival + cfg.request_timeout_s,
                      endpoint="completions", id_prefix="cmpl",
                      log_ttl_s=cfg.event_log_ttl_s if body.stream and cfg.resumable_streams else None,
-                     render=render)
-    await serving.start(gen, broker, cfg, body.model)
+                     render=render, principal=serving.principal_of(request))
+    await serving.start(gen, request, body.model)
     echo_text = {s.request_id: tok.decode(s.prompt_ids, skip_special_tokens=False) for s in gen.subs} if echo else {}
     return await serving.respond(
         request, gen,
@@ -73,7 +73,8 @@ async def resume_completion(request: Request, last_event_id: str) -> Response:
     """A client resuming a completion stream (any gateway): the chunks after its Last-Event-ID,
     rendered from the request's record and event log."""
     broker = serving.broker_of(request)
-    record, after = await serving.resumable_record(broker, last_event_id, "completions")
+    record, after = await serving.resumable_record(broker, last_event_id, "completions",
+                                                   serving.principal_of(request))
     render = record.render
     body = CompletionRequest.model_validate({**render["body"], "prompt": ""})
 

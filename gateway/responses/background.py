@@ -78,7 +78,7 @@ async def _store_final(store: ResponseStore, ttl_s: float, response_id: str, ren
 
 async def start(prepared: Any, request: Request, running_ttl_s: float) -> Response:
     """Queue the response detached and logged; answer the ``queued`` response (or its stream)."""
-    cfg, store, broker = serving.config_of(request), store_of(request), serving.broker_of(request)
+    cfg, store = serving.config_of(request), store_of(request)
     record: ResponseRecord = prepared.record
     gen: Generation = prepared.chat.gen
     conversation = prepared.history + prepared.items
@@ -88,7 +88,7 @@ async def start(prepared: Any, request: Request, running_ttl_s: float) -> Respon
                      **{sr.F_STATUS: "queued", sr.F_RECORD: record.to_json(), sr.F_INPUT: prepared.items,
                         sr.F_BACKGROUND: True})
     try:
-        await serving.start(gen, broker, cfg, record.model)
+        await serving.start(gen, request, record.model)
     except OpenAIError:
         await store.delete(record.id)
         raise

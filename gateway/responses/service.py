@@ -130,7 +130,7 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
                          **{sr.F_STATUS: "in_progress", sr.F_RECORD: prepared.record.to_json(),
                             sr.F_INPUT: prepared.items})
     try:
-        await serving.start(prepared.chat.gen, serving.broker_of(request), cfg, body.model)
+        await serving.start(prepared.chat.gen, request, body.model)
     except OpenAIError as exc:
         await _forget(store, prepared)
         raise convert.rename_error(exc) from None

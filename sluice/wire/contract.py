@@ -263,3 +263,74 @@ redis.call('HSET', KEYS[1], unpack(ARGV, 3))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 """
+
+# Delete a stored response if it is the tenant's (its ``tenant`` field; absent: the default
+# tenant's, whose id is empty). Returns 1 when deleted, 0 when there is none of this tenant's.
+# KEYS: response_key; ARGV: tenant.
+RESPONSE_DELETE_SCRIPT = """
+local owner = redis.call('HGET', KEYS[1], 'tenant') or ''
+if redis.call('EXISTS', KEYS[1]) == 0 or owner ~= ARGV[1] then
+  return 0
+end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
+
+# --- tenants: API keys, quotas, usage -------------------------------------------------------------
+# Three more families (sluice.wire.keys, sluice.wire.quota, sluice.wire.usage):
+#
+# - ``{keys}``: the API keys ``sluice keys`` manages: one hash (key hash -> KeyRecord JSON) and a
+#   version counter that every write raises in the same script, so gateways reload only on change.
+# - ``{t:<tenant>}``: one tenant's quota counters and usage. Every quota check and every correction
+#   is ONE script over these keys (one slot: atomic on a cluster too), so gateways share the counters
+#   and no burst overshoots a limit.
+# - ``{mq:<model>}``: the admission gate of ``--max-queue-len``: requests admitted for the model and
+#   not yet started, taken and released by script, so a burst cannot overshoot it either.
+#
+# | key                                  | type            | writer       | purpose                              |
+# |--------------------------------------|-----------------|--------------|--------------------------------------|
+# | sluice:{keys}:table                  | hash            | sluice keys  | key hash -> KeyRecord (JSON)         |
+# | sluice:{keys}:version                | string (int)    | sluice keys  | raised by every write of the table   |
+# | sluice:{t:<tenant>}:rpm              | hash with TTL   | gateway      | requests-per-minute bucket (level, at) |
+# | sluice:{t:<tenant>}:tpm              | hash with TTL   | gateway      | tokens-per-minute bucket (level, at) |
+# | sluice:{t:<tenant>}:active           | zset with TTL   | gateway      | requests admitted, not ended (member -> expiry ms) |
+# | sluice:{t:<tenant>}:queued           | zset with TTL   | gateway      | requests admitted, not started (member -> expiry ms) |
+# | sluice:{t:<tenant>}:usage:<hour>     | hash with TTL   | engine       | tokens and requests per model in one UTC hour (sluice.wire.usage) |
+# | sluice:{registry}:usage_tenants      | set             | engine       | tenants with usage, for `sluice usage` |
+# | sluice:{mq:<model>}:queued           | zset with TTL   | gateway      | requests of the model admitted, not started (--max-queue-len) |
+
+KEYS_TAG = "{keys}"
+KEYS_TABLE = f"{PREFIX}:{KEYS_TAG}:table"
+KEYS_VERSION = f"{PREFIX}:{KEYS_TAG}:version"
+USAGE_TENANTS_KEY = f"{PREFIX}:{REGISTRY_TAG}:usage_tenants"
+
+
+def tenant_tag(tenant: str) -> str:
+    """The hash tag of one tenant's family (the default tenant's id is empty: ``{t:}``)."""
+    return "{t:" + tenant + "}"
+
+
+def rpm_key(tenant: str) -> str:
+    return f"{PREFIX}:{tenant_tag(tenant)}:rpm"
+
+
+def tpm_key(tenant: str) -> str:
+    return f"{PREFIX}:{tenant_tag(tenant)}:tpm"
+
+
+def active_key(tenant: str) -> str:
+    return f"{PREFIX}:{tenant_tag(tenant)}:active"
+
+
+def tenant_queued_key(tenant: str) -> str:
+    return f"{PREFIX}:{tenant_tag(tenant)}:queued"
+
+
+def usage_key(tenant: str, hour: str) -> str:
+    """``hour``: UTC, ``YYYYMMDDHH`` (``sluice.wire.usage.hour_of``)."""
+    return f"{PREFIX}:{tenant_tag(tenant)}:usage:{hour}"
+
+
+def model_queued_key(model: str) -> str:
+    return f"{PREFIX}:{{mq:{model}}}:queued"

@@ -42,6 +42,7 @@ class Code(enum.StrEnum):
     METHOD_NOT_ALLOWED = "method_not_allowed"
     REQUEST_TOO_LARGE = "request_too_large"
     QUEUE_FULL = "queue_full"
+    RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
     NO_ENGINE = "no_engine"
     REDIS_UNAVAILABLE = "redis_unavailable"
     REQUEST_LOST = "request_lost"
@@ -98,6 +99,8 @@ TABLE: dict[Code, Spec] = {
     Code.METHOD_NOT_ALLOWED: Spec(405, _BAD, False, "Method Not Allowed"),
     Code.REQUEST_TOO_LARGE: Spec(413, _BAD, False, "The request body is too large."),
     Code.QUEUE_FULL: Spec(429, "rate_limit_error", True, "The model's queue is full."),
+    # OpenAI's own code; its type names the limit ("requests" or "tokens"), set by gateway/admission.py
+    Code.RATE_LIMIT_EXCEEDED: Spec(429, "requests", True, "Rate limit reached for the tenant."),
     Code.NO_ENGINE: Spec(503, _UNAVAILABLE, True, "No engine serving the model is alive."),
     Code.REDIS_UNAVAILABLE: Spec(503, _UNAVAILABLE, True, "The queue (Redis) is unavailable."),
     Code.REQUEST_LOST: Spec(503, _UNAVAILABLE, True, "The request was lost with Redis."),

@@ -50,6 +50,7 @@ class StreamRecord:
     deadline: float = 0.0  # unix seconds; 0: none
     detached: bool = False
     render: dict[str, Any] = field(default_factory=dict)  # the endpoint's rendering parameters (JSON)
+    tenant: str = ""  # whose request (sluice.wire.tenants): another tenant is told it does not exist
     version: int = RECORD_VERSION
 
     def encode(self) -> bytes:

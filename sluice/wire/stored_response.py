@@ -15,6 +15,7 @@ F_INPUT = "input"  # this request's input items (each with its id), JSON list
 F_RESPONSE = "response"  # the final response object, JSON
 F_CONVERSATION = "conversation"  # every item a previous_response_id continues: history, input, output
 F_BACKGROUND = "background"  # "1" for a background response
+F_TENANT = "tenant"  # whose response (sluice.wire.tenants); absent: the default tenant's
 
 # Statuses of a response that is still running: it cannot be continued (previous_response_id).
 RUNNING = frozenset({"queued", "in_progress"})
@@ -28,6 +29,7 @@ class StoredResponse:
     response: dict[str, Any] | None = None
     conversation: list[dict[str, Any]] | None = None
     background: bool = False
+    tenant: str = ""
 
     @property
     def running(self) -> bool:
@@ -45,7 +47,7 @@ class StoredResponse:
 
         return cls(status=text(F_STATUS) or "", record=text(F_RECORD), input=parsed(F_INPUT),
                    response=parsed(F_RESPONSE), conversation=parsed(F_CONVERSATION),
-                   background=text(F_BACKGROUND) == "1")
+                   background=text(F_BACKGROUND) == "1", tenant=text(F_TENANT) or "")
 
 
 def encode_fields(**fields: Any) -> list[str]:

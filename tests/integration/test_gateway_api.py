@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -11,7 +12,6 @@ import pytest
 
 from sluice.wire import contract
 from sluice.wire.connection import connect
-from sluice.wire.messages_pb2 import GenerateRequest
 from tests.integration import test_gateway_support as support
 from tests.integration.test_gateway_support import MAX_MODEL_LEN, MODEL, REPLY
 from tests.queue_helpers import inflight_pattern
@@ -359,14 +359,54 @@ def test_body_too_large_413(make_gateway, fake_engine):
 
 @pytest.mark.both_topologies
 def test_queue_full_429(make_gateway, fake_engine, redis_client):
-    gw = make_gateway(max_queue_len=2, retry_after_s=3)
-    fake_engine.pause()  # no read in flight: the fillers stay queued
-    for _ in range(2):
-        redis_client.xadd(contract.request_stream(MODEL, 0),
-                          {contract.REQUEST_FIELD: GenerateRequest(request_id="filler").SerializeToString()})
+    """--max-queue-len counts the model's requests admitted and not yet started, on every gateway:
+    two waiting on one gateway fill it for the other."""
+    gw, other = make_gateway(max_queue_len=2, retry_after_s=3), make_gateway(max_queue_len=2)
+    fake_engine.pause()  # nothing is read: the first two stay queued
+    waiting = [threading.Thread(target=httpx.post, args=(f"{gw.url}/v1/completions",),
+                                kwargs={"json": {"model": MODEL, "prompt": "x", "max_tokens": 2}, "timeout": 30})
+               for _ in range(2)]
+    for t in waiting:
+        t.start()
+    wait_until(lambda: redis_client.zcard(contract.model_queued_key(MODEL)) == 2, 10, "two queued")
+    r = httpx.post(f"{other.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert_error(r, 429, code="queue_full")
     r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert_error(r, 429, code="queue_full")
     assert r.headers["retry-after"] == "3"
+    fake_engine.paused = False  # they start, leave the queue, and end
+    for t in waiting:
+        t.join(30)
+    wait_until(lambda: redis_client.zcard(contract.model_queued_key(MODEL)) == 0, 10, "the queue empty")
+    r = httpx.post(f"{other.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_queue_limit_holds_under_a_burst(make_gateway, fake_engine, redis_client):
+    """200 requests at once against --max-queue-len 10 on two gateways: exactly 10 are admitted
+    (admission is one script in Redis: no read-then-enqueue window), the rest get 429."""
+    gws = [make_gateway(max_queue_len=10, request_timeout_s=60), make_gateway(max_queue_len=10,
+                                                                               request_timeout_s=60)]
+    fake_engine.pause()
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(timeout=60) as c:
+            async def one(i: int) -> int:
+                r = await c.post(f"{gws[i % 2].url}/v1/completions",
+                                 json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+                return r.status_code
+
+            tasks = [asyncio.ensure_future(one(i)) for i in range(200)]
+            await asyncio.sleep(0)
+            while sum(t.done() for t in tasks) < 190:
+                await asyncio.sleep(0.05)
+            assert redis_client.zcard(contract.model_queued_key(MODEL)) == 10
+            fake_engine.paused = False
+            return await asyncio.gather(*tasks)
+
+    codes = asyncio.run(burst())
+    assert codes.count(200) == 10 and codes.count(429) == 190, sorted(set(codes))
+    assert len(fake_engine.requests) == 10
 
 
 def test_no_engine_503(gateway, fake_engine):
