@@ -17,6 +17,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("engine",): ("engine_service.service.main", "run an engine process fed from Redis"),
     ("gateway",): ("gateway.main", "run the OpenAI-compatible HTTP gateway"),
     ("keys",): ("sluice_cli.keys", "create, list and revoke the API keys gateways read from Redis (--redis-keys)"),
+    ("usage",): ("sluice_cli.usage", "each tenant's requests and tokens per model over a period, from Redis"),
     ("model", "prepare"): ("engine_service.model.prepare", "convert the embedded default model to a HF directory"),
     ("bench", "offline"): ("engine_service.bench.offline", "offline throughput benchmark against transformers"),
     ("bench", "latency"): ("engine_service.bench.latency", "TTFT and TPOT of one batch against transformers"),

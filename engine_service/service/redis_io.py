@@ -47,7 +47,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 
 from engine_service.service.metrics import NULL_METRICS, NullMetrics
-from sluice.wire import codec, contract, event_log, policy, registry, shards
+from sluice.wire import codec, contract, event_log, policy, registry, shards, usage
 from sluice.wire.connection import TRANSIENT_ERRORS, connect, is_cluster, read_shard_message, refresh_topology
 from sluice.wire.messages_pb2 import Cancel, Event, GenerateRequest
 
@@ -128,15 +128,17 @@ class Batch:
     # request id -> reply_to for events of entries the worker never held (answered by the I/O thread)
     reply_to: dict[str, str] = field(default_factory=dict)
     logs: dict[str, LogSpec] = field(default_factory=dict)  # the same, for their event-log flags
+    usage: list[usage.Usage] = field(default_factory=list)  # what the requests that ended used (their tenants')
 
     def __bool__(self) -> bool:
-        return bool(self.events or self.emitted or self.requeue or self.acks)
+        return bool(self.events or self.emitted or self.requeue or self.acks or self.usage)
 
     def extend(self, other: Batch) -> None:
         self.events += other.events
         self.emitted += other.emitted
         self.requeue += other.requeue
         self.acks += other.acks
+        self.usage += other.usage
         self.reply_to.update(other.reply_to)
         self.logs.update(other.logs)
 
@@ -752,6 +754,7 @@ class RedisIO:
         for reply_to, events in by_reply.items():
             pipe.spublish(contract.events_channel(reply_to), codec.encode_events(events))
         self._append_logs(pipe, by_log, log_specs, first_writes, ended)
+        usage.record(pipe, batch.usage)
         for stream, ids in acks.items():
             if stream not in requeues:
                 pipe.xack(stream, contract.CONSUMER_GROUP, *ids)

@@ -25,6 +25,7 @@ from sluice.wire import codec, contract, limits, policy
 from sluice.wire.error_codes import Code
 from sluice.wire.messages_pb2 import Event, GenerateRequest
 from sluice.wire.stats import EngineStats
+from sluice.wire.usage import Usage
 
 log = logging.getLogger("sluice.engine.worker")
 
@@ -80,6 +81,8 @@ class _Live:
     open: set[int]
     emitted: bool = False
     cached_prompt: list[int] = field(default_factory=list)
+    completion_tokens: int = 0  # of every completion, for the tenant's usage (sluice.wire.usage)
+    cached_tokens: int = 0
 
 
 class Worker:
@@ -318,6 +321,9 @@ class Worker:
         live = self.live.pop(rid, None)
         if live is not None:
             batch.acks.append(live.entry_id)
+            req = live.request
+            batch.usage.append(Usage(req.tenant, req.model, 1, len(req.prompt_token_ids), live.completion_tokens,
+                                     live.cached_tokens))
             self.metrics.request_done(rid)
 
     def _abort_silently(self, rid: str) -> None:
@@ -394,6 +400,8 @@ class Worker:
             if first:
                 live.emitted = True
                 batch.emitted.append(out.request_id)
+                live.cached_tokens = out.num_cached_tokens or 0
+            live.completion_tokens += len(out.new_token_ids)
             if out.finish_reason is not None:
                 live.open.discard(out.index)
             if out.new_token_ids or out.finish_reason is not None or out.prompt_logprobs:

@@ -7,6 +7,7 @@ test_engine_service_processes.py.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -24,6 +25,7 @@ from sluice.wire.client import WireClient
 from sluice.wire.messages_pb2 import GenerateRequest
 from tests.docker_support import free_port
 from tests.queue_helpers import pending_count
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.model, pytest.mark.docker]
 
@@ -514,3 +516,43 @@ def test_logprobs_cross_the_wire(service, client, prompts, reference):
     assert len(prompt_lps) == 1 and len(prompt_lps[0].prompt_logprobs) == len(prompts[16])
     assert len(prompt_lps[0].prompt_logprobs[0].entries) == 0  # the first prompt token has none
     assert prompt_lps[0].prompt_logprobs[1].entries[0].token_id == prompts[16][1]
+
+
+@pytest.mark.both_topologies
+def test_usage_per_tenant_written_by_the_engine(service, client, prompts, redis_client, clean_redis, capsys):
+    """Every engine request that ends adds its tokens to its tenant's usage of the hour, in the
+    engine's per-step pipeline; `sluice usage` reads it back."""
+    from sluice.wire import usage
+    from sluice_cli import cli
+
+    handles = []
+    for i, tenant in enumerate(["team-a", "team-a", "team-b", ""]):
+        req = codec.make_request(f"usage-{i}-{uuid.uuid4().hex[:6]}", service.model, prompts[i],
+                                 greedy(n=2 if tenant == "team-b" else 1), reply_to=client.new_reply_id(),
+                                 tenant=tenant)
+        handle = client.listen(req)
+        client.enqueue(req)
+        handles.append((tenant, len(prompts[i]), handle))
+    results = [(tenant, n, h.collect(timeout=60)) for tenant, n, h in handles]
+    expected: dict[str, list[int]] = {}
+    for tenant, n_prompt, result in results:
+        assert result.error_code is None, result.error_message
+        got = expected.setdefault(tenant, [0, 0, 0])
+        got[0] += 1
+        got[1] += n_prompt
+        got[2] += sum(c.completion_tokens for c in result.completions.values())
+
+    def read() -> dict[str, list[int]]:
+        rows = usage.read(redis_client, time.time() - 3600, time.time())
+        return {u.tenant: [u.requests, u.prompt_tokens, u.completion_tokens] for u in rows if u.model == service.model}
+
+    wait_until(lambda: read() == expected, 10, f"usage {expected}")
+    assert cli.main(["usage", "--json", "--since", "1h", "--redis-url", clean_redis]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    by_tenant = {row["tenant"]: row for row in lines}
+    assert set(by_tenant) == {"team-a", "team-b", "default"}
+    assert by_tenant["team-b"]["completion_tokens"] == expected["team-b"][2]
+    assert cli.main(["usage", "--tenant", "team-a", "--redis-url", clean_redis]) == 0
+    table = capsys.readouterr().out
+    assert "team-a" in table and "team-b" not in table
+    assert cli.main(["usage", "--since", "yesterday", "--redis-url", clean_redis]) == 2
