@@ -49,7 +49,8 @@ def log_config() -> dict:
 
     config = copy.deepcopy(LOGGING_CONFIG)
     config.setdefault("filters", {})["quiet_probes"] = {"()": f"{__name__}.QuietProbes"}
-    config["handlers"]["access"]["filters"] = ["quiet_probes"]
+    config["filters"]["redact_ids"] = {"()": "gateway.access_log.RedactIds"}
+    config["handlers"]["access"]["filters"] = ["quiet_probes", "redact_ids"]
     return config
 
 

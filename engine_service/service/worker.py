@@ -21,7 +21,7 @@ from typing import Any
 
 from engine_service.service.metrics import NULL_METRICS, NullMetrics
 from engine_service.service.redis_io import Batch, CancelNote, Entry
-from sluice.wire import codec, contract, limits, policy
+from sluice.wire import codec, contract, limits, policy, tenants
 from sluice.wire.error_codes import Code
 from sluice.wire.messages_pb2 import Event, GenerateRequest
 from sluice.wire.stats import EngineStats
@@ -229,7 +229,10 @@ class Worker:
         rid = req.request_id
         refusal = self._refusal(entry)
         if refusal is not None:
-            log.info("refusing %s (%s): %s", rid, refusal.code or refusal.abort or "duplicate", refusal.message)
+            # a request id names a stored response or a stream: never at INFO (the tenant, instead)
+            log.info("refusing a request of tenant %s (%s): %s", tenants.label(req.tenant),
+                     refusal.code or refusal.abort or "duplicate", refusal.message)
+            log.debug("refused request: %s", rid)
             if refusal.duplicate:
                 # A second copy of a running request. Acknowledge the copy only if it is another
                 # entry: acknowledging the running entry itself would leave nothing pending for a
@@ -274,7 +277,9 @@ class Worker:
         self.live[rid] = _Live(req, entry.entry_id, set(range(n)), emitted=False)
         self.metrics.request_started(rid, n, req.enqueue_time)
         if entry.reclaimed:
-            log.info("restarting reclaimed request %s of queue shard %d (it had emitted nothing)", rid, entry.shard)
+            log.info("restarting a reclaimed request of tenant %s from queue shard %d (it had emitted nothing)",
+                     tenants.label(req.tenant), entry.shard)
+            log.debug("restarted request: %s", rid)
         else:
             log.debug("admitted %s from queue shard %d%s (%d prompt tokens)", rid, entry.shard,
                       " (stolen)" if entry.stolen else "", len(req.prompt_token_ids))
@@ -344,7 +349,9 @@ class Worker:
                     self.recent_cancels[rid] = now
                 continue
             if cause == "gateway_lost":
-                log.info("aborting %s: its gateway %s is gone", rid, live.request.gateway_id)
+                log.info("aborting a request of tenant %s: its gateway %s is gone", tenants.label(live.request.tenant),
+                         live.request.gateway_id)
+                log.debug("aborted request: %s", rid)
             self.counters["cancelled" if cause == "cancel" else cause] += 1
             self.metrics.aborted(cause)
             for out in self.engine.abort_request([rid]):

@@ -52,3 +52,15 @@ def test_debug_logging_shows_them():
         assert not QuietProbes().filter(access_record("/health", 200))
     finally:
         logger.setLevel(old)
+
+
+def test_response_ids_never_reach_the_access_log(access_logger, capsys):
+    logging.config.dictConfig(log_config())
+    access_logger.setLevel(logging.INFO)
+    for path in ("/v1/responses/resp_5f1e2d3c4b5a69788796a5b4c3d2e1f0", "/v1/responses/resp_abc/input_items",
+                 "/v1/responses/resp_abc?stream=true&starting_after=3", "/v1/responses"):
+        access_logger.handle(access_record(path, 200))
+    out = capsys.readouterr().out
+    assert "resp_" not in out
+    assert "/v1/responses/{id} " in out and "/v1/responses/{id}/input_items" in out
+    assert "/v1/responses/{id}?stream=true" in out and '"GET /v1/responses HTTP' in out
