@@ -157,7 +157,24 @@ def _openapi_with_stream_chunks(app: FastAPI) -> dict:
     return schema
 
 
-def create_app(config: GatewayConfig | None = None, *, broker: Broker | None = None) -> FastAPI:
+def ready_line(config: GatewayConfig) -> str:
+    """What a gateway process serves and where: its one line at start."""
+    import os
+
+    from sluice.wire.connection import redact
+
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    line = f"gateway ready: OpenAI API at http://{host}:{config.port}/v1; models from {redact(config.redis_url)}"
+    if config.api_keys:
+        line += f"; {len(config.api_keys)} API key(s) required"
+    if config.workers > 1:
+        line += f" (worker pid {os.getpid()} of {config.workers})"
+    return line
+
+
+def create_app(config: GatewayConfig | None = None, *, broker: Broker | None = None,
+               announce: bool = False) -> FastAPI:
+    """The gateway app; ``announce``: log ``ready_line`` once it started (a served process)."""
     config = config or GatewayConfig.from_env()
 
     @asynccontextmanager
@@ -165,6 +182,8 @@ def create_app(config: GatewayConfig | None = None, *, broker: Broker | None = N
         b = broker or Broker(config.redis_url, card_ttl_s=config.card_ttl_s, retry_after_s=config.retry_after_s)
         app.state.broker = b
         await b.start()
+        if announce:
+            log.info("%s", ready_line(config))
         try:
             yield
         finally:
@@ -188,6 +207,6 @@ def create_app(config: GatewayConfig | None = None, *, broker: Broker | None = N
 def app_factory() -> FastAPI:
     """For ``uvicorn --factory gateway.app:app_factory`` (the settings come from the environment): the
     app of one gateway process, its start-up heap then frozen (``sluice.heap``)."""
-    app = create_app(GatewayConfig.from_env())
-    log.info("%d start-up objects frozen out of the garbage collector's walks", freeze_startup_heap())
+    app = create_app(GatewayConfig.from_env(), announce=True)
+    log.debug("%d start-up objects frozen out of the garbage collector's walks", freeze_startup_heap())
     return app
