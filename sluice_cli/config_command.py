@@ -16,7 +16,7 @@ import argparse
 import importlib
 import sys
 
-from sluice.config import ConfigError, knobs_of, resolve_args
+from sluice.config import ConfigError, Knob, KnobSet, knobs_of, resolve_args
 from sluice.config.render import effective_config, knob_table
 
 # the commands configured by knobs: name → (module, its KnobSet attribute is KNOBS)
@@ -93,8 +93,8 @@ or `_`; a boolean flag takes `true`/`false`; a repeatable flag (`--api-key`) tak
 max-num-seqs: 64
 max_model_len: 4096
 enable-prefix-caching: true
-max-queue-len: 256
-api-key-file: /run/secrets/sluice-api-keys   # relative paths are the config file's neighbours
+max-queue-len: 256                     # a gateway knob: sluice gateway and sluice serve take it
+api-key-file: sluice-api-keys          # a secret from a file; a relative path is the config file's neighbour
 ```
 
 `sluice config --print [engine|gateway|serve] [--config FILE] [flags]` prints the configuration
@@ -103,10 +103,16 @@ and secrets masked; its output is itself a config file (secrets aside):
 
 ```
 $ SLUICE_DTYPE=bfloat16 sluice config --print engine --config sluice.yaml --max-num-seqs 32
-dtype:         bfloat16  # env (SLUICE_DTYPE)
-max-num-seqs:  32        # flag (--max-num-seqs)
-max-model-len: 4096      # file (sluice.yaml)
-block-size:    16        # default
+# sluice engine: the effective configuration (value  # source: default, file, env or flag; secrets masked)
+redis-url:              redis://localhost:6379/0  # default
+...
+dtype:                  bfloat16                  # env (SLUICE_DTYPE)
+...
+block-size:             16                        # default
+...
+max-num-seqs:           32                        # flag (--max-num-seqs)
+max-model-len:          4096                      # file (sluice.yaml)
+...
 ```
 
 Bad input stops the command at once with exit code 2 and one line naming what is wrong: a config
@@ -121,20 +127,16 @@ The Redis URL (its password), the gateway's API keys and the engine's admin toke
 `--print` masks them, and each can come from somewhere other than a command line, where `ps`
 would show it to every user of the machine:
 
-| secret | environment variable | file flag (config key) |
-|---|---|---|
-| `--redis-url` | `SLUICE_REDIS_URL` | `--redis-url-file PATH` (`redis-url-file`) |
-| `--api-key` (gateway) | `SLUICE_API_KEY` (one key) | `--api-key-file PATH` (`api-key-file`): one key a line, `#` comments |
-| `--admin-token` (engine) | `SLUICE_ADMIN_TOKEN` | `--admin-token-file PATH` (`admin-token-file`) |
+"""
 
-A file holds the value on its first line (the API keys: one a line); a file flag counts as its
-flag, a file key as its config key. `sluice serve` passes none of them on a child's command line:
-it writes each into a file only its user may read (0600, in a private 0700 directory removed when
-it stops) and hands the child `--FLAG-file PATH`. Unless given an admin token, `sluice serve`
+SECRETS_TAIL = """
+A file holds the value (its trailing newline dropped; the API keys one a line, `#` comments
+skipped); a file flag counts as its flag, a file key as its config key. `sluice serve` passes
+none of them on a child's command line: it writes each into a file only its user may read (0600,
+in a private 0700 directory removed when it stops) and hands the child `--FLAG-file PATH`. Unless given an admin token, `sluice serve`
 generates one for its engine and prints the file that holds it, for a `Drain` call of your own.
-The deployment examples take them from secrets too: Kubernetes Secrets in
-`deploy/k8s/` (`secretKeyRef` into the environment), the environment (or an `env_file`) in
-`compose.yaml`.
+The deployment examples take them from secrets too: Kubernetes Secrets in `deploy/k8s/`
+(`secretKeyRef` into the pod's environment), the environment or `.env` in `compose.yaml`.
 
 Other environment variables: `SLUICE_GATEWAY_CONFIG` carries `sluice gateway`'s resolved
 configuration (JSON) to its uvicorn worker processes; it is set by the command, not by you.
@@ -155,7 +157,7 @@ def markdown() -> str:
     for name, knobs in commands.items():
         for section in knobs.sections:
             sections.setdefault(section, []).append(f"`sluice {name}`")
-    out = [INTRO]
+    out = [INTRO, secrets_table(commands), SECRETS_TAIL]
     for name, knobs in commands.items():
         titles = ", ".join(f"[{_title(s)}](#{_anchor(s)})" for s in knobs.sections)
         out.append(f"| `sluice {name}` | {titles} |\n")
@@ -171,6 +173,23 @@ def markdown() -> str:
         shown = [k for k in knobs_of(section) if k.cli]
         out.append(knob_table(shown))
     return "".join(out)
+
+
+def secrets_table(commands: dict[str, KnobSet]) -> str:
+    """Every secret knob: its flag, environment variables and file flag, and the commands taking it."""
+    rows: dict[str, tuple[Knob, list[str], list[str]]] = {}
+    for name, knobs in commands.items():
+        for k in knobs:
+            if k.secret:
+                _, env, users = rows.setdefault(k.flag, (k, [], []))
+                env += [v for v in k.env if v not in env]
+                users.append(f"`sluice {name}`")
+    out = ["| secret | commands | environment variable | file flag (config key) |", "|---|---|---|---|"]
+    for flag, (k, env, users) in rows.items():
+        variables = ", ".join(f"`{v}`" for v in env) or "—"
+        item = " (one a line)" if k.kind == "list" else ""
+        out.append(f"| `{flag}` | {', '.join(users)} | {variables} | `{k.file_flag} PATH`{item} (`{k.flag_name}-file`) |")
+    return "\n".join(out) + "\n"
 
 
 def _title(section: type) -> str:

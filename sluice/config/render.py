@@ -43,7 +43,7 @@ def effective_config(command: str, settings: Mapping[str, Setting]) -> str:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    return text.replace("|", "\\|").replace("<", "&lt;").replace("\n", " ")
 
 
 def _default(knob: Knob) -> str:
@@ -52,13 +52,28 @@ def _default(knob: Knob) -> str:
     return f"`{yaml_scalar(knob.default)}`"
 
 
+TYPE_WORDS = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "list": "list of strings",
+              "json": "JSON object"}
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
 def _type(knob: Knob) -> str:
     if knob.choices is not None:
-        return " \\| ".join(f"`{c}`" for c in knob.choices)
-    name = knob.type_name()
+        return " | ".join(f"`{c}`" for c in knob.choices)
+    name = TYPE_WORDS[knob.kind]
     if knob.bounds is not None:
         low, high = knob.bounds
-        name += f" in [{'' if low is None else f'{low:g}'}, {'' if high is None else f'{high:g}'}]"
+        if low is not None and high is not None:
+            name += f" in [{_number(low)}, {_number(high)}]"
+        elif low is not None:
+            name += f" ≥ {_number(low)}"
+        elif high is not None:
+            name += f" ≤ {_number(high)}"
+    if knob.optional and knob.kind not in ("bool", "list"):
+        name += ", or unset"
     return name
 
 
@@ -69,6 +84,9 @@ def knob_table(knobs: Iterable[Knob]) -> str:
         flag = f"`{k.flag}`" + (f"<br>`{k.file_flag} PATH`" if k.secret else "")
         key = f"`{k.flag_name}`" + (f"<br>`{k.flag_name}-file`" if k.secret else "")
         env = "<br>".join(f"`{v}`" for v in k.env) or "—"
-        text = k.help + (" **Secret**: masked in `sluice config --print`." if k.secret else "")
+        text = k.help
+        if k.secret:
+            text = text.rstrip(".") + ". **Secret**: masked by `sluice config --print`; `sluice serve` hands it to its " \
+                "children in a 0600 file"
         rows.append(f"| {flag} | {key} | {env} | {_cell(_type(k))} | {_cell(_default(k))} | {_cell(text)} |")
     return "\n".join(rows) + "\n"
