@@ -115,10 +115,10 @@ class ServeSettings:
                                  "REDIS_URL"), secret=True, shadows=True, metavar="URL")
     ready_timeout: float = knob(600.0, "seconds to wait for the API to answer before giving up",
                                 bounds=(1, None))
-    reserved_cpus: int = knob(
+    reserved_cpus: int = knob(  # its range depends on the machine: checked by _reserve_cpus
         0, "run Redis and the gateway on the first N CPUs this process may use (whole physical cores: a core's "
         "SMT siblings go together) and the engine on the rest (its --cpus), so that their work never stalls the "
-        "engine's compute threads; 0: every process on every CPU", metavar="N", bounds=(0, None))
+        "engine's compute threads; 0: every process on every CPU", metavar="N")
 
 
 # sluice serve's knobs: its own, then every knob of the processes it starts
@@ -183,8 +183,8 @@ def run(args: argparse.Namespace) -> int:
         values = {name: s.value for name, s in settings_of(args).items()}
         engine_config = from_args(EngineConfig, args)
         try:
-            _check_ports(values)
             reserved = _reserve_cpus(values["reserved_cpus"], engine_config, own_redis=not values["redis_url"])
+            _check_ports(values)
         except (ValueError, PortInUse) as exc:
             print(f"sluice serve: {exc}", file=sys.stderr)
             return 2

@@ -154,6 +154,10 @@ class Knob:
         if self.bounds is not None and self.kind in ("int", "float"):
             low, high = self.bounds
             if (low is not None and value < low) or (high is not None and value > high):
+                if high is None:
+                    raise ValueError(f"{value} is below {_bound(low)}, the least it may be")
+                if low is None:
+                    raise ValueError(f"{value} is above {_bound(high)}, the most it may be")
                 raise ValueError(f"{value} is outside [{_bound(low)}, {_bound(high)}]")
         return value
 
@@ -165,7 +169,7 @@ def _shown(value: Any) -> str:
 
 
 def _bound(value: float | None) -> str:
-    return "" if value is None else f"{value:g}"
+    return "" if value is None else str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
 def _kind(annotation: Any) -> tuple[str, bool]:
