@@ -12,7 +12,7 @@ import logging.config
 
 import pytest
 
-from gateway.main import QuietProbes, log_config
+from gateway.main import QuietProbes, QuietStartup, log_config
 
 
 def access_record(path: str, status: int) -> logging.LogRecord:
@@ -55,5 +55,27 @@ def test_debug_logging_shows_them():
         assert QuietProbes().filter(access_record("/health", 200))
         logger.setLevel(logging.INFO)
         assert not QuietProbes().filter(access_record("/health", 200))
+    finally:
+        logger.setLevel(old)
+
+
+def test_uvicorns_start_narration_gives_way_to_the_gateways_ready_line():
+    """uvicorn's "Started server process", "Waiting for application startup." ... lines are dropped
+    at INFO (the gateway logs one ready line instead); errors and debug logging still show them."""
+    logger = logging.getLogger("uvicorn.error")
+    old = logger.level
+    try:
+        logger.setLevel(logging.INFO)
+        record = logging.LogRecord("uvicorn.error", logging.INFO, __file__, 0, "Started server process [%d]", (7,), None)
+        assert not QuietStartup().filter(record)
+        running = logging.LogRecord("uvicorn.error", logging.INFO, __file__, 0,
+                                    "Uvicorn running on %s://%s:%d (Press CTRL+C to quit)", ("http", "h", 1), None)
+        assert not QuietStartup().filter(running)
+        assert QuietStartup().filter(logging.LogRecord("uvicorn.error", logging.INFO, __file__, 0, "Shutting down",
+                                                       None, None))
+        assert QuietStartup().filter(logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 0,
+                                                       "Started server process failed", None, None))
+        logger.setLevel(logging.DEBUG)
+        assert QuietStartup().filter(record)
     finally:
         logger.setLevel(old)
