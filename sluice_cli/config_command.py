@@ -176,19 +176,25 @@ def markdown() -> str:
 
 
 def secrets_table(commands: dict[str, KnobSet]) -> str:
-    """Every secret knob: its flag, environment variables and file flag, and the commands taking it."""
-    rows: dict[str, tuple[Knob, list[str], list[str]]] = {}
+    """Every secret knob: its flag, the commands taking it, its environment variables (those only
+    some commands read, named with them) and its file flag."""
+    rows: dict[str, list[tuple[str, Knob]]] = {}
     for name, knobs in commands.items():
         for k in knobs:
             if k.secret:
-                _, env, users = rows.setdefault(k.flag, (k, [], []))
-                env += [v for v in k.env if v not in env]
-                users.append(f"`sluice {name}`")
+                rows.setdefault(k.flag, []).append((name, k))
     out = ["| secret | commands | environment variable | file flag (config key) |", "|---|---|---|---|"]
-    for flag, (k, env, users) in rows.items():
-        variables = ", ".join(f"`{v}`" for v in env) or "—"
-        item = " (one a line)" if k.kind == "list" else ""
-        out.append(f"| `{flag}` | {', '.join(users)} | {variables} | `{k.file_flag} PATH`{item} (`{k.flag_name}-file`) |")
+    for flag, takers in rows.items():
+        common = [v for v in takers[0][1].env if all(v in k.env for _, k in takers)]
+        variables = ", ".join(f"`{v}`" for v in common) or "—"
+        for name, k in takers:
+            own = [f"`{v}`" for v in k.env if v not in common]
+            if own:
+                variables += f" (`sluice {name}` also {', '.join(own)})"
+        k = takers[0][1]
+        item = ", one a line" if k.kind == "list" else ""
+        users = ", ".join(f"`sluice {name}`" for name, _ in takers)
+        out.append(f"| `{flag}` | {users} | {variables} | `{k.file_flag} PATH` (`{k.flag_name}-file`{item}) |")
     return "\n".join(out) + "\n"
 
 

@@ -86,10 +86,6 @@ class Knob:
         """A secret's ``--FLAG-file``: its value read from a file."""
         return self.flag + "-file"
 
-    def type_name(self) -> str:
-        name = {"list": "list of strings", "json": "JSON object"}.get(self.kind, self.kind)
-        return f"{name} or none" if self.optional and self.kind not in ("bool", "list") else name
-
     # --- values ---
 
     def parse_text(self, text: str, *, choices: bool = True) -> Any:
@@ -257,12 +253,6 @@ class KnobSet:
 
     def env_vars(self) -> list[str]:
         return [name for k in self.knobs.values() for name in k.env]
-
-
-def section_values(cls: type, values: dict[str, Any], **extra: Any) -> Any:
-    """``cls(...)`` from resolved knob values (those of its knobs) plus ``extra`` fields."""
-    names = {k.name for k in knobs_of(cls) if k.cli}
-    return cls(**{n: v for n, v in values.items() if n in names}, **extra)
 
 
 # A mask for a secret's value wherever it is shown.
