@@ -1,22 +1,24 @@
 """The engine's configuration, in one place.
 
-``EngineConfig`` is the single definition of every engine knob: its name, type, default and help
-text. Everything else is derived from it:
+``EngineConfig`` is the single definition of every engine knob: its name, type, default, help text,
+choices and environment variable (``sluice.config.knob``, the one knob machinery of every command).
+Everything else is derived from it:
 
 - the offline API: ``LLM(model, **knobs)`` passes its keywords to ``EngineConfig.from_kwargs``;
-- ``sluice engine`` flags: ``add_engine_arguments(parser)`` generates one flag per field
-  (``block_size`` → ``--block-size``; a bool ``x`` → ``--x`` / ``--no-x``);
-- ``sluice serve`` flags: the same generator, and ``engine_cli_args(config)`` forwards the ones
-  that differ from the default to the engine process it starts;
-- ``SchedulerConfig``'s defaults read ``EngineConfig``'s.
+- ``sluice engine`` and ``sluice serve`` flags and ``--config`` keys: ``sluice.config`` generates
+  one flag per field (``block_size`` → ``--block-size``; a bool ``x`` → ``--x`` / ``--no-x``), and
+  ``sluice serve`` forwards the ones that differ from the default to the engine it starts;
+- ``add_engine_arguments(parser, only=...)``: a bench's pass-through of a few engine flags;
+- ``SchedulerConfig``'s defaults read ``EngineConfig``'s; docs/configuration.md lists them all.
 
 **Adding a knob is one line** in ``EngineConfig``, e.g.::
 
     quantization: str | None = knob(None, "weight quantization", choices=["int8", "int4"])
 
-and it is then a keyword of ``LLM``, a flag of ``sluice engine`` and of ``sluice serve``, with the
-same name and default everywhere. ``knob(default, help, **argparse_kwargs)`` takes ``choices``,
-``metavar`` and the like; ``cli=False`` keeps a field off the command line.
+and it is then a keyword of ``LLM``, a flag and a config key of ``sluice engine`` and of ``sluice
+serve``, with the same name and default everywhere. ``knob(default, help, ...)`` takes
+``choices``, ``metavar``, ``env``, ``bounds`` and the like (``sluice.config.knobs``); ``cli=False``
+keeps a field off the command line.
 
 Torch-free on purpose: the CLI imports it to build ``--help``.
 """
@@ -27,10 +29,10 @@ import argparse
 import dataclasses
 import json
 import os
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from sluice.config import add_section_arguments, changed_argv, from_args, knob, knobs_of
 from sluice.wire import dialects
 
 DEFAULT_WATERMARK_SHARE = 0.01
@@ -40,22 +42,21 @@ MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("int8", "int4")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
-
-
-def knob(default: Any, help: str, *, cli: bool = True, **argparse_kwargs: Any) -> Any:
-    """A field of ``EngineConfig``: its default, its help text and extra argparse options."""
-    return field(default=default, metadata={"help": help, "cli": cli, "argparse": argparse_kwargs})
+# the environment variables of two knobs, read by LLM() too (it has no command line)
+DTYPE_ENV = "SLUICE_DTYPE"
+ENFORCE_EAGER_ENV = "SLUICE_ENFORCE_EAGER"
 
 
 @dataclass
 class EngineConfig:
+    knob_title = "engine"  # its --help group and docs section (a class attribute, not a knob)
+
     model: str | None = knob(None, "local Hugging Face model directory (default: the prepared default model)")
     served_model_name: str | None = knob(None, "the name clients use (default: the model directory's name)")
     dtype: str | None = knob(
         None, "weights and activations dtype, and the KV cache's unless --kv-cache-dtype says otherwise. auto (the "
-        "default, or $SLUICE_DTYPE): the "
-        "checkpoint's on CUDA; on CPU bfloat16 where the CPU has native bf16 and a probe at start measures "
-        "it faster, else float32 (engine_service.model.dtype)", choices=list(MODEL_DTYPES))
+        "default): the checkpoint's on CUDA; on CPU bfloat16 where the CPU has native bf16 and a probe at start measures "
+        "it faster, else float32 (engine_service.model.dtype)", choices=list(MODEL_DTYPES), env=DTYPE_ENV)
     kv_cache_dtype: str = knob(
         "auto", "the KV cache's dtype (vLLM's name). auto: the model's dtype; bfloat16 or float16 under a float32 "
         "model halves the cache's bytes a token (twice the tokens in the same --kv-cache-memory) and the bytes "
@@ -81,17 +82,17 @@ class EngineConfig:
     seed: int = knob(0, "seeds the sampler's generator for unseeded requests")
     enforce_eager: bool | None = knob(
         None, "no torch.compile, no CUDA graphs and no native decode step: run the eager forward only, the "
-        "reference (vLLM's name). Default: $SLUICE_ENFORCE_EAGER, else on CPU the eager forward with the native "
+        "reference (vLLM's name). Default: on CPU the eager forward with the native "
         "decode step (--native-decode) and no torch.compile (the compiled decode step, --no-enforce-eager, "
         "takes less time per token, but its first warm-up is long on CPU; the figures, with the command that "
-        "measures them: docs/performance.md), and not eager on CUDA (--cuda-graphs)")
+        "measures them: docs/performance.md), and not eager on CUDA (--cuda-graphs)", env=ENFORCE_EAGER_ENV)
     cuda_graphs: bool = knob(
         True, "on CUDA, unless --enforce-eager: decode-only steps replay CUDA graphs captured per batch and "
         "context bucket at first use (engine_service.model.cuda_graphs); --no-cuda-graphs compiles the decode "
         "step with inductor instead")
 
     def resolved_dtype(self) -> str:
-        return self.dtype or os.environ.get("SLUICE_DTYPE") or "auto"
+        return self.dtype or os.environ.get(DTYPE_ENV) or "auto"
 
     def resolved_enforce_eager(self) -> bool:
         asked = self.eager_asked()
@@ -106,7 +107,7 @@ class EngineConfig:
         keeps the native step, which needs no warm-up to speak of: only torch.compile's is long."""
         if self.enforce_eager is not None:
             return self.enforce_eager
-        env = os.environ.get("SLUICE_ENFORCE_EAGER")
+        env = os.environ.get(ENFORCE_EAGER_ENV)
         return env.lower() in ("1", "true", "yes") if env is not None else None
     attention_backend: str = knob(
         "auto", "decode attention: native (a C kernel built at first use that reads the paged KV cache in "
@@ -154,60 +155,23 @@ class EngineConfig:
         return cls(**kwargs)
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _base_type(annotation: Any) -> type:
-    """``int | None`` → ``int``."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    return args[0] if args else annotation
-
-
 def add_engine_arguments(parser: argparse.ArgumentParser | Any, *, title: str = "engine",
                          only: tuple[str, ...] | None = None) -> None:
-    """One flag per ``EngineConfig`` field, with the field's default and help; ``only`` names the
-    fields a bench passes through to its engine (each must be a field on the command line)."""
-    group = parser.add_argument_group(title) if isinstance(parser, argparse.ArgumentParser) else parser
-    hints = typing.get_type_hints(EngineConfig)
-    fields = {f.name: f for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli", True)}
-    if only is not None and (unknown := sorted(set(only) - set(fields))):
-        raise ValueError(f"not engine flags: {', '.join(unknown)}")
-    for f in fields.values():
-        if only is not None and f.name not in only:
-            continue
-        kind = _base_type(hints[f.name])
-        extra = dict(f.metadata.get("argparse", {}))
-        help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
-        if kind is bool:
-            group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=f.default,
-                               help=help_text + " (default: %(default)s)", **extra)
-        else:
-            shown = "" if f.default is None else " (default: %(default)s)"
-            group.add_argument(_flag(f.name), type=kind, default=f.default, help=help_text + shown, **extra)
+    """One flag per ``EngineConfig`` knob (``only``: the knobs a bench passes through to its
+    engine), with no ``--config``: the commands build their parsers with ``sluice.config.add_arguments``."""
+    add_section_arguments(parser, EngineConfig, title=title, only=only)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The ``EngineConfig`` that ``add_engine_arguments``' flags describe."""
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-                           if f.metadata.get("cli", True) and hasattr(args, f.name)})
+    """The ``EngineConfig`` that a parsed command line describes (flags, environment and
+    ``--config`` applied when the parser was a command's)."""
+    return from_args(EngineConfig, args)
 
 
 def engine_cli_args(config: EngineConfig) -> list[str]:
     """The ``sluice engine`` flags that reproduce ``config`` (only values that differ from the
     defaults, so the engine's own defaults stay the single source)."""
-    out: list[str] = []
-    for f in dataclasses.fields(EngineConfig):
-        value = getattr(config, f.name)
-        if not f.metadata.get("cli", True) or value == f.default:
-            continue
-        if isinstance(value, bool):
-            out.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
-        elif isinstance(value, dict):
-            out += [_flag(f.name), json.dumps(value)]
-        else:
-            out += [_flag(f.name), str(value)]
-    return out
+    return changed_argv(knobs_of(EngineConfig), dataclasses.asdict(config))
 
 
 @dataclass

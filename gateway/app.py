@@ -197,7 +197,26 @@ def build_keyring(config: GatewayConfig) -> Keyring:
     return Keyring(records, redis_keys=config.redis_keys)
 
 
-def create_app(config: GatewayConfig | None = None, *, broker: Broker | None = None) -> FastAPI:
+def ready_line(config: GatewayConfig) -> str:
+    """What a gateway process serves and where: its one line at start."""
+    import os
+
+    from sluice.wire.connection import redact
+
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    line = f"gateway ready: OpenAI API at http://{host}:{config.port}/v1; models from {redact(config.redis_url)}"
+    if config.api_keys or config.keys_file or config.redis_keys:
+        line += "; API keys required (" + ", ".join(
+            name for name, on in (("--api-key", config.api_keys), ("--keys-file", config.keys_file),
+                                  ("--redis-keys", config.redis_keys)) if on) + ")"
+    if config.workers > 1:
+        line += f" (worker pid {os.getpid()} of {config.workers})"
+    return line
+
+
+def create_app(config: GatewayConfig | None = None, *, broker: Broker | None = None,
+               announce: bool = False) -> FastAPI:
+    """The gateway app; ``announce``: log ``ready_line`` once it started (a served process)."""
     config = config or GatewayConfig.from_env()
     keyring = build_keyring(config)
 
@@ -207,6 +226,8 @@ def create_app(config: GatewayConfig | None = None, *, broker: Broker | None = N
         app.state.broker = b
         await b.start()
         follower = asyncio.create_task(keyring.follow(b.redis), name="sluice-keys") if keyring.redis_keys else None
+        if announce:
+            log.info("%s", ready_line(config))
         try:
             yield
         finally:
@@ -234,6 +255,6 @@ def create_app(config: GatewayConfig | None = None, *, broker: Broker | None = N
 def app_factory() -> FastAPI:
     """For ``uvicorn --factory gateway.app:app_factory`` (the settings come from the environment): the
     app of one gateway process, its start-up heap then frozen (``sluice.heap``)."""
-    app = create_app(GatewayConfig.from_env())
-    log.info("%d start-up objects frozen out of the garbage collector's walks", freeze_startup_heap())
+    app = create_app(GatewayConfig.from_env(), announce=True)
+    log.debug("%d start-up objects frozen out of the garbage collector's walks", freeze_startup_heap())
     return app

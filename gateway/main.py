@@ -13,15 +13,20 @@ import shutil
 import tempfile
 
 from gateway.config import ENV_VAR, GatewayConfig
+from sluice.config import KnobSet, from_args
+from sluice.config import add_arguments as add_knob_arguments
 
-# Probed or scraped every few seconds (load balancers, kubelets, Prometheus): their access lines
-# would bury the requests in the log, so they are logged at debug level only, and when they fail.
+# Probed or scraped every few seconds (load balancers, kubelets, Prometheus, `sluice serve` waiting
+# for its gateway): their access lines would bury the requests in the log, so they are logged at
+# debug level only, unless they fail with a server error other than /health's "not ready" 503.
 QUIET_PATHS = frozenset({"/health", "/ping", "/metrics"})
+NOT_READY = 503  # /health before an engine is alive: expected while a stack starts
 
 
 class QuietProbes(logging.Filter):
-    """Drops uvicorn's access line of a successful ``QUIET_PATHS`` request unless debug logging is on.
-    Uvicorn's access record carries ``(client, method, path, http_version, status)`` as its args."""
+    """Drops uvicorn's access line of a ``QUIET_PATHS`` request that did not fail (below 500, or
+    503: not ready yet) unless debug logging is on. Uvicorn's access record carries ``(client,
+    method, path, http_version, status)`` as its args."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args
@@ -30,122 +35,109 @@ class QuietProbes(logging.Filter):
             return True
         path = str(args[2]).split("?", 1)[0]
         try:
-            ok = int(args[4]) < 400
+            status = int(args[4])
         except (TypeError, ValueError):
             return True
-        return not (path in QUIET_PATHS and ok)
+        return not (path in QUIET_PATHS and (status < 500 or status == NOT_READY))
+
+
+# Uvicorn's start and stop narration: the gateway's own ready line says what it serves and where.
+STARTUP_CHATTER = ("Started server process", "Waiting for application startup", "Application startup complete",
+                   "Uvicorn running on", "Started parent process", "Waiting for application shutdown",
+                   "Application shutdown complete", "Finished server process", "Stopping parent process",
+                   "Waiting for child process")
+
+
+class QuietStartup(logging.Filter):
+    """Drops uvicorn's ``STARTUP_CHATTER`` unless debug logging is on (errors always pass)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.INFO or logging.getLogger("uvicorn.error").isEnabledFor(logging.DEBUG):
+            return True
+        return not str(record.msg).startswith(STARTUP_CHATTER)
+
 
 # On SIGTERM uvicorn stops accepting, then waits this long for open responses (streams) to
 # finish before it cancels them: the drain a rolling restart gets.
 GRACEFUL_SHUTDOWN_S = 5
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def log_config() -> dict:
-    """Uvicorn's logging configuration with ``QuietProbes`` on its access handler: uvicorn applies
-    it in every worker process, where a filter added here would not reach."""
+def log_config(level: str = "info") -> dict:
+    """Uvicorn's logging configuration with ``QuietProbes`` on its access handler and
+    ``QuietStartup`` on its error handler, and the gateway's own ``sluice.*`` loggers: uvicorn
+    applies it in every worker process, where a filter or handler added here would not reach."""
     import copy
 
     from uvicorn.config import LOGGING_CONFIG
 
     config = copy.deepcopy(LOGGING_CONFIG)
     config.setdefault("filters", {})["quiet_probes"] = {"()": f"{__name__}.QuietProbes"}
+    config["filters"]["quiet_startup"] = {"()": f"{__name__}.QuietStartup"}
     config["filters"]["redact_ids"] = {"()": "gateway.access_log.RedactIds"}
     config["handlers"]["access"]["filters"] = ["quiet_probes", "redact_ids"]
+    config["handlers"]["default"]["filters"] = ["quiet_startup"]
+    config["formatters"]["sluice"] = {"format": LOG_FORMAT}
+    config["handlers"]["sluice"] = {"class": "logging.StreamHandler", "formatter": "sluice",
+                                    "stream": "ext://sys.stderr"}
+    config["loggers"]["sluice"] = {"handlers": ["sluice"], "level": level.upper(), "propagate": False}
     return config
 
 
+# sluice gateway's knobs: GatewayConfig's (one definition each)
+KNOBS = KnobSet("sluice gateway", [GatewayConfig])
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = GatewayConfig()
-    parser.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL", d.redis_url),
-                        help="Redis holding the queues and model cards: redis://, rediss:// or "
-                             "redis+cluster://host:port[,host:port...] for a Redis Cluster (default: %(default)s)")
-    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
-    parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes (default: 1)")
-    parser.add_argument("--api-key", action="append", default=[], dest="api_keys", metavar="KEY",
-                        help="require `Authorization: Bearer KEY` on /v1 (repeatable; also $SLUICE_API_KEY)")
-    parser.add_argument("--keys-file", default=None, metavar="FILE",
-                        help="tenants with their keys, weights and limits, in YAML (docs/tenants.md); "
-                             "refused at start naming the line when it cannot be used")
-    parser.add_argument("--redis-keys", action="store_true",
-                        help="also accept the keys `sluice keys create` keeps in Redis (a revoked key is "
-                             "refused on every gateway within about a second)")
-    parser.add_argument("--max-queue-len", type=int, default=None,
-                        help="answer 429 when a model's queue holds this many requests (default: no limit)")
-    parser.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
-                        help="a request's deadline from its arrival; 504 past it (default: %(default)s)")
-    parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
-                        help="413 for larger request bodies (default: %(default)s)")
-    parser.add_argument("--retry-after-s", type=int, default=d.retry_after_s,
-                        help="Retry-After of a 429 (default: %(default)s)")
-    parser.add_argument("--trust-request-chat-template", action="store_true",
-                        help="render a `chat_template` sent with a chat request (vLLM's flag; default: refuse "
-                             "it with a 400, the model's template is used when none is sent)")
-    parser.add_argument("--resumable-streams", action=argparse.BooleanOptionalAction, default=d.resumable_streams,
-                        help="log streamed chat/completions requests in Redis so that their SSE events carry "
-                             "`id:` and a client resumes on any gateway with Last-Event-ID (default: on)")
-    parser.add_argument("--event-log-ttl-s", type=int, default=d.event_log_ttl_s,
-                        help="how long a request's event log is kept after the request ends, for resumes "
-                             "(default: %(default)s)")
-    parser.add_argument("--responses-ttl-s", type=float, default=d.responses_ttl_s,
-                        help="how long Redis keeps a stored /v1/responses response after it ended "
-                             "(default: %(default)s)")
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_knob_arguments(parser, KNOBS)
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
-    keys = list(args.api_keys)
-    if not keys and os.environ.get("SLUICE_API_KEY"):
-        keys = [os.environ["SLUICE_API_KEY"]]
-    return GatewayConfig(
-        redis_url=args.redis_url,
-        api_keys=keys,
-        keys_file=args.keys_file,
-        redis_keys=args.redis_keys,
-        max_queue_len=args.max_queue_len,
-        request_timeout_s=args.request_timeout_s,
-        max_body_bytes=args.max_body_bytes,
-        retry_after_s=args.retry_after_s,
-        trust_request_chat_template=args.trust_request_chat_template,
-        resumable_streams=args.resumable_streams,
-        event_log_ttl_s=args.event_log_ttl_s,
-        responses_ttl_s=args.responses_ttl_s,
-    )
+    """The gateway's configuration from a parsed ``sluice gateway`` command line (flags, environment
+    and ``--config`` applied: ``sluice.config``)."""
+    return from_args(GatewayConfig, args)
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)
+    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
+    log = logging.getLogger("sluice.gateway")
+    from sluice.ports import PortInUse, check_port_free
     from sluice.wire.connection import RedisURLError, check_url
 
     try:  # a URL of the wrong topology stops the gateway now, with the flag named
         check_url(config.redis_url)
     except RedisURLError as exc:
-        logging.getLogger("sluice.gateway").error("%s", exc)
+        log.error("%s", exc)
+        return 2
+    try:  # so does a port another process holds (uvicorn would exit 3 with a bare errno)
+        check_port_free("--port", config.port, config.host)
+    except PortInUse as exc:
+        log.error("%s", exc)
         return 2
     from gateway.app import build_keyring
 
     try:  # a keys file that cannot be used stops the gateway now, naming the line
         build_keyring(config)
     except ValueError as exc:
-        logging.getLogger("sluice.gateway").error("%s", exc)
+        log.error("%s", exc)
         return 2
     os.environ[ENV_VAR] = config.to_json()  # the workers build their app from it (app_factory)
     metrics_dir = None
-    if args.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    if config.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         metrics_dir = tempfile.mkdtemp(prefix="sluice-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     try:
         uvicorn.run(
             "gateway.app:app_factory",
             factory=True,
-            host=args.host,
-            port=args.port,
-            workers=args.workers,
-            log_level=args.log_level,
-            log_config=log_config(),
+            host=config.host,
+            port=config.port,
+            workers=config.workers,
+            log_level=config.log_level,
+            log_config=log_config(config.log_level),
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
     finally:

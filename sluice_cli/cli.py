@@ -2,7 +2,9 @@
 
 Each sub-command lives in its own module, imported only when chosen, so that the gateway image
 (which has no torch) can run ``sluice gateway`` and ``--help`` is instant. A command module provides
-``add_arguments(parser)`` and ``run(args) -> int``.
+``add_arguments(parser)`` and ``run(args) -> int``; a command whose flags are knobs
+(``sluice.config``) gets them resolved (flag > environment > ``--config`` file > default) before
+``run``, and bad configuration input stops it here with exit code 2.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import argparse
 import importlib
 import sys
 
+from sluice.config import ConfigError, resolve_args
+
 # (command words) -> (module, one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("serve",): ("sluice_cli.serve", "run Redis, an engine and the gateway on this machine in one command"),
@@ -18,6 +22,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("gateway",): ("gateway.main", "run the OpenAI-compatible HTTP gateway"),
     ("keys",): ("sluice_cli.keys", "create, list and revoke the API keys gateways read from Redis (--redis-keys)"),
     ("usage",): ("sluice_cli.usage", "each tenant's requests and tokens per model over a period, from Redis"),
+    ("config",): ("sluice_cli.config_command",
+                  "print a command's effective configuration (--print) or the configuration reference (--markdown)"),
     ("model", "prepare"): ("engine_service.model.prepare", "convert the embedded default model to a HF directory"),
     ("bench", "offline"): ("engine_service.bench.offline", "offline throughput benchmark against transformers"),
     ("bench", "latency"): ("engine_service.bench.latency", "TTFT and TPOT of one batch against transformers"),
@@ -53,9 +59,17 @@ def main(argv: list[str] | None = None) -> int:
     for words, (module_name, help_text) in sorted(COMMANDS.items(), key=lambda kv: -len(kv[0])):
         if tuple(argv[: len(words)]) == words:
             module = importlib.import_module(module_name)
-            parser = argparse.ArgumentParser(prog="sluice " + " ".join(words), description=help_text)
+            if hasattr(module, "run_argv"):  # a command that parses its own line (sluice config)
+                return int(module.run_argv(argv[len(words) :]) or 0)
+            prog = "sluice " + " ".join(words)
+            parser = argparse.ArgumentParser(prog=prog, description=help_text)
             module.add_arguments(parser)
             args = parser.parse_args(argv[len(words) :])
+            try:  # flags > environment > --config file > defaults (sluice.config), bad input refused now
+                resolve_args(args)
+            except ConfigError as exc:
+                print(f"{prog}: error: {exc}", file=sys.stderr)
+                return 2
             return int(module.run(args) or 0)
     if argv and argv[0] not in ("-h", "--help", "help"):
         print(f"sluice: unknown command {' '.join(argv[:2])!r}\n", file=sys.stderr)

@@ -14,22 +14,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
+from sluice.config import add_arguments as add_knob_arguments
+from sluice.config import from_args
 from sluice.wire import contract, tenants
 from sluice.wire.keys import KEYS_WRITE_SCRIPT, KeyRecord, Limits, generate_key, key_hash
+from sluice_cli import admin_redis
 
-DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 ACTIONS = ("create", "list", "revoke")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_knob_arguments(parser, admin_redis.knob_set("sluice keys"))
     parser.add_argument("action", choices=ACTIONS, help="create a key, list the keys, or revoke keys")
     parser.add_argument("key_id", nargs="?", default=None, help="revoke: the key's id (from `list`)")
-    parser.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL", DEFAULT_REDIS_URL),
-                        help="the deployment's Redis ($SLUICE_REDIS_URL; default: %(default)s)")
     parser.add_argument("--tenant", default=None,
                         help="create: the key's tenant (required); list: only its keys; revoke: all its keys")
     parser.add_argument("--name", default="", help="create: the key's display name")
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from sluice.wire.connection import RedisURLError
 
     try:
-        redis = _client(args.redis_url)
+        redis = _client(from_args(admin_redis.AdminRedis, args).redis_url)
         return {"create": _create, "list": _list, "revoke": _revoke}[args.action](args, redis)
     except RedisURLError as exc:
         print(f"sluice keys: {exc}", file=sys.stderr)

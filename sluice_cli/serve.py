@@ -1,15 +1,23 @@
 """``sluice serve``: the whole service on one machine in one command.
 
-Starts a private ``redis-server`` (unless ``--redis-url``/``$REDIS_URL`` names one), one engine and
-the gateway, prepares the default model on first use, waits until the API answers, and on
-Ctrl-C (or SIGTERM) stops every process it started, in the reverse order: the gateway, then the
-engine (which drains), then Redis.
+Starts a private ``redis-server`` (unless ``--redis-url``/``$SLUICE_REDIS_URL``/``$REDIS_URL`` names
+one), one engine and the gateway, prepares the default model on first use, waits until the API
+answers, and on Ctrl-C (or SIGTERM) stops every process it started, in the reverse order: the
+gateway, then the engine (which drains), then Redis.
+
+Every engine, engine-service and gateway knob is a flag (and a ``--config`` key) of ``sluice
+serve`` too: it forwards the values that differ from the defaults to the process that takes them.
+Secrets (the Redis URL, the API keys, the engine's admin token) never go on a child's command line:
+each is written to a 0600 file in a private directory and passed as ``--FLAG-file PATH``. Without
+an admin token, serve generates one for its engine and prints where it is.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -18,9 +26,18 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
+from typing import Any
 
-from engine_service.config import add_engine_arguments, engine_cli_args, engine_config_from_args
+from engine_service.config import EngineConfig
+from engine_service.service import main as engine_main
+from engine_service.service.settings import ServiceSettings
+from gateway import main as gateway_main
+from gateway.config import GatewayConfig
+from sluice.config import KnobSet, changed_argv, from_args, knob, settings_of
+from sluice.config import add_arguments as add_knob_arguments
 from sluice.cpu_placement import format_cpu_list, physical_cores, pin_process, usable_cpus
+from sluice.ports import PortInUse, check_port_free
 
 # Redis persists its data with an append-only file, fsynced every second: a Redis restart loses at
 # most the last second of queue (the same settings as compose.yaml and deploy/k8s).
@@ -85,30 +102,75 @@ def _reserve_cpus(count: int, engine_config, own_redis: bool) -> list[int] | Non
     return reserved
 
 
+@dataclass
+class ServeSettings:
+    """``sluice serve``'s own knobs; two of them shadow a child's knob of the same name with
+    serve's own meaning (the API's address; a Redis of the user's instead of a private one)."""
+
+    knob_title = "sluice serve"  # its --help group and docs section (a class attribute, not a knob)
+
+    host: str = knob("127.0.0.1", "address of the OpenAI API (the gateway's --host; this machine only by "
+                     "default)", shadows=True)
+    redis_url: str | None = knob(None, "use this Redis instead of starting a private one", env=("SLUICE_REDIS_URL",
+                                 "REDIS_URL"), secret=True, shadows=True, metavar="URL")
+    ready_timeout: float = knob(600.0, "seconds to wait for the API to answer before giving up",
+                                bounds=(1, None))
+    reserved_cpus: int = knob(  # its range depends on the machine: checked by _reserve_cpus
+        0, "run Redis and the gateway on the first N CPUs this process may use (whole physical cores: a core's "
+        "SMT siblings go together) and the engine on the rest (its --cpus), so that their work never stalls the "
+        "engine's compute threads; 0: every process on every CPU", metavar="N")
+
+
+# sluice serve's knobs: its own, then every knob of the processes it starts
+KNOBS = KnobSet("sluice serve", [ServeSettings, ServiceSettings, EngineConfig, GatewayConfig])
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--workers", type=int, default=1, help="gateway worker processes")
-    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
-                        help="use this Redis instead of starting a private one ($REDIS_URL)")
-    parser.add_argument("--grpc-port", type=int, default=50051, help="the engine's gRPC health/admin port")
-    parser.add_argument("--api-key", default=None, help="require this Bearer key at the gateway")
-    parser.add_argument("--metrics-port", type=int, default=0,
-                        help="the engine's Prometheus /metrics port, on 127.0.0.1 (0: off)")
-    parser.add_argument("--ready-timeout", type=float, default=600.0)
-    parser.add_argument("--reserved-cpus", type=int, default=0, metavar="N",
-                        help="run Redis and the gateway on the first N CPUs this process may use (whole physical "
-                             "cores: a core's SMT siblings go together) and the engine on the rest (its --cpus), "
-                             "so that their work never stalls the engine's compute threads; 0 (the default): "
-                             "every process on every CPU")
-    # Every engine knob, generated from EngineConfig (torch-free), forwarded to `sluice engine`.
-    add_engine_arguments(parser)
+    add_knob_arguments(parser, KNOBS)
+
+
+def _secret_file(directory: str, name: str, text: str) -> str:
+    """``text`` in a new file only this user may read (0600), in serve's private directory."""
+    path = os.path.join(directory, name)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    return path
+
+
+def child_argv(child: str, knobs: KnobSet, values: dict[str, Any], secret_dir: str,
+               fixed: dict[str, Any] | None = None) -> list[str]:
+    """The flags that give the child command ``child`` (``knobs``: its knob set) ``values``: the
+    non-default ones, ``fixed`` ones always, and every secret that is set as ``--FLAG-file`` of a
+    0600 file ``secret_dir/CHILD.FLAG``."""
+    fixed = fixed or {}
+    values = {**values, **fixed}
+    out = changed_argv([k for k in knobs if k.name not in fixed], values)
+    for k in knobs:
+        value = values.get(k.name)
+        if k.secret:
+            if value not in (None, "", []):
+                text = "\n".join(value) if isinstance(value, list) else str(value)
+                out += [k.file_flag, _secret_file(secret_dir, f"{child}.{k.flag_name}", text)]
+        elif k.name in fixed:
+            out += [k.flag, str(value)]
+    return out
+
+
+def _check_ports(values: dict[str, Any]) -> None:
+    """The ports serve's children will listen on, checked before anything starts (PortInUse)."""
+    check_port_free("--port", values["port"], values["host"])
+    if values["grpc_port"]:
+        check_port_free("--grpc-port", values["grpc_port"], values["grpc_host"])
+    if values["metrics_port"]:
+        check_port_free("--metrics-port", values["metrics_port"], values["metrics_host"])
 
 
 def run(args: argparse.Namespace) -> int:
     procs: list[subprocess.Popen] = []
     names: dict[int, str] = {}
     tmp = None
+    run_dir = None
 
     def stop(*_: object) -> None:
         raise KeyboardInterrupt
@@ -118,10 +180,12 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     try:
-        engine_config = engine_config_from_args(args)
+        values = {name: s.value for name, s in settings_of(args).items()}
+        engine_config = from_args(EngineConfig, args)
         try:
-            reserved = _reserve_cpus(args.reserved_cpus, engine_config, own_redis=not args.redis_url)
-        except ValueError as exc:
+            reserved = _reserve_cpus(values["reserved_cpus"], engine_config, own_redis=not values["redis_url"])
+            _check_ports(values)
+        except (ValueError, PortInUse) as exc:
             print(f"sluice serve: {exc}", file=sys.stderr)
             return 2
         if engine_config.model is None:
@@ -132,12 +196,16 @@ def run(args: argparse.Namespace) -> int:
             except ModelPrepareError as exc:
                 print(f"sluice serve: {exc}", file=sys.stderr)
                 return 1
+        values.update(dataclasses.asdict(engine_config))  # the model prepared, the CPUs split
 
         if reserved is not None:  # after the model's preparation, which may take every CPU once. This
             # command, and so Redis and the gateway it starts (the engine moves itself to its --cpus
             # before it loads torch); the CPUs are some of its own, which Linux cannot refuse it
             pin_process(reserved)
-        redis_url = args.redis_url
+        # The children's secrets, each in a file only this user reads, in a directory only this
+        # user enters: a child's command line names the file, never the secret (ps shows argv).
+        run_dir = tempfile.mkdtemp(prefix="sluice-serve-")
+        redis_url = values["redis_url"]
         if not redis_url:
             server = shutil.which("redis-server")
             if server is None:
@@ -154,25 +222,27 @@ def run(args: argparse.Namespace) -> int:
             redis_url = f"redis://127.0.0.1:{port}/0"
             print(f"sluice serve: private Redis at {redis_url}", file=sys.stderr)
 
-        cli = [sys.executable, "-m", "sluice_cli.cli"]
-        # The admin port's Drain needs no credentials: on this machine only.
-        engine_cmd = [*cli, "engine", "--redis-url", redis_url, "--grpc-port", str(args.grpc_port),
-                      "--grpc-host", "127.0.0.1", *engine_cli_args(engine_config)]
-        if args.metrics_port:
-            engine_cmd += ["--metrics-port", str(args.metrics_port), "--metrics-host", "127.0.0.1"]
-        procs.append(subprocess.Popen(engine_cmd, start_new_session=True))
+        generated = not values["admin_token"]
+        if generated:  # Drain needs it: whoever reaches the gRPC port is not enough
+            values["admin_token"] = secrets.token_urlsafe(32)
+        # the admin port's address always said (loopback unless told otherwise: Drain is there)
+        engine_cmd = [*CLI, "engine", *child_argv("engine", engine_main.KNOBS, values, run_dir,
+                                                  fixed={"redis_url": redis_url, "grpc_host": values["grpc_host"]})]
+        if generated:
+            print(f"sluice serve: the engine's admin token (EngineAdmin.Drain asks for it) is in "
+                  f"{os.path.join(run_dir, 'engine.admin-token')}", file=sys.stderr)
+        env = child_env()
+        procs.append(subprocess.Popen(engine_cmd, start_new_session=True, env=env))
         names[procs[-1].pid] = "engine"
-        gateway_cmd = [*cli, "gateway", "--redis-url", redis_url, "--host", args.host, "--port", str(args.port),
-                       "--workers", str(args.workers)]
-        if args.api_key:
-            gateway_cmd += ["--api-key", args.api_key]
-        procs.append(subprocess.Popen(gateway_cmd, start_new_session=True))
+        gateway_cmd = [*CLI, "gateway", *child_argv("gateway", gateway_main.KNOBS, values, run_dir,
+                                                    fixed={"redis_url": redis_url, "host": values["host"]})]
+        procs.append(subprocess.Popen(gateway_cmd, start_new_session=True, env=env))
         names[procs[-1].pid] = "gateway"
 
-        health = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}/health"
-        _wait(lambda: _http_ok(health), args.ready_timeout, "gateway health", procs)
-        print(f"sluice serve: ready — OpenAI API at http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
-              file=sys.stderr)
+        host, port = values["host"], values["port"]
+        health = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/health"
+        _wait(lambda: _http_ok(health), values["ready_timeout"], "gateway health", procs)
+        print(f"sluice serve: ready — OpenAI API at http://{host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr)
         while True:
             for p in procs:
                 if p.poll() is not None:
@@ -203,5 +273,16 @@ def run(args: argparse.Namespace) -> int:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
+        for directory in (tmp, run_dir):
+            if directory:
+                shutil.rmtree(directory, ignore_errors=True)
+
+
+CLI = [sys.executable, "-m", "sluice_cli.cli"]
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment without the knobs' variables: a child's configuration is the
+    flags serve gives it, which already hold what those variables said here."""
+    named = set(engine_main.KNOBS.env_vars()) | set(gateway_main.KNOBS.env_vars())
+    return {k: v for k, v in os.environ.items() if k not in named}

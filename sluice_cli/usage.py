@@ -14,14 +14,15 @@ from __future__ import annotations
 import argparse
 import calendar
 import json
-import os
 import re
 import sys
 import time
 
+from sluice.config import add_arguments as add_knob_arguments
+from sluice.config import from_args
 from sluice.wire import tenants, usage
+from sluice_cli import admin_redis
 
-DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 _AGO = re.compile(r"(\d+)([hdw])")
 _UNITS = {"h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -42,8 +43,7 @@ def when(text: str, now: float) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL", DEFAULT_REDIS_URL),
-                        help="the deployment's Redis ($SLUICE_REDIS_URL; default: %(default)s)")
+    add_knob_arguments(parser, admin_redis.knob_set("sluice usage"))
     parser.add_argument("--since", default="24h", help="start: an age (24h, 7d, 2w) or a UTC date (default: 24h)")
     parser.add_argument("--until", default=None, help="end: an age or a UTC date (default: now)")
     parser.add_argument("--tenant", default=None, help="only this tenant (the default tenant: --tenant default)")
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"sluice usage: --tenant: {problem}", file=sys.stderr)
         return 2
     try:
-        rows = usage.read(connect(args.redis_url), since, until, tenant)
+        rows = usage.read(connect(from_args(admin_redis.AdminRedis, args).redis_url), since, until, tenant)
     except RedisURLError as exc:
         print(f"sluice usage: {exc}", file=sys.stderr)
         return 2

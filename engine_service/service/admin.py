@@ -21,11 +21,13 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from sluice.ports import PortInUse, check_port_free
 from sluice.wire import admin_pb2, admin_pb2_grpc
 
 log = logging.getLogger("sluice.engine.admin")
 
 ADMIN_SERVICE = "sluice.wire.EngineAdmin"
+GRPC_PORT_HINT = "choose another port, or 0 for no gRPC server"
 
 
 def bearer_ok(context: Any, token: str | None) -> bool:
@@ -65,13 +67,20 @@ class AdminServer:
     def __init__(self, worker: Any, engine_id: str, model: str, port: int, host: str = "127.0.0.1",
                  token: str | None = None) -> None:
         self.health = health.HealthServicer()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sluice-grpc"))
+        # grpc sets SO_REUSEPORT by default: a second engine on the same port would then share it
+        # silently (and take half the probes). Off, a taken port is an error naming the flag.
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="sluice-grpc"),
+                                  options=[("grpc.so_reuseport", 0)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         admin_pb2_grpc.add_EngineAdminServicer_to_server(AdminServicer(worker, engine_id, model, token), self.server)
         self.host = host
-        self.port = self.server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        try:
+            self.port = self.server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        except RuntimeError:  # grpc says only "Failed to bind": ask the socket why
+            self.port = 0
         if self.port == 0:
-            raise RuntimeError(f"cannot bind the gRPC port {host}:{port}")
+            check_port_free("--grpc-port", port, host, GRPC_PORT_HINT)
+            raise PortInUse(f"--grpc-port {port}: cannot listen on {host}:{port}; {GRPC_PORT_HINT}")
         self.set_serving(False)
         worker.on_serving_change.append(self.set_serving)
 
@@ -82,7 +91,7 @@ class AdminServer:
 
     def start(self) -> None:
         self.server.start()
-        log.info("gRPC health and admin on %s:%d", self.host, self.port)
+        log.debug("gRPC health and admin on %s:%d", self.host, self.port)  # the engine's ready line says it
 
     def stop(self, grace: float = 1.0) -> None:
         self.server.stop(grace).wait(grace + 0.5)

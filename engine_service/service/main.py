@@ -17,79 +17,32 @@ import signal
 import threading
 from typing import Any
 
-from engine_service.config import add_engine_arguments, engine_config_from_args
-from engine_service.service.settings import ADMIN_TOKEN_ENV, LOOPBACK, ServiceSettings, default_engine_id
+from engine_service.config import EngineConfig, engine_config_from_args
+from engine_service.service.settings import ServiceSettings
+from sluice.config import KnobSet, from_args
+from sluice.config import add_arguments as add_knob_arguments
 from sluice.wire import contract
 from sluice.wire.card import ModelCard
 
 log = logging.getLogger("sluice.engine")
 
 
-def _int_in(low: int, high: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value} is outside [{low}, {high}]")
-        return value
-    return parse
+# sluice engine's knobs: the engine service's, then the engine's (one definition each)
+KNOBS = KnobSet("sluice engine", [ServiceSettings, EngineConfig])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--redis-url", default="redis://localhost:6379/0", help="redis://, rediss:// (one server) or redis+cluster://host:port[,host:port...] (a Redis Cluster) URL, user and password included if any")
-    parser.add_argument("--grpc-port", type=int, default=50051, help="port of gRPC health and EngineAdmin (0: none)")
-    parser.add_argument("--grpc-host", default=LOOPBACK,
-                        help="address of the gRPC server (default: %(default)s; 0.0.0.0 for all interfaces, "
-                             "e.g. for Kubernetes' gRPC probes)")
-    parser.add_argument("--admin-token", default=os.environ.get(ADMIN_TOKEN_ENV) or None, metavar="TOKEN",
-                        help=f"require `authorization: Bearer TOKEN` metadata on EngineAdmin.Drain "
-                             f"(default: ${ADMIN_TOKEN_ENV}; unset: Drain is open to whoever reaches the port)")
-    parser.add_argument("--metrics-port", type=int, default=0,
-                        help="serve Prometheus metrics on http://HOST:PORT/metrics (0: off)")
-    parser.add_argument("--metrics-host", default=LOOPBACK,
-                        help="address of the metrics server (default: %(default)s; 0.0.0.0 for all interfaces)")
-    parser.add_argument("--engine-id", default=None, help="consumer name and registry id (default: host-pid-random)")
-    parser.add_argument("--max-queue-wait", type=float, default=0.0, help="refuse requests that waited longer than this many seconds (0: no limit)")
-    parser.add_argument("--drain-grace-s", type=float, default=30.0, help="on SIGTERM, how long running requests may take to finish")
-    parser.add_argument("--heartbeat-ttl", type=float, default=contract.HEARTBEAT_TTL_S, help="liveness key TTL; other engines reclaim after it lapses")
-    parser.add_argument("--gateway-lost-after", type=float, default=contract.GATEWAY_LOST_AFTER_S,
-                        help="abort the requests of a gateway whose liveness key has been missing this many "
-                             "seconds (it crashed; 0: never)")
-    parser.add_argument("--queue-shards", type=_int_in(1, contract.MAX_QUEUE_SHARDS), default=contract.DEFAULT_QUEUE_SHARDS,
-                        help="streams the model's request queue is sharded into, published on the model card "
-                             "(gateways follow the card; engines serve every shard any engine published)")
-    parser.add_argument("--shard-prefix-blocks", type=_int_in(0, 1 << 16), default=contract.DEFAULT_SHARD_PREFIX_BLOCKS,
-                        help="full KV blocks at the start of a prompt whose tokens choose its queue shard "
-                             "(published on the model card)")
-    parser.add_argument("--steal-after-ms", type=_int_in(0, 3_600_000), default=contract.DEFAULT_STEAL_AFTER_MS,
-                        help="take another shard's entries once the oldest has waited this long (ms), "
-                             "when this engine has room")
-    parser.add_argument("--log-level", default="INFO")
+    add_knob_arguments(parser, KNOBS)
     # Benchmarks only (engine_service.model.stub; refused unless $SLUICE_BENCH_STUB_MODEL=1): no --help line.
     parser.add_argument("--stub-model", action="store_true", help=argparse.SUPPRESS)
-    add_engine_arguments(parser)
 
 
 def settings_from_args(args: argparse.Namespace) -> ServiceSettings:
-    return ServiceSettings(
-        redis_url=args.redis_url,
-        grpc_port=args.grpc_port,
-        grpc_host=args.grpc_host,
-        admin_token=args.admin_token,
-        metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
-        engine_id=args.engine_id or default_engine_id(),
-        max_queue_wait=args.max_queue_wait,
-        drain_grace_s=args.drain_grace_s,
-        heartbeat_ttl_s=args.heartbeat_ttl,
-        gateway_lost_after_s=args.gateway_lost_after,
-        heartbeat_interval_s=min(contract.HEARTBEAT_INTERVAL_S, args.heartbeat_ttl / 3),
-        queue_shards=args.queue_shards,
-        shard_prefix_blocks=args.shard_prefix_blocks,
-        steal_after_ms=args.steal_after_ms,
-    )
+    """The service's settings from a parsed ``sluice engine`` command line (flags, environment and
+    ``--config`` applied: ``sluice.config``)."""
+    settings = from_args(ServiceSettings, args)
+    settings.heartbeat_interval_s = min(contract.HEARTBEAT_INTERVAL_S, settings.heartbeat_ttl_s / 3)
+    return settings
 
 
 def model_card(engine: Any, name: str, settings: ServiceSettings | None = None) -> ModelCard:
@@ -166,6 +119,7 @@ class EngineService:
         def start_io() -> None:
             self.io.start()
             name_os_threads()
+            log.info("%s", self.ready_line())
 
         try:
             # health turns SERVING before the engine registers in Redis (io.start): whoever sees the
@@ -174,6 +128,27 @@ class EngineService:
         finally:
             self.shutdown()
         return 0
+
+    def ready_line(self) -> str:
+        """What this engine serves and where: one line, once it takes requests."""
+        engine = self.engine
+        what = f"engine {self.settings.engine_id} ready: model {self.model!r}"
+        model_dir = getattr(engine, "model_dir", None)
+        if model_dir is not None and getattr(model_dir, "name", None) != self.model:
+            what += f" from {model_dir}"
+        device, dtype = getattr(engine, "device", None), getattr(engine, "dtype", None)
+        if device is not None and dtype is not None:
+            kv = str(getattr(engine, "kv_cache_dtype", dtype)).removeprefix("torch.")
+            what += f" on {device}, {str(dtype).removeprefix('torch.')}"
+            if kv != str(dtype).removeprefix("torch."):
+                what += f" (KV cache {kv})"
+        where = [f"queue on {_redact(self.settings.redis_url)}"]
+        if self.admin is not None:
+            where.append(f"gRPC health/admin on {self.admin.host}:{self.admin.port}"
+                         + (" (Drain needs the admin token)" if self.settings.admin_token else ""))
+        if self.metrics is not None and getattr(self.metrics, "port", None):
+            where.append(f"metrics on http://{self.settings.metrics_host}:{self.metrics.port}/metrics")
+        return f"{what}; {', '.join(where)}"
 
     def shutdown(self) -> None:
         import time
@@ -230,7 +205,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
     settings = settings_from_args(args)
     from engine_service.engine import LLMEngine
-    from engine_service.service.metrics import MetricsPortInUse, check_port_free
+    from engine_service.service.admin import GRPC_PORT_HINT
+    from engine_service.service.metrics import check_port_free
+    from sluice.ports import PortInUse
+    from sluice.ports import check_port_free as check_ports_free
     from sluice.wire.connection import RedisURLError, check_url
 
     try:  # a URL of the wrong topology stops the engine now, not after loading the model
@@ -255,8 +233,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("--num-scheduler-steps: %s", exc)
         return 2
-    try:
-        if settings.metrics_port:  # fail now, not after loading the model
+    try:  # a port that is taken stops the engine now, naming its flag, not after loading the model
+        check_ports_free("--grpc-port", settings.grpc_port, settings.grpc_host, GRPC_PORT_HINT)
+        if settings.metrics_port:
             check_port_free(settings.metrics_port, settings.metrics_host)
             from prometheus_client import disable_created_metrics
 
@@ -266,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         config.stub_model = bool(getattr(args, "stub_model", False))
         engine = LLMEngine(config)
         service = EngineService(engine, settings, args.served_model_name or engine.model_name)
-    except MetricsPortInUse as exc:
+    except PortInUse as exc:
         log.error("%s", exc)
         return 2
     except RuntimeError as exc:
@@ -282,7 +261,6 @@ def run(args: argparse.Namespace) -> int:
 
     log.info("engine %s: %d start-up objects frozen out of the garbage collector's walks", settings.engine_id,
              freeze_startup_heap())
-    log.info("engine %s serving %r from %s", settings.engine_id, service.model, _redact(settings.redis_url))
     code = service.run()
     log.info("engine %s stopped", settings.engine_id)
     return code

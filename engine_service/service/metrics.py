@@ -23,7 +23,6 @@ one), so several engines in one process — tests — never clash.
 
 from __future__ import annotations
 
-import errno
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -32,6 +31,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from sluice.ports import PortInUse, port_error
+from sluice.ports import check_port_free as check_ports_free
 from sluice.wire import codec
 from sluice.wire.error_codes import Code
 from sluice.wire.stats import EngineStats
@@ -82,7 +83,7 @@ CACHE_CONFIG_LABELS = ("block_size", "cache_dtype", "num_blocks", "enable_prefix
 WORKER_OUTCOMES = ("invalid", "cancelled", "deadline", "engine_lost", "handed_back", "gateway_lost")
 
 
-class MetricsPortInUse(RuntimeError):
+class MetricsPortInUse(PortInUse):
     """The metrics port could not be bound; the message says which and what to do."""
 
 
@@ -120,28 +121,20 @@ class NullMetrics:
 NULL_METRICS = NullMetrics()
 
 
+METRICS_PORT_HINT = "choose another port, or 0 to turn the metrics server off"
+
+
 def _port_error(port: int, host: str, exc: OSError) -> Exception:
-    if exc.errno in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
-        why = "is already in use (another engine on this host?)" if exc.errno == errno.EADDRINUSE else exc.strerror
-        return MetricsPortInUse(
-            f"--metrics-port {port}: cannot listen on {host}:{port}: the address {why}; "
-            "choose another port, or 0 to turn the metrics server off"
-        )
-    return exc
+    error = port_error("--metrics-port", port, host, exc, METRICS_PORT_HINT)
+    return MetricsPortInUse(str(error)) if isinstance(error, PortInUse) else error
 
 
 def check_port_free(port: int, host: str = "127.0.0.1") -> None:
     """Raise ``MetricsPortInUse`` now if ``host:port`` cannot be bound (before a long model load)."""
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-            sock.listen(1)
-        except OSError as exc:
-            raise _port_error(port, host, exc) from exc
+    try:
+        check_ports_free("--metrics-port", port, host, METRICS_PORT_HINT)
+    except PortInUse as exc:
+        raise MetricsPortInUse(str(exc)) from exc.__cause__
 
 
 class _SnapshotCollector:
@@ -420,7 +413,7 @@ class EngineMetrics(NullMetrics):
             raise _port_error(port, host, exc) from exc
         threading.Thread(target=self._server.serve_forever, name="sluice-metrics", daemon=True).start()
         bound = self._server.server_address[1]
-        log.info("metrics on http://%s:%d/metrics", host, bound)
+        log.debug("metrics on http://%s:%d/metrics", host, bound)  # the engine's ready line says it
         return bound
 
     @property

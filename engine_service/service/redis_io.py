@@ -361,7 +361,7 @@ class RedisIO:
                 continue
             try:
                 self.redis.xgroup_create(stream, contract.CONSUMER_GROUP, id="0", mkstream=True)
-                log.info("created consumer group %s on %s", contract.CONSUMER_GROUP, stream)
+                log.debug("created consumer group %s on %s", contract.CONSUMER_GROUP, stream)
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise

@@ -61,9 +61,9 @@ def test_default_stack_is_unchanged_by_the_cluster_profile(default: dict) -> Non
     assert {n for n, s in services.items() if not s.get("profiles")} == DEFAULT_STACK
     for name in (*CLUSTER_NODES, "redis-cluster-init"):
         assert services[name]["profiles"] == ["cluster"], name
-    # engines and gateways on the standalone Redis, no auth
+    # engines and gateways on the standalone Redis, no auth; the URL in their environment
     for name in ("engine", "gateway"):
-        assert _arg(services[name]["command"], "--redis-url") == "redis://redis:6379/0"
+        assert services[name]["environment"]["SLUICE_REDIS_URL"] == "redis://redis:6379/0"
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
     assert _arg(services["redis"]["command"], "--requirepass") == ""  # empty: no password
     assert "--appendonly" in services["redis"]["command"]
@@ -108,8 +108,9 @@ def test_cluster_profile_makes_a_three_master_cluster(cluster: dict) -> None:
 
 def test_redis_url_and_password_reach_every_process(cluster: dict) -> None:
     services = cluster["services"]
-    for name in ("engine", "gateway"):
-        assert _arg(services[name]["command"], "--redis-url") == URL_WITH_PASSWORD
+    for name in ("engine", "gateway"):  # as $SLUICE_REDIS_URL: the password is on no command line
+        assert services[name]["environment"]["SLUICE_REDIS_URL"] == URL_WITH_PASSWORD
+        assert not any("pw123" in str(word) for word in services[name]["command"]), services[name]["command"]
     assert _arg(services["redis"]["command"], "--requirepass") == "pw123"
     for name in CLUSTER_NODES:
         command = services[name]["command"]

@@ -29,6 +29,14 @@ def _entry_points():
     return {"sluice engine": engine_main, "sluice serve": serve}
 
 
+@pytest.fixture(autouse=True)
+def _no_knob_environment(monkeypatch) -> None:
+    """tests/conftest.py sets SLUICE_DTYPE and SLUICE_ENFORCE_EAGER (knobs' variables, which a
+    command applies over its defaults): these tests ask for the flags and defaults alone."""
+    for var in ("SLUICE_DTYPE", "SLUICE_ENFORCE_EAGER"):
+        monkeypatch.delenv(var, raising=False)
+
+
 @pytest.mark.parametrize("command", ["sluice engine", "sluice serve"])
 def test_every_engine_knob_is_a_flag_with_the_same_default(command: str) -> None:
     parser = _parser(_entry_points()[command])

@@ -59,6 +59,7 @@ def test_serve_starts_redis_with_aof_and_binds_admin_on_loopback(monkeypatch, tm
     monkeypatch.setattr(serve, "_redis_ready", lambda port: True)
     monkeypatch.setattr(serve, "_http_ok", lambda url: True)
     monkeypatch.setattr(serve.shutil, "which", lambda name: "/usr/bin/redis-server")
+    monkeypatch.setattr(serve, "_check_ports", lambda values: None)  # nothing listens: the ports may be anyone's
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
     args = parser.parse_args(["--model", str(tmp_path), "--ready-timeout", "5"])

@@ -1,7 +1,9 @@
 """The gateway's access log (issue 26 item 8): uvicorn logged every /health and /metrics request at
 INFO, so a load balancer's probes and Prometheus' scrapes buried the requests. Through the logging
 configuration `sluice gateway` hands uvicorn (applied in every worker), their successful access
-lines are dropped unless debug logging is on; failures and every other path are still logged."""
+lines are dropped unless debug logging is on, and so is /health's "not ready" 503 (a stack that
+starts polls it: `sluice serve` did hundreds of times); server errors and every other path are
+still logged."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import logging.config
 
 import pytest
 
-from gateway.main import QuietProbes, log_config
+from gateway.main import QuietProbes, QuietStartup, log_config
 
 
 def access_record(path: str, status: int) -> logging.LogRecord:
@@ -33,13 +35,16 @@ def test_probes_and_scrapes_are_quiet_at_info(access_logger, capsys):
     logging.config.dictConfig(log_config())  # what uvicorn.run(log_config=...) does in each worker
     access_logger.setLevel(logging.INFO)
     for path, status in (("/health", 200), ("/metrics", 200), ("/ping", 200), ("/health?x=1", 200),
-                         ("/health", 503), ("/v1/completions", 200), ("/tokenize", 200)):
+                         ("/health", 503), ("/health", 500), ("/metrics", 500), ("/v1/completions", 200),
+                         ("/v1/completions", 503), ("/tokenize", 200)):
         access_logger.handle(access_record(path, status))
     out = capsys.readouterr().out
-    assert "/v1/completions" in out and "/tokenize" in out
-    assert "GET /health HTTP/1.1\" 503" in out  # a failing probe is news
-    assert "/metrics" not in out and "/ping" not in out and "/health?x=1" not in out
-    assert out.count("/health") == 1
+    assert "/v1/completions HTTP/1.1\" 200" in out and "/v1/completions HTTP/1.1\" 503" in out
+    assert "/tokenize" in out
+    assert "GET /health HTTP/1.1\" 500" in out and "GET /metrics HTTP/1.1\" 500" in out  # a broken probe is news
+    assert "GET /health HTTP/1.1\" 503" not in out  # not ready yet: the normal answer while a stack starts
+    assert "/ping" not in out and "/health?x=1" not in out
+    assert out.count("/health") == 1 and out.count("/metrics") == 1
 
 
 def test_debug_logging_shows_them():
@@ -64,3 +69,25 @@ def test_response_ids_never_reach_the_access_log(access_logger, capsys):
     assert "resp_" not in out
     assert "/v1/responses/{id} " in out and "/v1/responses/{id}/input_items" in out
     assert "/v1/responses/{id}?stream=true" in out and '"GET /v1/responses HTTP' in out
+
+
+def test_uvicorns_start_narration_gives_way_to_the_gateways_ready_line():
+    """uvicorn's "Started server process", "Waiting for application startup." ... lines are dropped
+    at INFO (the gateway logs one ready line instead); errors and debug logging still show them."""
+    logger = logging.getLogger("uvicorn.error")
+    old = logger.level
+    try:
+        logger.setLevel(logging.INFO)
+        record = logging.LogRecord("uvicorn.error", logging.INFO, __file__, 0, "Started server process [%d]", (7,), None)
+        assert not QuietStartup().filter(record)
+        running = logging.LogRecord("uvicorn.error", logging.INFO, __file__, 0,
+                                    "Uvicorn running on %s://%s:%d (Press CTRL+C to quit)", ("http", "h", 1), None)
+        assert not QuietStartup().filter(running)
+        assert QuietStartup().filter(logging.LogRecord("uvicorn.error", logging.INFO, __file__, 0, "Shutting down",
+                                                       None, None))
+        assert QuietStartup().filter(logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 0,
+                                                       "Started server process failed", None, None))
+        logger.setLevel(logging.DEBUG)
+        assert QuietStartup().filter(record)
+    finally:
+        logger.setLevel(old)

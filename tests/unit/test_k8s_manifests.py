@@ -139,7 +139,7 @@ def test_gateway_probes_and_config() -> None:
     gateway = _container(_find("Deployment", "sluice-gateway"), "gateway")
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/health"
     assert "livenessProbe" in gateway
-    assert gateway["args"][0] == "gateway" and "--redis-url" in gateway["args"]
+    assert gateway["args"][0] == "gateway" and any(e["name"] == "SLUICE_REDIS_URL" for e in gateway["env"])
     assert {"configMapRef": {"name": "sluice-config"}} in gateway["envFrom"]
 
 
@@ -191,13 +191,16 @@ def test_pods_run_as_non_root() -> None:
 
 
 def _redis_url(container: dict, config: dict) -> str:
-    """The --redis-url a container runs with, its $(VAR)s expanded (the password as PASSWORD)."""
+    """The Redis URL a container runs with ($SLUICE_REDIS_URL, the --redis-url knob's variable),
+    its $(VAR)s expanded (the password as PASSWORD); its command line names no Redis URL, so
+    `ps` never shows the password."""
     env = {**config, "REDIS_PASSWORD": "PASSWORD"}
     for entry in container.get("env", []):
         if "value" in entry:
             env[entry["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], entry["value"])
-    url = container["args"][container["args"].index("--redis-url") + 1]
-    return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], url)
+    words = container.get("command", []) + container["args"]
+    assert "--redis-url" not in words and not any("REDIS" in w for w in words), words
+    return env["SLUICE_REDIS_URL"]
 
 
 def _password_from_secret(container: dict) -> None:
