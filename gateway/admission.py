@@ -38,7 +38,8 @@ log = logging.getLogger("sluice.gateway.admission")
 
 
 def duration(ms: int) -> str:
-    """OpenAI's reset format: ``20ms``, ``1s``, ``1.5s``, ``6m0s``, ``1h2m3s``."""
+    """OpenAI's reset format, Go's durations: milliseconds below a second, else hours, minutes and
+    seconds (tests/unit/test_keys.py has examples)."""
     if ms < 1000:
         return f"{max(0, ms)}ms"
     seconds = ms / 1000
