@@ -39,7 +39,7 @@ from tests.queue_helpers import pending_count, queue_length
 from tests.redis_cluster import LocalRedisCluster
 from tests.waiting import wait_http
 
-pytestmark = [pytest.mark.model, pytest.mark.chaos]
+pytestmark = [pytest.mark.model, pytest.mark.chaos, pytest.mark.redis]
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "chaos"

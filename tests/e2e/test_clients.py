@@ -21,7 +21,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 from pydantic import BaseModel
 
-pytestmark = [pytest.mark.model, pytest.mark.docker]
+pytestmark = [pytest.mark.model, pytest.mark.docker, pytest.mark.redis]
 
 QUESTION = [{"role": "user", "content": "Which city is the capital of France? Answer as JSON."}]
 WEATHER = [{"role": "user", "content": "What is the weather like in Paris?"}]

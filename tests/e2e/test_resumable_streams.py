@@ -21,7 +21,7 @@ from sluice.wire import contract
 from sluice.wire.connection import connect
 from tests.e2e.conftest import extra_gateway
 
-pytestmark = [pytest.mark.model, pytest.mark.docker]
+pytestmark = [pytest.mark.model, pytest.mark.docker, pytest.mark.redis]
 
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 

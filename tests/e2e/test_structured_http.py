@@ -25,7 +25,7 @@ from tests.docker_support import free_port
 from tests.structured_cases import MAX_TOKENS, cases
 from tests.waiting import wait_http
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

@@ -11,7 +11,7 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel
 
-pytestmark = [pytest.mark.model, pytest.mark.docker]
+pytestmark = [pytest.mark.model, pytest.mark.docker, pytest.mark.redis]
 
 
 class Add(BaseModel):

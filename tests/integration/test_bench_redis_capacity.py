@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.redis
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 if str(SCRIPTS) not in sys.path:  # spawned children inherit sys.path, so they find the module too
     sys.path.insert(0, str(SCRIPTS))

@@ -19,7 +19,7 @@ NODE_CONF = REPO / "deploy" / "redis" / "cluster-node.conf"
 INIT = REPO / "deploy" / "redis" / "cluster-init.sh"
 PASSWORD = "init-test-pw"
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.redis]
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from sluice.wire.messages_pb2 import GenerateRequest
 from tests.docker_support import free_port
 from tests.queue_helpers import pending_count
 
-pytestmark = [pytest.mark.model, pytest.mark.docker]
+pytestmark = [pytest.mark.model, pytest.mark.docker, pytest.mark.redis]
 
 MAX_TOKENS = 6
 NUM_BLOCKS = 256

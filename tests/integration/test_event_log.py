@@ -18,7 +18,7 @@ from sluice.wire.connection import connect
 from tests.integration.test_engine_service import cleanup, greedy, keep_alive, llm, make_service, prompts  # noqa: F401
 from tests.waiting import wait_until
 
-pytestmark = [pytest.mark.model, pytest.mark.docker]
+pytestmark = [pytest.mark.model, pytest.mark.docker, pytest.mark.redis]
 
 
 def submit(client: WireClient, model: str, prompt: list[int], params: dict, **flags):

@@ -22,7 +22,7 @@ fake_engine = support.fake_engine
 gateway = support.gateway
 make_gateway = support.make_gateway
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 
 def sse_events(resp: httpx.Response) -> list:

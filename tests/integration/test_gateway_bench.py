@@ -14,7 +14,7 @@ gateway = support.gateway
 fake_engine = support.fake_engine
 make_gateway = support.make_gateway
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

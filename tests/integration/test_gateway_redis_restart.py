@@ -35,7 +35,7 @@ make_fake_engine = support.make_fake_engine
 make_gateway = support.make_gateway
 gateway = support.gateway
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 RETRYABLE = {"redis_unavailable", "request_lost", "no_engine", "engine_lost"}
 

@@ -20,7 +20,7 @@ from tests.integration import test_gateway_support as support
 fake_engine = support.fake_engine
 make_gateway = support.make_gateway
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 UNKNOWN_MODEL = "no-such-model"
 MODEL_NAMES = {"type": "string", "enum": [support.MODEL, UNKNOWN_MODEL]}

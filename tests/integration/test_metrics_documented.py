@@ -23,7 +23,7 @@ fake_engine = support.fake_engine
 gateway = support.gateway
 make_gateway = support.make_gateway
 
-pytestmark = pytest.mark.docker
+pytestmark = [pytest.mark.model, pytest.mark.docker, pytest.mark.redis]
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 ENGINE_LABELS = {"model", "engine_id"}

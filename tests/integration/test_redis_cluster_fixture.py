@@ -17,7 +17,7 @@ from redis.retry import Retry
 from tests import cluster_fixtures
 from tests.redis_cluster import ClusterUnavailable, LocalRedisCluster
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.redis]
 
 
 def _keys_on(cluster: LocalRedisCluster, master, count: int, prefix: str) -> list[str]:

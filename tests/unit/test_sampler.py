@@ -112,6 +112,7 @@ METHODS = {
 }
 
 
+@pytest.mark.slow  # thousands of draws per case
 @pytest.mark.parametrize("method", sorted(METHODS))
 @pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
 def test_distribution_matches_numpy_reference(method, seeded):

@@ -53,6 +53,7 @@ def test_k_larger_than_the_token_budget_allows_is_refused():
         Scheduler(SchedulerConfig(num_blocks=8, max_num_batched_tokens=4, speculative_config=config))
 
 
+@pytest.mark.slow
 def test_the_engine_refuses_a_bad_configuration_at_start():
     from engine_service.engine import LLMEngine
 
