@@ -35,8 +35,8 @@ import redis
 
 from sluice.wire import contract
 from sluice.wire.connection import connect
+from sluice_bench.redis_cluster import LocalRedisCluster
 from tests.queue_helpers import pending_count, queue_length
-from tests.redis_cluster import LocalRedisCluster
 from tests.waiting import wait_http
 
 pytestmark = [pytest.mark.model, pytest.mark.chaos, pytest.mark.redis]

@@ -12,7 +12,7 @@ import pytest
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-from tests.redis_cluster import SETUP_HINT, free_ports
+from sluice_bench.redis_cluster import SETUP_HINT, free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 NODE_CONF = REPO / "deploy" / "redis" / "cluster-node.conf"

@@ -1,4 +1,4 @@
-"""The per-request event log (issue 22) at the engine, against a real Redis: what a logged request
+"""The per-request event log at the engine, against a real Redis: what a logged request
 leaves in its log and when it expires; the lost-gateway rule's exceptions (detached, leased).
 
 The HTTP side (resumed streams across gateways) is in tests/e2e/test_resumable_streams.py.

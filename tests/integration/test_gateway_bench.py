@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from sluice_cli import bench_serve
+from sluice_bench import serve as bench_serve
 from tests.integration import test_gateway_support as support
 
 gateway = support.gateway

@@ -1,4 +1,4 @@
-"""Benchmark charts (sluice/plots.py): each bench's chart from its JSON, the series behind them,
+"""Benchmark charts (sluice_bench/plots.py): each bench's chart from its JSON, the series behind them,
 the CLI that redraws saved results, and the message when matplotlib is missing."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice import plots
+from sluice_bench import plots
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS_BENCH = REPO / "docs" / "bench"

@@ -8,7 +8,6 @@ import pytest
 import torch
 from scipy import stats
 
-from engine_service.bench.sampler import benchmark_sampler
 from engine_service.core.request import Request
 from engine_service.sampling import SamplingParams
 from engine_service.sampling.logprobs import compute_logprobs
@@ -19,6 +18,7 @@ from engine_service.sampling.sampler import (
     apply_logits_processors,
     apply_sampling_transforms,
 )
+from sluice_bench.sampler import benchmark_sampler
 
 # A fixed small logit vector: distinct values, no ties, no top_p/min_p boundary hit exactly.
 LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 1.2, 0.3, -2.0], dtype=np.float32)

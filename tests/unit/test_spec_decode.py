@@ -10,12 +10,12 @@ import random
 
 import pytest
 
-from engine_service.bench.scheduler import FakeKVRunner
 from engine_service.config import EngineConfig, SchedulerConfig, SpeculativeConfig, engine_cli_args
 from engine_service.core.request import FinishReason, Request, RequestStatus
 from engine_service.core.sampling_params import SamplingParams
 from engine_service.core.scheduler import Scheduler
 from engine_service.core.spec_decode import COPY_WINDOW, NgramDrafter
+from sluice_bench.scheduler import FakeKVRunner
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
