@@ -96,7 +96,7 @@ def test_param_of():
 def test_every_path_but_probes_and_docs_needs_the_key():
     """/tokenize and /detokenize need the API key like /v1/ (else anyone could spend the gateway's
     CPU tokenizing megabytes). Probes, metrics, the
-    version and the API's documentation stay open (documented in docs/gateway.md)."""
+    version and the API's documentation stay open (documented in docs/api.md)."""
     client = TestClient(create_app(GatewayConfig(api_keys=["k"])), raise_server_exceptions=False)
     for path in ("/tokenize", "/detokenize", "/v1/completions", "/v1/models", "/anything-else"):
         r = client.post(path, json={"prompt": "x", "tokens": [1]}) if path != "/v1/models" else client.get(path)
