@@ -124,6 +124,7 @@ def test_distribution_matches_numpy_reference(method, seeded):
     assert_matches(counts, probs)
 
 
+@pytest.mark.slow  # thousands of draws
 def test_chi_square_has_power():
     """The same test rejects the untruncated distribution, so a missing top_k would be caught."""
     params = [SamplingParams(top_k=3, seed=i) for i in range(DRAWS)]
@@ -144,6 +145,7 @@ def test_seeded_uniforms_are_uniform_over_seeds_and_positions():
     assert seeded_uniform(7, 3) != seeded_uniform(8, 3) and seeded_uniform(-1, 0) == seeded_uniform(-1, 0)
 
 
+@pytest.mark.slow  # thousands of draws
 def test_seeded_draws_at_later_positions_follow_the_distribution():
     params = SamplingParams(temperature=0.9, seed=7)
     reqs = [make_request(params, output=[3] * pos, rid=str(pos)) for pos in range(0, 2000)]
