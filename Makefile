@@ -1,5 +1,6 @@
 # The two commands a newcomer needs: `make serve` and `make test` (see README.md).
 # `make serve ARGS="--port 9000 --workers 2"` passes options to `sluice serve`.
+# `make test-fast` runs the unit tests that need no model, no Redis and no compiler (about a minute).
 #
 # Both install into the project's own virtual environment, .venv (created with the system
 # python3's venv module on first use), and run everything from it: the system Python is only
@@ -13,7 +14,7 @@ SLUICE := $(VENV)/bin/sluice
 EXTRAS ?= engine,gateway,test,bench
 STAMP := $(VENV)/.installed
 
-.PHONY: venv install serve test lint
+.PHONY: venv install serve test test-fast lint
 
 venv: $(PYTHON)
 
@@ -42,6 +43,12 @@ test: install
 	PYTHON=$(abspath $(PYTHON)) bash .ci/setup-docker.sh
 	$(SLUICE) model prepare
 	$(PYTHON) -m pytest -q -p no:cacheprovider tests
+
+# The markers are declared in pyproject.toml; tests/conftest.py fails the collection when a test
+# reaches the model or Redis without its marker, and under SLUICE_TEST_TIER=fast takes the compiler
+# away, so a test that builds native code without the `slow` marker fails here.
+test-fast: install
+	SLUICE_TEST_TIER=fast $(PYTHON) -m pytest -q -p no:cacheprovider tests/unit -m "not model and not redis and not slow"
 
 # ruff from .venv once `make install` has run, else whichever ruff is on PATH (installs nothing).
 lint:

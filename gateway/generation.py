@@ -11,7 +11,7 @@ choice of an engine request is done at the gateway while the engine has not fini
 ``Cancel`` is published. A generator closed early (client gone, deadline) cancels whatever the
 engine still runs.
 
-Resumable generations (issue 22, ``sluice.wire.event_log``): a logged generation's engine request
+Resumable generations (``sluice.wire.event_log``): a logged generation's engine request
 also goes to its event log, with a record any gateway can render it from. A generation can be
 rebuilt from that record (:meth:`Generation.resumed`) and fed from the log instead of the broker's
 channel (:meth:`Generation.follow`, holding the request's lease); the same events make the same

@@ -2,7 +2,7 @@
 
 The tokenizer and chat template are the model card's, the same that generation uses, so the ids are
 exactly what ``/v1/completions`` (a ``prompt``) or ``/v1/chat/completions`` (``messages``) would
-enqueue; nothing reaches an engine. Shapes follow vLLM's OpenAI server (docs/gateway.md).
+enqueue; nothing reaches an engine. Shapes follow vLLM's OpenAI server (docs/api.md).
 """
 
 from __future__ import annotations

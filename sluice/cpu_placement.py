@@ -4,7 +4,7 @@ physical core, and a whole process pinned to a list.
 Why an engine wants CPUs of its own: its compute threads meet at a barrier many times a step, so a
 thread that loses its core to a neighbour (the gateway, Redis, a client) stalls the others until
 it runs again; a small neighbour costs the engine several times its own share of the CPUs
-(docs/performance.md, "Stop 59" and "stop 61"). `sluice serve --reserved-cpus N` gives Redis and
+(docs/performance.md, "The engine on CPUs of its own"). `sluice serve --reserved-cpus N` gives Redis and
 the gateway whole cores holding at least N CPUs and the engine the rest, as vLLM's CPU backend
 reserves CPUs for its front end.
 """

@@ -6,5 +6,4 @@ so that the gateway image (no torch) can run ``sluice gateway`` and ``--help`` s
 
 - ``sluice_cli.cli``: the ``sluice`` console script (``python -m sluice_cli.cli``).
 - ``sluice_cli.serve``: ``sluice serve`` (Redis + engine + gateway on one machine).
-- ``sluice_cli.bench_serve``: ``sluice bench serve``, the serving benchmark.
 """

@@ -133,7 +133,7 @@ SECRETS_TAIL = """
 A file holds the value (its trailing newline dropped; the API keys one a line, `#` comments
 skipped); a file flag counts as its flag, a file key as its config key. `sluice serve` passes
 none of them on a child's command line: it writes each into a file only its user may read (0600,
-in a private 0700 directory removed when it stops) and hands the child `--FLAG-file PATH`. Unless given an admin token, `sluice serve`
+in a private 0700 directory removed when it stops) and hands the child the `-file` twin of its flag (`--redis-url-file PATH`). Unless given an admin token, `sluice serve`
 generates one for its engine and prints the file that holds it, for a `Drain` call of your own.
 The deployment examples take them from secrets too: Kubernetes Secrets in `deploy/k8s/`
 (`secretKeyRef` into the pod's environment), the environment or `.env` in `compose.yaml`.

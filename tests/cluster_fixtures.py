@@ -1,4 +1,4 @@
-"""pytest fixtures for a real Redis Cluster (``tests/redis_cluster.py``), for any test layer.
+"""pytest fixtures for a real Redis Cluster (``sluice_bench/redis_cluster.py``), for any test layer.
 
 - ``redis_cluster`` (session): 3 masters + 3 replicas of local redis-server processes, started once.
 - ``clean_redis_cluster`` (function): that cluster made whole again if a test left a node dead
@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.redis_cluster import ClusterUnavailable, LocalRedisCluster
+from sluice_bench.redis_cluster import ClusterUnavailable, LocalRedisCluster
 
 
 def start_cluster(**options: Any) -> LocalRedisCluster:

@@ -14,6 +14,29 @@ os.environ.setdefault("SLUICE_ENFORCE_EAGER", "1")
 
 import pytest
 
+FAST_TIER_ENV = "SLUICE_TEST_TIER"
+
+
+def _fast_tier_without_a_compiler() -> None:
+    """`make test-fast` (SLUICE_TEST_TIER=fast): no compiler and an empty cache directory, so a test
+    that builds the native kernels or compiles with inductor fails, saying to mark it slow, instead
+    of leaning on a cache that another run left warm."""
+    import stat
+    import tempfile
+
+    scratch = Path(tempfile.mkdtemp(prefix="sluice-fast-tier-"))
+    stub = scratch / "no-compiler"
+    stub.write_text("#!/bin/sh\necho 'the fast tier (make test-fast) has no compiler: "
+                    "mark this test pytest.mark.slow' >&2\nexit 1\n")
+    stub.chmod(stub.stat().st_mode | stat.S_IXUSR)
+    os.environ["CC"] = os.environ["CXX"] = str(stub)
+    os.environ["SLUICE_CACHE_DIR"] = str(scratch / "cache")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(scratch / "inductor")
+
+
+if os.environ.get(FAST_TIER_ENV) == "fast":
+    _fast_tier_without_a_compiler()
+
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
@@ -71,3 +94,30 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def redis_topology(request: pytest.FixtureRequest) -> str:
     """ "standalone" unless ``pytest_generate_tests`` parametrized it."""
     return getattr(request, "param", "standalone")
+
+
+# The tiers: `make test-fast` runs tests/unit without the markers below; `make test` runs everything.
+# A test that reaches one of these fixtures (directly or through another fixture) must carry the
+# marker, or the fast tier would load the model or wait for Redis. Checked at collection, before
+# `-m` deselects anything, so a missing marker fails the fast tier too.
+FIXTURES_NEEDING_MARKER: dict[str, frozenset[str]] = {
+    "model": frozenset({"model_dir", "hf_dir", "ours", "default_gguf", "hf_gguf"}),
+    "redis": frozenset({"redis_server", "redis_url", "clean_redis", "redis_client", "restartable_redis",
+                        "redis_cluster", "clean_redis_cluster", "redis_cluster_factory", "stack_redis_url"}),
+}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked: dict[str, dict[str, set[str]]] = {}  # file -> marker -> fixtures
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        for marker, fixtures in FIXTURES_NEEDING_MARKER.items():
+            if used & fixtures and item.get_closest_marker(marker) is None:
+                unmarked.setdefault(item.nodeid.split("::")[0], {}).setdefault(marker, set()).update(used & fixtures)
+    if unmarked:
+        lines = [f"  {path}: mark pytest.mark.{marker} on the tests that use {', '.join(sorted(fixtures))} "
+                 "(or pytestmark on the file)"
+                 for path, needs in sorted(unmarked.items()) for marker, fixtures in sorted(needs.items())]
+        raise pytest.UsageError("tests reach the model or Redis without the marker `make test-fast` deselects "
+                                "them by (tests/conftest.py, FIXTURES_NEEDING_MARKER):\n" + "\n".join(lines))

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_file(relative: str) -> ModuleType:
-    """The module at ROOT / relative (e.g. "scripts/anchor_by_placement.py"), executed fresh."""
+    """The module at ROOT / relative (e.g. "scripts/random_weights_model.py"), executed fresh."""
     path = ROOT / relative
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)

@@ -106,8 +106,8 @@ class GrammarManager:
         self.eos_token_ids = list(eos_token_ids)
         self.max_model_len = max_model_len
         self._vocabulary: Vocabulary | None = None  # built on first use (~1 s)
-        # steer constrained sequences to end within their token budget (off: masks only, as
-        # before issue 24; ``sluice bench structured`` compares the two)
+        # steer constrained sequences to end within their token budget (off: the masks alone;
+        # ``sluice bench structured`` compares the two)
         self.budget_steering = True
         self.steered = 0  # sequences whose end was forced by the token budget
         self.replaced = 0  # sampled tokens replaced because the constraint would no longer fit

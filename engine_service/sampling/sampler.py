@@ -229,7 +229,7 @@ def _chunk_cols(chunks: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.T
 # streams every weight through the caches, so the sampler that runs after it finds its own code and
 # data evicted, and then each operator costs what fetching its working set from memory costs. One
 # row after a bfloat16 step of SmolLM2: one ``argmax`` cost a third of ``fast_argmax``'s ten
-# operators, though it is slower once they are warm (docs/performance.md, eleventh round).
+# operators, though it is slower once they are warm.
 ARGMAX_ROWS = 4
 
 

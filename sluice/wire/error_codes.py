@@ -6,7 +6,7 @@ model, a full queue, Redis unavailable, a lost request, the HTTP validation code
 maps each to its HTTP status, OpenAI ``type``, whether the client should retry (then the answer
 carries ``Retry-After``) and a default message. ``gateway/errors.py`` builds every error response
 from it; the engine's refusals (the scheduler's door, the worker) and the broker's ``Lost`` carry
-a ``Code``. ``docs/gateway.md``'s error table is checked against :data:`TABLE` by a test.
+a ``Code``. ``docs/api.md``'s error table is checked against :data:`TABLE` by a test.
 
 ``Code`` is a ``StrEnum``: its value is the OpenAI ``code`` string (``"deadline_exceeded"``), so it
 compares equal to the name a client reads.

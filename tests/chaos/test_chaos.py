@@ -35,11 +35,11 @@ import redis
 
 from sluice.wire import contract
 from sluice.wire.connection import connect
+from sluice_bench.redis_cluster import LocalRedisCluster
 from tests.queue_helpers import pending_count, queue_length
-from tests.redis_cluster import LocalRedisCluster
 from tests.waiting import wait_http
 
-pytestmark = [pytest.mark.model, pytest.mark.chaos]
+pytestmark = [pytest.mark.model, pytest.mark.chaos, pytest.mark.redis]
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "chaos"

@@ -15,7 +15,7 @@ from openai import OpenAI
 
 from tests.e2e.conftest import extra_gateway
 
-pytestmark = [pytest.mark.model, pytest.mark.docker]
+pytestmark = [pytest.mark.model, pytest.mark.docker, pytest.mark.redis]
 
 RUNNING = ("queued", "in_progress")
 

@@ -21,7 +21,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 from pydantic import BaseModel
 
-pytestmark = [pytest.mark.model, pytest.mark.docker]
+pytestmark = [pytest.mark.model, pytest.mark.docker, pytest.mark.redis]
 
 QUESTION = [{"role": "user", "content": "Which city is the capital of France? Answer as JSON."}]
 WEATHER = [{"role": "user", "content": "What is the weather like in Paris?"}]
@@ -66,7 +66,7 @@ def test_openai_parse_returns_the_model(stack) -> None:
 
 def test_openai_stream_helper_with_a_named_tool(stack) -> None:
     """``chat.completions.stream()`` accumulates the streamed tool call into a parsed one: it needs
-    exactly one ``tool_calls`` entry per index per chunk (issue 26 item 6)."""
+    exactly one ``tool_calls`` entry per index per chunk."""
     import openai
 
     tool = openai.pydantic_function_tool(GetWeather)

@@ -21,7 +21,7 @@ import pytest
 
 from tests.docker_support import DockerUnavailable, compose_command, free_port, require_docker
 
-pytestmark = [pytest.mark.docker, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(3600), pytest.mark.redis]
 
 # Per-request timeout: generous, because on a 2-core machine shared with other test runs (load
 # average 30 seen) an 8-token completion took over 120 s; the model is the same either way.

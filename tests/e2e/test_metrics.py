@@ -22,7 +22,7 @@ from tests.docker_support import free_port
 from tests.e2e.conftest import Stack, start_stack, stop_stack
 from tests.unit.test_engine_metrics import ENGINE_SAMPLES
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 ROOT = Path(__file__).resolve().parents[2]
 # A tiny pool of small blocks: 16 blocks of 4 tokens. Four requests of ~12 prompt tokens are all

@@ -12,7 +12,7 @@ from engine_service import LLM, SamplingParams
 
 # Redis Cluster changes what these check (sharded channels, hash-tagged queue, cross-node cancels):
 # the module runs on both topologies.
-pytestmark = [pytest.mark.model, pytest.mark.docker, pytest.mark.both_topologies]
+pytestmark = [pytest.mark.model, pytest.mark.docker, pytest.mark.both_topologies, pytest.mark.redis]
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "List three fruits:", "Once upon a time"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

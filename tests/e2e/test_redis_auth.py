@@ -11,7 +11,7 @@ from openai import OpenAI
 from sluice.wire.client import WireClient
 from tests.e2e.conftest import start_stack, stop_stack
 
-pytestmark = [pytest.mark.model, pytest.mark.docker]
+pytestmark = [pytest.mark.model, pytest.mark.docker, pytest.mark.redis]
 
 
 def test_engine_gateway_and_wire_client_authenticate(redis_cluster_factory, model_dir, tmp_path) -> None:

@@ -1,4 +1,4 @@
-"""Resumable streams (issue 22) with real processes: Redis, one engine, gateways. A chat completion
+"""Resumable streams with real processes: Redis, one engine, gateways. A chat completion
 stream whose gateway is kill -9'd resumes on another gateway with Last-Event-ID, every chunk once,
 in order; replays of finished streams; the errors of a bad Last-Event-ID; --no-resumable-streams.
 (A logged stream whose client goes away without resuming frees the engine after the resume window:
@@ -21,7 +21,7 @@ from sluice.wire import contract
 from sluice.wire.connection import connect
 from tests.e2e.conftest import extra_gateway
 
-pytestmark = [pytest.mark.model, pytest.mark.docker]
+pytestmark = [pytest.mark.model, pytest.mark.docker, pytest.mark.redis]
 
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 

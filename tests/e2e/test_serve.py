@@ -18,7 +18,7 @@ from sluice.cpu_placement import format_cpu_list, physical_cores
 from tests.docker_support import free_port
 from tests.waiting import wait_http
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 
 def _port_open(port: int) -> bool:

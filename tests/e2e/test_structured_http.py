@@ -20,12 +20,12 @@ import jsonschema
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from engine_service.bench.structured import unbounded_cases, validates
+from sluice_bench.structured import unbounded_cases, validates
 from tests.docker_support import free_port
 from tests.structured_cases import MAX_TOKENS, cases
 from tests.waiting import wait_http
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -253,8 +253,8 @@ def _clean(message: str) -> bool:
 
 
 def test_constraints_the_engine_would_fail_on_are_400_before_queueing(server):
-    """Issue 26: these passed the gateway's check and failed at the first sampled token with a 500
-    that dumped the grammar engine's state. The gateway now compiles them as the engine does
+    """Constraints that compile but that the grammar engine fails on once decoding starts are a 400
+    before queueing, never a 500 at the first sampled token: the gateway compiles them as the engine does
     (the model's vocabulary, the same resource limits, a walk to the shortest completion)."""
     base, model = server
     http = httpx.Client(base_url=base, timeout=600)
@@ -349,7 +349,7 @@ NOTES = {"type": "function", "function": {
 
 
 def test_the_token_budget_closes_schemas_and_forced_calls_streamed_and_not(server):
-    """Issue 24: unbounded schemas at temperature 0.7 with a max_tokens too small for what the model
+    """Unbounded schemas at temperature 0.7 with a max_tokens too small for what the model
     writes: every document still parses and validates, with finish_reason "stop" (forced tool
     calls: "tool_calls" with valid arguments), streamed and not; JSON mode and a regex too."""
     base, model = server

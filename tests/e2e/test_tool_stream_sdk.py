@@ -11,7 +11,7 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel
 
-pytestmark = [pytest.mark.model, pytest.mark.docker]
+pytestmark = [pytest.mark.model, pytest.mark.docker, pytest.mark.redis]
 
 
 class Add(BaseModel):
@@ -73,7 +73,7 @@ def test_the_stream_helper_gives_the_named_call_the_plain_response_gives(stack):
 
 
 def test_a_forced_call_too_long_for_max_tokens_is_refused_and_a_tight_one_closes(stack):
-    """A forced call knows its token budget (issue 24.1): below the call's shortest completion,
+    """A forced call knows its token budget: below the call's shortest completion,
     max_tokens is a 400 naming it before anything is queued, streamed or not; at exactly that
     budget the call is steered to close, its arguments parse, and streamed and plain agree (no
     call is ever cut short, so none differs between the two)."""

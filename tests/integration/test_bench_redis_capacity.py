@@ -1,18 +1,14 @@
-"""scripts/bench_redis_capacity.py's measurement on a real redis-server, for two seconds: real
+"""sluice bench redis-capacity's measurement on a real redis-server, for two seconds: real
 engine I/O (RedisIO + Worker, fake engine) and real gateway Brokers in their own processes."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-if str(SCRIPTS) not in sys.path:  # spawned children inherit sys.path, so they find the module too
-    sys.path.insert(0, str(SCRIPTS))
+from sluice_bench import redis_capacity as bench
+from sluice_cli.cli import main
 
-import bench_redis_capacity as bench  # noqa: E402
+pytestmark = pytest.mark.redis
 
 
 @pytest.mark.parametrize("topology", ["standalone", "cluster"])
@@ -50,9 +46,7 @@ def test_measure_counts_requests_events_and_commands(topology):
 
 
 def test_cli_refuses_bad_options(capsys):
-    with pytest.raises(SystemExit) as exc:
-        bench.main(["--concurrency", "0"])
-    assert exc.value.code == 2 and "--concurrency must be positive" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        bench.main(["--topologies", "sentinel"])
+    assert main(["bench", "redis-capacity", "--concurrency", "0"]) == 2
+    assert "--concurrency must be positive" in capsys.readouterr().err
+    assert main(["bench", "redis-capacity", "--topologies", "sentinel"]) == 2
     assert "unknown" in capsys.readouterr().err

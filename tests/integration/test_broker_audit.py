@@ -12,11 +12,14 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import redis
 
 from gateway.broker import Broker, Lost
 from sluice.wire import contract
 from sluice.wire.messages_pb2 import GenerateRequest
+
+pytestmark = pytest.mark.redis
 
 MODEL = "audit-model"
 

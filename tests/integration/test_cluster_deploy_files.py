@@ -12,14 +12,14 @@ import pytest
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-from tests.redis_cluster import SETUP_HINT, free_ports
+from sluice_bench.redis_cluster import SETUP_HINT, free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 NODE_CONF = REPO / "deploy" / "redis" / "cluster-node.conf"
 INIT = REPO / "deploy" / "redis" / "cluster-init.sh"
 PASSWORD = "init-test-pw"
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.redis]
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from engine_service.service.settings import ServiceSettings
 from sluice.wire import codec, contract
 from sluice.wire.client import WireClient
 
-pytestmark = [pytest.mark.model, pytest.mark.docker]
+pytestmark = [pytest.mark.model, pytest.mark.docker, pytest.mark.redis]
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from tests.integration.test_engine_service_worker import FakeEngine
 from tests.queue_helpers import has_group, pending_refs, queue_length
 from tests.waiting import wait_until
 
-pytestmark = pytest.mark.docker
+pytestmark = [pytest.mark.docker, pytest.mark.redis]
 
 MODEL = "fake-model"
 

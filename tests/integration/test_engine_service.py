@@ -27,7 +27,7 @@ from tests.docker_support import free_port
 from tests.queue_helpers import pending_count
 from tests.waiting import wait_until
 
-pytestmark = [pytest.mark.model, pytest.mark.docker]
+pytestmark = [pytest.mark.model, pytest.mark.docker, pytest.mark.redis]
 
 MAX_TOKENS = 6
 NUM_BLOCKS = 256

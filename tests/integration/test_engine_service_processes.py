@@ -20,7 +20,7 @@ from sluice.wire.client import WireClient
 from tests.docker_support import free_port
 from tests.queue_helpers import pending_count, pending_refs
 
-pytestmark = [pytest.mark.model, pytest.mark.docker]
+pytestmark = [pytest.mark.model, pytest.mark.docker, pytest.mark.redis]
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "svc-test-model"

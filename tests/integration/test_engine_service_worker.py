@@ -324,7 +324,7 @@ print("drained", worker.engine.iterations, events[-1].error.code == contract.ERR
 
 
 def test_a_drain_signal_that_lands_inside_the_inbox_still_drains():
-    """The hang the chaos test met once (docs/service.md): with a queue.Queue inbox, a SIGTERM
+    """The hang the chaos test met once (docs/operations.md, draining): with a queue.Queue inbox, a SIGTERM
     that lands while the step loop holds the queue's lock made the handler's put wait on its own
     thread forever, and the engine never drained. The inbox's put must be reentrant."""
     root = Path(__file__).resolve().parents[2]

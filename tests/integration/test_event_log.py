@@ -1,4 +1,4 @@
-"""The per-request event log (issue 22) at the engine, against a real Redis: what a logged request
+"""The per-request event log at the engine, against a real Redis: what a logged request
 leaves in its log and when it expires; the lost-gateway rule's exceptions (detached, leased).
 
 The HTTP side (resumed streams across gateways) is in tests/e2e/test_resumable_streams.py.
@@ -18,7 +18,7 @@ from sluice.wire.connection import connect
 from tests.integration.test_engine_service import cleanup, greedy, keep_alive, llm, make_service, prompts  # noqa: F401
 from tests.waiting import wait_until
 
-pytestmark = [pytest.mark.model, pytest.mark.docker]
+pytestmark = [pytest.mark.model, pytest.mark.docker, pytest.mark.redis]
 
 
 def submit(client: WireClient, model: str, prompt: list[int], params: dict, **flags):

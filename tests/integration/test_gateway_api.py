@@ -22,7 +22,7 @@ fake_engine = support.fake_engine
 gateway = support.gateway
 make_gateway = support.make_gateway
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 
 def sse_events(resp: httpx.Response) -> list:
@@ -489,7 +489,7 @@ def test_a_silently_dropped_subscription_is_noticed_and_audited(gateway, fake_en
 def test_queued_request_waits_for_a_restarted_engine(gateway, fake_engine, monkeypatch):
     """The only engine drains (or dies) while a request is queued, untouched: the request waits
     for an engine instead of failing at the first liveness check, and the restarted engine
-    serves it (issue 12, item 3)."""
+    serves it."""
     from gateway import generation
 
     monkeypatch.setattr(generation, "LIVENESS_CHECK_S", 0.2)

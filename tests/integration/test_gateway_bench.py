@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-from sluice_cli import bench_serve
+from sluice_bench import serve as bench_serve
 from tests.integration import test_gateway_support as support
 
 gateway = support.gateway
 fake_engine = support.fake_engine
 make_gateway = support.make_gateway
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

@@ -1,9 +1,9 @@
-"""Gateway state stays bounded whatever names clients send (issue 12, item 6).
+"""Gateway state stays bounded whatever names clients send.
 
-Every unknown model name used to leave an ``asyncio.Lock`` behind (``Broker._card_locks``): 20,000
-requests naming different 4,000-character models grew the gateway by 61 MB, never returned. The
-memory measurement over 100,000 requests is a benchmark (``python -m gateway.bench_memory``,
-docs/gateway.md), not a timed test; this test checks the structures themselves.
+An unknown model name must leave nothing behind in the gateway (a per-name lock kept forever would
+grow it without bound). The memory measurement over many requests is a benchmark
+(``sluice bench gateway-memory``, docs/benchmarks.md), not a timed test; this test checks the
+structures themselves.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ fake_engine = support.fake_engine
 make_gateway = support.make_gateway
 gateway = support.gateway
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 
 def _broker_state(broker: Broker) -> dict[str, int]:

@@ -23,7 +23,7 @@ from tests.integration.test_gateway_support import MODEL, FakeEngine
 
 make_gateway = support.make_gateway
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 # Distinct from the model's own template, so a test can tell which one was used.
 CUSTOM = (

@@ -19,7 +19,7 @@ from tests.integration.test_gateway_support import MAX_MODEL_LEN, MODEL
 fake_engine = support.fake_engine
 make_gateway = support.make_gateway
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 THOUGHT = "Let me think: 2+2 is 4, so\n"
 ANSWER = '{"answer": 4}'

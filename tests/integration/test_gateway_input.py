@@ -1,4 +1,4 @@
-"""Hostile and sloppy input gets a clear 400, never a 500 (issue 12, items 5 and 9): the real
+"""Hostile and sloppy input gets a clear 400, never a 500: the real
 gateway app with a real Redis and the contract-following fake engine.
 
 Before: a lone surrogate in a message's content was a 500 "Internal error: TypeError" (the
@@ -22,7 +22,7 @@ fake_engine = support.fake_engine
 make_gateway = support.make_gateway
 gateway = support.gateway
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 JSON = {"content-type": "application/json"}
 CHAT = "/v1/chat/completions"
@@ -193,8 +193,8 @@ def test_503s_carry_retry_after(gateway, fake_engine):
 
 
 def test_deeply_nested_body_is_400(gateway, fake_engine):
-    """Issue 26 item 1, its body: with the surrogate-pair escape it was a 500 RecursionError
-    (body_checks parsed it and caught only ValueError); without the escape a 400 with no code."""
+    """Nested past the parser's recursion: a 400, with the surrogate-pair escape (body_checks parses
+    it, where a RecursionError must not become a 500) and without it."""
     for prompt in ("x\\ud83d\\ude00", "x"):
         raw = f'{{"model": "{MODEL}", "max_tokens": 2, "prompt": "{prompt}", "zz": {"[" * 10000}1{"]" * 10000}}}'
         err = assert_error(post_raw(gateway, COMPLETIONS, raw), 400, param=None, code="invalid_json")

@@ -18,6 +18,8 @@ from tests.integration import test_gateway_support as support
 from tests.integration.test_gateway_api import sse_events
 from tests.integration.test_gateway_support import MODEL
 
+pytestmark = pytest.mark.redis
+
 fake_engine = support.fake_engine
 gateway = support.gateway
 make_gateway = support.make_gateway

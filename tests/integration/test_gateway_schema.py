@@ -1,7 +1,7 @@
 """Schemathesis over the gateway's OpenAPI schema: no generated request gets a 5xx.
 
 The schema lets ``model`` be any string, and a generated one names no served model: nearly every
-generation case stopped at the 404 (issue 26). So the schema fuzzed here names the served model:
+generation case would stop at the 404. So the schema fuzzed here names the served model:
 every request's ``model`` (and ``/v1/models/{model_id}``) is the fake engine's model or, to keep
 the 404 path fuzzed too, one unknown name; and a completion's prompt is not empty (the gateway's
 first refusal). The test counts how many generation cases the gateway
@@ -20,7 +20,7 @@ from tests.integration import test_gateway_support as support
 fake_engine = support.fake_engine
 make_gateway = support.make_gateway
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 UNKNOWN_MODEL = "no-such-model"
 MODEL_NAMES = {"type": "string", "enum": [support.MODEL, UNKNOWN_MODEL]}

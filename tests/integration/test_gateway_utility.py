@@ -22,7 +22,7 @@ fake_engine = support.fake_engine
 gateway = support.gateway
 make_gateway = support.make_gateway
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi! 你好"}]
 
@@ -207,8 +207,8 @@ OWN_TEMPLATE = "{{ prefix }}{% for m in messages %}{{ m['role'] }}: {{ m['conten
 
 
 def test_a_request_chat_template_is_refused_not_ignored(gateway, fake_engine) -> None:
-    """Issue 26 item 8: a chat request's `chat_template` was silently ignored (the model's was
-    rendered). Without --trust-request-chat-template it is a 400 naming it, as /tokenize answers."""
+    """A chat request's `chat_template` is never silently ignored (the model's rendered instead).
+    Without --trust-request-chat-template it is a 400 naming it, as /tokenize answers."""
     r = httpx.post(f"{gateway.url}/v1/chat/completions",
                    json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "chat_template": OWN_TEMPLATE})
     err = assert_error(r, 400, param="chat_template")

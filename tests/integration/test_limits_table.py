@@ -25,6 +25,8 @@ from tests.integration import test_gateway_support as support
 from tests.integration.test_engine_service_worker import FakeEngine, start, stop, terminal, wait_for
 from tests.integration.test_gateway_support import MAX_MODEL_LEN, MODEL
 
+pytestmark = [pytest.mark.model, pytest.mark.redis]
+
 fake_engine = support.fake_engine
 gateway = support.gateway
 make_gateway = support.make_gateway

@@ -1,7 +1,8 @@
 """docs/metrics.md against live processes: a scrape of a running engine (its Redis I/O threads and
 step loop on a real Redis, a model-free engine inside) and of a running gateway finds every
 documented metric, each sample with the documented labels (and, where the docs list them, only the
-documented label values: no ``code="3"``), and no Sluice series the docs do not list."""
+documented label values: no ``code="3"``), and no Sluice series the docs do not list. (That every
+metric name any doc mentions is defined at all is tests/unit/test_docs.py's static check.)"""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine_service.service.metrics import EngineMetrics
 from sluice.wire.client import WireClient
+from tests.docs_check import metric_tables
 from tests.integration import test_gateway_support as support
 from tests.integration.test_engine_reliability import MODEL as ENGINE_MODEL
 from tests.integration.test_engine_reliability import FakeService, wait_until
@@ -23,7 +25,7 @@ fake_engine = support.fake_engine
 gateway = support.gateway
 make_gateway = support.make_gateway
 
-pytestmark = pytest.mark.docker
+pytestmark = [pytest.mark.model, pytest.mark.docker, pytest.mark.redis]
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 ENGINE_LABELS = {"model", "engine_id"}
@@ -36,28 +38,7 @@ def documented() -> tuple[dict[str, dict[str, set[str] | None]], dict[str, dict[
     text = DOC.read_text(encoding="utf-8")
     engine_part = text[text.index("## Engine"):text.index("## Gateway")]
     gateway_part = text[text.index("## Gateway"):text.index("## Scraping")]
-    return _tables(engine_part), _tables(gateway_part)
-
-
-def _tables(part: str) -> dict[str, dict[str, set[str] | None]]:
-    out: dict[str, dict[str, set[str] | None]] = {}
-    has_labels = False
-    for line in part.splitlines():
-        if line.startswith("| metric |"):
-            has_labels = "| labels |" in line
-            continue
-        m = re.match(r"^\| `((?:sluice|sluice_gateway):[a-z0-9_:]+)` \|(.*)$", line)
-        if not m:
-            continue
-        labels: dict[str, set[str] | None] = {}
-        cell = m.group(2).split(" | ")[0] if has_labels else ""
-        names = re.findall(r"`([a-z_]+)`", cell)
-        if "=" in cell:
-            labels[names[0]] = set(names[1:])
-        else:
-            labels.update({n: None for n in names})
-        out[m.group(1)] = labels
-    return out
+    return metric_tables(engine_part), metric_tables(gateway_part)
 
 
 def scrape(url: str) -> tuple[set[str], list]:

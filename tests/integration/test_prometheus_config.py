@@ -19,6 +19,8 @@ import pytest
 from tests.docker_support import LOOPBACK, free_port, require_docker
 from tests.unit.test_monitoring_config import PROMETHEUS, dashboard_exprs
 
+pytestmark = pytest.mark.docker
+
 IMAGE = "prom/prometheus:v2.42.0"
 LB_IMAGE = "haproxy:2.6"
 CONFIG_IN_CONTAINER = "/etc/prometheus/prometheus.yml"

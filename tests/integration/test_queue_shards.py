@@ -21,7 +21,7 @@ from tests.integration.test_engine_reliability import MODEL, FakeService
 from tests.queue_helpers import pending_refs
 from tests.waiting import wait_until
 
-pytestmark = pytest.mark.docker
+pytestmark = [pytest.mark.docker, pytest.mark.redis]
 
 S = 8
 PARAMS = {"temperature": 0.0, "max_tokens": 3}

@@ -1,4 +1,4 @@
-"""The Redis Cluster fixtures themselves (tests/redis_cluster.py): a real cluster of redis-server
+"""The Redis Cluster fixtures themselves (sluice_bench/redis_cluster.py): a real cluster of redis-server
 processes, proved real by what only a cluster does (keys spread over the masters, CROSSSLOT,
 failover), with auth when asked. Clients here are redis-py's own ``RedisCluster``."""
 
@@ -14,10 +14,10 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
+from sluice_bench.redis_cluster import ClusterUnavailable, LocalRedisCluster
 from tests import cluster_fixtures
-from tests.redis_cluster import ClusterUnavailable, LocalRedisCluster
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.redis]
 
 
 def _keys_on(cluster: LocalRedisCluster, master, count: int, prefix: str) -> list[str]:

@@ -9,7 +9,7 @@ import redis
 
 from sluice.wire.connection import connect
 
-pytestmark = pytest.mark.docker
+pytestmark = [pytest.mark.docker, pytest.mark.redis]
 
 
 def test_redis_url_is_local_and_answers(redis_url: str) -> None:

@@ -12,7 +12,7 @@ import pytest
 from sluice.wire import contract
 from sluice.wire.connection import RedisURLError, check_url, connect, is_cluster, parse_url, redact
 
-pytestmark = pytest.mark.docker
+pytestmark = [pytest.mark.docker, pytest.mark.redis]
 
 CLI = [sys.executable, "-m", "sluice_cli.cli"]
 

@@ -11,7 +11,7 @@ from sluice.wire import contract
 from sluice.wire import stored_response as sr
 from sluice.wire.connection import connect
 
-pytestmark = pytest.mark.both_topologies
+pytestmark = [pytest.mark.both_topologies, pytest.mark.redis]
 
 
 async def test_save_update_load_delete(clean_redis, redis_client):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from engine_service.bench.scheduler import (
+from engine_service.config import SchedulerConfig
+from sluice_bench.scheduler import (
     WorkloadSpec,
     aggregate,
     make_workload,
@@ -12,7 +13,6 @@ from engine_service.bench.scheduler import (
     simulate,
     sweep_watermarks,
 )
-from engine_service.config import SchedulerConfig
 from sluice_cli.cli import main
 
 RESERVES = [0, 1, 2, 3]

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from engine_service.bench import anchor
 from sluice.cpuinfo import cpu_model
+from sluice_bench import anchor
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
 

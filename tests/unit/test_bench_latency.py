@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine_service.bench import latency
+from sluice_bench import latency
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
 

@@ -53,7 +53,7 @@ def test_bench_offline_modes_cycled_concurrency_and_peak_memory(model_dir, tmp_p
 def test_compile_flags_match_bench_latency() -> None:
     import argparse
 
-    from engine_service.bench.offline import add_arguments
+    from sluice_bench.offline import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -66,7 +66,7 @@ def test_compile_flags_match_bench_latency() -> None:
 def test_workload_flops_count_every_product_once() -> None:
     """A request's FLOPs, counted token by token: each token through the decoder multiplies every
     projection and attends over the keys up to itself; each sampled token multiplies the head."""
-    from engine_service.bench.flops import ModelShape
+    from sluice_bench.flops import ModelShape
 
     shape = ModelShape(hidden=8, intermediate=12, layers=2, heads=4, kv_heads=2, head_dim=2, vocab=10)
     per_layer = 8 * 8 + 2 * (8 * 4) + 8 * 8 + 3 * 8 * 12  # q, k and v, o, gate/up/down

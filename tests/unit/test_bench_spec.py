@@ -57,27 +57,3 @@ def test_bench_spec_refuses_an_unknown_mode(capsys) -> None:
         main(["bench", "spec", "--mode", "fp8"])
     assert exc.value.code == 2
     assert "invalid choice: 'fp8'" in capsys.readouterr().err
-
-
-def test_alternate_rotates_the_arms_and_rates_each_run(monkeypatch) -> None:
-    """`alternate` (scripts/spec_fast_step_ab.py, spec_k_ab.py): every round runs every batch under
-    each arm, the arms' order rotating, and an arm's rate is its decode tokens over the batches'
-    decode seconds; its outputs are its first round's."""
-    from engine_service.bench import spec
-
-    order: list[str] = []
-    current: list[str] = []
-
-    def timed(llm, prompts, params, speculate):
-        assert speculate
-        # 2 s of decode for arm "a", 1 s for "b"; prompts of 3 and 5 output tokens
-        out = [[0] * (3 if p == "x" else 5) for p in prompts]
-        return 9.0, {"a": 2.0, "b": 1.0}[current[-1]], out
-
-    monkeypatch.setattr(spec, "_timed", timed)
-    arms = {name: (lambda name=name: (order.append(name), current.append(name))) for name in ("a", "b")}
-    rates, outputs = spec.alternate(None, [["x"], ["y"]], None, arms, pairs=3)
-    assert order == ["a", "b", "b", "a", "a", "b"]
-    # tokens after each request's first: 2 + 4 over two batches' decode seconds
-    assert rates == {"a": [6 / 4.0] * 3, "b": [6 / 2.0] * 3}
-    assert outputs == {"a": [[0] * 3, [0] * 5], "b": [[0] * 3, [0] * 5]}

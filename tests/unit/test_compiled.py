@@ -18,7 +18,7 @@ from engine_service import LLM, SamplingParams
 from engine_service.model.compiled import compile_supported
 from tests.model_helpers import parity_prompts, shallow_copy
 
-pytestmark = [pytest.mark.model, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(1800)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 

@@ -93,9 +93,9 @@ def test_the_benches_take_the_engine_flags_they_pass_through_from_the_config(ben
     from EngineConfig: the same choices and defaults as ``sluice engine``, a bad value refused."""
     import importlib
 
-    from engine_service.bench.modes import BENCH_ENGINE_FLAGS
+    from sluice_bench.modes import BENCH_ENGINE_FLAGS
 
-    parser = _parser(importlib.import_module(f"engine_service.bench.{bench}"))
+    parser = _parser(importlib.import_module(f"sluice_bench.{bench}"))
     engine = argparse.ArgumentParser()
     add_engine_arguments(engine)
     for name in BENCH_ENGINE_FLAGS:

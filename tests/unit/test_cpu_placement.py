@@ -124,6 +124,7 @@ def test_pinned_moves_every_thread_and_puts_them_back():
     assert after == str([tuple(cpus)])
 
 
+@pytest.mark.model
 def test_an_engine_given_cpus_runs_every_thread_there_with_a_compute_thread_each(model_dir):
     """A thread the process had before the engine is moved, the engine's own threads start there,
     torch computes with one thread, and it decodes."""

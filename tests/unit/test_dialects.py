@@ -25,6 +25,7 @@ LLAMA32_PYTHONIC = ("<|start_header_id|>system<|end_header_id|>You should only r
                     "the format [func_name1(params_name1=params_value1, params_name2=params_value2...)]")
 
 
+@pytest.mark.model
 def test_detection_from_the_chat_template(model_dir: Path):
     assert dialects.resolve(QWEN3) == ("hermes", "qwen3")
     assert dialects.resolve(R1_DISTILL) == ("hermes", "deepseek_r1")
@@ -76,6 +77,7 @@ def _model(tmp_path: Path, model_dir: Path, template: str | None = None) -> Path
     return d
 
 
+@pytest.mark.model
 def test_the_card_names_the_parsers(tmp_path: Path, model_dir: Path):
     from engine_service.service.main import model_card
 

@@ -1,6 +1,5 @@
-"""The engine's admin surface (issue 26 item 5): gRPC (health, GetStats, an unauthenticated
-``Drain``) and Prometheus metrics listened on every interface by default, IPv6 too, so anyone who
-reached the port could drain the engine. Now both bind loopback unless a flag says otherwise, and
+"""The engine's admin surface: gRPC (health, GetStats, ``Drain``) and Prometheus metrics bind
+loopback unless a flag says otherwise (whoever reaches the port could drain the engine), and
 ``--admin-token`` makes ``Drain`` ask for ``authorization: Bearer TOKEN``.
 
 A fake worker stands in for the step loop: what is tested is the server, not the drain itself

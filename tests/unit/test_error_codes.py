@@ -1,5 +1,5 @@
 """The one table of error codes (``sluice.wire.error_codes``): it covers the proto's ``ErrorCode``,
-the gateway builds every answer from it, and docs/gateway.md's error table says what it says."""
+the gateway builds every answer from it, and docs/api.md's error table says what it says."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from sluice.wire import codec
 from sluice.wire.error_codes import TABLE, Code
 from sluice.wire.messages_pb2 import ErrorCode
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "gateway.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 
 
 def test_every_code_has_one_row_and_the_proto_enum_is_covered():

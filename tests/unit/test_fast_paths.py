@@ -72,6 +72,7 @@ def test_inplace_decode_attention_matches_reference(heads, kv_heads, block_size)
 # below, transposed so that a token is a lane), a float32 K (and bfloat16 of 48) with 16 scores
 # summed across lanes at once; 24 the portable loops (float16: its own exact widening); blocks of 32
 # split a run in two; groups of 1 to 6 query heads a kv head take every split in threes
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,block_size,head_dim", [
     (9, 3, 16, 32), (4, 4, 4, 32), (8, 2, 8, 32), (6, 1, 16, 32), (9, 3, 16, 64), (4, 2, 32, 64),
@@ -95,6 +96,7 @@ def test_native_decode_attention_matches_reference(heads, kv_heads, block_size, 
     assert torch.equal(strided, got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_native_decode_attention_keeps_a_float32_query_over_a_bfloat16_cache(head_dim):
     """kv_cache_dtype=bfloat16 under a float32 model: q is not a bfloat16, so its scores take the
@@ -110,6 +112,7 @@ def test_native_decode_attention_keeps_a_float32_query_over_a_bfloat16_cache(hea
     torch.testing.assert_close(got, ref, atol=5e-6, rtol=1e-5)  # float32 sums in another order
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_decode_attention_softmax_holds_for_scores_in_the_thousands(dtype):
     """Each partition's softmax subtracts the partition's largest score (vector code, its tail
@@ -124,6 +127,7 @@ def test_native_decode_attention_softmax_holds_for_scores_in_the_thousands(dtype
     torch.testing.assert_close(got.float(), ref, atol=2e-5 if dtype == torch.float32 else 2e-2, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_dim", [24, 64])
 def test_native_decode_attention_reads_float16_subnormals_under_a_float32_query(head_dim):
     """kv_cache_dtype=float16 under a float32 model: values below float16's smallest normal
@@ -140,6 +144,7 @@ def test_native_decode_attention_reads_float16_subnormals_under_a_float32_query(
     torch.testing.assert_close(got * 1e5, ref * 1e5, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_dim", [24, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_decode_attention_is_batch_and_thread_invariant(dtype, head_dim):
@@ -175,6 +180,7 @@ def _chunk_scores_switch():
     return switch, passes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("heads,kv_heads,block_size", [(9, 3, 16), (10, 2, 32), (4, 4, 16)])
 @pytest.mark.parametrize("context", [1, 15, 16, 80, 300])
 def test_a_draft_chunks_rows_stay_their_own(heads, kv_heads, block_size, context):
@@ -232,6 +238,7 @@ def test_a_draft_chunks_rows_stay_their_own(heads, kv_heads, block_size, context
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_native_decode_attention_refuses_what_it_cannot_run():
     kernel = load_paged_decode_attention()
     q, k_cache, v_cache, meta = _random_paged_case(9, 3, 16)

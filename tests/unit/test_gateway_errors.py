@@ -35,7 +35,7 @@ def test_malformed_json(client):
 @pytest.mark.parametrize("prompt", ["x", "x\\ud83d\\ude00", "x\\ud800", "x\\u00e9", "ünï"])
 @pytest.mark.parametrize("open_, close", [("[", "]"), ('{"a":', "}")])
 def test_deeply_nested_body_is_400(prompt, open_, close):
-    """Issue 26 item 1: nested past the parser's recursion, a body with a surrogate escape (parsed by
+    """Nested past the parser's recursion, a body with a surrogate escape (parsed by
     body_checks) was a 500 RecursionError; without one (parsed by FastAPI) a 400 without a code."""
     client = TestClient(create_app(GatewayConfig(api_keys=["k"])), raise_server_exceptions=False)
     raw = f'{{"model": "m", "max_tokens": 2, "prompt": "{prompt}", "zz": {open_ * 10000}1{close * 10000}}}'
@@ -94,9 +94,9 @@ def test_param_of():
 
 
 def test_every_path_but_probes_and_docs_needs_the_key():
-    """Issue 26 item 8: /tokenize and /detokenize were open without the API key (only /v1/ was
-    checked), so anyone could spend the gateway's CPU tokenizing megabytes. Probes, metrics, the
-    version and the API's documentation stay open (documented in docs/gateway.md)."""
+    """/tokenize and /detokenize need the API key like /v1/ (else anyone could spend the gateway's
+    CPU tokenizing megabytes). Probes, metrics, the
+    version and the API's documentation stay open (documented in docs/api.md)."""
     client = TestClient(create_app(GatewayConfig(api_keys=["k"])), raise_server_exceptions=False)
     for path in ("/tokenize", "/detokenize", "/v1/completions", "/v1/models", "/anything-else"):
         r = client.post(path, json={"prompt": "x", "tokens": [1]}) if path != "/v1/models" else client.get(path)

@@ -1,4 +1,4 @@
-"""The gateway's access log (issue 26 item 8): uvicorn logged every /health and /metrics request at
+"""The gateway's access log: uvicorn logged every /health and /metrics request at
 INFO, so a load balancer's probes and Prometheus' scrapes buried the requests. Through the logging
 configuration `sluice gateway` hands uvicorn (applied in every worker), their successful access
 lines are dropped unless debug logging is on, and so is /health's "not ready" 503 (a stack that

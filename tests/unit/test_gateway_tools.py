@@ -68,6 +68,7 @@ def test_tool_choice_parsing_and_schemas():
     assert _error(tools.parse_tools, [bad], "required", None).param == "tools"
 
 
+@pytest.mark.model
 def test_messages_with_tools_render_through_the_default_block(ours):
     spec = tools.parse_tools([FN], "auto", None)
     history = [

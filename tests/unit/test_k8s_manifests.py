@@ -307,7 +307,7 @@ def _arg(args: list[str], flag: str) -> str | None:
 
 
 def test_engine_admin_port_is_fenced() -> None:
-    """Issue 26 item 5: the engine binds loopback by default, so the pod must ask for every
+    """The engine binds loopback by default, so the pod must ask for every
     interface where the kubelet's probes and Prometheus dial the pod IP; other pods may reach only
     the metrics port (NetworkPolicy), and Drain takes the sluice-admin Secret's token."""
     deployment = _find("Deployment", "sluice-engine")

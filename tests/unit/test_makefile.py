@@ -1,6 +1,6 @@
 """The Makefile installs into the project's .venv and never into the system Python.
 
-`make -n -B` prints every command `make install serve test` would run, without running any; each
+`make -n -B` prints every command `make install serve test test-fast` would run, without running any; each
 one that calls python or pip must be the venv's, except the system python3 that creates the venv.
 """
 
@@ -33,7 +33,7 @@ def _dry_run(*targets: str, **variables: str) -> list[str]:
 
 def test_every_python_and_pip_call_is_the_venvs(tmp_path) -> None:
     venv = tmp_path / "venv"
-    lines = _dry_run("install", "serve", "test", VENV=str(venv))
+    lines = _dry_run("install", "serve", "test", "test-fast", VENV=str(venv))
     commands = [line for line in lines if not line.startswith("#")]
     system_uses = []
     for line in commands:
@@ -56,6 +56,8 @@ def test_every_python_and_pip_call_is_the_venvs(tmp_path) -> None:
     assert f"{venv}/bin/sluice serve" in commands
     assert f"{venv}/bin/python -m pytest -q -p no:cacheprovider tests" in commands
     assert f"PYTHON={venv}/bin/python bash .ci/setup-docker.sh" in commands
+    assert (f'SLUICE_TEST_TIER=fast {venv}/bin/python -m pytest -q -p no:cacheprovider tests/unit '
+            '-m "not model and not redis and not slow"') in commands
 
 
 def test_default_venv_is_dot_venv_in_the_repo() -> None:
@@ -68,6 +70,7 @@ def test_default_venv_is_dot_venv_in_the_repo() -> None:
     assert dockerignore[0].startswith("#") and "*" in dockerignore and "!.venv" not in dockerignore
 
 
+@pytest.mark.slow  # creates a virtual environment
 def test_make_venv_creates_an_isolated_environment(tmp_path) -> None:
     """`make venv` really creates a venv that does not see the system's site-packages."""
     venv = tmp_path / "v"

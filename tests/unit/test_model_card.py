@@ -44,6 +44,7 @@ def test_chat_template_precedence(tmp_path: Path) -> None:
 # -- the card codec ---------------------------------------------------------------------------
 
 
+@pytest.mark.model
 def test_card_round_trips_through_the_redis_hash(model_dir: Path, tmp_path: Path) -> None:
     d = tmp_path / "m"
     d.mkdir()

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine_service.bench.scheduler import FakeKVRunner
 from engine_service.config import MAX_SCHEDULER_STEPS, SchedulerConfig, SpeculativeConfig
 from engine_service.core.block_pool import blocks_for_length
 from engine_service.core.request import FinishReason, Request, RequestStatus
 from engine_service.core.sampling_params import SamplingParams
 from engine_service.core.scheduler import Scheduler
+from sluice_bench.scheduler import FakeKVRunner
 
 
 def make(steps=4, num_blocks=32, block_size=4, rows=16, watermark=0, max_model_len=4096, **kwargs):

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 from engine_service.model import native
@@ -34,6 +35,7 @@ def test_pyproject_states_the_torch_the_bindings_need():
     assert _target(native.MIN_TORCH) in native.CXXFLAGS  # the build targets it: newer calls fail it
 
 
+@pytest.mark.slow  # runs g++
 def test_the_bindings_build_for_that_torch_and_not_the_one_before():
     """Against the installed headers, targeting the stated lower bound compiles every binding, and
     targeting the release before it does not: the bound is the real one."""

@@ -622,9 +622,9 @@ def test_an_engine_times_a_verifying_row_and_resolves_the_back_off(llm, model_di
     BACKOFF_MIN_ROW_COST of a step; the scheduler's drafters get the resolved setting. A bfloat16
     engine then speculates through its multi-row native step."""
     import engine_service.engine
-    from engine_service.bench.modes import describe_engine
     from engine_service.config import BACKOFF_MIN_ROW_COST
     from engine_service.model.prepacked import gemv_max_rows
+    from sluice_bench.modes import describe_engine
 
     monkeypatch.setattr(engine_service.engine, "compile_supported", lambda device: "no compiler (the test says)")
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}

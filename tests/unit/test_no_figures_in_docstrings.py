@@ -1,5 +1,5 @@
 """Docstrings and --help texts hold no benchmark figures: figures go stale with the next change, so
-they live in README.md / docs next to the command that reproduces them (issue 23). A docstring may
+they live in README.md / docs next to the command that reproduces them. A docstring may
 still say *that* something is faster and point to where the figure is."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ FIGURE = re.compile(
     r"|\b\d+(?:\.\d+)?\s?%\s(?:less|more|faster|slower)\b"
     r"|\b\d+(?:\.\d+)?\s?[x×]\s(?:faster|slower)\b"
 )
-# Modules other helpers own and are moving their figures out of (issue 23, item 6); each must still
+# Modules other helpers own and are moving their figures out of; each must still
 # hold one, so that this list only ever shrinks.
 PENDING = {
     "engine_service/model/compiled.py",

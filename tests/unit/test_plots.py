@@ -1,4 +1,4 @@
-"""Benchmark charts (sluice/plots.py): each bench's chart from its JSON, the series behind them,
+"""Benchmark charts (sluice_bench/plots.py): each bench's chart from its JSON, the series behind them,
 the CLI that redraws saved results, and the message when matplotlib is missing."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from sluice import plots
+from sluice_bench import plots
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS_BENCH = REPO / "docs" / "bench"
+SAMPLES = REPO / "tests" / "data" / "bench"  # saved results of other benches, to draw
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -26,7 +27,7 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 
 def _serve_doc(with_requests: bool = True) -> dict:
-    doc = json.loads((DOCS_BENCH / "serve-burst.json").read_text())
+    doc = json.loads((SAMPLES / "serve-burst.json").read_text())
     doc.pop("requests", None)
     if with_requests:
         doc["requests"] = [
@@ -59,7 +60,7 @@ def test_serve_chart(tmp_path, with_requests) -> None:
 
 
 def test_offline_and_sweep_charts_from_the_committed_results(tmp_path) -> None:
-    offline = json.loads((DOCS_BENCH / "offline.json").read_text())
+    offline = json.loads((SAMPLES / "offline.json").read_text())
     assert _png_size(plots.plot_offline(offline, tmp_path / "o.png"))[0] > 500
     sweeps = [json.loads((DOCS_BENCH / n).read_text()) for n in ("scheduler-sweep.json", "scheduler-sweep-roomy.json")]
     assert _png_size(plots.plot_scheduler_sweep(sweeps, tmp_path / "s.png"))[0] > 1000
@@ -67,7 +68,7 @@ def test_offline_and_sweep_charts_from_the_committed_results(tmp_path) -> None:
 
 
 def test_same_json_same_png(tmp_path) -> None:
-    offline = json.loads((DOCS_BENCH / "offline.json").read_text())
+    offline = json.loads((SAMPLES / "offline.json").read_text())
     a = plots.plot_offline(offline, tmp_path / "a.png").read_bytes()
     b = plots.plot_offline(offline, tmp_path / "b.png").read_bytes()
     assert a == b  # no timestamp in the metadata: committed charts change only when the data does
@@ -75,7 +76,7 @@ def test_same_json_same_png(tmp_path) -> None:
 
 def test_kind_of() -> None:
     assert plots.kind_of(_serve_doc()) == "serve"
-    assert plots.kind_of(json.loads((DOCS_BENCH / "offline.json").read_text())) == "offline"
+    assert plots.kind_of(json.loads((SAMPLES / "offline.json").read_text())) == "offline"
     assert plots.kind_of(json.loads((DOCS_BENCH / "scheduler-sweep.json").read_text())) == "scheduler"
     with pytest.raises(ValueError, match="unknown JSON layout"):
         plots.kind_of({"something": 1})
@@ -87,7 +88,7 @@ def test_bench_plot_command(tmp_path, capsys) -> None:
     serve = tmp_path / "serve.json"
     serve.write_text(json.dumps(_serve_doc()))
     offline = tmp_path / "offline.json"
-    offline.write_text((DOCS_BENCH / "offline.json").read_text())
+    offline.write_text((SAMPLES / "offline.json").read_text())
     tight, roomy = tmp_path / "tight.json", tmp_path / "roomy.json"
     tight.write_text((DOCS_BENCH / "scheduler-sweep.json").read_text())
     roomy.write_text((DOCS_BENCH / "scheduler-sweep-roomy.json").read_text())
@@ -143,7 +144,7 @@ def no_matplotlib(monkeypatch):
 def test_missing_matplotlib_says_what_to_install(no_matplotlib, tmp_path, capsys) -> None:
     assert not plots.available()
     with pytest.raises(plots.PlotUnavailable, match=re.escape("pip install 'sluice[bench]'")):
-        plots.plot_offline(json.loads((DOCS_BENCH / "offline.json").read_text()), tmp_path / "o.png")
+        plots.plot_offline(json.loads((SAMPLES / "offline.json").read_text()), tmp_path / "o.png")
     with pytest.raises(plots.PlotUnavailable, match="matplotlib"):
         plots.require()
     # the default chart is skipped with a note; the run goes on
@@ -175,11 +176,12 @@ def test_missing_matplotlib_bench_scheduler_still_runs(no_matplotlib, tmp_path, 
 # --- the committed charts ------------------------------------------------------------------------------
 
 
-def test_readme_shows_the_committed_charts() -> None:
-    readme = (REPO / "README.md").read_text()
-    shown = re.findall(r"!\[[^\]]*\]\((docs/bench/[\w.-]+\.png)\)", readme)
-    assert {"docs/bench/offline.png", "docs/bench/serve-poisson.png", "docs/bench/scheduler-sweep.png"} <= set(shown)
-    for rel in shown:
-        _png_size(REPO / rel)
+def test_the_docs_charts_are_drawn_from_committed_results() -> None:
+    docs = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    shown = {(doc.parent / m).resolve() for doc in docs
+             for m in re.findall(r"!\[[^\]]*\]\(([\w./-]+\.png)\)", doc.read_text())}
+    assert (DOCS_BENCH / "scheduler-sweep.png").resolve() in shown
+    for png in shown:
+        _png_size(png)
         # each chart is drawn from a committed JSON of the same name
-        assert (REPO / rel).with_suffix(".json").exists(), rel
+        assert png.with_suffix(".json").exists(), png

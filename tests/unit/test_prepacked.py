@@ -29,6 +29,8 @@ from engine_service.model.prepacked import (
     prepacked_linear_op,
 )
 
+pytestmark = pytest.mark.slow  # builds the native kernels
+
 PREPACKS = prepack_unavailable(torch.bfloat16, torch.device("cpu")) is None
 
 

@@ -20,6 +20,8 @@ from engine_service.model.quantization import (
     unpack_q4,
 )
 
+pytestmark = pytest.mark.slow  # builds the native kernels
+
 
 @pytest.fixture(autouse=True)
 def _native_q4_or_fail():
@@ -181,6 +183,7 @@ def test_bias_and_many_rows():
     assert torch.equal(few[:3], nobias(x[:3]) + bias)
 
 
+@pytest.mark.model
 def test_engine_greedy_output_is_sensible_and_batch_invariant(model_dir):
     from engine_service import LLM, SamplingParams
 

@@ -155,6 +155,7 @@ def float_outputs(model_dir, prompts):
     return [o.outputs[0].token_ids for o in ref.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))]
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_engine_runs_quantized_and_agrees_with_float(model_dir, prompts, float_outputs, method):
     from engine_service import LLM, SamplingParams
@@ -180,6 +181,7 @@ def test_engine_runs_quantized_and_agrees_with_float(model_dir, prompts, float_o
     assert alone == got[1]
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_a_long_prompt_prefills_through_dense_products(model_dir, method, monkeypatch):
     """A prompt of at least the layers' ``dense_min_rows`` tokens is one prefill chunk that many
@@ -209,6 +211,7 @@ def test_a_long_prompt_prefills_through_dense_products(model_dir, method, monkey
     assert out.outputs[0].text.startswith(" Paris")
 
 
+@pytest.mark.model
 def test_engine_refuses_an_unknown_method(model_dir):
     from engine_service import LLM
 
@@ -239,6 +242,7 @@ def test_unpack_int4_cpu_reads_back_the_packed_codes(n, k):
     assert not _unpacks_exactly(packed, other, torch.device("cpu"))  # the check can fail
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("kernel_dtype", [torch.bfloat16, torch.float32])
 def test_native_dequantization_is_bitwise_the_torch_reference(method, kernel_dtype, torch_int4):
@@ -261,6 +265,7 @@ def test_native_dequantization_is_bitwise_the_torch_reference(method, kernel_dty
     assert torch.equal(dense, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_many_rows_run_a_dense_product_of_the_same_weights(method):
     """From ``dense_min_rows`` rows on, the product is the dense GEMM of the dequantized weights
@@ -286,6 +291,7 @@ def test_many_rows_run_a_dense_product_of_the_same_weights(method):
     assert torch.equal(mod(few), kernel[: rows - 1])  # fewer rows: the packed kernel, row for row
 
 
+@pytest.mark.slow
 def test_an_int4_layer_with_a_partial_block_of_64_rows_keeps_the_packed_kernel(torch_int4):
     """200 output rows pad to 208 for int4: a partial block of the CPU layout, which the unpacking
     does not cover. int8 has no such layout."""
@@ -295,6 +301,7 @@ def test_an_int4_layer_with_a_partial_block_of_64_rows_keeps_the_packed_kernel(t
     assert QuantizedLinear.from_float(w, None, "int8", torch.bfloat16).dense_min_rows == DENSE_MIN_ROWS["int8"]
 
 
+@pytest.mark.slow
 def test_a_dense_copy_past_the_caches_waits_for_more_rows():
     _native_or_fail()
     big = QuantizedLinear.from_float(torch.zeros(8192, 1088), None, "int8", torch.bfloat16)  # 17.8 MB dense
@@ -314,6 +321,7 @@ def test_without_the_native_operators_every_product_runs_the_packed_kernel(monke
     assert "dense" not in repr(mod)
 
 
+@pytest.mark.slow
 def test_the_dequantization_operators_refuse_bad_arguments():
     _native_or_fail()
     packed = torch.zeros(64, 32, dtype=torch.uint8)

@@ -131,6 +131,7 @@ CONSTRAINTS = [
 ]
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("params, good, bad", CONSTRAINTS, ids=[c[0].kind for c in CONSTRAINTS])
 def test_a_constraint_applies_to_the_answer_not_the_reasoning(matcher_for, params, good, bad):
     r1 = reasoning.get("deepseek_r1").answer_constraint(params, THINKING_PROMPT)
@@ -148,6 +149,7 @@ def test_a_constraint_applies_to_the_answer_not_the_reasoning(matcher_for, param
     assert not matcher_for(q, f"<think>{thought}</think>{bad}")
 
 
+@pytest.mark.model
 def test_the_forced_tool_schema_applies_after_the_reasoning(matcher_for):
     named = tools.parse_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None)
     wrapped = reasoning.get("qwen3").answer_constraint(tools.tool_constraint(named), THINKING_PROMPT)

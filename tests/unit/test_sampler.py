@@ -8,7 +8,6 @@ import pytest
 import torch
 from scipy import stats
 
-from engine_service.bench.sampler import benchmark_sampler
 from engine_service.core.request import Request
 from engine_service.sampling import SamplingParams
 from engine_service.sampling.logprobs import compute_logprobs
@@ -19,6 +18,7 @@ from engine_service.sampling.sampler import (
     apply_logits_processors,
     apply_sampling_transforms,
 )
+from sluice_bench.sampler import benchmark_sampler
 
 # A fixed small logit vector: distinct values, no ties, no top_p/min_p boundary hit exactly.
 LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 1.2, 0.3, -2.0], dtype=np.float32)
@@ -112,6 +112,7 @@ METHODS = {
 }
 
 
+@pytest.mark.slow  # thousands of draws per case
 @pytest.mark.parametrize("method", sorted(METHODS))
 @pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
 def test_distribution_matches_numpy_reference(method, seeded):
@@ -123,6 +124,7 @@ def test_distribution_matches_numpy_reference(method, seeded):
     assert_matches(counts, probs)
 
 
+@pytest.mark.slow  # thousands of draws
 def test_chi_square_has_power():
     """The same test rejects the untruncated distribution, so a missing top_k would be caught."""
     params = [SamplingParams(top_k=3, seed=i) for i in range(DRAWS)]
@@ -143,6 +145,7 @@ def test_seeded_uniforms_are_uniform_over_seeds_and_positions():
     assert seeded_uniform(7, 3) != seeded_uniform(8, 3) and seeded_uniform(-1, 0) == seeded_uniform(-1, 0)
 
 
+@pytest.mark.slow  # thousands of draws
 def test_seeded_draws_at_later_positions_follow_the_distribution():
     params = SamplingParams(temperature=0.9, seed=7)
     reqs = [make_request(params, output=[3] * pos, rid=str(pos)) for pos in range(0, 2000)]

@@ -59,7 +59,7 @@ def _batch(vocab: int, rows: int, gen: torch.Generator, seeded: bool) -> list[Re
 
 @pytest.mark.parametrize(("vocab", "shape"), [
     (v, s) for v in (10, 100, 1000, 4099) for s in ("zipf", "flat", "ties", "normal")
-] + [(49152, "zipf"), (49152, "flat")])
+] + [pytest.param(49152, s, marks=pytest.mark.slow) for s in ("zipf", "flat")])  # the full vocabulary: seconds
 def test_sparse_equals_dense_reference(vocab, shape):
     gen = torch.Generator().manual_seed(vocab * 7 + len(shape))
     rows = 24 if vocab >= 4099 else 48

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-from engine_service.bench.scheduler import FakeKVRunner
 from engine_service.config import SchedulerConfig
 from engine_service.core.request import FinishReason, Request, RequestStatus
 from engine_service.core.sampling_params import SamplingParams
@@ -20,6 +19,7 @@ from engine_service.core.scheduler import (
     SchedulerOutput,
     attention_pairs,
 )
+from sluice_bench.scheduler import FakeKVRunner
 
 
 def make_request(rid: str, prompt: int | list[int], max_tokens: int | None = 4, **params) -> Request:
@@ -542,7 +542,7 @@ def test_scheduled_chunk_token_ids():
     assert ScheduledChunk(req, 2, 4).samples
 
 
-# --- what a long prompt costs the others (issue 26, item 7) ---
+# --- what a long prompt costs the others ---
 def _step_cost(out: SchedulerOutput) -> tuple[int, int]:
     """(budget tokens, attention pairs of the prefill chunks) a step took: a prompt-logprobs row
     counts two tokens; a chunk of c tokens after s > 0 computed ones attends to c * (s + c) pairs

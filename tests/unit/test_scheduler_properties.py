@@ -9,12 +9,12 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_service.bench.scheduler import FakeKVRunner
 from engine_service.config import SchedulerConfig
 from engine_service.core.block_pool import blocks_for_length
 from engine_service.core.request import FinishReason, Request, RequestStatus
 from engine_service.core.sampling_params import SamplingParams
 from engine_service.core.scheduler import RequestRejected, Scheduler
+from sluice_bench.scheduler import FakeKVRunner
 
 EOS = 0
 VOCAB = 12  # small, so that EOS is sampled now and then

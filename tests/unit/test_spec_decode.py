@@ -10,12 +10,12 @@ import random
 
 import pytest
 
-from engine_service.bench.scheduler import FakeKVRunner
 from engine_service.config import EngineConfig, SchedulerConfig, SpeculativeConfig, engine_cli_args
 from engine_service.core.request import FinishReason, Request, RequestStatus
 from engine_service.core.sampling_params import SamplingParams
 from engine_service.core.scheduler import Scheduler
 from engine_service.core.spec_decode import COPY_WINDOW, NgramDrafter
+from sluice_bench.scheduler import FakeKVRunner
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -53,6 +53,7 @@ def test_k_larger_than_the_token_budget_allows_is_refused():
         Scheduler(SchedulerConfig(num_blocks=8, max_num_batched_tokens=4, speculative_config=config))
 
 
+@pytest.mark.slow
 def test_the_engine_refuses_a_bad_configuration_at_start():
     from engine_service.engine import LLMEngine
 

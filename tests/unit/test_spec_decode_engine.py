@@ -141,7 +141,7 @@ SPEC6 = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4,
 def _random_prompts(vocab: int, n: int = 4, length: int = 64, seed: int = 0) -> list[dict]:
     import random
 
-    rng = random.Random(seed)  # the bench's prompts (engine_service/bench/spec.py)
+    rng = random.Random(seed)  # the bench's prompts (sluice_bench/spec.py)
     return [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(length)]} for _ in range(n)]
 
 

@@ -48,6 +48,7 @@ def chi2(counts: np.ndarray, p: np.ndarray) -> float:
     return stats.chisquare(counts[support], expected / expected.sum() * counts.sum()).pvalue
 
 
+@pytest.mark.slow  # thousands of draws
 @pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
 def test_rejection_sampling_of_a_one_hot_draft_keeps_the_model_distribution(seeded):
     temperature = 0.9

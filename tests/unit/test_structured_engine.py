@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from engine_service import LLM, SamplingParams
-from engine_service.bench.structured import UNBOUNDED_SCHEMAS, unbounded_cases, validates
 from engine_service.core.scheduler import RequestRejected
 from engine_service.sampling.grammar import GrammarManager, apply_token_bitmask
 from sluice.structured import JSON_OBJECT_LIMITS, StructuredOutputsParams
+from sluice_bench.structured import UNBOUNDED_SCHEMAS, unbounded_cases, validates
 from tests.structured_cases import MAX_TOKENS, cases
 
 pytestmark = pytest.mark.model
@@ -159,7 +159,7 @@ class _Seq:
         return self.prompt_len + len(self.output_token_ids)
 
 
-# Constraints that compile but that the grammar engine fails on once decoding starts (issue 26):
+# Constraints that compile but that the grammar engine fails on once decoding starts:
 # a recursion without a base case, a row of 30,000 alternatives, a regex its lexer cannot build.
 RECURSIVE = {"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}},
              "$ref": "#/$defs/a"}
@@ -265,7 +265,7 @@ def test_structured_outputs_params_forms():
         SamplingParams(structured_outputs={"regex": "a", "choice": ["a"]})
 
 
-# ---------------------------------------------------------------- the token budget (issue 24.1)
+# ---------------------------------------------------------------- the token budget
 
 def _decode_with_random_logits(manager, tok, so, max_tokens, prompt_len=8, seed=0):
     """Decode one sequence as a model that prefers random tokens would (argmax of random logits

@@ -20,6 +20,7 @@ def stub_llm(model_dir):
         yield LLM(str(model_dir), stub_model=True)
 
 
+@pytest.mark.model
 def test_refused_outside_bench_mode(model_dir, monkeypatch):
     monkeypatch.delenv(BENCH_ENV, raising=False)
     with pytest.raises(StubModelRefused, match=BENCH_ENV):
@@ -55,6 +56,7 @@ def test_no_config_can_name_it():
         resolve_architecture({"architectures": ["StubModel"]})
 
 
+@pytest.mark.model
 def test_greedy_text_is_the_passage_from_the_position_on(stub_llm):
     tok = stub_llm.engine.tokenizer
     passage = tok.encode(STUB_PASSAGE, add_special_tokens=False)

@@ -9,6 +9,8 @@ import pytest
 from sluice.text.stream import TextStream
 from sluice.text.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.model
+
 
 @pytest.fixture(scope="module")
 def tok(model_dir: Path) -> Tokenizer:
