@@ -21,7 +21,7 @@ from sluice.wire import admin_pb2, admin_pb2_grpc
 from tests.docker_support import free_ports
 from tests.waiting import wait_http, wait_until
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 CLI = [sys.executable, "-m", "sluice_cli.cli"]
 API_KEY = "sk-e2e-config-0123456789"

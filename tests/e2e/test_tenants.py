@@ -20,7 +20,7 @@ from openai import OpenAI
 from tests.e2e.conftest import CLI, _env, start_stack, stop_stack
 from tests.waiting import wait_until
 
-pytestmark = [pytest.mark.model]
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 K_LIMITED, K_OTHER = "sk-e2e-limited-0123456789", "sk-e2e-other-0123456789"
 

@@ -12,7 +12,7 @@ import pytest
 from sluice.wire import contract, quota
 from sluice.wire.connection import connect
 
-pytestmark = [pytest.mark.both_topologies]
+pytestmark = [pytest.mark.both_topologies, pytest.mark.redis]
 
 
 def _admit(client, tenant="t", *, rpm=0, tpm=0, conc=0, queued=0, tokens=1, member="m", ttl_ms=60_000):

@@ -31,7 +31,7 @@ fake_engine = support.fake_engine
 make_gateway = support.make_gateway
 make_fake_engine = support.make_fake_engine
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 K1, K2 = "sk-tenant-one", "sk-tenant-two"
 
