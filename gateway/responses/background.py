@@ -1,23 +1,27 @@
-"""Background responses (``background: true``) on the per-request event log (issue 22).
+"""Logged responses on the per-request event log (issue 22): every stored response, background or
+not, runs detached and logged (``Generation.detach``; ``sluice.wire.event_log``): the engine appends
+its events to the request's log and never aborts it because a gateway is gone. A background
+response (``background: true``) is stopped only by a cancel, its deadline or its own end; a
+foreground one also by its own client going away (its creating gateway cancels it, as for chat).
+Its event-log record carries the :class:`~gateway.responses.render.ResponseRecord`
+(``render["response"]``), so any gateway renders it with the same :class:`ResponseRenderer`, the
+same events with the same sequence numbers:
 
-A background response's generation is detached and logged (``Generation.detach``;
-``sluice.wire.event_log``): the engine appends its events to the request's log and never aborts it
-because a gateway is gone; only a cancel, its deadline or its own end stop it. Its event-log record
-carries the :class:`~gateway.responses.render.ResponseRecord` (``render["response"]``), so any
-gateway renders it with the same :class:`ResponseRenderer`, the same events with the same sequence
-numbers:
-
-- the creating gateway answers the ``queued`` response at once (or streams it from the log) and
-  follows the live events in a task of its own, which stores the final response when it ends;
+- the creating gateway of a background response answers the ``queued`` response at once (or
+  streams it from the log) and follows the live events in a task of its own, which stores the
+  final response when it ends; the creating gateway of a foreground one answers it as it runs
+  (``gateway.responses.service``) and stores it at the end;
 - ``GET /v1/responses/{id}`` on any gateway catches up from the log when the stored response still
   says it runs (its creating gateway may have died): a log that has ended is rendered and stored;
 - ``GET /v1/responses/{id}?stream=true&starting_after=N`` replays the log through the renderer,
   leaves out the events up to sequence number N, then follows the live ones;
-- ``POST /v1/responses/{id}/cancel`` from any gateway cancels the engine request (the record
-  names its ``reply_to``) and stores the response ``cancelled`` with the output said so far.
+- ``POST /v1/responses/{id}/cancel`` from any gateway cancels a background response's engine
+  request (the record names its ``reply_to``) and stores the response ``cancelled`` with the
+  output said so far.
 
-An ``abort`` at the engine ends a background response only through a cancel, so a replay that
-meets one renders ``response.cancelled``.
+An ``abort`` at the engine ends a logged response only through a cancel: a background response's
+(``response.cancelled``) or a foreground one's creating gateway's when its client went away (the
+response ``failed`` with ``client_disconnected``, as that gateway stored it).
 """
 
 from __future__ import annotations
@@ -51,15 +55,20 @@ def _keep(task: asyncio.Task) -> None:
     task.add_done_callback(lambda t: (_TASKS.discard(t), t.cancelled() or t.exception()))
 
 
+CLIENT_GONE = ("client_disconnected", "The client closed the connection before the response ended.")
+
+
 def _end(renderer: ResponseRenderer, gen: Generation, failure: OpenAIError | None,
          completed_at: int | None = None) -> list[Any]:
-    """The closing events: cancelled (an abort: only a cancel aborts a detached request), failed, or
-    completed/incomplete (``completed_at``: the stored one, when a replay renders an ended response
-    again; else now)."""
+    """The closing events: an abort (only a cancel aborts a detached request) is a background
+    response's cancel or a foreground one's client gone; else failed, or completed/incomplete
+    (``completed_at``: the stored one, when a replay renders an ended response again; else now)."""
     if failure is not None:
         return renderer.fail(failure.code or "server_error", failure.message, renderer.usage_of(gen))
     if any(c.finish_reason == "abort" for c in gen.choices):
-        return renderer.cancelled()
+        if renderer.record.echo.get("background"):
+            return renderer.cancelled()
+        return renderer.fail(*CLIENT_GONE, renderer.usage_of(gen))
     return renderer.finish(renderer.usage_of(gen), completed_at or int(time.time()))
 
 
@@ -76,14 +85,19 @@ async def _store_final(store: ResponseStore, ttl_s: float, response_id: str, ren
                                             sr.F_CONVERSATION: conversation + output})
 
 
+def render_of(prepared: Any) -> dict[str, Any]:
+    """The event-log record's rendering parameters of a prepared response."""
+    return {"response": prepared.record.to_json(), "conversation": prepared.history + prepared.items,
+            "opts": prepared.chat.gen.opts}
+
+
 async def start(prepared: Any, request: Request, running_ttl_s: float) -> Response:
     """Queue the response detached and logged; answer the ``queued`` response (or its stream)."""
     cfg, store = serving.config_of(request), store_of(request)
     record: ResponseRecord = prepared.record
     gen: Generation = prepared.chat.gen
     conversation = prepared.history + prepared.items
-    gen.detach(cfg.event_log_ttl_s, ENDPOINT, {"response": record.to_json(), "conversation": conversation,
-                                               "opts": gen.opts})
+    gen.detach(cfg.event_log_ttl_s, ENDPOINT, render_of(prepared))
     await store.save(record.id, running_ttl_s, create=True,
                      **{sr.F_STATUS: "queued", sr.F_RECORD: record.to_json(), sr.F_INPUT: prepared.items,
                         sr.F_BACKGROUND: True})
@@ -161,7 +175,7 @@ async def _replay(broker: Broker, record: ResponseRecord) -> tuple[ResponseRende
 
 
 async def catch_up(request: Request, stored: sr.StoredResponse, response_id: str) -> dict[str, Any]:
-    """A background response that still says it runs, as its log has it: stored when the log has
+    """A logged response that still says it runs, as its log has it: stored when the log has
     ended (its creating gateway may be gone), else ``in_progress`` with the output so far."""
     record = ResponseRecord.from_json(stored.record or "{}")
     replay = await _replay(serving.broker_of(request), record)
@@ -203,9 +217,6 @@ async def stream(request: Request, response_id: str, after: int | None) -> Respo
     stored = await store_of(request).load(response_id)
     if stored is None:
         raise errors.error("not_found", f"Response with id '{response_id}' not found.")
-    if not stored.background:
-        raise errors.invalid("Only a response created with 'background': true can be streamed again; "
-                             f"response '{response_id}' was not.", param="stream")
     record = ResponseRecord.from_json(stored.record or "{}")
     resumed = await _resumed(serving.broker_of(request), record)
     if resumed is None:

@@ -8,8 +8,13 @@ same :class:`~gateway.generation.Generation` the chat endpoint uses. Its deltas 
 response object; at the end the final object and the conversation (history, input, output) are
 stored with the full TTL.
 
-``background: true`` goes to :func:`start_background`, the one place a detached run is started
-(see its doc); ``POST .../cancel`` of a background response to :func:`cancel_background`.
+A stored response runs logged and detached at the engine (``gateway.responses.background``): if its
+creating gateway dies, the engine runs it to its end and any gateway finishes it from its log (a
+retrieve, a stream again, a ``previous_response_id``); its own client going away still cancels it.
+``store: false`` runs as a plain chat request does, unlogged.
+
+``background: true`` goes to :func:`start_background` (see its doc); ``POST .../cancel`` of a
+background response to :func:`cancel_background`.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ from sluice.wire import limits
 from sluice.wire import stored_response as sr
 from sluice.wire.error_codes import Code
 
-# A response still running is stored for its deadline plus this (its gateway may die).
+# A response still running is stored for its deadline, plus the event log's TTL (a gateway that
+# catches it up after its creator died reads the log up to then), plus this.
 RUNNING_TTL_MARGIN_S = 60.0
 # The end of the rendered prompt a record keeps: what the reasoning parser reads (whether the
 # template opened a reasoning block), not the whole prompt (the conversation is stored apart).
@@ -86,10 +92,19 @@ def _echo(body: CreateResponseRequest) -> dict[str, Any]:
     }
 
 
-async def _history(store: ResponseStore, previous_id: str) -> list[dict[str, Any]]:
+def running_ttl_s(cfg: Any) -> float:
+    """The TTL of a stored response while it runs (``RUNNING_TTL_MARGIN_S``)."""
+    return cfg.request_timeout_s + cfg.event_log_ttl_s + RUNNING_TTL_MARGIN_S
+
+
+async def _history(request: Request, store: ResponseStore, previous_id: str) -> list[dict[str, Any]]:
     """The conversation a ``previous_response_id`` continues: 404 unknown (or expired, deleted),
-    400 while it still runs."""
+    400 while it still runs (one whose run has ended at the engine, its creating gateway gone,
+    is caught up from its log first)."""
     stored = await store.load(previous_id)
+    if stored is not None and stored.running:
+        await background.catch_up(request, stored, previous_id)
+        stored = await store.load(previous_id)
     if stored is None or stored.conversation is None and not stored.running:
         raise not_found(previous_id, "previous_response_id")
     if stored.running:
@@ -103,7 +118,8 @@ async def prepare_response(body: CreateResponseRequest, request: Request) -> Pre
     if body.background and body.store is False:
         raise errors.invalid("A background response must be stored: 'background': true needs 'store' to be true "
                              "(or left out).", param="background")
-    history = await _history(store_of(request), body.previous_response_id) if body.previous_response_id else []
+    history = (await _history(request, store_of(request), body.previous_response_id)
+               if body.previous_response_id else [])
     items = convert.input_items(body)
     conversation = convert.parse_items(history + items)
     try:
@@ -125,8 +141,10 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
     if body.background:
         return await start_background(prepared, request)
     cfg, store = serving.config_of(request), store_of(request)
-    if prepared.record.echo["store"]:
-        await store.save(prepared.record.id, cfg.request_timeout_s + RUNNING_TTL_MARGIN_S, create=True,
+    if prepared.record.echo["store"]:  # logged, so that any gateway can finish it (see the module doc)
+        gen = prepared.chat.gen
+        gen.detach(cfg.event_log_ttl_s, background.ENDPOINT, background.render_of(prepared), client_owned=True)
+        await store.save(prepared.record.id, running_ttl_s(cfg), create=True,
                          **{sr.F_STATUS: "in_progress", sr.F_RECORD: prepared.record.to_json(),
                             sr.F_INPUT: prepared.items})
     try:
@@ -145,7 +163,7 @@ async def start_background(prepared: PreparedResponse, request: Request) -> Resp
     the event log (``gateway.responses.background``)."""
     cfg = serving.config_of(request)
     try:
-        return await background.start(prepared, request, cfg.request_timeout_s + RUNNING_TTL_MARGIN_S)
+        return await background.start(prepared, request, running_ttl_s(cfg))
     except OpenAIError as exc:
         raise convert.rename_error(exc) from None
 
@@ -209,8 +227,7 @@ async def _collect(request: Request, prepared: PreparedResponse, renderer: Respo
         await serving._watch(request, task)  # noqa: SLF001 - the chat endpoint's disconnect watch
     except serving.ClientGone:
         gen.close_nowait()
-        renderer.fail("client_disconnected", "The client closed the connection before the response ended.",
-                      renderer.usage_of(gen))
+        renderer.fail(*background.CLIENT_GONE, renderer.usage_of(gen))
         finalize_later(request, prepared, renderer)
         return Response(status_code=499)
     except OpenAIError as exc:
@@ -286,8 +303,7 @@ async def _stream(request: Request, prepared: PreparedResponse, renderer: Respon
         finally:
             gen.close_nowait()
             if not done:  # the client went away mid-stream
-                renderer.fail("client_disconnected", "The client closed the connection before the response ended.",
-                              renderer.usage_of(gen))
+                renderer.fail(*background.CLIENT_GONE, renderer.usage_of(gen))
                 finalize_later(request, prepared, renderer)
 
     return EventSourceResponse(events(), sep="\n", ping=15, ping_message_factory=keep_alive)
@@ -313,15 +329,15 @@ def _current(stored: sr.StoredResponse) -> dict[str, Any]:
 
 async def retrieve(request: Request, response_id: str, *, stream: bool = False,
                    starting_after: int | None = None) -> Response:
-    """The response as it stands; a background one that still runs is caught up from its event log
-    (its creating gateway may be gone). ``stream``: its events after ``starting_after``, then the
-    live ones (background responses only)."""
+    """The response as it stands; one that still runs is caught up from its event log (its
+    creating gateway may be gone). ``stream``: its events after ``starting_after``, then the live
+    ones."""
     if stream:
         return await background.stream(request, response_id, starting_after)
     if starting_after is not None:
         raise errors.invalid("'starting_after' is only allowed with 'stream=true'.", param="starting_after")
     stored = await _stored(request, response_id)
-    if stored.background and stored.running:
+    if stored.running:
         return JSONResponse(await background.catch_up(request, stored, response_id))
     return JSONResponse(_current(stored))
 
