@@ -36,6 +36,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
                                    "one request queue against a queue sharded by prompt prefix (3 engines)"),
     ("bench", "gateway-memory"): ("sluice_cli.bench_gateway_memory",
                                   "gateway memory across requests naming random unknown models"),
+    ("bench", "responses-memory"): ("sluice_cli.bench_responses_memory",
+                                    "Redis memory per turn of a long Responses conversation (stub engine)"),
 }
 
 

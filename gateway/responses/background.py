@@ -39,6 +39,7 @@ from gateway import errors, serving
 from gateway.broker import Broker
 from gateway.errors import OpenAIError
 from gateway.generation import Generation
+from gateway.responses.conversation_store import ConversationStore, conversations_of
 from gateway.responses.render import ResponseRecord, ResponseRenderer
 from gateway.responses.store import ResponseStore, store_of
 from gateway.stream_chunks import keep_alive
@@ -47,6 +48,8 @@ from sluice.wire.event_log import StreamRecord
 from sluice.wire.messages_pb2 import SamplingParams
 
 ENDPOINT = "responses"  # the event-log record's endpoint
+# A response still stored running, without a log, this long after its deadline is lost (LOST).
+LOST_GRACE_S = 5.0
 _TASKS: set[asyncio.Task] = set()  # the creating gateways' followers (kept from the garbage collector)
 
 
@@ -72,23 +75,33 @@ def _end(renderer: ResponseRenderer, gen: Generation, failure: OpenAIError | Non
     return renderer.finish(renderer.usage_of(gen), completed_at or int(time.time()))
 
 
-async def _store_final(store: ResponseStore, ttl_s: float, response_id: str, renderer: ResponseRenderer,
-                       conversation: list[dict[str, Any]], *, force: bool = False) -> None:
-    """Store the ended response, unless it was ended already (a cancel, another gateway) or deleted."""
+async def store_final(store: ResponseStore, conversations: ConversationStore, ttl_s: float, response_id: str,
+                      renderer: ResponseRenderer, *, only_running: bool = True) -> None:
+    """Store the ended response, its turn (input and output) appended to its conversation first
+    (an append of the same items again adds nothing, so a gateway that catches up after its
+    creator appended and died completes it). ``only_running``: unless it was ended already (a
+    cancel, another gateway); never a response deleted meanwhile."""
     stored = await store.load(response_id)
-    if stored is None or not (stored.running or force):
+    if stored is None or (only_running and not stored.running):
         return
     response = renderer.response
-    output = [item.model_dump(mode="json") for item in response.output]
+    if renderer.record.conversation is not None:  # (one deleted meanwhile gets nothing)
+        output = [item.model_dump(mode="json") for item in response.output]
+        await conversations.add(renderer.record.conversation, (stored.input or []) + output, strict=False)
     await store.save(response_id, ttl_s, **{sr.F_STATUS: response.status,
-                                            sr.F_RESPONSE: response.model_dump(mode="json"),
-                                            sr.F_CONVERSATION: conversation + output})
+                                            sr.F_RESPONSE: response.model_dump(mode="json")})
 
 
 def render_of(prepared: Any) -> dict[str, Any]:
-    """The event-log record's rendering parameters of a prepared response."""
-    return {"response": prepared.record.to_json(), "conversation": prepared.history + prepared.items,
-            "opts": prepared.chat.gen.opts}
+    """The event-log record's rendering parameters of a prepared response: its record and the
+    detokenizer's options (the conversation is in the store, never in the record)."""
+    return {"response": prepared.record.to_json(), "opts": prepared.chat.gen.opts}
+
+
+def running_fields(prepared: Any, status: str) -> dict[str, Any]:
+    """A stored response's fields while it runs (the end adds its status and final object)."""
+    return {sr.F_STATUS: status, sr.F_RECORD: prepared.record.to_json(), sr.F_INPUT: prepared.items,
+            sr.F_ANCESTORS: prepared.ancestors or None}
 
 
 async def start(prepared: Any, request: Request, running_ttl_s: float) -> Response:
@@ -96,25 +109,23 @@ async def start(prepared: Any, request: Request, running_ttl_s: float) -> Respon
     cfg, store = serving.config_of(request), store_of(request)
     record: ResponseRecord = prepared.record
     gen: Generation = prepared.chat.gen
-    conversation = prepared.history + prepared.items
     gen.detach(cfg.event_log_ttl_s, ENDPOINT, render_of(prepared))
-    await store.save(record.id, running_ttl_s, create=True,
-                     **{sr.F_STATUS: "queued", sr.F_RECORD: record.to_json(), sr.F_INPUT: prepared.items,
-                        sr.F_BACKGROUND: True})
+    await store.save(record.id, running_ttl_s, create=True, **running_fields(prepared, "queued"),
+                     **{sr.F_BACKGROUND: True})
     try:
         await serving.start(gen, request, record.model)
     except OpenAIError:
         await store.delete(record.id)
         raise
-    _keep(asyncio.ensure_future(_follow_live(gen, ResponseRenderer(record), store, cfg.responses_ttl_s,
-                                             record.id, conversation)))
+    _keep(asyncio.ensure_future(_follow_live(gen, ResponseRenderer(record), store, conversations_of(request),
+                                             cfg.responses_ttl_s, record.id)))
     if prepared.body.stream:
         return await stream(request, record.id, after=None)
     return JSONResponse(record.snapshot("queued", output=[]).model_dump(mode="json"))
 
 
-async def _follow_live(gen: Generation, renderer: ResponseRenderer, store: ResponseStore, ttl_s: float,
-                       response_id: str, conversation: list[dict[str, Any]]) -> None:
+async def _follow_live(gen: Generation, renderer: ResponseRenderer, store: ResponseStore,
+                       conversations: ConversationStore, ttl_s: float, response_id: str) -> None:
     """The creating gateway's own follower: the live events, the final response stored at the end.
     (If this gateway dies first, a retrieve on any other catches up from the log.)"""
     renderer.start()
@@ -127,7 +138,7 @@ async def _follow_live(gen: Generation, renderer: ResponseRenderer, store: Respo
         failure = exc
     _end(renderer, gen, failure)
     try:
-        await _store_final(store, ttl_s, response_id, renderer, conversation)
+        await store_final(store, conversations, ttl_s, response_id, renderer)
     except OpenAIError:  # Redis away: a later retrieve catches up from the log
         pass
 
@@ -174,20 +185,32 @@ async def _replay(broker: Broker, record: ResponseRecord) -> tuple[ResponseRende
     return renderer, gen, log_record, failure
 
 
+LOST = ("server_error", "The response ended while no gateway followed it, and its events expired before any "
+        "gateway stored its end.")
+
+
 async def catch_up(request: Request, stored: sr.StoredResponse, response_id: str) -> dict[str, Any]:
     """A logged response that still says it runs, as its log has it: stored when the log has
-    ended (its creating gateway may be gone), else ``in_progress`` with the output so far."""
+    ended (its creating gateway may be gone), else ``in_progress`` with the output so far. One
+    whose log has expired although its deadline has passed (nobody stored its end in time) is
+    stored ``failed``: nothing can finish it any more."""
     record = ResponseRecord.from_json(stored.record or "{}")
     replay = await _replay(serving.broker_of(request), record)
+    cfg = serving.config_of(request)
     if replay is None:
-        return record.snapshot(stored.status or "in_progress", output=[]).model_dump(mode="json")
+        if time.time() < record.created_at + cfg.request_timeout_s + LOST_GRACE_S:
+            return record.snapshot(stored.status or "in_progress", output=[]).model_dump(mode="json")
+        renderer = ResponseRenderer(record)
+        renderer.fail(*LOST)
+        await store_final(store_of(request), conversations_of(request), cfg.responses_ttl_s, response_id, renderer)
+        return renderer.response.model_dump(mode="json")
     renderer, gen, log_record, failure = replay
     if not gen.done and failure is None:
         return record.snapshot("in_progress", output=[i.model_copy(deep=True) for i in renderer.items]
                                ).model_dump(mode="json")
     _end(renderer, gen, failure)
-    await _store_final(store_of(request), serving.config_of(request).responses_ttl_s, response_id, renderer,
-                       log_record.render.get("conversation") or [])
+    await store_final(store_of(request), conversations_of(request), serving.config_of(request).responses_ttl_s,
+                      response_id, renderer)
     return renderer.response.model_dump(mode="json")
 
 
@@ -205,9 +228,8 @@ async def cancel(request: Request, stored: sr.StoredResponse, response_id: str) 
         raise errors.redis_down(exc) from exc
     renderer = replay[0] if replay is not None else ResponseRenderer(record)
     renderer.cancelled()
-    conversation = replay[2].render.get("conversation") or [] if replay is not None else []
-    await _store_final(store_of(request), serving.config_of(request).responses_ttl_s, response_id, renderer,
-                       conversation)
+    await store_final(store_of(request), conversations_of(request), serving.config_of(request).responses_ttl_s,
+                      response_id, renderer)
     return JSONResponse(renderer.response.model_dump(mode="json"))
 
 

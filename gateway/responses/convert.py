@@ -48,8 +48,13 @@ def input_items(body: CreateResponseRequest) -> list[dict[str, Any]]:
     if isinstance(body.input, str):
         return [{"type": "message", "id": new_id("msg"), "role": "user", "status": "completed",
                  "content": [{"type": "input_text", "text": body.input}]}]
+    return item_dicts(body.input)
+
+
+def item_dicts(items: list[InputItem]) -> list[dict[str, Any]]:
+    """Items as the JSON the store keeps, each with an id (its own when the client gave one)."""
     out = []
-    for item in body.input:
+    for item in items:
         data = item.model_dump(mode="json", by_alias=True, exclude_none=True)
         if isinstance(item, InputMessage) and isinstance(item.content, str):
             part = "output_text" if item.role == "assistant" else "input_text"

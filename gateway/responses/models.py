@@ -132,32 +132,35 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where.lstrip('.') or 'the item'}: {err['msg']}"
 
 
-def parse_input_item(i: int, item: Any) -> BaseModel:
+def parse_input_item(i: int, item: Any, where: str = "input") -> BaseModel:
+    """The ``i``-th item of the list ``where`` (``input``; a conversation's ``items``) as its model,
+    or an error naming it."""
     if isinstance(item, BaseModel):
         return item
     if not isinstance(item, dict):
-        raise PydanticCustomError("invalid_input_item", "input[{i}] must be an object, got {got}",
-                                  {"i": i, "got": json_type(item)})
+        raise PydanticCustomError("invalid_input_item", "{where}[{i}] must be an object, got {got}",
+                                  {"where": where, "i": i, "got": json_type(item)})
     kind = item.get("type", "message")
     model = _INPUT_MODELS.get(kind) if isinstance(kind, str) else None
     if model is None:
         raise PydanticCustomError(
             "unsupported_input_item",
-            "input[{i}] has type {kind}, which Sluice does not accept; supported: 'message' (text parts), "
-            "'function_call', 'function_call_output' and 'reasoning'", {"i": i, "kind": repr(kind)})
+            "{where}[{i}] has type {kind}, which Sluice does not accept; supported: 'message' (text parts), "
+            "'function_call', 'function_call_output' and 'reasoning'", {"where": where, "i": i, "kind": repr(kind)})
     if model is InputMessage and isinstance(item.get("content"), list):
         for j, part in enumerate(item["content"]):
             ptype = part.get("type") if isinstance(part, dict) else None
             if ptype not in ("input_text", "output_text", "refusal"):
                 raise PydanticCustomError(
                     "unsupported_content_part",
-                    "only text content parts are supported; input[{i}].content[{j}] has type {kind}",
-                    {"i": i, "j": j, "kind": repr(ptype) if isinstance(ptype, str) else json_type(ptype)})
+                    "only text content parts are supported; {where}[{i}].content[{j}] has type {kind}",
+                    {"where": where, "i": i, "j": j,
+                     "kind": repr(ptype) if isinstance(ptype, str) else json_type(ptype)})
     try:
         return model.model_validate(item)
     except ValidationError as exc:
-        raise PydanticCustomError("invalid_input_item", "input[{i}].{detail}",
-                                  {"i": i, "detail": _first_error(exc)}) from None
+        raise PydanticCustomError("invalid_input_item", "{where}[{i}].{detail}",
+                                  {"where": where, "i": i, "detail": _first_error(exc)}) from None
 
 
 # --- request: tools, text format ----------------------------------------------------------------
@@ -231,6 +234,22 @@ class TextConfig(BaseModel):
 Metadata = limited(dict[str, str], limits.RESPONSE_METADATA)
 
 
+def check_metadata(v: dict[str, str] | None) -> dict[str, str] | None:
+    for key, value in (v or {}).items():  # OpenAI's limits on metadata
+        if len(key) > limits.RESPONSE_METADATA_KEY_CHARS or len(value) > limits.RESPONSE_METADATA_VALUE_CHARS:
+            raise PydanticCustomError(
+                "invalid_metadata", "metadata keys are at most {k} characters and values at most {v}",
+                {"k": limits.RESPONSE_METADATA_KEY_CHARS, "v": limits.RESPONSE_METADATA_VALUE_CHARS})
+    return v
+
+
+class ConversationParam(BaseModel):
+    """``conversation: {"id": ...}`` (or the id alone)."""
+
+    model_config = REQUEST_CONFIG
+    id: str
+
+
 class CreateResponseRequest(BaseModel):
     """``POST /v1/responses``. Unknown fields are ignored (``include``, ``truncation``,
     ``reasoning``, ... that the SDKs send)."""
@@ -253,6 +272,8 @@ class CreateResponseRequest(BaseModel):
     background: bool | None = False
     stream: bool | None = False
     user: str | None = None
+    conversation: str | ConversationParam | None = None
+    truncation: Literal["auto", "disabled"] | None = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -282,12 +303,12 @@ class CreateResponseRequest(BaseModel):
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        for key, value in (v or {}).items():  # OpenAI's limits on metadata
-            if len(key) > limits.RESPONSE_METADATA_KEY_CHARS or len(value) > limits.RESPONSE_METADATA_VALUE_CHARS:
-                raise PydanticCustomError(
-                    "invalid_metadata", "metadata keys are at most {k} characters and values at most {v}",
-                    {"k": limits.RESPONSE_METADATA_KEY_CHARS, "v": limits.RESPONSE_METADATA_VALUE_CHARS})
-        return v
+        return check_metadata(v)
+
+    @property
+    def conversation_id(self) -> str | None:
+        c = self.conversation
+        return c.id if isinstance(c, ConversationParam) else c
 
 
 # --- response objects ---------------------------------------------------------------------------
@@ -366,6 +387,10 @@ class IncompleteDetails(BaseModel):
 ResponseStatus = Literal["completed", "failed", "in_progress", "cancelled", "queued", "incomplete"]
 
 
+class ConversationRef(BaseModel):
+    id: str
+
+
 class ResponseObject(BaseModel):
     """OpenAI's ``Response``."""
 
@@ -390,9 +415,10 @@ class ResponseObject(BaseModel):
     tool_choice: str | dict[str, Any] = "auto"
     tools: list[dict[str, Any]] = Field(default_factory=list)
     top_p: float | None = None
-    truncation: Literal["disabled"] = "disabled"
+    truncation: Literal["auto", "disabled"] = "disabled"
     usage: ResponseUsage | None = None
     user: str | None = None
+    conversation: ConversationRef | None = None
 
 
 class DeletedResponse(BaseModel):
@@ -403,6 +429,82 @@ class DeletedResponse(BaseModel):
 
 class InputItemList(BaseModel):
     """``GET /v1/responses/{id}/input_items``: a page of the response's input items (each with its id)."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+# --- conversations (/v1/conversations) ---------------------------------------------------------
+
+ConversationItems = limited(list[InputItem], limits.CONVERSATION_ITEMS)
+
+
+def _conversation_items(v: Any) -> Any:
+    if isinstance(v, list):
+        return [parse_input_item(i, item, "items") for i, item in enumerate(v)]
+    return v
+
+
+class CreateConversationRequest(BaseModel):
+    """``POST /v1/conversations``: its first items (as a response's input items), its metadata."""
+
+    model_config = REQUEST_CONFIG
+    items: ConversationItems | None = None
+    metadata: Metadata | None = None
+
+    @field_validator("items", mode="before")
+    @classmethod
+    def _items(cls, v: Any) -> Any:
+        return _conversation_items(v)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        return check_metadata(v)
+
+
+class UpdateConversationRequest(BaseModel):
+    """``POST /v1/conversations/{id}``: its metadata, replaced."""
+
+    model_config = REQUEST_CONFIG
+    metadata: Metadata
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        return check_metadata(v)
+
+
+class AddItemsRequest(BaseModel):
+    """``POST /v1/conversations/{id}/items``."""
+
+    model_config = REQUEST_CONFIG
+    items: ConversationItems = Field(min_length=1)
+
+    @field_validator("items", mode="before")
+    @classmethod
+    def _items(cls, v: Any) -> Any:
+        return _conversation_items(v)
+
+
+class ConversationObject(BaseModel):
+    id: str
+    object: Literal["conversation"] = "conversation"
+    created_at: int
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class DeletedConversation(BaseModel):
+    id: str
+    object: Literal["conversation.deleted"] = "conversation.deleted"
+    deleted: Literal[True] = True
+
+
+class ConversationItemList(BaseModel):
+    """A page of a conversation's items (each with its id), or the items just added."""
 
     object: Literal["list"] = "list"
     data: list[dict[str, Any]]

@@ -87,6 +87,7 @@ class ResponseRecord:
     chat_tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     echo: dict[str, Any] = field(default_factory=dict)
+    conversation: str | None = None  # the conversation its turn is appended to when it ends
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

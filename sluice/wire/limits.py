@@ -140,12 +140,14 @@ TABLE: tuple[Bound | Size, ...] = (
     PROMPTS, REQUEST_ID,
 )
 
-# The Responses API's own limits (OpenAI's): ``metadata`` pairs and their lengths, the page of
-# ``GET /v1/responses/{id}/input_items``. Not in TABLE: no sampling parameter, HTTP only.
+# The Responses and Conversations APIs' own limits (OpenAI's): ``metadata`` pairs and their
+# lengths, the page of ``GET /v1/responses/{id}/input_items`` and ``/v1/conversations/{id}/items``,
+# the items one conversation request adds. Not in TABLE: no sampling parameter, HTTP only.
 RESPONSE_METADATA = Size("metadata", 16, layers=frozenset({HTTP}))
 RESPONSE_METADATA_KEY_CHARS = 64
 RESPONSE_METADATA_VALUE_CHARS = 512
 INPUT_ITEMS_PAGE = Bound("limit", 1, 100, integer=True, layers=frozenset({HTTP}))
+CONVERSATION_ITEMS = Size("items", 20, layers=frozenset({HTTP}))
 
 # The scalar sampling parameters and their bounds, by name (logit_bias's values are checked apart).
 SCALARS: dict[str, Bound] = {

@@ -154,3 +154,24 @@ def test_a_stored_foreground_response_is_logged_and_any_gateway_follows_it(make_
     # store: false: nothing logged, nothing detached
     client(gw1).responses.create(model=MODEL, input="Say hello", store=False)
     assert not fake_engine.requests[-1].log_events and not fake_engine.requests[-1].detached
+
+
+def test_a_response_whose_log_expired_before_anyone_stored_its_end_is_failed(gateway, fake_engine, redis_client):
+    """The one case nothing can finish: still stored running, its event log gone. Before its
+    deadline it may still run (it is answered as it is stored); past it, it is stored failed."""
+    import json
+
+    from sluice.wire import stored_response as sr
+
+    done = client(gateway).responses.create(model=MODEL, input="Say hello")
+    key = contract.response_key(done.id)
+    record = json.loads(redis_client.hget(key, sr.F_RECORD))
+    redis_client.delete(contract.record_key(record["request_id"]), contract.log_key(record["request_id"]))
+    redis_client.hdel(key, sr.F_RESPONSE)
+    redis_client.hset(key, sr.F_STATUS, "in_progress")
+    assert client(gateway).responses.retrieve(done.id).status == "in_progress"
+    record["created_at"] -= int(gateway.config.request_timeout_s) + 10  # its deadline is past
+    redis_client.hset(key, sr.F_RECORD, json.dumps(record))
+    lost = client(gateway).responses.retrieve(done.id)
+    assert lost.status == "failed" and lost.error.code == "server_error" and "expired" in lost.error.message
+    assert redis_client.hget(key, sr.F_STATUS) == b"failed"
