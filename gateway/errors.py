@@ -130,6 +130,11 @@ def from_card_error(model: str, exc: CardError) -> OpenAIError:
     return error(Code.BAD_MODEL_CARD, f"The model card of `{model}` cannot be read: {exc}")
 
 
+# A validation error's context key naming the parameter more precisely than its location (a path
+# inside the field: gateway.protocol.check_nesting).
+PARAM_CTX = "sluice_param"
+
+
 def _param_of(loc: tuple | list) -> str | None:
     if loc and loc[0] in ("body", "query", "path"):  # where FastAPI found it, not part of the name
         loc = loc[1:]
@@ -183,7 +188,7 @@ def install_handlers(app: FastAPI) -> None:
                 "using your HTTP library correctly. The OpenAI API expects a JSON payload.)",
                 code=Code.INVALID_JSON,
             ).response()
-        param = _param_of(err.get("loc", ()))
+        param = (err.get("ctx") or {}).get(PARAM_CTX) or _param_of(err.get("loc", ()))
         if err.get("type") == "missing" and param:
             msg = f"Missing required parameter: '{param}'."
             code = Code.MISSING_REQUIRED_PARAMETER

@@ -28,7 +28,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from gateway.errors import json_type
+from gateway.errors import PARAM_CTX, json_type
 from sluice.wire import limits
 from sluice.wire.limits import INT32_MAX
 
@@ -106,7 +106,29 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
-class SamplingFields(BaseModel):
+def check_nesting(data: Any) -> Any:
+    """Each parameter of a request body within ``limits.NESTING``, checked before any field is
+    validated or used (a 400 naming the path where it nests too deep)."""
+    if isinstance(data, dict):
+        for name, value in data.items():
+            found = limits.NESTING.problem(value, str(name))
+            if found is not None:
+                raise PydanticCustomError("nesting", "{message}", {"message": found[1], PARAM_CTX: found[0]})
+    return data
+
+
+class BoundedRequest(BaseModel):
+    """A request body: each of its parameters nests at most ``limits.NESTING`` deep."""
+
+    model_config = REQUEST_CONFIG
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nesting(cls, data: Any) -> Any:
+        return check_nesting(data)
+
+
+class SamplingFields(BoundedRequest):
     """Parameters /v1/completions and /v1/chat/completions share."""
 
     model_config = REQUEST_CONFIG
@@ -212,7 +234,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(BoundedRequest):
     """vLLM's ``TokenizeCompletionRequest`` or ``TokenizeChatRequest`` in one: ``prompt`` or ``messages``."""
 
     model_config = REQUEST_CONFIG
@@ -238,7 +260,7 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(BoundedRequest):
     model_config = REQUEST_CONFIG
 
     model: str | None = None

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from gateway.errors import json_type
-from gateway.protocol import REQUEST_CONFIG, Temperature, TopP, limited
+from gateway.protocol import REQUEST_CONFIG, BoundedRequest, Temperature, TopP, limited
 from sluice.wire import limits
 
 MaxOutputTokens = limited(int, limits.MAX_TOKENS, "max_output_tokens")
@@ -250,7 +250,7 @@ class ConversationParam(BaseModel):
     id: str
 
 
-class CreateResponseRequest(BaseModel):
+class CreateResponseRequest(BoundedRequest):
     """``POST /v1/responses``. Unknown fields are ignored (``include``, ``truncation``,
     ``reasoning``, ... that the SDKs send)."""
 
@@ -448,7 +448,7 @@ def _conversation_items(v: Any) -> Any:
     return v
 
 
-class CreateConversationRequest(BaseModel):
+class CreateConversationRequest(BoundedRequest):
     """``POST /v1/conversations``: its first items (as a response's input items), its metadata."""
 
     model_config = REQUEST_CONFIG
@@ -466,7 +466,7 @@ class CreateConversationRequest(BaseModel):
         return check_metadata(v)
 
 
-class UpdateConversationRequest(BaseModel):
+class UpdateConversationRequest(BoundedRequest):
     """``POST /v1/conversations/{id}``: its metadata, replaced."""
 
     model_config = REQUEST_CONFIG
@@ -478,7 +478,7 @@ class UpdateConversationRequest(BaseModel):
         return check_metadata(v)
 
 
-class AddItemsRequest(BaseModel):
+class AddItemsRequest(BoundedRequest):
     """``POST /v1/conversations/{id}/items``."""
 
     model_config = REQUEST_CONFIG
