@@ -195,6 +195,12 @@ def install_handlers(app: FastAPI) -> None:
         elif param is None and err.get("type") in ("model_attributes_type", "dict_type"):
             msg = "The request body must be a JSON object."
             code = Code.INVALID_JSON
+        elif param and err.get("type") == "extra_forbidden":  # OpenAI's answer to a parameter it does not know
+            msg = f"Unknown parameter: '{param}'."
+            code = Code.UNKNOWN_PARAMETER
+        elif param and err.get("type") == "unsupported_parameter":  # one of OpenAI's that Sluice does not serve
+            msg = f"Unsupported parameter: '{param}' {err.get('msg')}."
+            code = Code.UNSUPPORTED_PARAMETER
         elif param and err.get("type") in _EXPECTED:
             msg = (f"Invalid type for '{param}': expected {_EXPECTED[err['type']]}, but got "
                    f"{json_type(err.get('input'))} instead.")

@@ -15,13 +15,21 @@ the SDK's ``Response`` requires is always present.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-from gateway.errors import json_type
-from gateway.protocol import REQUEST_CONFIG, BoundedRequest, Temperature, TopP, limited
+from gateway.errors import PARAM_CTX, json_type
+from gateway.protocol import (
+    REQUEST_CONFIG,
+    RequestBody,
+    Temperature,
+    TopP,
+    check_service_tier,
+    limited,
+    refuse,
+)
 from sluice.wire import limits
 
 MaxOutputTokens = limited(int, limits.MAX_TOKENS, "max_output_tokens")
@@ -198,7 +206,7 @@ def _parse_tool(i: int, tool: Any) -> FunctionTool:
 
 
 class ToolChoiceFunction(BaseModel):
-    model_config = REQUEST_CONFIG
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["function"]
     name: str
 
@@ -226,9 +234,35 @@ TextFormat = Annotated[TextFormatText | TextFormatJSONObject | TextFormatJSONSch
 
 
 class TextConfig(BaseModel):
-    model_config = REQUEST_CONFIG
+    model_config = ConfigDict(extra="forbid", strict=True)
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
+
+    @field_validator("verbosity")
+    @classmethod
+    def _no_verbosity(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise refuse("verbosity is not supported: the length of the answer is the model's (bound it with "
+                         "'max_output_tokens')")
+        return v
+
+
+class ResponseStreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_obfuscation: bool | None = None
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_obfuscation(cls, v: bool | None) -> bool | None:
+        if v:
+            raise refuse("Sluice does not obfuscate its streams; only false is accepted")
+        return v
+
+
+# What ``include`` may ask: the one extra Sluice has (the output's logprobs, with ``top_logprobs``).
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+_NO_CACHE_KEY = ("is not supported: the engines' prefix cache needs no key (a prompt reuses the cached blocks of "
+                 "any earlier prompt it shares a beginning with)")
 
 
 Metadata = limited(dict[str, str], limits.RESPONSE_METADATA)
@@ -246,15 +280,26 @@ def check_metadata(v: dict[str, str] | None) -> dict[str, str] | None:
 class ConversationParam(BaseModel):
     """``conversation: {"id": ...}`` (or the id alone)."""
 
-    model_config = REQUEST_CONFIG
+    model_config = ConfigDict(extra="forbid", strict=True)
     id: str
 
 
-class CreateResponseRequest(BoundedRequest):
-    """``POST /v1/responses``. Unknown fields are ignored (``include``, ``truncation``,
-    ``reasoning``, ... that the SDKs send)."""
+class CreateResponseRequest(RequestBody):
+    """``POST /v1/responses``: every parameter of OpenAI's is served here or refused in
+    ``UNSUPPORTED`` (a 400 saying why); one it does not have is a 400 too."""
 
-    model_config = REQUEST_CONFIG
+    UNSUPPORTED: ClassVar[dict[str, str]] = {
+        "context_management": "is not supported: a conversation is kept whole (see 'truncation')",
+        "moderation": "is not supported: Sluice runs no moderation",
+        "prompt": "is not supported: Sluice has no stored prompt templates; send 'instructions' and 'input'",
+        "prompt_cache_key": _NO_CACHE_KEY,
+        "prompt_cache_options": _NO_CACHE_KEY,
+        "prompt_cache_retention": _NO_CACHE_KEY,
+        "reasoning": "is not supported: a model's reasoning is its own (a model with a reasoning parser returns "
+                     "it as 'reasoning' items)",
+        "safety_identifier": "is not supported: Sluice runs no safety or abuse monitoring ('user' names the end "
+                             "user)",
+    }
 
     model: str
     input: str | list[InputItem]
@@ -274,6 +319,42 @@ class CreateResponseRequest(BoundedRequest):
     user: str | None = None
     conversation: str | ConversationParam | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    include: list[str] | None = None
+    top_logprobs: limited(int, limits.LOGPROBS, "top_logprobs") | None = None
+    max_tool_calls: limited(int, limits.MAX_TOOL_CALLS) | None = None
+    service_tier: str | None = None
+    stream_options: ResponseStreamOptions | None = None
+
+    @field_validator("conversation", mode="before")
+    @classmethod
+    def _conversation(cls, v: Any) -> Any:
+        if isinstance(v, dict):  # its own errors, not the union's (a string was not expected)
+            try:
+                return ConversationParam.model_validate(v)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                where = "conversation" + "".join(f".{p}" for p in err["loc"])
+                raise PydanticCustomError(err["type"], "{msg}", {"msg": err["msg"], PARAM_CTX: where}) from None
+        return v
+
+    @field_validator("include")
+    @classmethod
+    def _include(cls, v: list[str] | None) -> list[str] | None:
+        for i, what in enumerate(v or []):
+            if what != OUTPUT_LOGPROBS:
+                raise PydanticCustomError(
+                    "unsupported_value", "include[{i}] is {what}, which Sluice does not return; the one value "
+                    "supported is {ok}", {"i": i, "what": repr(what), "ok": repr(OUTPUT_LOGPROBS)})
+        return v
+
+    @field_validator("service_tier")
+    @classmethod
+    def _tier(cls, v: str | None) -> str | None:
+        return check_service_tier(v)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return OUTPUT_LOGPROBS in (self.include or [])
 
     @field_validator("input", mode="before")
     @classmethod
@@ -296,8 +377,9 @@ class CreateResponseRequest(BoundedRequest):
             kind = v.get("type")
             raise PydanticCustomError(
                 "unsupported_tool_choice",
-                "tool_choice of type {kind} is not supported; use 'none', 'auto', 'required' or "
-                '{{"type": "function", "name": ...}}', {"kind": repr(kind) if isinstance(kind, str) else json_type(kind)})
+                "tool_choice of type {kind} is not supported; use 'none', 'auto', 'required' or {named}",
+                {"kind": repr(kind) if isinstance(kind, str) else json_type(kind),
+                 "named": '{"type": "function", "name": ...}'})
         return v
 
     @field_validator("metadata")
@@ -419,6 +501,8 @@ class ResponseObject(BaseModel):
     usage: ResponseUsage | None = None
     user: str | None = None
     conversation: ConversationRef | None = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
 
 
 class DeletedResponse(BaseModel):
@@ -448,10 +532,9 @@ def _conversation_items(v: Any) -> Any:
     return v
 
 
-class CreateConversationRequest(BoundedRequest):
+class CreateConversationRequest(RequestBody):
     """``POST /v1/conversations``: its first items (as a response's input items), its metadata."""
 
-    model_config = REQUEST_CONFIG
     items: ConversationItems | None = None
     metadata: Metadata | None = None
 
@@ -466,10 +549,9 @@ class CreateConversationRequest(BoundedRequest):
         return check_metadata(v)
 
 
-class UpdateConversationRequest(BoundedRequest):
+class UpdateConversationRequest(RequestBody):
     """``POST /v1/conversations/{id}``: its metadata, replaced."""
 
-    model_config = REQUEST_CONFIG
     metadata: Metadata
 
     @field_validator("metadata")
@@ -478,10 +560,9 @@ class UpdateConversationRequest(BoundedRequest):
         return check_metadata(v)
 
 
-class AddItemsRequest(BoundedRequest):
+class AddItemsRequest(RequestBody):
     """``POST /v1/conversations/{id}/items``."""
 
-    model_config = REQUEST_CONFIG
     items: ConversationItems = Field(min_length=1)
 
     @field_validator("items", mode="before")

@@ -94,6 +94,8 @@ def _echo(body: CreateResponseRequest) -> dict[str, Any]:
         "top_p": body.top_p,
         "truncation": body.truncation or "disabled",
         "user": body.user,
+        "max_tool_calls": body.max_tool_calls,
+        "top_logprobs": body.top_logprobs,
     }
 
 
@@ -107,6 +109,9 @@ def _check(body: CreateResponseRequest) -> None:
     if body.background and body.store is False:
         raise errors.invalid("A background response must be stored: 'background': true needs 'store' to be true "
                              "(or left out).", param="background")
+    if body.top_logprobs is not None and not body.wants_logprobs:
+        raise errors.invalid("'top_logprobs' needs 'include' to ask for the logprobs: "
+                             "\"include\": [\"message.output_text.logprobs\"].", param="top_logprobs")
     if body.conversation is not None:
         if body.previous_response_id is not None:
             raise errors.invalid("'previous_response_id' and 'conversation' cannot be used together: a response "
@@ -164,7 +169,7 @@ async def prepare_response(body: CreateResponseRequest, request: Request) -> Pre
         model=body.model, prompt=chat.prompt[-PROMPT_TAIL_CHARS:], tool_parser=chat.card.card.tool_call_parser,
         reasoning_parser=chat.card.card.reasoning_parser, chat_tools=chat_body_tools,
         chat_tool_choice=chat_tool_choice, parallel_tool_calls=body.parallel_tool_calls, echo=_echo(body),
-        conversation=body.conversation_id)
+        conversation=body.conversation_id, logprobs=body.wants_logprobs, max_tool_calls=body.max_tool_calls)
     return PreparedResponse(body, record, chat, items, history.ancestors)
 
 

@@ -153,6 +153,8 @@ PRESENCE_PENALTY = Bound("presence_penalty", -2.0, 2.0)
 FREQUENCY_PENALTY = Bound("frequency_penalty", -2.0, 2.0)
 REPETITION_PENALTY = Bound("repetition_penalty", 0.0, 100.0, low_open=True)
 SEED = Bound("seed", INT64_MIN, INT64_MAX, integer=True, layers=frozenset({HTTP, OFFLINE}))  # int64 on the wire
+# (/v1/completions also takes max_tokens 0 with echo: the prompt alone, scored, as vLLM answers a
+# loglikelihood request; the engine runs one token, which the answer leaves out)
 MAX_TOKENS = Bound("max_tokens", 1, INT32_MAX, integer=True)
 MIN_TOKENS = Bound("min_tokens", 0, INT32_MAX, integer=True)  # and at most max_tokens
 LOGPROBS = Bound("logprobs", 0, 20, integer=True)  # alternatives per generated position
@@ -180,6 +182,8 @@ RESPONSE_METADATA_KEY_CHARS = 64
 RESPONSE_METADATA_VALUE_CHARS = 512
 INPUT_ITEMS_PAGE = Bound("limit", 1, 100, integer=True, layers=frozenset({HTTP}))
 CONVERSATION_ITEMS = Size("items", 20, layers=frozenset({HTTP}))
+# A response's function calls (``max_tool_calls``): the output keeps the first ones.
+MAX_TOOL_CALLS = Bound("max_tool_calls", 1, INT32_MAX, integer=True, layers=frozenset({HTTP}))
 
 # How deep any request parameter's value may nest (a tool's parameters schema, a response format's
 # schema, ``structured_outputs``, ``chat_template_kwargs``, a message's tool calls, input items):
