@@ -44,6 +44,10 @@ def _endpoint_label(path: str) -> str:
         return path
     if path.startswith("/v1/responses/"):
         return "/v1/responses/{id}"
+    if path == "/v1/conversations":
+        return path
+    if path.startswith("/v1/conversations/"):
+        return "/v1/conversations/{id}"
     return "other"
 
 

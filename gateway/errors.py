@@ -130,6 +130,11 @@ def from_card_error(model: str, exc: CardError) -> OpenAIError:
     return error(Code.BAD_MODEL_CARD, f"The model card of `{model}` cannot be read: {exc}")
 
 
+# A validation error's context key naming the parameter more precisely than its location (a path
+# inside the field: gateway.protocol.check_nesting).
+PARAM_CTX = "sluice_param"
+
+
 def _param_of(loc: tuple | list) -> str | None:
     if loc and loc[0] in ("body", "query", "path"):  # where FastAPI found it, not part of the name
         loc = loc[1:]
@@ -183,13 +188,19 @@ def install_handlers(app: FastAPI) -> None:
                 "using your HTTP library correctly. The OpenAI API expects a JSON payload.)",
                 code=Code.INVALID_JSON,
             ).response()
-        param = _param_of(err.get("loc", ()))
+        param = (err.get("ctx") or {}).get(PARAM_CTX) or _param_of(err.get("loc", ()))
         if err.get("type") == "missing" and param:
             msg = f"Missing required parameter: '{param}'."
             code = Code.MISSING_REQUIRED_PARAMETER
         elif param is None and err.get("type") in ("model_attributes_type", "dict_type"):
             msg = "The request body must be a JSON object."
             code = Code.INVALID_JSON
+        elif param and err.get("type") == "extra_forbidden":  # OpenAI's answer to a parameter it does not know
+            msg = f"Unknown parameter: '{param}'."
+            code = Code.UNKNOWN_PARAMETER
+        elif param and err.get("type") == "unsupported_parameter":  # one of OpenAI's that Sluice does not serve
+            msg = f"Unsupported parameter: '{param}' {err.get('msg')}."
+            code = Code.UNSUPPORTED_PARAMETER
         elif param and err.get("type") in _EXPECTED:
             msg = (f"Invalid type for '{param}': expected {_EXPECTED[err['type']]}, but got "
                    f"{json_type(err.get('input'))} instead.")

@@ -216,6 +216,9 @@ class Generation:
         self.logged = (log_ttl_s is not None or detached) and len(prompts) == 1
         self.log_ttl_s = log_ttl_s or 0
         self.detached = detached and self.logged
+        # Detached at the engine (no gateway's loss aborts it), but cancelled by this gateway when
+        # its own client goes away: a stored foreground response (``detach(..., client_owned=True)``).
+        self.client_owned = False
         self.render = render or {}
         self.opts = opts
         self.reply_to: str | None = None  # whose requests to cancel: None, ours; a record's when resumed
@@ -267,12 +270,17 @@ class Generation:
                 reasoning.reasoning_tokens(prompt, ch.text, ch.text_ends or []) for ch in self.choices)}
         return out
 
-    def detach(self, log_ttl_s: int, endpoint: str, render: dict) -> None:
-        """Make this generation (not started, one engine request) a detached, logged one: a
-        background request no client or gateway loss stops, rendered from its log by any gateway."""
+    def detach(self, log_ttl_s: int, endpoint: str, render: dict, *, client_owned: bool = False) -> None:
+        """Make this generation (not started, one engine request) a detached, logged one, rendered
+        from its log by any gateway: no gateway's loss stops it at the engine. Without
+        ``client_owned`` (a background request) no client's loss stops it either; with it (a stored
+        foreground response) closing it early (its client went away, its deadline) cancels it as
+        a plain request's close does, while the death of this gateway leaves it to run and be
+        finished by any other from its log."""
         if self._started or len(self.subs) != 1:
             raise ValueError("only a generation of one engine request, before its start, can be detached")
         self.logged = self.detached = True
+        self.client_owned = client_owned
         self.log_ttl_s, self.endpoint, self.render = log_ttl_s, endpoint, render
 
     @classmethod
@@ -489,7 +497,7 @@ class Generation:
             self.broker.spawn(self._orphaned(active))
         else:
             self._stop_following()
-            if active and not self.detached:
+            if active and (not self.detached or self.client_owned):
                 self.broker.cancel_nowait(active, give_up_at=self.deadline, reply_to=self.reply_to)
             self._forget()
             self._release()

@@ -15,7 +15,7 @@ or an ``image_url`` content part), a wrap validator says what is wrong.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, get_origin
+from typing import Annotated, Any, ClassVar, Literal, get_origin
 
 from pydantic import (
     AfterValidator,
@@ -28,7 +28,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from gateway.errors import json_type
+from gateway.errors import PARAM_CTX, json_type
 from sluice.wire import limits
 from sluice.wire.limits import INT32_MAX
 
@@ -66,6 +66,17 @@ FrequencyPenalty = limited(float, limits.FREQUENCY_PENALTY)
 RepetitionPenalty = limited(float, limits.REPETITION_PENALTY)
 Seed = limited(int, limits.SEED)
 MaxTokens = limited(int, limits.MAX_TOKENS)
+
+
+def _max_tokens_or_0(value: int) -> int:
+    """``limits.MAX_TOKENS``, or 0 (completions with echo: checked with the body)."""
+    if value != 0 and (problem := limits.MAX_TOKENS.problem(value)) is not None:
+        raise PydanticCustomError("limit", problem)
+    return value
+
+
+CompletionMaxTokens = Annotated[int, AfterValidator(_max_tokens_or_0),
+                                Field(json_schema_extra={"minimum": 0, "maximum": limits.MAX_TOKENS.high})]
 MaxCompletionTokens = limited(int, limits.MAX_TOKENS, "max_completion_tokens")
 MinTokens = limited(int, limits.MIN_TOKENS)
 Logprobs = limited(int, limits.LOGPROBS)
@@ -101,15 +112,67 @@ def _prompt_problem(v: Any) -> str | None:
     return None
 
 
+def refuse(why: str) -> PydanticCustomError:
+    """A value Sluice does not serve, and why (a 400 naming the field)."""
+    return PydanticCustomError("unsupported_value", "{why}", {"why": why})
+
+
 class StreamOptions(BaseModel):
-    model_config = REQUEST_CONFIG
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool | None = False
+    include_obfuscation: bool | None = None
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_obfuscation(cls, v: bool | None) -> bool | None:
+        if v:
+            raise refuse("Sluice does not obfuscate its streams; only false is accepted")
+        return v
 
 
-class SamplingFields(BaseModel):
+def check_service_tier(v: str | None) -> str | None:
+    if v not in (None, "auto", "default"):
+        raise refuse(f"Sluice serves every request in one tier; only 'auto' and 'default' are accepted, got {v!r}")
+    return v
+
+
+def check_nesting(data: Any) -> Any:
+    """Each parameter of a request body within ``limits.NESTING``, checked before any field is
+    validated or used (a 400 naming the path where it nests too deep)."""
+    if isinstance(data, dict):
+        for name, value in data.items():
+            found = limits.NESTING.problem(value, str(name))
+            if found is not None:
+                raise PydanticCustomError("nesting", "{message}", {"message": found[1], PARAM_CTX: found[0]})
+    return data
+
+
+# A request body's own parameters: one it does not have is refused (OpenAI's "Unknown parameter");
+# the objects inside it keep REQUEST_CONFIG (a message a client sends back may carry more fields).
+BODY_CONFIG = ConfigDict(extra="forbid", strict=True)
+
+
+class RequestBody(BaseModel):
+    """A request body. Nothing in it is silently ignored: a parameter it does not have is a 400
+    ``unknown_parameter``, one of OpenAI's it does not serve (``UNSUPPORTED``: name -> why) a 400
+    ``unsupported_parameter`` saying why (a null is the default: accepted). Each parameter nests at
+    most ``limits.NESTING`` deep. All checked before any field is validated or used."""
+
+    model_config = BODY_CONFIG
+    UNSUPPORTED: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _body(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, why in cls.UNSUPPORTED.items():
+                if data.get(name) is not None:
+                    raise PydanticCustomError("unsupported_parameter", "{why}", {"why": why, PARAM_CTX: name})
+        return check_nesting(data)
+
+
+class SamplingFields(RequestBody):
     """Parameters /v1/completions and /v1/chat/completions share."""
-
-    model_config = REQUEST_CONFIG
 
     model: str
     n: N = 1
@@ -140,10 +203,28 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
+    UNSUPPORTED: ClassVar[dict[str, str]] = {
+        "suffix": "is not supported: Sluice completes a prompt, it does not insert between a prefix and a suffix",
+    }
+
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: MaxTokens | None = 16
+    # 0 with echo: the prompt alone, scored (its logprobs), as vLLM answers a loglikelihood request
+    max_tokens: CompletionMaxTokens | None = 16
     logprobs: Logprobs | None = None
     echo: bool | None = False
+    best_of: limited(int, limits.N, "best_of") | None = None
+
+    @model_validator(mode="after")
+    def _combinations(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise PydanticCustomError("invalid_value", "{why}", {
+                "why": f"best_of ({self.best_of}) must equal n ({self.n}): Sluice returns every completion it "
+                       "generates", PARAM_CTX: "best_of"})
+        if self.max_tokens == 0 and not self.echo:
+            raise PydanticCustomError("invalid_value", "{why}", {
+                "why": f"{limits.MAX_TOKENS.problem(0)} (0 only with echo: true, which scores the prompt alone)",
+                PARAM_CTX: "max_tokens"})
+        return self
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -181,8 +262,8 @@ class ChatMessage(BaseModel):
                 if not isinstance(part.get("text"), str):
                     raise PydanticCustomError(
                         "invalid_content_part",
-                        'a text part is {{"type": "text", "text": "..."}}; content[{i}] has no string "text"',
-                        {"i": i})
+                        'a text part is {shape}; content[{i}] has no string "text"',
+                        {"i": i, "shape": '{"type": "text", "text": "..."}'})
         return v
 
     def text(self) -> str:
@@ -199,7 +280,28 @@ class ChatMessage(BaseModel):
         return "".join(texts)
 
 
+_NO_CACHE_KEY = ("is not supported: the engines' prefix cache needs no key (a prompt reuses the cached blocks of "
+                 "any earlier prompt it shares a beginning with)")
+_NO_SAFETY = "is not supported: Sluice runs no safety or abuse monitoring ('user' names the end user)"
+
+
 class ChatCompletionRequest(SamplingFields):
+    UNSUPPORTED: ClassVar[dict[str, str]] = {
+        "audio": "is not supported: Sluice generates text only",
+        "function_call": "is not supported: it is the legacy form of 'tool_choice'; use 'tools' and 'tool_choice'",
+        "functions": "is not supported: it is the legacy form of 'tools'; use 'tools' and 'tool_choice'",
+        "metadata": "is not supported: chat completions are not stored ('metadata' tags stored completions)",
+        "moderation": "is not supported: Sluice runs no moderation",
+        "prediction": "is not supported: Sluice has no predicted outputs",
+        "prompt_cache_key": _NO_CACHE_KEY,
+        "prompt_cache_options": _NO_CACHE_KEY,
+        "prompt_cache_retention": _NO_CACHE_KEY,
+        "reasoning_effort": "is not supported: a model's template options go in 'chat_template_kwargs'",
+        "safety_identifier": _NO_SAFETY,
+        "verbosity": "is not supported: the length of the answer is the model's (bound it with 'max_tokens')",
+        "web_search_options": "is not supported: Sluice runs no web search",
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: MaxCompletionTokens | None = None
     logprobs: bool | None = False
@@ -210,12 +312,34 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     chat_template: str | None = None  # vLLM's; rendered only with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template
+    # OpenAI's, accepted with the one value Sluice serves (anything else: a 400 saying why)
+    store: bool | None = None
+    modalities: list[str] | None = None
+    service_tier: str | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _not_stored(cls, v: bool | None) -> bool | None:
+        if v:
+            raise refuse("Sluice does not store chat completions; only false is accepted (the Responses API "
+                         "stores its responses)")
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and v != ["text"]:
+            raise refuse('Sluice generates text only; only ["text"] is accepted')
+        return v
+
+    @field_validator("service_tier")
+    @classmethod
+    def _one_tier(cls, v: str | None) -> str | None:
+        return check_service_tier(v)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestBody):
     """vLLM's ``TokenizeCompletionRequest`` or ``TokenizeChatRequest`` in one: ``prompt`` or ``messages``."""
-
-    model_config = REQUEST_CONFIG
 
     model: str | None = None
     prompt: str | None = None
@@ -238,9 +362,7 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = REQUEST_CONFIG
-
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[TokenId]
 

@@ -45,8 +45,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         ids = await serving.encode(tok, p, add_special_tokens=True) if isinstance(p, str) else list(p)
         serving.check_prompt(ids, card)
         prompts.append(list(ids))
-    max_tokens = serving.max_tokens_for(card, [len(ids) for ids in prompts], body.max_tokens, "prompt")
     echo = bool(body.echo)
+    # echo with max_tokens 0: the prompt alone, scored (vLLM's answer): the engine runs one token,
+    # which the answer leaves out
+    score_only = echo and body.max_tokens == 0
+    max_tokens = serving.max_tokens_for(card, [len(ids) for ids in prompts], 1 if score_only else body.max_tokens,
+                                        "prompt")
     params = serving.sampling_params(body, card, max_tokens, body.logprobs)
     await serving.constrain(params, tools.constraint_for(body.response_format, body.structured_outputs), card,
                             max_tokens, serving.constraint_param(body.response_format))
@@ -119,16 +123,22 @@ def _prompt_infos(sub: SubRequest, card: LoadedCard, num_top: int) -> list[Token
     return infos
 
 
+def score_only(body: CompletionRequest) -> bool:
+    """``echo`` with ``max_tokens`` 0: the prompt and its logprobs, without the token the engine ran."""
+    return bool(body.echo) and body.max_tokens == 0
+
+
 def completion_response(gen: Generation, card: LoadedCard, body: CompletionRequest,
                         echo_text: dict) -> CompletionResponse:
     choices = []
     for c in gen.choices:
         prefix = echo_text.get(c.sub.request_id, "")
+        text, generated = ("", []) if score_only(body) else (c.text, c.logprobs)
         lp = None
         if body.logprobs is not None:
-            infos = _prompt_infos(c.sub, card, body.logprobs) + c.logprobs if prefix else c.logprobs
+            infos = _prompt_infos(c.sub, card, body.logprobs) + generated if prefix else generated
             lp = LogprobsBuilder().build(infos, first_is_none=bool(prefix))
-        choices.append(CompletionResponseChoice(index=c.index, text=prefix + c.text, logprobs=lp,
+        choices.append(CompletionResponseChoice(index=c.index, text=prefix + text, logprobs=lp,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     return envelope(CompletionResponse, gen, choices=choices, usage=usage(gen))
 
@@ -136,6 +146,7 @@ def completion_response(gen: Generation, card: LoadedCard, body: CompletionReque
 class CompletionStreamFormatter:
     def __init__(self, gen: Generation, card: LoadedCard, body: CompletionRequest, echo_text: dict) -> None:
         self.gen, self.card, self.body, self.echo_text = gen, card, body, echo_text
+        self.score_only = score_only(body)
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.builders: dict[int, LogprobsBuilder] = {}
         self.echoed: set[int] = set()
@@ -152,6 +163,8 @@ class CompletionStreamFormatter:
         return []
 
     def on_delta(self, d: Delta) -> list[CompletionStreamResponse | str]:
+        if self.score_only:  # the prompt alone: the engine's token is left out
+            d = Delta(d.index, "", None, d.finish_reason, d.stop_reason)
         if self.template is not None and d.index in self.echoed:
             return self._plain(d)
         choice = self.gen.choices[d.index]

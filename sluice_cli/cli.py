@@ -48,6 +48,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "long-prompts"): ("sluice_bench.long_prompts",
                                 "running streams' inter-token latency while long prompts arrive (a running gateway)"),
     ("bench", "sampler"): ("sluice_bench.sampler", "the sampler's cost per step, sparse path against the dense reference"),
+    ("bench", "responses-memory"): ("sluice_bench.responses_memory",
+                                    "Redis memory per turn of a long Responses conversation (stub engine)"),
 }
 
 

@@ -302,8 +302,9 @@ def key_patterns() -> dict[str, str]:
                 made = value(*args)
             except Exception:  # noqa: BLE001 - not a key maker
                 continue
-            if isinstance(made, str) and made.startswith(contract.PREFIX + ":"):
-                out[re.sub(r"\0[^\0]*\0|424242", "*", made)] = f"{name}()"
+            for key in [made] if isinstance(made, str) else made if isinstance(made, list) else []:
+                if isinstance(key, str) and key.startswith(contract.PREFIX + ":"):
+                    out[re.sub(r"\0[^\0]*\0|424242", "*", key)] = f"{name}()"
     return out
 
 

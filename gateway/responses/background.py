@@ -1,23 +1,27 @@
-"""Background responses (``background: true``) on the per-request event log (issue 22).
+"""Logged responses on the per-request event log (issue 22): every stored response, background or
+not, runs detached and logged (``Generation.detach``; ``sluice.wire.event_log``): the engine appends
+its events to the request's log and never aborts it because a gateway is gone. A background
+response (``background: true``) is stopped only by a cancel, its deadline or its own end; a
+foreground one also by its own client going away (its creating gateway cancels it, as for chat).
+Its event-log record carries the :class:`~gateway.responses.render.ResponseRecord`
+(``render["response"]``), so any gateway renders it with the same :class:`ResponseRenderer`, the
+same events with the same sequence numbers:
 
-A background response's generation is detached and logged (``Generation.detach``;
-``sluice.wire.event_log``): the engine appends its events to the request's log and never aborts it
-because a gateway is gone; only a cancel, its deadline or its own end stop it. Its event-log record
-carries the :class:`~gateway.responses.render.ResponseRecord` (``render["response"]``), so any
-gateway renders it with the same :class:`ResponseRenderer`, the same events with the same sequence
-numbers:
-
-- the creating gateway answers the ``queued`` response at once (or streams it from the log) and
-  follows the live events in a task of its own, which stores the final response when it ends;
+- the creating gateway of a background response answers the ``queued`` response at once (or
+  streams it from the log) and follows the live events in a task of its own, which stores the
+  final response when it ends; the creating gateway of a foreground one answers it as it runs
+  (``gateway.responses.service``) and stores it at the end;
 - ``GET /v1/responses/{id}`` on any gateway catches up from the log when the stored response still
   says it runs (its creating gateway may have died): a log that has ended is rendered and stored;
 - ``GET /v1/responses/{id}?stream=true&starting_after=N`` replays the log through the renderer,
   leaves out the events up to sequence number N, then follows the live ones;
-- ``POST /v1/responses/{id}/cancel`` from any gateway cancels the engine request (the record
-  names its ``reply_to``) and stores the response ``cancelled`` with the output said so far.
+- ``POST /v1/responses/{id}/cancel`` from any gateway cancels a background response's engine
+  request (the record names its ``reply_to``) and stores the response ``cancelled`` with the
+  output said so far.
 
-An ``abort`` at the engine ends a background response only through a cancel, so a replay that
-meets one renders ``response.cancelled``.
+An ``abort`` at the engine ends a logged response only through a cancel: a background response's
+(``response.cancelled``) or a foreground one's creating gateway's when its client went away (the
+response ``failed`` with ``client_disconnected``, as that gateway stored it).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from gateway import errors, serving
 from gateway.broker import Broker
 from gateway.errors import OpenAIError
 from gateway.generation import Generation
+from gateway.responses.conversation_store import ConversationStore, conversations_of
 from gateway.responses.render import ResponseRecord, ResponseRenderer
 from gateway.responses.store import ResponseStore, store_of
 from gateway.stream_chunks import keep_alive
@@ -43,6 +48,8 @@ from sluice.wire.event_log import StreamRecord
 from sluice.wire.messages_pb2 import SamplingParams
 
 ENDPOINT = "responses"  # the event-log record's endpoint
+# A response still stored running, without a log, this long after its deadline is lost (LOST).
+LOST_GRACE_S = 5.0
 _TASKS: set[asyncio.Task] = set()  # the creating gateways' followers (kept from the garbage collector)
 
 
@@ -51,29 +58,50 @@ def _keep(task: asyncio.Task) -> None:
     task.add_done_callback(lambda t: (_TASKS.discard(t), t.cancelled() or t.exception()))
 
 
+CLIENT_GONE = ("client_disconnected", "The client closed the connection before the response ended.")
+
+
 def _end(renderer: ResponseRenderer, gen: Generation, failure: OpenAIError | None,
          completed_at: int | None = None) -> list[Any]:
-    """The closing events: cancelled (an abort: only a cancel aborts a detached request), failed, or
-    completed/incomplete (``completed_at``: the stored one, when a replay renders an ended response
-    again; else now)."""
+    """The closing events: an abort (only a cancel aborts a detached request) is a background
+    response's cancel or a foreground one's client gone; else failed, or completed/incomplete
+    (``completed_at``: the stored one, when a replay renders an ended response again; else now)."""
     if failure is not None:
         return renderer.fail(failure.code or "server_error", failure.message, renderer.usage_of(gen))
     if any(c.finish_reason == "abort" for c in gen.choices):
-        return renderer.cancelled()
+        if renderer.record.echo.get("background"):
+            return renderer.cancelled()
+        return renderer.fail(*CLIENT_GONE, renderer.usage_of(gen))
     return renderer.finish(renderer.usage_of(gen), completed_at or int(time.time()))
 
 
-async def _store_final(store: ResponseStore, ttl_s: float, response_id: str, renderer: ResponseRenderer,
-                       conversation: list[dict[str, Any]], *, force: bool = False) -> None:
-    """Store the ended response, unless it was ended already (a cancel, another gateway) or deleted."""
+async def store_final(store: ResponseStore, conversations: ConversationStore, ttl_s: float, response_id: str,
+                      renderer: ResponseRenderer, *, only_running: bool = True) -> None:
+    """Store the ended response, its turn (input and output) appended to its conversation first
+    (an append of the same items again adds nothing, so a gateway that catches up after its
+    creator appended and died completes it). ``only_running``: unless it was ended already (a
+    cancel, another gateway); never a response deleted meanwhile."""
     stored = await store.load(response_id)
-    if stored is None or not (stored.running or force):
+    if stored is None or (only_running and not stored.running):
         return
     response = renderer.response
-    output = [item.model_dump(mode="json") for item in response.output]
+    if renderer.record.conversation is not None:  # (one deleted meanwhile gets nothing)
+        output = [item.model_dump(mode="json") for item in response.output]
+        await conversations.add(renderer.record.conversation, (stored.input or []) + output, strict=False)
     await store.save(response_id, ttl_s, **{sr.F_STATUS: response.status,
-                                            sr.F_RESPONSE: response.model_dump(mode="json"),
-                                            sr.F_CONVERSATION: conversation + output})
+                                            sr.F_RESPONSE: response.model_dump(mode="json")})
+
+
+def render_of(prepared: Any) -> dict[str, Any]:
+    """The event-log record's rendering parameters of a prepared response: its record and the
+    detokenizer's options (the conversation is in the store, never in the record)."""
+    return {"response": prepared.record.to_json(), "opts": prepared.chat.gen.opts}
+
+
+def running_fields(prepared: Any, status: str) -> dict[str, Any]:
+    """A stored response's fields while it runs (the end adds its status and final object)."""
+    return {sr.F_STATUS: status, sr.F_RECORD: prepared.record.to_json(), sr.F_INPUT: prepared.items,
+            sr.F_ANCESTORS: prepared.ancestors or None}
 
 
 async def start(prepared: Any, request: Request, running_ttl_s: float) -> Response:
@@ -81,26 +109,23 @@ async def start(prepared: Any, request: Request, running_ttl_s: float) -> Respon
     cfg, store = serving.config_of(request), store_of(request)
     record: ResponseRecord = prepared.record
     gen: Generation = prepared.chat.gen
-    conversation = prepared.history + prepared.items
-    gen.detach(cfg.event_log_ttl_s, ENDPOINT, {"response": record.to_json(), "conversation": conversation,
-                                               "opts": gen.opts})
-    await store.save(record.id, running_ttl_s, create=True,
-                     **{sr.F_STATUS: "queued", sr.F_RECORD: record.to_json(), sr.F_INPUT: prepared.items,
-                        sr.F_BACKGROUND: True})
+    gen.detach(cfg.event_log_ttl_s, ENDPOINT, render_of(prepared))
+    await store.save(record.id, running_ttl_s, create=True, **running_fields(prepared, "queued"),
+                     **{sr.F_BACKGROUND: True})
     try:
         await serving.start(gen, request, record.model)
     except OpenAIError:
         await store.delete(record.id)
         raise
-    _keep(asyncio.ensure_future(_follow_live(gen, ResponseRenderer(record), store, cfg.responses_ttl_s,
-                                             record.id, conversation)))
+    _keep(asyncio.ensure_future(_follow_live(gen, ResponseRenderer(record), store, conversations_of(request),
+                                             cfg.responses_ttl_s, record.id)))
     if prepared.body.stream:
         return await stream(request, record.id, after=None)
     return JSONResponse(record.snapshot("queued", output=[]).model_dump(mode="json"))
 
 
-async def _follow_live(gen: Generation, renderer: ResponseRenderer, store: ResponseStore, ttl_s: float,
-                       response_id: str, conversation: list[dict[str, Any]]) -> None:
+async def _follow_live(gen: Generation, renderer: ResponseRenderer, store: ResponseStore,
+                       conversations: ConversationStore, ttl_s: float, response_id: str) -> None:
     """The creating gateway's own follower: the live events, the final response stored at the end.
     (If this gateway dies first, a retrieve on any other catches up from the log.)"""
     renderer.start()
@@ -113,7 +138,7 @@ async def _follow_live(gen: Generation, renderer: ResponseRenderer, store: Respo
         failure = exc
     _end(renderer, gen, failure)
     try:
-        await _store_final(store, ttl_s, response_id, renderer, conversation)
+        await store_final(store, conversations, ttl_s, response_id, renderer)
     except OpenAIError:  # Redis away: a later retrieve catches up from the log
         pass
 
@@ -160,20 +185,32 @@ async def _replay(broker: Broker, record: ResponseRecord) -> tuple[ResponseRende
     return renderer, gen, log_record, failure
 
 
+LOST = ("server_error", "The response ended while no gateway followed it, and its events expired before any "
+        "gateway stored its end.")
+
+
 async def catch_up(request: Request, stored: sr.StoredResponse, response_id: str) -> dict[str, Any]:
-    """A background response that still says it runs, as its log has it: stored when the log has
-    ended (its creating gateway may be gone), else ``in_progress`` with the output so far."""
+    """A logged response that still says it runs, as its log has it: stored when the log has
+    ended (its creating gateway may be gone), else ``in_progress`` with the output so far. One
+    whose log has expired although its deadline has passed (nobody stored its end in time) is
+    stored ``failed``: nothing can finish it any more."""
     record = ResponseRecord.from_json(stored.record or "{}")
     replay = await _replay(serving.broker_of(request), record)
+    cfg = serving.config_of(request)
     if replay is None:
-        return record.snapshot(stored.status or "in_progress", output=[]).model_dump(mode="json")
+        if time.time() < record.created_at + cfg.request_timeout_s + LOST_GRACE_S:
+            return record.snapshot(stored.status or "in_progress", output=[]).model_dump(mode="json")
+        renderer = ResponseRenderer(record)
+        renderer.fail(*LOST)
+        await store_final(store_of(request), conversations_of(request), cfg.responses_ttl_s, response_id, renderer)
+        return renderer.response.model_dump(mode="json")
     renderer, gen, log_record, failure = replay
     if not gen.done and failure is None:
         return record.snapshot("in_progress", output=[i.model_copy(deep=True) for i in renderer.items]
                                ).model_dump(mode="json")
     _end(renderer, gen, failure)
-    await _store_final(store_of(request), serving.config_of(request).responses_ttl_s, response_id, renderer,
-                       log_record.render.get("conversation") or [])
+    await store_final(store_of(request), conversations_of(request), serving.config_of(request).responses_ttl_s,
+                      response_id, renderer)
     return renderer.response.model_dump(mode="json")
 
 
@@ -191,9 +228,8 @@ async def cancel(request: Request, stored: sr.StoredResponse, response_id: str) 
         raise errors.redis_down(exc) from exc
     renderer = replay[0] if replay is not None else ResponseRenderer(record)
     renderer.cancelled()
-    conversation = replay[2].render.get("conversation") or [] if replay is not None else []
-    await _store_final(store_of(request), serving.config_of(request).responses_ttl_s, response_id, renderer,
-                       conversation)
+    await store_final(store_of(request), conversations_of(request), serving.config_of(request).responses_ttl_s,
+                      response_id, renderer)
     return JSONResponse(renderer.response.model_dump(mode="json"))
 
 
@@ -203,9 +239,6 @@ async def stream(request: Request, response_id: str, after: int | None) -> Respo
     stored = await store_of(request).load(response_id)
     if stored is None:
         raise errors.error("not_found", f"Response with id '{response_id}' not found.")
-    if not stored.background:
-        raise errors.invalid("Only a response created with 'background': true can be streamed again; "
-                             f"response '{response_id}' was not.", param="stream")
     record = ResponseRecord.from_json(stored.record or "{}")
     resumed = await _resumed(serving.broker_of(request), record)
     if resumed is None:

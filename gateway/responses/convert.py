@@ -4,7 +4,8 @@
 (``instructions`` a system message first; a ``function_call`` an assistant turn's ``tool_calls``,
 consecutive calls in one turn; a ``function_call_output`` a ``tool`` message), its function tools
 chat ``tools``, ``tool_choice`` the chat one, ``text.format`` a ``response_format``, and
-``max_output_tokens`` ``max_completion_tokens``. The chat pipeline (template, tool dialects,
+``max_output_tokens`` ``max_completion_tokens``, ``include: ["message.output_text.logprobs"]``
+with ``top_logprobs`` chat's ``logprobs`` and ``top_logprobs``. The chat pipeline (template, tool dialects,
 reasoning, constraints, limits) then does the rest, and its 400s are renamed to the Responses
 parameter names (:func:`rename_error`).
 
@@ -48,8 +49,13 @@ def input_items(body: CreateResponseRequest) -> list[dict[str, Any]]:
     if isinstance(body.input, str):
         return [{"type": "message", "id": new_id("msg"), "role": "user", "status": "completed",
                  "content": [{"type": "input_text", "text": body.input}]}]
+    return item_dicts(body.input)
+
+
+def item_dicts(items: list[InputItem]) -> list[dict[str, Any]]:
+    """Items as the JSON the store keeps, each with an id (its own when the client gave one)."""
     out = []
-    for item in body.input:
+    for item in items:
         data = item.model_dump(mode="json", by_alias=True, exclude_none=True)
         if isinstance(item, InputMessage) and isinstance(item.content, str):
             part = "output_text" if item.role == "assistant" else "input_text"
@@ -138,8 +144,11 @@ def chat_request(body: CreateResponseRequest, conversation: list[InputItem]) -> 
         "response_format": _response_format(body),
         "tools": tools,
         "tool_choice": tool_choice,
-        "parallel_tool_calls": body.parallel_tool_calls,
+        # one call at most: the constraint of a forced call allows one too
+        "parallel_tool_calls": False if body.max_tool_calls == 1 else body.parallel_tool_calls,
         "user": body.user,
+        "logprobs": True if body.wants_logprobs else None,
+        "top_logprobs": body.top_logprobs if body.wants_logprobs else None,
     }
     if not fields["messages"]:
         raise errors.invalid("'input' must hold at least one message.", param="input")

@@ -15,13 +15,21 @@ the SDK's ``Response`` requires is always present.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-from gateway.errors import json_type
-from gateway.protocol import REQUEST_CONFIG, Temperature, TopP, limited
+from gateway.errors import PARAM_CTX, json_type
+from gateway.protocol import (
+    REQUEST_CONFIG,
+    RequestBody,
+    Temperature,
+    TopP,
+    check_service_tier,
+    limited,
+    refuse,
+)
 from sluice.wire import limits
 
 MaxOutputTokens = limited(int, limits.MAX_TOKENS, "max_output_tokens")
@@ -132,32 +140,35 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where.lstrip('.') or 'the item'}: {err['msg']}"
 
 
-def parse_input_item(i: int, item: Any) -> BaseModel:
+def parse_input_item(i: int, item: Any, where: str = "input") -> BaseModel:
+    """The ``i``-th item of the list ``where`` (``input``; a conversation's ``items``) as its model,
+    or an error naming it."""
     if isinstance(item, BaseModel):
         return item
     if not isinstance(item, dict):
-        raise PydanticCustomError("invalid_input_item", "input[{i}] must be an object, got {got}",
-                                  {"i": i, "got": json_type(item)})
+        raise PydanticCustomError("invalid_input_item", "{where}[{i}] must be an object, got {got}",
+                                  {"where": where, "i": i, "got": json_type(item)})
     kind = item.get("type", "message")
     model = _INPUT_MODELS.get(kind) if isinstance(kind, str) else None
     if model is None:
         raise PydanticCustomError(
             "unsupported_input_item",
-            "input[{i}] has type {kind}, which Sluice does not accept; supported: 'message' (text parts), "
-            "'function_call', 'function_call_output' and 'reasoning'", {"i": i, "kind": repr(kind)})
+            "{where}[{i}] has type {kind}, which Sluice does not accept; supported: 'message' (text parts), "
+            "'function_call', 'function_call_output' and 'reasoning'", {"where": where, "i": i, "kind": repr(kind)})
     if model is InputMessage and isinstance(item.get("content"), list):
         for j, part in enumerate(item["content"]):
             ptype = part.get("type") if isinstance(part, dict) else None
             if ptype not in ("input_text", "output_text", "refusal"):
                 raise PydanticCustomError(
                     "unsupported_content_part",
-                    "only text content parts are supported; input[{i}].content[{j}] has type {kind}",
-                    {"i": i, "j": j, "kind": repr(ptype) if isinstance(ptype, str) else json_type(ptype)})
+                    "only text content parts are supported; {where}[{i}].content[{j}] has type {kind}",
+                    {"where": where, "i": i, "j": j,
+                     "kind": repr(ptype) if isinstance(ptype, str) else json_type(ptype)})
     try:
         return model.model_validate(item)
     except ValidationError as exc:
-        raise PydanticCustomError("invalid_input_item", "input[{i}].{detail}",
-                                  {"i": i, "detail": _first_error(exc)}) from None
+        raise PydanticCustomError("invalid_input_item", "{where}[{i}].{detail}",
+                                  {"where": where, "i": i, "detail": _first_error(exc)}) from None
 
 
 # --- request: tools, text format ----------------------------------------------------------------
@@ -195,7 +206,7 @@ def _parse_tool(i: int, tool: Any) -> FunctionTool:
 
 
 class ToolChoiceFunction(BaseModel):
-    model_config = REQUEST_CONFIG
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["function"]
     name: str
 
@@ -223,19 +234,72 @@ TextFormat = Annotated[TextFormatText | TextFormatJSONObject | TextFormatJSONSch
 
 
 class TextConfig(BaseModel):
-    model_config = REQUEST_CONFIG
+    model_config = ConfigDict(extra="forbid", strict=True)
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
+
+    @field_validator("verbosity")
+    @classmethod
+    def _no_verbosity(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise refuse("verbosity is not supported: the length of the answer is the model's (bound it with "
+                         "'max_output_tokens')")
+        return v
+
+
+class ResponseStreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_obfuscation: bool | None = None
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_obfuscation(cls, v: bool | None) -> bool | None:
+        if v:
+            raise refuse("Sluice does not obfuscate its streams; only false is accepted")
+        return v
+
+
+# What ``include`` may ask: the one extra Sluice has (the output's logprobs, with ``top_logprobs``).
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+_NO_CACHE_KEY = ("is not supported: the engines' prefix cache needs no key (a prompt reuses the cached blocks of "
+                 "any earlier prompt it shares a beginning with)")
 
 
 Metadata = limited(dict[str, str], limits.RESPONSE_METADATA)
 
 
-class CreateResponseRequest(BaseModel):
-    """``POST /v1/responses``. Unknown fields are ignored (``include``, ``truncation``,
-    ``reasoning``, ... that the SDKs send)."""
+def check_metadata(v: dict[str, str] | None) -> dict[str, str] | None:
+    for key, value in (v or {}).items():  # OpenAI's limits on metadata
+        if len(key) > limits.RESPONSE_METADATA_KEY_CHARS or len(value) > limits.RESPONSE_METADATA_VALUE_CHARS:
+            raise PydanticCustomError(
+                "invalid_metadata", "metadata keys are at most {k} characters and values at most {v}",
+                {"k": limits.RESPONSE_METADATA_KEY_CHARS, "v": limits.RESPONSE_METADATA_VALUE_CHARS})
+    return v
 
-    model_config = REQUEST_CONFIG
+
+class ConversationParam(BaseModel):
+    """``conversation: {"id": ...}`` (or the id alone)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+
+
+class CreateResponseRequest(RequestBody):
+    """``POST /v1/responses``: every parameter of OpenAI's is served here or refused in
+    ``UNSUPPORTED`` (a 400 saying why); one it does not have is a 400 too."""
+
+    UNSUPPORTED: ClassVar[dict[str, str]] = {
+        "context_management": "is not supported: a conversation is kept whole (see 'truncation')",
+        "moderation": "is not supported: Sluice runs no moderation",
+        "prompt": "is not supported: Sluice has no stored prompt templates; send 'instructions' and 'input'",
+        "prompt_cache_key": _NO_CACHE_KEY,
+        "prompt_cache_options": _NO_CACHE_KEY,
+        "prompt_cache_retention": _NO_CACHE_KEY,
+        "reasoning": "is not supported: a model's reasoning is its own (a model with a reasoning parser returns "
+                     "it as 'reasoning' items)",
+        "safety_identifier": "is not supported: Sluice runs no safety or abuse monitoring ('user' names the end "
+                             "user)",
+    }
 
     model: str
     input: str | list[InputItem]
@@ -253,6 +317,44 @@ class CreateResponseRequest(BaseModel):
     background: bool | None = False
     stream: bool | None = False
     user: str | None = None
+    conversation: str | ConversationParam | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[str] | None = None
+    top_logprobs: limited(int, limits.LOGPROBS, "top_logprobs") | None = None
+    max_tool_calls: limited(int, limits.MAX_TOOL_CALLS) | None = None
+    service_tier: str | None = None
+    stream_options: ResponseStreamOptions | None = None
+
+    @field_validator("conversation", mode="before")
+    @classmethod
+    def _conversation(cls, v: Any) -> Any:
+        if isinstance(v, dict):  # its own errors, not the union's (a string was not expected)
+            try:
+                return ConversationParam.model_validate(v)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                where = "conversation" + "".join(f".{p}" for p in err["loc"])
+                raise PydanticCustomError(err["type"], "{msg}", {"msg": err["msg"], PARAM_CTX: where}) from None
+        return v
+
+    @field_validator("include")
+    @classmethod
+    def _include(cls, v: list[str] | None) -> list[str] | None:
+        for i, what in enumerate(v or []):
+            if what != OUTPUT_LOGPROBS:
+                raise PydanticCustomError(
+                    "unsupported_value", "include[{i}] is {what}, which Sluice does not return; the one value "
+                    "supported is {ok}", {"i": i, "what": repr(what), "ok": repr(OUTPUT_LOGPROBS)})
+        return v
+
+    @field_validator("service_tier")
+    @classmethod
+    def _tier(cls, v: str | None) -> str | None:
+        return check_service_tier(v)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return OUTPUT_LOGPROBS in (self.include or [])
 
     @field_validator("input", mode="before")
     @classmethod
@@ -275,19 +377,20 @@ class CreateResponseRequest(BaseModel):
             kind = v.get("type")
             raise PydanticCustomError(
                 "unsupported_tool_choice",
-                "tool_choice of type {kind} is not supported; use 'none', 'auto', 'required' or "
-                '{{"type": "function", "name": ...}}', {"kind": repr(kind) if isinstance(kind, str) else json_type(kind)})
+                "tool_choice of type {kind} is not supported; use 'none', 'auto', 'required' or {named}",
+                {"kind": repr(kind) if isinstance(kind, str) else json_type(kind),
+                 "named": '{"type": "function", "name": ...}'})
         return v
 
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        for key, value in (v or {}).items():  # OpenAI's limits on metadata
-            if len(key) > limits.RESPONSE_METADATA_KEY_CHARS or len(value) > limits.RESPONSE_METADATA_VALUE_CHARS:
-                raise PydanticCustomError(
-                    "invalid_metadata", "metadata keys are at most {k} characters and values at most {v}",
-                    {"k": limits.RESPONSE_METADATA_KEY_CHARS, "v": limits.RESPONSE_METADATA_VALUE_CHARS})
-        return v
+        return check_metadata(v)
+
+    @property
+    def conversation_id(self) -> str | None:
+        c = self.conversation
+        return c.id if isinstance(c, ConversationParam) else c
 
 
 # --- response objects ---------------------------------------------------------------------------
@@ -366,6 +469,10 @@ class IncompleteDetails(BaseModel):
 ResponseStatus = Literal["completed", "failed", "in_progress", "cancelled", "queued", "incomplete"]
 
 
+class ConversationRef(BaseModel):
+    id: str
+
+
 class ResponseObject(BaseModel):
     """OpenAI's ``Response``."""
 
@@ -390,9 +497,12 @@ class ResponseObject(BaseModel):
     tool_choice: str | dict[str, Any] = "auto"
     tools: list[dict[str, Any]] = Field(default_factory=list)
     top_p: float | None = None
-    truncation: Literal["disabled"] = "disabled"
+    truncation: Literal["auto", "disabled"] = "disabled"
     usage: ResponseUsage | None = None
     user: str | None = None
+    conversation: ConversationRef | None = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
 
 
 class DeletedResponse(BaseModel):
@@ -403,6 +513,79 @@ class DeletedResponse(BaseModel):
 
 class InputItemList(BaseModel):
     """``GET /v1/responses/{id}/input_items``: a page of the response's input items (each with its id)."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+# --- conversations (/v1/conversations) ---------------------------------------------------------
+
+ConversationItems = limited(list[InputItem], limits.CONVERSATION_ITEMS)
+
+
+def _conversation_items(v: Any) -> Any:
+    if isinstance(v, list):
+        return [parse_input_item(i, item, "items") for i, item in enumerate(v)]
+    return v
+
+
+class CreateConversationRequest(RequestBody):
+    """``POST /v1/conversations``: its first items (as a response's input items), its metadata."""
+
+    items: ConversationItems | None = None
+    metadata: Metadata | None = None
+
+    @field_validator("items", mode="before")
+    @classmethod
+    def _items(cls, v: Any) -> Any:
+        return _conversation_items(v)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        return check_metadata(v)
+
+
+class UpdateConversationRequest(RequestBody):
+    """``POST /v1/conversations/{id}``: its metadata, replaced."""
+
+    metadata: Metadata
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        return check_metadata(v)
+
+
+class AddItemsRequest(RequestBody):
+    """``POST /v1/conversations/{id}/items``."""
+
+    items: ConversationItems = Field(min_length=1)
+
+    @field_validator("items", mode="before")
+    @classmethod
+    def _items(cls, v: Any) -> Any:
+        return _conversation_items(v)
+
+
+class ConversationObject(BaseModel):
+    id: str
+    object: Literal["conversation"] = "conversation"
+    created_at: int
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class DeletedConversation(BaseModel):
+    id: str
+    object: Literal["conversation.deleted"] = "conversation.deleted"
+    deleted: Literal[True] = True
+
+
+class ConversationItemList(BaseModel):
+    """A page of a conversation's items (each with its id), or the items just added."""
 
     object: Literal["list"] = "list"
     data: list[dict[str, Any]]

@@ -25,6 +25,7 @@ closed (``.done`` events) when another item starts or the response ends. The str
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -54,6 +55,17 @@ from gateway.responses.models import (
     TextDoneEvent,
 )
 from gateway.tools import parse_tools
+
+
+def _finite(x: float | None) -> float:
+    return -9999.0 if x is None or not math.isfinite(x) else x
+
+
+def logprob_json(info: Any) -> dict[str, Any]:
+    """A generated token's logprobs (``gateway.generation.TokenInfo``) as the Responses API gives
+    them: its text, bytes and logprob, and its ``top_logprobs`` alternatives."""
+    return {"token": info.text, "bytes": list(info.bytes), "logprob": _finite(info.logprob),
+            "top_logprobs": [{"token": t, "bytes": list(b), "logprob": _finite(lp)} for t, lp, b in info.top]}
 
 
 def response_usage(usage: dict[str, Any]) -> ResponseUsage:
@@ -87,6 +99,9 @@ class ResponseRecord:
     chat_tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     echo: dict[str, Any] = field(default_factory=dict)
+    conversation: str | None = None  # the conversation its turn is appended to when it ends
+    logprobs: bool = False  # the output text's logprobs (include: message.output_text.logprobs)
+    max_tool_calls: int | None = None  # the function calls the output keeps at most
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -114,6 +129,8 @@ class ResponseRenderer:
     def __init__(self, record: ResponseRecord) -> None:
         self.record = record
         spec = parse_tools(record.chat_tools, record.chat_tool_choice, record.parallel_tool_calls)
+        if spec is not None:
+            spec.limit = record.max_tool_calls
         dialects = Dialects(tool_parsers.get(record.tool_parser), reasoning.get(record.reasoning_parser))
         self.output = ChatOutputStream(dialects, spec, record.prompt)
         self.reasoning = dialects.reasoning
@@ -121,6 +138,7 @@ class ResponseRenderer:
         self.open: int | None = None  # the output index of the item still receiving text
         self.seq = 0
         self.finish_reason: str | None = None
+        self.pending_logprobs: list[dict[str, Any]] = []  # of tokens whose text the parser holds back
         self.response = record.snapshot("in_progress", output=[])
 
     # --- events -----------------------------------------------------------------------------
@@ -164,7 +182,8 @@ class ResponseRenderer:
         events: list[Any] = []
         if isinstance(item, OutputMessage):
             part = item.content[0]
-            events += [self._ev(TextDoneEvent, item_id=item.id, output_index=index, content_index=0, text=part.text),
+            events += [self._ev(TextDoneEvent, item_id=item.id, output_index=index, content_index=0, text=part.text,
+                                logprobs=list(part.logprobs)),
                        self._ev(ContentPartEvent, type="response.content_part.done", item_id=item.id,
                                 output_index=index, content_index=0, part=part.model_copy())]
         elif isinstance(item, ReasoningItem):
@@ -226,14 +245,27 @@ class ResponseRenderer:
         if d.finish_reason:
             piece += self.output.finish()
             self.finish_reason = d.finish_reason
+        if self.record.logprobs and d.logprobs:
+            self.pending_logprobs += [logprob_json(info) for info in d.logprobs]
         events: list[Any] = []
         if piece.reasoning:
             events += self._reasoning(piece.reasoning)
         if piece.content:
             events += self._content(piece.content)
+            self._attach_logprobs(events[-1])
+        elif piece.reasoning or piece.tool_calls:
+            self.pending_logprobs = []  # those tokens were reasoning or a call: not the output text's
         for call in piece.tool_calls:
             events += self._call(call)
         return events
+
+    def _attach_logprobs(self, delta: TextDeltaEvent) -> None:
+        """The logprobs of the tokens whose text this delta event carries (a token's text the
+        output parser held back goes with the text it released)."""
+        if not self.record.logprobs:
+            return
+        delta.logprobs, self.pending_logprobs = self.pending_logprobs, []
+        self.items[self.open].content[0].logprobs.extend(delta.logprobs)
 
     # --- the end ----------------------------------------------------------------------------
 

@@ -5,11 +5,17 @@ pipeline (``serving_chat.prepare_chat``: template, tools, constraints, limits; i
 to the Responses parameters), stored as ``in_progress`` (``store``: true), then run through the
 same :class:`~gateway.generation.Generation` the chat endpoint uses. Its deltas go through a
 :class:`~gateway.responses.render.ResponseRenderer`, streamed as events or collected into the
-response object; at the end the final object and the conversation (history, input, output) are
-stored with the full TTL.
+response object; at the end the final object is stored with the full TTL (and its turn appended
+to its conversation). What it continues (a ``previous_response_id`` chain, a conversation) is read
+by ``gateway.responses.history``: a response stores its own turn once and links to its ancestors.
 
-``background: true`` goes to :func:`start_background`, the one place a detached run is started
-(see its doc); ``POST .../cancel`` of a background response to :func:`cancel_background`.
+A stored response runs logged and detached at the engine (``gateway.responses.background``): if its
+creating gateway dies, the engine runs it to its end and any gateway finishes it from its log (a
+retrieve, a stream again, a ``previous_response_id``); its own client going away still cancels it.
+``store: false`` runs as a plain chat request does, unlogged.
+
+``background: true`` goes to :func:`start_background` (see its doc); ``POST .../cancel`` of a
+background response to :func:`cancel_background`.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from sse_starlette.sse import EventSourceResponse
 from gateway import errors, serving
 from gateway.errors import OpenAIError
 from gateway.responses import background, convert
+from gateway.responses import history as history_module
+from gateway.responses.conversation_store import conversations_of
 from gateway.responses.models import CreateResponseRequest, DeletedResponse, InputItemList, ResponseObject
 from gateway.responses.render import ResponseRecord, ResponseRenderer
 from gateway.responses.store import ResponseStore, store_of
@@ -37,7 +45,8 @@ from sluice.wire import limits
 from sluice.wire import stored_response as sr
 from sluice.wire.error_codes import Code
 
-# A response still running is stored for its deadline plus this (its gateway may die).
+# A response still running is stored for its deadline, plus the event log's TTL (a gateway that
+# catches it up after its creator died reads the log up to then), plus this.
 RUNNING_TTL_MARGIN_S = 60.0
 # The end of the rendered prompt a record keeps: what the reasoning parser reads (whether the
 # template opened a reasoning block), not the whole prompt (the conversation is stored apart).
@@ -49,17 +58,16 @@ _PENDING: set[asyncio.Task] = set()
 @dataclass
 class PreparedResponse:
     """A validated ``POST /v1/responses``: its record, its chat generation (not started), its input
-    items (with ids) and the history it continues."""
+    items (with ids) and its ancestors (the chain it continues, nearest first)."""
 
     body: CreateResponseRequest
     record: ResponseRecord
     chat: PreparedChat
     items: list[dict[str, Any]]
-    history: list[dict[str, Any]] = field(default_factory=list)
+    ancestors: list[str] = field(default_factory=list)
 
 
-def not_found(response_id: str, param: str | None = None) -> OpenAIError:
-    return errors.error(Code.NOT_FOUND, f"Response with id '{response_id}' not found.", param=param)
+not_found = history_module.not_found
 
 
 def _echo(body: CreateResponseRequest) -> dict[str, Any]:
@@ -69,8 +77,10 @@ def _echo(body: CreateResponseRequest) -> dict[str, Any]:
         tool_choice = tool_choice.model_dump()
     text = body.text.model_dump(mode="json", by_alias=True, exclude_none=True) if body.text else {}
     text.setdefault("format", {"type": "text"})
+    conversation = body.conversation_id
     return {
         "background": bool(body.background),
+        "conversation": {"id": conversation} if conversation is not None else None,
         "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens,
         "metadata": body.metadata or {},
@@ -82,42 +92,85 @@ def _echo(body: CreateResponseRequest) -> dict[str, Any]:
         "tool_choice": tool_choice,
         "tools": [t.model_dump(mode="json", exclude_none=True) for t in body.tools or []],
         "top_p": body.top_p,
+        "truncation": body.truncation or "disabled",
         "user": body.user,
+        "max_tool_calls": body.max_tool_calls,
+        "top_logprobs": body.top_logprobs,
     }
 
 
-async def _history(store: ResponseStore, previous_id: str) -> list[dict[str, Any]]:
-    """The conversation a ``previous_response_id`` continues: 404 unknown (or expired, deleted),
-    400 while it still runs."""
-    stored = await store.load(previous_id)
-    if stored is None or stored.conversation is None and not stored.running:
-        raise not_found(previous_id, "previous_response_id")
-    if stored.running:
-        raise errors.invalid(f"Previous response with id '{previous_id}' is still {stored.status}; wait for it to "
-                             "finish before continuing it.", param="previous_response_id")
-    return stored.conversation or []
+def running_ttl_s(cfg: Any) -> float:
+    """The TTL of a stored response while it runs (``RUNNING_TTL_MARGIN_S``)."""
+    return cfg.request_timeout_s + cfg.event_log_ttl_s + RUNNING_TTL_MARGIN_S
+
+
+def _check(body: CreateResponseRequest) -> None:
+    """The refusals that need nothing but the body."""
+    if body.background and body.store is False:
+        raise errors.invalid("A background response must be stored: 'background': true needs 'store' to be true "
+                             "(or left out).", param="background")
+    if body.top_logprobs is not None and not body.wants_logprobs:
+        raise errors.invalid("'top_logprobs' needs 'include' to ask for the logprobs: "
+                             "\"include\": [\"message.output_text.logprobs\"].", param="top_logprobs")
+    if body.conversation is not None:
+        if body.previous_response_id is not None:
+            raise errors.invalid("'previous_response_id' and 'conversation' cannot be used together: a response "
+                                 "continues either one.", param="conversation")
+        if body.store is False:
+            raise errors.invalid("A response in a conversation is stored: 'conversation' needs 'store' to be true "
+                                 "(or left out).", param="conversation")
+
+
+async def _prepare_chat(body: CreateResponseRequest, request: Request, history: list[dict[str, Any]],
+                        items: list[dict[str, Any]]) -> PreparedChat:
+    """The chat request of ``history`` and ``items``; with ``truncation: "auto"``, of the fewest
+    history items dropped (the oldest first) that let the prompt fit the context."""
+
+    async def attempt(drop: int) -> PreparedChat:
+        conversation = convert.parse_items(history[drop:] + items)
+        return await prepare_chat(convert.chat_request(body, conversation), request, id_prefix="resp",
+                                  resumable=False)
+
+    try:
+        return await attempt(0)
+    except OpenAIError as exc:
+        if exc.code != Code.CONTEXT_LENGTH_EXCEEDED.value or body.truncation != "auto" or not history:
+            raise convert.rename_error(exc) from None
+    # The fewest dropped: a binary search (a prompt only shrinks as items are dropped).
+    low, high = 1, len(history)
+    try:
+        best = await attempt(high)
+    except OpenAIError as exc:  # the input alone does not fit
+        raise convert.rename_error(exc) from None
+    while low < high:
+        mid = (low + high) // 2
+        try:
+            best, high = await attempt(mid), mid
+        except OpenAIError as exc:
+            if exc.code != Code.CONTEXT_LENGTH_EXCEEDED.value:
+                raise convert.rename_error(exc) from None
+            low = mid + 1
+    return best
 
 
 async def prepare_response(body: CreateResponseRequest, request: Request) -> PreparedResponse:
     """Every check and the conversion; nothing is stored or queued yet."""
-    if body.background and body.store is False:
-        raise errors.invalid("A background response must be stored: 'background': true needs 'store' to be true "
-                             "(or left out).", param="background")
-    history = await _history(store_of(request), body.previous_response_id) if body.previous_response_id else []
+    _check(body)
+    card = await serving.card_for(serving.broker_of(request), body.model)  # its context bounds the history
+    history = await history_module.history_of(body, request, body.conversation_id, card.max_model_len)
+    if history.cut and body.truncation != "auto":
+        what = "conversation" if body.conversation is not None else "conversation 'previous_response_id' continues"
+        raise history_module.too_long(card.max_model_len, what)
     items = convert.input_items(body)
-    conversation = convert.parse_items(history + items)
-    try:
-        chat = await prepare_chat(convert.chat_request(body, conversation), request, id_prefix="resp",
-                                  resumable=False)
-    except OpenAIError as exc:
-        raise convert.rename_error(exc) from None
+    chat = await _prepare_chat(body, request, history.items, items)
     chat_body_tools, chat_tool_choice = convert.chat_tools(body)
     record = ResponseRecord(
         id="resp_" + chat.gen.id.split("-", 1)[1], request_id=chat.gen.id, created_at=chat.gen.created,
         model=body.model, prompt=chat.prompt[-PROMPT_TAIL_CHARS:], tool_parser=chat.card.card.tool_call_parser,
         reasoning_parser=chat.card.card.reasoning_parser, chat_tools=chat_body_tools,
-        chat_tool_choice=chat_tool_choice, parallel_tool_calls=body.parallel_tool_calls, echo=_echo(body))
-    return PreparedResponse(body, record, chat, items, history)
+        chat_tool_choice=chat_tool_choice, parallel_tool_calls=body.parallel_tool_calls, echo=_echo(body),
+        conversation=body.conversation_id, logprobs=body.wants_logprobs, max_tool_calls=body.max_tool_calls)
+    return PreparedResponse(body, record, chat, items, history.ancestors)
 
 
 async def create_response(body: CreateResponseRequest, request: Request) -> Response:
@@ -125,10 +178,11 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
     if body.background:
         return await start_background(prepared, request)
     cfg, store = serving.config_of(request), store_of(request)
-    if prepared.record.echo["store"]:
-        await store.save(prepared.record.id, cfg.request_timeout_s + RUNNING_TTL_MARGIN_S, create=True,
-                         **{sr.F_STATUS: "in_progress", sr.F_RECORD: prepared.record.to_json(),
-                            sr.F_INPUT: prepared.items})
+    if prepared.record.echo["store"]:  # logged, so that any gateway can finish it (see the module doc)
+        gen = prepared.chat.gen
+        gen.detach(cfg.event_log_ttl_s, background.ENDPOINT, background.render_of(prepared), client_owned=True)
+        await store.save(prepared.record.id, running_ttl_s(cfg), create=True,
+                         **background.running_fields(prepared, "in_progress"))
     try:
         await serving.start(prepared.chat.gen, request, body.model)
     except OpenAIError as exc:
@@ -145,7 +199,7 @@ async def start_background(prepared: PreparedResponse, request: Request) -> Resp
     the event log (``gateway.responses.background``)."""
     cfg = serving.config_of(request)
     try:
-        return await background.start(prepared, request, cfg.request_timeout_s + RUNNING_TTL_MARGIN_S)
+        return await background.start(prepared, request, running_ttl_s(cfg))
     except OpenAIError as exc:
         raise convert.rename_error(exc) from None
 
@@ -168,15 +222,12 @@ async def _forget(store: ResponseStore, prepared: PreparedResponse) -> None:
 
 
 async def finalize(request: Request, prepared: PreparedResponse, renderer: ResponseRenderer) -> None:
-    """Store the final response and the conversation it ends (full TTL)."""
+    """Store the final response (full TTL), its turn appended to its conversation."""
     if not prepared.record.echo["store"]:
         return
-    response = renderer.response
-    output = [item.model_dump(mode="json") for item in response.output]
-    await store_of(request).save(
-        prepared.record.id, serving.config_of(request).responses_ttl_s,
-        **{sr.F_STATUS: response.status, sr.F_RESPONSE: to_json(response),
-           sr.F_CONVERSATION: prepared.history + prepared.items + output})
+    await background.store_final(store_of(request), conversations_of(request),
+                                 serving.config_of(request).responses_ttl_s, prepared.record.id, renderer,
+                                 only_running=False)
 
 
 def finalize_later(request: Request, prepared: PreparedResponse, renderer: ResponseRenderer) -> None:
@@ -209,8 +260,7 @@ async def _collect(request: Request, prepared: PreparedResponse, renderer: Respo
         await serving._watch(request, task)  # noqa: SLF001 - the chat endpoint's disconnect watch
     except serving.ClientGone:
         gen.close_nowait()
-        renderer.fail("client_disconnected", "The client closed the connection before the response ended.",
-                      renderer.usage_of(gen))
+        renderer.fail(*background.CLIENT_GONE, renderer.usage_of(gen))
         finalize_later(request, prepared, renderer)
         return Response(status_code=499)
     except OpenAIError as exc:
@@ -286,8 +336,7 @@ async def _stream(request: Request, prepared: PreparedResponse, renderer: Respon
         finally:
             gen.close_nowait()
             if not done:  # the client went away mid-stream
-                renderer.fail("client_disconnected", "The client closed the connection before the response ended.",
-                              renderer.usage_of(gen))
+                renderer.fail(*background.CLIENT_GONE, renderer.usage_of(gen))
                 finalize_later(request, prepared, renderer)
 
     return EventSourceResponse(events(), sep="\n", ping=15, ping_message_factory=keep_alive)
@@ -313,15 +362,15 @@ def _current(stored: sr.StoredResponse) -> dict[str, Any]:
 
 async def retrieve(request: Request, response_id: str, *, stream: bool = False,
                    starting_after: int | None = None) -> Response:
-    """The response as it stands; a background one that still runs is caught up from its event log
-    (its creating gateway may be gone). ``stream``: its events after ``starting_after``, then the
-    live ones (background responses only)."""
+    """The response as it stands; one that still runs is caught up from its event log (its
+    creating gateway may be gone). ``stream``: its events after ``starting_after``, then the live
+    ones."""
     if stream:
         return await background.stream(request, response_id, starting_after)
     if starting_after is not None:
         raise errors.invalid("'starting_after' is only allowed with 'stream=true'.", param="starting_after")
     stored = await _stored(request, response_id)
-    if stored.background and stored.running:
+    if stored.running:
         return JSONResponse(await background.catch_up(request, stored, response_id))
     return JSONResponse(_current(stored))
 

@@ -17,6 +17,7 @@ class ToolSpec:
     named: str | None = None  # the function a named tool_choice forces
     parallel: bool = True  # parallel_tool_calls: false allows at most one call
     by_name: dict[str, dict] = field(default_factory=dict)
+    limit: int | None = None  # at most this many calls (a response's max_tool_calls)
 
     @property
     def constrained(self) -> bool:
@@ -28,7 +29,8 @@ class ToolSpec:
 
     @property
     def max_calls(self) -> int | None:
-        return None if self.parallel else 1
+        most = None if self.parallel else 1
+        return self.limit if most is None else min(most, self.limit or most)
 
 
 def parse_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolSpec | None:

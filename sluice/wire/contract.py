@@ -6,9 +6,10 @@ of ``sluice.wire.messages_pb2`` (source: proto/sluice/wire/messages.proto).
 Cluster safety is a property of these names. Every name carries a hash tag (the part in ``{}``),
 and Redis Cluster places a key by its tag alone, so keys of one family share a hash slot and any
 MULTI, multi-key command or ordered pipeline that stays inside one family works on a cluster as on
-a single Redis. Nothing in Sluice touches keys of two families in one atomic operation. There are
-five families (the fifth, ``{resp:<response_id>}``, stored responses, is described with its keys
-at the end of this module):
+a single Redis. Nothing in Sluice touches keys of two families in one atomic operation. The four
+below carry the requests; the Responses API's (``{resp:<response_id>}``, stored responses;
+``{conv:<conversation_id>}``, conversations) and the tenants' are described with their keys further
+down this module:
 
 - ``{registry}``: the control plane (a few writes a second per process, never per token): the
   engine registry, liveness keys, model cards, the cancel channel. One slot, so a card and the
@@ -230,11 +231,13 @@ def lease_key(request_id: str) -> str:
 
 
 # --- stored responses (the Responses API) ------------------------------------------------------
-# The fifth family, one per response: ``{resp:<response_id>}``. The response is one hash
-# (``sluice.wire.stored_response``: its record, its input items, the final object, the whole
-# conversation a ``previous_response_id`` continues), written with its TTL in one script
-# (RESPONSE_SAVE_SCRIPT), so a response is always stored whole or not at all and expires as one.
-# A background response's events are not kept here: the engine writes them to its request's log
+# One family per response: ``{resp:<response_id>}``. The response is one hash
+# (``sluice.wire.stored_response``: its record, its input items, the final object, the ids of its
+# nearest ancestors in a ``previous_response_id`` chain), written with its TTL in one script
+# (RESPONSE_SAVE_SCRIPT), so a response is always stored whole or not at all and expires as one. A
+# chain is read by walking the links (pipelined reads, one family each: no multi-key command), which
+# renew each response's TTL as they go, so a conversation in use never loses its start.
+# A stored response's events are not kept here: the engine writes them to its request's log
 # (the ``{r:<rid>}`` family above), which the stored record names.
 #
 # | key                              | type            | writer  | purpose                              |
@@ -274,6 +277,163 @@ if redis.call('EXISTS', KEYS[1]) == 0 or owner ~= ARGV[1] then
 end
 redis.call('DEL', KEYS[1])
 return 1
+"""
+
+
+# --- conversations (the Conversations API) -------------------------------------------------------
+# One family per conversation, ``{conv:<conversation_id>}``: its object, its items by id and their
+# order, so every operation is one script over one slot (atomic on a cluster too) that checks the
+# caller's tenant first (another tenant's conversation is, to every script, one that does not exist)
+# and sets the three keys' TTL together.
+#
+# | key                                   | type            | writer  | purpose                              |
+# |---------------------------------------|-----------------|---------|--------------------------------------|
+# | sluice:{conv:<id>}                    | hash with TTL   | gateway | tenant, created_at, metadata (JSON), next (the last item's number) |
+# | sluice:{conv:<id>}:items              | hash with TTL   | gateway | item id -> item (JSON)               |
+# | sluice:{conv:<id>}:order              | zset with TTL   | gateway | item id -> its number (the order items were added in) |
+
+
+def conversation_tag(conversation_id: str) -> str:
+    """The hash tag of one conversation's family."""
+    return "{conv:" + conversation_id + "}"
+
+
+def conversation_keys(conversation_id: str) -> list[str]:
+    """The conversation's object, items and order keys: every conversation script's KEYS."""
+    base = f"{PREFIX}:{conversation_tag(conversation_id)}"
+    return [base, f"{base}:items", f"{base}:order"]
+
+
+# Shared by the scripts below: owned(tenant), KEYS[1] (the conversation) exists and is the tenant's;
+# touch(ttl), the three keys' TTL; append(from), the item id, item JSON pairs of ARGV from ``from`` on
+# (an id the conversation has already is left as it is), returning how many were added.
+_CONVERSATION_OWNED = """
+local function owned(tenant)
+  local owner = redis.call('HGET', KEYS[1], 'tenant')
+  return owner and owner == tenant
+end
+local function touch(ttl)
+  for k = 1, 3 do redis.call('PEXPIRE', KEYS[k], ttl) end
+end
+local function append(from)
+  local added = 0
+  for i = from, #ARGV, 2 do
+    if redis.call('HEXISTS', KEYS[2], ARGV[i]) == 0 then
+      local n = redis.call('HINCRBY', KEYS[1], 'next', 1)
+      redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+      redis.call('ZADD', KEYS[3], n, ARGV[i])
+      added = added + 1
+    end
+  end
+  return added
+end
+"""
+
+# Create a conversation with its first items. ARGV: TTL (ms), tenant, created_at, metadata (JSON),
+# then item id, item JSON pairs. Returns 1 (0: the id exists already).
+CONVERSATION_CREATE_SCRIPT = _CONVERSATION_OWNED + """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'tenant', ARGV[2], 'created_at', ARGV[3], 'metadata', ARGV[4], 'next', 0)
+append(5)
+touch(ARGV[1])
+return 1
+"""
+
+# Add items at the end. ARGV: TTL (ms), tenant, mode, then item id, item JSON pairs. Mode 'strict'
+# (the API's add): an id already in the conversation adds nothing and returns {-2, that id}; mode
+# 'skip' (a response's turn, which two gateways may both append): those ids are left as they are.
+# Returns {-1} when the conversation is not the tenant's, else {1, number added}.
+CONVERSATION_ADD_SCRIPT = _CONVERSATION_OWNED + """
+if not owned(ARGV[2]) then return {-1} end
+if ARGV[3] == 'strict' then
+  for i = 4, #ARGV, 2 do
+    if redis.call('HEXISTS', KEYS[2], ARGV[i]) == 1 then return {-2, ARGV[i]} end
+  end
+end
+local added = append(4)
+touch(ARGV[1])
+return {1, added}
+"""
+
+# Read the conversation's object (and renew its TTL when ARGV[3] is "1"). ARGV: TTL (ms), tenant,
+# renew. Returns {-1} when not the tenant's, else {1, created_at, metadata}.
+CONVERSATION_GET_SCRIPT = _CONVERSATION_OWNED + """
+if not owned(ARGV[2]) then return {-1} end
+if ARGV[3] == '1' then touch(ARGV[1]) end
+return {1, redis.call('HGET', KEYS[1], 'created_at'), redis.call('HGET', KEYS[1], 'metadata')}
+"""
+
+# Set the metadata. ARGV: TTL (ms), tenant, metadata (JSON). Returns as CONVERSATION_GET_SCRIPT.
+CONVERSATION_UPDATE_SCRIPT = _CONVERSATION_OWNED + """
+if not owned(ARGV[2]) then return {-1} end
+redis.call('HSET', KEYS[1], 'metadata', ARGV[3])
+touch(ARGV[1])
+return {1, redis.call('HGET', KEYS[1], 'created_at'), ARGV[3]}
+"""
+
+# Delete the conversation and its items. ARGV: tenant. Returns 1, or 0 when there is none of its.
+CONVERSATION_DELETE_SCRIPT = _CONVERSATION_OWNED + """
+if not owned(ARGV[1]) then return 0 end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+return 1
+"""
+
+# One item. ARGV: tenant, item id. Returns {-1} (conversation), {-2} (item), or {1, item JSON}.
+CONVERSATION_ITEM_SCRIPT = _CONVERSATION_OWNED + """
+if not owned(ARGV[1]) then return {-1} end
+local item = redis.call('HGET', KEYS[2], ARGV[2])
+if not item then return {-2} end
+return {1, item}
+"""
+
+# Delete one item. ARGV: TTL (ms), tenant, item id. Returns {-1}, {-2} or {1, created_at, metadata}.
+CONVERSATION_ITEM_DELETE_SCRIPT = _CONVERSATION_OWNED + """
+if not owned(ARGV[2]) then return {-1} end
+if redis.call('HDEL', KEYS[2], ARGV[3]) == 0 then return {-2} end
+redis.call('ZREM', KEYS[3], ARGV[3])
+touch(ARGV[1])
+return {1, redis.call('HGET', KEYS[1], 'created_at'), redis.call('HGET', KEYS[1], 'metadata')}
+"""
+
+# A page of items. ARGV: tenant, order ('asc' | 'desc'), after (an item id; '' for the first page),
+# limit. Returns {-1}, {-2} (no item `after`), or {1, has_more (0 | 1), item JSON...}.
+CONVERSATION_PAGE_SCRIPT = _CONVERSATION_OWNED + """
+if not owned(ARGV[1]) then return {-1} end
+local asc = ARGV[2] == 'asc'
+local start = 0
+if ARGV[3] ~= '' then
+  local rank
+  if asc then rank = redis.call('ZRANK', KEYS[3], ARGV[3]) else rank = redis.call('ZREVRANK', KEYS[3], ARGV[3]) end
+  if not rank then return {-2} end
+  start = rank + 1
+end
+local limit = tonumber(ARGV[4])
+local ids
+if asc then ids = redis.call('ZRANGE', KEYS[3], start, start + limit)
+else ids = redis.call('ZREVRANGE', KEYS[3], start, start + limit) end
+local out = {1, 0}
+if #ids > limit then out[2] = 1; ids[#ids] = nil end
+if #ids > 0 then
+  for _, v in ipairs(redis.call('HMGET', KEYS[2], unpack(ids))) do out[#out + 1] = v end
+end
+return out
+"""
+
+# The newest items, for a response's prompt (newest first), renewing the TTL. ARGV: TTL (ms),
+# tenant, most (the bound). Returns {-1}, or {1, cut (1: older items are left out), item JSON...}.
+CONVERSATION_TAIL_SCRIPT = _CONVERSATION_OWNED + """
+if not owned(ARGV[2]) then return {-1} end
+local most = tonumber(ARGV[3])
+local ids = redis.call('ZREVRANGE', KEYS[3], 0, most)
+local out = {1, 0}
+if #ids > most then out[2] = 1; ids[#ids] = nil end
+for i = 1, #ids, 512 do  -- HMGET in slices: Lua's unpack takes some 8000 values at most
+  local slice = {}
+  for j = i, math.min(i + 511, #ids) do slice[#slice + 1] = ids[j] end
+  for _, v in ipairs(redis.call('HMGET', KEYS[2], unpack(slice))) do out[#out + 1] = v end
+end
+touch(ARGV[1])
+return out
 """
 
 

@@ -34,6 +34,8 @@ class Code(enum.StrEnum):
     INVALID_VALUE = "invalid_value"
     INVALID_TYPE = "invalid_type"
     MISSING_REQUIRED_PARAMETER = "missing_required_parameter"
+    UNKNOWN_PARAMETER = "unknown_parameter"
+    UNSUPPORTED_PARAMETER = "unsupported_parameter"
     INVALID_JSON = "invalid_json"
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
     INVALID_API_KEY = "invalid_api_key"
@@ -90,6 +92,8 @@ TABLE: dict[Code, Spec] = {
     Code.INVALID_VALUE: Spec(400, _BAD, False, "Invalid value."),
     Code.INVALID_TYPE: Spec(400, _BAD, False, "Invalid type."),
     Code.MISSING_REQUIRED_PARAMETER: Spec(400, _BAD, False, "Missing required parameter."),
+    Code.UNKNOWN_PARAMETER: Spec(400, _BAD, False, "Unknown parameter."),
+    Code.UNSUPPORTED_PARAMETER: Spec(400, _BAD, False, "Unsupported parameter."),
     Code.INVALID_JSON: Spec(400, _BAD, False, "We could not parse the JSON body of your request."),
     Code.UNSUPPORTED_MEDIA_TYPE: Spec(400, _BAD, False, "Only 'application/json' is allowed."),
     Code.INVALID_API_KEY: Spec(401, _BAD, False,

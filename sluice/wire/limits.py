@@ -107,6 +107,38 @@ class Size:
         return None if problem is None else invalid(param or self.param, problem)
 
 
+@dataclass(frozen=True)
+class Depth:
+    """How deep a value may nest: objects and arrays inside one another, counted from the value
+    itself (a flat object is 1, a string 0)."""
+
+    param: str
+    max_levels: int
+    layers: frozenset[str] = ALL_LAYERS
+
+    def problem(self, value: Any, param: str | None = None) -> tuple[str, str] | None:
+        """None when ``value`` nests at most ``max_levels`` deep, else (the path of the first value
+        found too deep, from ``param``; the message naming it). Reads each container once at most,
+        and stops at the first one too deep: no recursion, whatever the depth."""
+        name = param or self.param
+        stack: list[tuple[Any, int, tuple]] = [(value, 0, ())]
+        while stack:
+            v, depth, path = stack.pop()
+            if not isinstance(v, dict | list):
+                continue
+            depth += 1
+            if depth > self.max_levels:
+                where = name + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path[:_PATH_SHOWN])
+                return where, (f"{where if len(path) <= _PATH_SHOWN else where + '...'} nests objects and arrays "
+                               f"more than {self.max_levels} levels deep; at most {self.max_levels} are allowed")
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            stack.extend((child, depth, (*path, key)) for key, child in items if isinstance(child, dict | list))
+        return None
+
+
+_PATH_SHOWN = 3  # the path a Depth problem names: the parameter and its first steps (the rest is "...")
+
+
 # --- the table ---------------------------------------------------------------------------------
 # The sampling parameters' names are vLLM's SamplingParams' (and the wire's); the HTTP API names
 # them the same (chat's ``top_logprobs`` and ``max_completion_tokens`` are ``logprobs`` and
@@ -121,6 +153,8 @@ PRESENCE_PENALTY = Bound("presence_penalty", -2.0, 2.0)
 FREQUENCY_PENALTY = Bound("frequency_penalty", -2.0, 2.0)
 REPETITION_PENALTY = Bound("repetition_penalty", 0.0, 100.0, low_open=True)
 SEED = Bound("seed", INT64_MIN, INT64_MAX, integer=True, layers=frozenset({HTTP, OFFLINE}))  # int64 on the wire
+# (/v1/completions also takes max_tokens 0 with echo: the prompt alone, scored, as vLLM answers a
+# loglikelihood request; the engine runs one token, which the answer leaves out)
 MAX_TOKENS = Bound("max_tokens", 1, INT32_MAX, integer=True)
 MIN_TOKENS = Bound("min_tokens", 0, INT32_MAX, integer=True)  # and at most max_tokens
 LOGPROBS = Bound("logprobs", 0, 20, integer=True)  # alternatives per generated position
@@ -140,12 +174,24 @@ TABLE: tuple[Bound | Size, ...] = (
     PROMPTS, REQUEST_ID,
 )
 
-# The Responses API's own limits (OpenAI's): ``metadata`` pairs and their lengths, the page of
-# ``GET /v1/responses/{id}/input_items``. Not in TABLE: no sampling parameter, HTTP only.
+# The Responses and Conversations APIs' own limits (OpenAI's): ``metadata`` pairs and their
+# lengths, the page of ``GET /v1/responses/{id}/input_items`` and ``/v1/conversations/{id}/items``,
+# the items one conversation request adds. Not in TABLE: no sampling parameter, HTTP only.
 RESPONSE_METADATA = Size("metadata", 16, layers=frozenset({HTTP}))
 RESPONSE_METADATA_KEY_CHARS = 64
 RESPONSE_METADATA_VALUE_CHARS = 512
 INPUT_ITEMS_PAGE = Bound("limit", 1, 100, integer=True, layers=frozenset({HTTP}))
+CONVERSATION_ITEMS = Size("items", 20, layers=frozenset({HTTP}))
+# A response's function calls (``max_tool_calls``): the output keeps the first ones.
+MAX_TOOL_CALLS = Bound("max_tool_calls", 1, INT32_MAX, integer=True, layers=frozenset({HTTP}))
+
+# How deep any request parameter's value may nest (a tool's parameters schema, a response format's
+# schema, ``structured_outputs``, ``chat_template_kwargs``, a message's tool calls, input items):
+# checked on the parsed body before anything else is done with it. The gateway serializes a request
+# (its event-log record, a stored response) and compiles schemas by recursion, which a value nested
+# some 250 levels breaks (a 500 where a 400 naming the parameter is due); 64 leaves a JSON schema
+# some 30 levels of its own, three times OpenAI's limit for structured outputs.
+NESTING = Depth("nesting", 64, layers=frozenset({HTTP}))
 
 # The scalar sampling parameters and their bounds, by name (logit_bias's values are checked apart).
 SCALARS: dict[str, Bound] = {

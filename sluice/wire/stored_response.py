@@ -1,21 +1,33 @@
 """A stored Responses API response in Redis (``contract.response_key``): the hash's fields and
 their codec. The values are JSON text the gateway writes and reads (``gateway.responses.store``);
 this module only fixes the layout, so any gateway (and a future writer elsewhere) agrees on it.
+
+A response keeps its own turn once: its input items and its output (in the final response).
+A ``previous_response_id`` chain is linked, not copied: each response names its nearest
+:data:`ANCESTOR_WINDOW` ancestors (``ancestors``, the previous response first), so a reader walks
+the chain back in round trips of that many pipelined reads, and a conversation of N turns costs N
+turns of memory.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 F_STATUS = "status"  # the response's status: in_progress, completed, incomplete, failed, cancelled, queued
 F_RECORD = "record"  # what was asked: gateway.responses.render.ResponseRecord as JSON
 F_INPUT = "input"  # this request's input items (each with its id), JSON list
 F_RESPONSE = "response"  # the final response object, JSON
-F_CONVERSATION = "conversation"  # every item a previous_response_id continues: history, input, output
+F_ANCESTORS = "ancestors"  # JSON list: the ids of the nearest ANCESTOR_WINDOW ancestors, the previous one first
+# Written by gateways before the chain was linked: the response's whole conversation (history, input,
+# output). Still read, so that a chain that reaches such a response ends there.
+F_CONVERSATION = "conversation"
 F_BACKGROUND = "background"  # "1" for a background response
 F_TENANT = "tenant"  # whose response (sluice.wire.tenants); absent: the default tenant's
+
+# The ancestors a response names: a chain walk reads this many responses per round trip.
+ANCESTOR_WINDOW = 8
 
 # Statuses of a response that is still running: it cannot be continued (previous_response_id).
 RUNNING = frozenset({"queued", "in_progress"})
@@ -30,6 +42,7 @@ class StoredResponse:
     conversation: list[dict[str, Any]] | None = None
     background: bool = False
     tenant: str = ""
+    ancestors: list[str] = field(default_factory=list)
 
     @property
     def running(self) -> bool:
@@ -47,7 +60,12 @@ class StoredResponse:
 
         return cls(status=text(F_STATUS) or "", record=text(F_RECORD), input=parsed(F_INPUT),
                    response=parsed(F_RESPONSE), conversation=parsed(F_CONVERSATION),
-                   background=text(F_BACKGROUND) == "1", tenant=text(F_TENANT) or "")
+                   background=text(F_BACKGROUND) == "1", tenant=text(F_TENANT) or "",
+                   ancestors=parsed(F_ANCESTORS) or [])
+
+    def output(self) -> list[dict[str, Any]]:
+        """The output items of its final response (none while it runs)."""
+        return list((self.response or {}).get("output") or [])
 
 
 def encode_fields(**fields: Any) -> list[str]:

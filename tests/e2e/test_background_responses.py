@@ -1,7 +1,8 @@
-"""Background responses with real processes (Redis, one engine, gateways): one whose creating
-gateway is kill -9'd runs on (detached: the engine's lost-gateway rule leaves it alone), is finished
-and retrieved through another gateway, and streamed again from its event log after any sequence
-number; another is cancelled from a gateway that did not create it."""
+"""Logged responses with real processes (Redis, one engine, gateways): a background response and a
+stored foreground one whose creating gateway is kill -9'd mid-generation run on (detached: the
+engine's lost-gateway rule leaves them alone), are finished, retrieved and continued through
+another gateway, and streamed again from their event log after any sequence number; a background
+response is cancelled from a gateway that did not create it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from sluice.wire import contract
+from sluice.wire import stored_response as sr
+from sluice.wire.connection import connect
 from tests.e2e.conftest import extra_gateway
 
 pytestmark = [pytest.mark.model, pytest.mark.docker, pytest.mark.redis]
@@ -64,6 +68,51 @@ def test_background_response_outlives_its_gateway_kill9(stack, tmp_path):
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == done.output_text
     assert [e["sequence_number"] for e in stream_events(stack.gateway_urls[0], queued.id, after=4)] == \
         list(range(5, len(events)))
+
+
+def test_a_foreground_response_outlives_its_gateway_kill9(stack, tmp_path):
+    """Create (streamed, not background) on gateway A, kill -9 A once tokens flow; on B: continue
+    it (B finishes it from its log first), retrieve it, stream it again."""
+    with extra_gateway(stack.redis_url, tmp_path / "doomed-gateway.log") as (proc, url):
+        seen, response_id = "", None
+        with httpx.stream("POST", f"{url}/v1/responses", timeout=300, json={
+                "model": stack.model_name, "input": "Write a long story about the sea.", "stream": True,
+                "max_output_tokens": 48, "temperature": 0}) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                event = json.loads(line[5:])
+                response_id = response_id or event["response"]["id"]
+                if event["type"] == "response.output_text.delta":
+                    seen += event["delta"]
+                    if len(seen) > 5:  # mid-generation, its client still connected
+                        proc.send_signal(signal.SIGKILL)
+                        proc.wait(10)
+                        break
+        assert proc.returncode == -signal.SIGKILL and response_id
+    other = client(stack.gateway_urls[0])
+    end = time.monotonic() + 300
+    while stack.engine_stats().running and time.monotonic() < end:  # the engine runs it to its end
+        time.sleep(0.2)
+    stored = connect(stack.redis_url)
+    try:  # as stored: nobody has finished it yet
+        assert stored.hget(contract.response_key(response_id), sr.F_STATUS) == b"in_progress"
+    finally:
+        stored.close()
+    # continued at once: B finishes it from its log, then builds on its output
+    follow = other.responses.create(model=stack.model_name, previous_response_id=response_id,
+                                    input="Now a title for it.", max_output_tokens=8, temperature=0)
+    assert follow.status in ("completed", "incomplete"), (follow.status, follow.error, stack.dump_logs())
+    done = other.responses.retrieve(response_id)
+    # not cancelled (its client never left), not failed: ended by max_output_tokens or the model
+    assert done.status in ("completed", "incomplete"), (done.status, done.error, stack.dump_logs())
+    assert done.output_text.startswith(seen) and len(done.output_text) > len(seen)
+    assert follow.usage.input_tokens > done.usage.input_tokens + done.usage.output_tokens
+    events = stream_events(stack.gateway_urls[1], response_id, after=2)
+    assert [e["sequence_number"] for e in events] == list(range(3, 3 + len(events)))
+    assert events[-1]["type"] == f"response.{done.status}"
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == done.output_text
 
 
 def test_background_response_cancelled_from_another_gateway(stack):

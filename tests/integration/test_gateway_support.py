@@ -3,8 +3,9 @@ served by uvicorn in a thread. (No tests here; the test modules import these fix
 
 The fake engine publishes the model card (the real SmolLM2 tokenizer files of ``model_dir``),
 heartbeats, reads the request stream with XREADGROUP and answers with ``Event``s: each completion
-index spells ``REPLY`` (rotated by the index) token by token, then finishes with "length" at
-``max_tokens`` or "stop" at the end of the reply. It records the requests it read and the cancels
+index spells ``REPLY`` (rotated by the index) token by token (with logprobs, and the prompt's with the
+first event, when asked), then finishes with "length" at ``max_tokens`` or "stop" at the end of the
+reply. It records the requests it read and the cancels
 it received. Like the real engine it rides out a Redis restart: its loops retry, and each heartbeat
 puts back the card, the models set and the consumer group when Redis lost them.
 """
@@ -247,6 +248,14 @@ class FakeEngine:
                         ev.token_ids.append(ids[step])
                         if step == 0 and i == 0 and self.cached_tokens:
                             ev.cached_tokens = self.cached_tokens
+                        if step == 0 and req.params.HasField("prompt_logprobs"):  # as the engine: with the first
+                            for pos, tid in enumerate(req.prompt_token_ids):  # the first position has none
+                                entry = ev.prompt_logprobs.add()
+                                if pos:
+                                    entry.entries.append(TokenLogprob(token_id=tid, logprob=-0.5, rank=2))
+                                    for k in range(req.params.prompt_logprobs):
+                                        entry.entries.append(TokenLogprob(token_id=200 + k, logprob=-0.1 - k,
+                                                                          rank=k + 1))
                         if want_lp:
                             pos = PositionLogprobs()
                             pos.entries.append(TokenLogprob(token_id=ids[step], logprob=-0.25, rank=1))

@@ -112,8 +112,6 @@ def test_background_response_cancelled_from_another_gateway(make_gateway, fake_e
 
 def test_background_refusals(gateway, fake_engine):
     plain = client(gateway).responses.create(model=MODEL, input="Say hello")
-    r = httpx.get(f"{gateway.url}/v1/responses/{plain.id}", params={"stream": "true"})
-    assert_error(r, 400, param="stream")
     r = httpx.get(f"{gateway.url}/v1/responses/{plain.id}", params={"starting_after": "2"})
     assert_error(r, 400, param="starting_after")
     r = httpx.get(f"{gateway.url}/v1/responses/resp_0123456789abcdef", params={"stream": "true"})
@@ -121,3 +119,59 @@ def test_background_refusals(gateway, fake_engine):
     r = httpx.post(f"{gateway.url}/v1/responses", json={"model": MODEL, "input": "x", "background": True,
                                                           "store": False})
     assert_error(r, 400, param="background")
+    err = assert_error(httpx.post(f"{gateway.url}/v1/responses/{plain.id}/cancel"), 400, param="response_id")
+    assert "background" in err["message"]
+
+
+def test_a_stored_foreground_response_is_logged_and_any_gateway_follows_it(make_gateway, fake_engine, redis_client):
+    """A stored response that is not background runs logged and detached at the engine, like a
+    background one: another gateway sees its output as it grows, streams its events after any
+    number while it runs, and both agree with what its own client got. ``store: false`` stays a
+    plain request. (Its creating gateway kill -9'd: tests/e2e/test_background_responses.py.)"""
+    import threading
+
+    fake_engine.token_delay = 0.1  # some 2 s for the reply
+    gw1, gw2 = make_gateway(), make_gateway()
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(client(gw1).responses.create(model=MODEL, input="Say hello")))
+    t.start()
+    try:
+        [request] = wait_until(lambda: list(fake_engine.requests), 10, "the engine reads the request")
+        assert request.log_events and request.detached
+        rid = "resp_" + request.request_id.split("-", 1)[1]
+        partial = wait_until(lambda: (r := client(gw2).responses.retrieve(rid)).output and r, 10, "output grows")
+        assert partial.status == "in_progress" and REPLY.startswith(partial.output_text)
+        live = events_of(gw2, rid, after=3)  # replayed from the log, then followed live to the end
+    finally:
+        t.join(30)
+    [own] = got
+    assert own.status == "completed" and own.output_text == REPLY
+    assert live[0][1]["sequence_number"] == 4 and live[-1][0] == "response.completed"
+    assert live[-1][1]["response"]["output"] == own.model_dump(mode="json", exclude_none=True)["output"]
+    assert client(gw2).responses.retrieve(rid).model_dump() == own.model_dump()
+    # the stored hash's running TTL covered the log's window; the final one is the full TTL
+    assert redis_client.ttl(contract.response_key(rid)) > gw1.config.event_log_ttl_s
+    # store: false: nothing logged, nothing detached
+    client(gw1).responses.create(model=MODEL, input="Say hello", store=False)
+    assert not fake_engine.requests[-1].log_events and not fake_engine.requests[-1].detached
+
+
+def test_a_response_whose_log_expired_before_anyone_stored_its_end_is_failed(gateway, fake_engine, redis_client):
+    """The one case nothing can finish: still stored running, its event log gone. Before its
+    deadline it may still run (it is answered as it is stored); past it, it is stored failed."""
+    import json
+
+    from sluice.wire import stored_response as sr
+
+    done = client(gateway).responses.create(model=MODEL, input="Say hello")
+    key = contract.response_key(done.id)
+    record = json.loads(redis_client.hget(key, sr.F_RECORD))
+    redis_client.delete(contract.record_key(record["request_id"]), contract.log_key(record["request_id"]))
+    redis_client.hdel(key, sr.F_RESPONSE)
+    redis_client.hset(key, sr.F_STATUS, "in_progress")
+    assert client(gateway).responses.retrieve(done.id).status == "in_progress"
+    record["created_at"] -= int(gateway.config.request_timeout_s) + 10  # its deadline is past
+    redis_client.hset(key, sr.F_RECORD, json.dumps(record))
+    lost = client(gateway).responses.retrieve(done.id)
+    assert lost.status == "failed" and lost.error.code == "server_error" and "expired" in lost.error.message
+    assert redis_client.hget(key, sr.F_STATUS) == b"failed"

@@ -2,8 +2,8 @@
 
 - Isolation: with two keys, the second tenant gets a 404 for everything of the first's — read,
   input items, stream again (``starting_after``), resume (``Last-Event-ID``), continue
-  (``previous_response_id``), cancel, delete — exactly the answer an unknown id gets; the owner
-  still can. Without keys, nothing changes (the rest of the suite).
+  (``previous_response_id``), cancel, delete; a conversation, its items and a response's
+  ``conversation`` — exactly the answer an unknown id gets; the owner still can. Without keys, nothing changes (the rest of the suite).
 - Quotas: counted in Redis, so two gateways share them; 429s in OpenAI's shape with ``Retry-After``
   and the ``x-ratelimit-*`` headers on every response of a limited tenant; one tenant over its
   limits never touches another's.
@@ -105,6 +105,40 @@ def test_a_tenant_finds_nothing_of_another(make_gateway, fake_engine, tmp_path):
     # the engine saw each request with its tenant
     tenants = {req.tenant for req in fake_engine.requests}
     assert len(tenants) == 1 and tenants != {""}
+
+
+def test_a_tenant_finds_no_conversation_of_another(make_gateway, fake_engine):
+    """Conversations are their tenant's: every route and the ``conversation`` parameter answer
+    another tenant exactly as an unknown id, on any gateway; the owner still has all of it."""
+    gw1, gw2 = make_gateway(api_keys=[K1, K2]), make_gateway(api_keys=[K1, K2])
+    one = client(gw1, K1)
+    conv = one.conversations.create(items=[{"role": "user", "content": "secret"}], metadata={"k": "v"})
+    turn = one.responses.create(model=MODEL, input="more", conversation=conv.id, max_output_tokens=64)
+    item = one.conversations.items.list(conv.id).data[0]
+
+    def as_two(method: str, path: str, **kw) -> httpx.Response:
+        return httpx.request(method, f"{gw2.url}{path}", headers=auth(K2), timeout=30, **kw)
+
+    unknown = as_two("GET", "/v1/conversations/conv_0123456789abcdef")
+    assert unknown.status_code == 404
+    base = f"/v1/conversations/{conv.id}"
+    for method, path, body in (("GET", "", None), ("POST", "", {"metadata": {"k": "stolen"}}),
+                               ("GET", "/items", None), ("POST", "/items", {"items": [{"role": "user",
+                                                                                         "content": "x"}]}),
+                               ("GET", f"/items/{item.id}", None), ("DELETE", f"/items/{item.id}", None),
+                               ("DELETE", "", None)):
+        assert_not_found(as_two(method, base + path, json=body), unknown)
+    r = as_two("POST", "/v1/responses", json={"model": MODEL, "input": "x", "conversation": conv.id})
+    assert_not_found(r, unknown)
+    assert r.json()["error"]["param"] == "conversation"
+    # its turns' responses, streamed again, are the owner's too
+    assert_not_found(as_two("GET", f"/v1/responses/{turn.id}", params={"stream": "true"}), unknown)
+    owner = client(gw2, K1)
+    assert owner.conversations.retrieve(conv.id).metadata == {"k": "v"}
+    assert len(owner.conversations.items.list(conv.id).data) == 3
+    owner.conversations.delete(conv.id)
+    with pytest.raises(Exception, match="404|not found"):
+        one.conversations.retrieve(conv.id)
 
 
 def test_keys_file_tenants_share_limits_across_gateways(make_gateway, fake_engine, tmp_path, redis_client):

@@ -91,3 +91,15 @@ def test_uvicorns_start_narration_gives_way_to_the_gateways_ready_line():
         assert QuietStartup().filter(record)
     finally:
         logger.setLevel(old)
+
+
+def test_conversation_and_item_ids_never_reach_the_access_log(access_logger, capsys):
+    logging.config.dictConfig(log_config())
+    access_logger.setLevel(logging.INFO)
+    for path in ("/v1/conversations/conv_5f1e2d3c", "/v1/conversations/conv_5f1e2d3c/items?after=msg_9",
+                 "/v1/conversations/conv_5f1e2d3c/items/msg_77", "/v1/conversations"):
+        access_logger.handle(access_record(path, 200))
+    out = capsys.readouterr().out
+    assert "conv_" not in out and "msg_77" not in out
+    assert "/v1/conversations/{id} " in out and "/v1/conversations/{id}/items/{id} " in out
+    assert "/v1/conversations/{id}/items?after=msg_9" in out and '"GET /v1/conversations HTTP' in out

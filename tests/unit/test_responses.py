@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.errors import OpenAIError
-from gateway.generation import Delta
+from gateway.generation import Delta, TokenInfo
 from gateway.responses import convert
 from gateway.responses.models import CreateResponseRequest
 from gateway.responses.render import ResponseRecord, ResponseRenderer
@@ -240,6 +240,47 @@ def test_reasoning_becomes_a_reasoning_item():
     assert [o.type for o in out] == ["reasoning", "message"]
     assert out[0].content[0].text == "hmm" and out[1].content[0].text == "Yes"
     assert "response.reasoning_text.delta" in [e.type for e in events]
+
+
+def test_max_tool_calls_keeps_the_first_calls():
+    tools = [{"type": "function", "function": {"name": f, "parameters": {"type": "object"}}} for f in ("f", "g")]
+    calls = "".join(f'<tool_call>\n{{"name": "{f}", "arguments": {{"q": {i}}}}}\n</tool_call>'
+                    for i, f in enumerate(("f", "g", "f")))
+    deltas = [Delta(0, calls[:30], None), Delta(0, calls[30:], None, "stop")]
+    for limit, names in ((None, ["f", "g", "f"]), (2, ["f", "g"]), (1, ["f"])):
+        _, r = render(record(chat_tools=tools, chat_tool_choice="auto", max_tool_calls=limit), deltas)
+        assert [o.name for o in r.response.output] == names, limit
+    _, r = render(record(chat_tools=tools, chat_tool_choice="auto", parallel_tool_calls=False), deltas)
+    assert [o.name for o in r.response.output] == ["f"]
+
+
+def info(text: str, logprob: float) -> TokenInfo:
+    return TokenInfo(0, text, text.encode(), logprob, [(text, logprob, text.encode()), ("x", -3.0, b"x")])
+
+
+def test_logprobs_go_with_the_text_they_made():
+    """Each output_text delta carries the logprobs of its tokens; a token whose text the output
+    parser held back (a possible tool call's start) goes with the text it released; a call's
+    tokens are not the output text's."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    deltas = [Delta(0, "Hi", [info("Hi", -0.1)]), Delta(0, " <", [info(" <", -0.2)]),
+              Delta(0, "b>", [info("b>", -0.3)]),
+              Delta(0, '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', [info("<tool_call>", -0.4)],
+                    "stop")]
+    events, r = render(record(chat_tools=tools, chat_tool_choice="auto", logprobs=True), deltas)
+    text = [e for e in events if e.type == "response.output_text.delta"]
+    assert "".join(e.delta for e in text) == "Hi <b>"
+    # " <" might open a tool call: held back, it goes out with "b>", and so do its logprobs
+    assert [(e.delta, [lp["token"] for lp in e.logprobs]) for e in text] == [("Hi", ["Hi"]), (" <b>", [" <", "b>"])]
+    message, call = r.response.output
+    assert [lp["token"] for lp in message.content[0].logprobs] == ["Hi", " <", "b>"] and call.name == "f"
+    assert message.content[0].logprobs[0] == {"token": "Hi", "bytes": [72, 105], "logprob": -0.1, "top_logprobs": [
+        {"token": "Hi", "bytes": [72, 105], "logprob": -0.1}, {"token": "x", "bytes": [120], "logprob": -3.0}]}
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert done.logprobs == message.content[0].logprobs
+    # not asked: none kept
+    _, plain = render(record(), [Delta(0, "Hi", [info("Hi", -0.1)], "stop")])
+    assert plain.response.output[0].content[0].logprobs == []
 
 
 def test_record_round_trips():
