@@ -131,6 +131,11 @@ class LoadedCard:
     def eos_token_ids(self) -> list[int]:
         return self.card.eos_token_ids
 
+    @property
+    def max_chars_per_token(self) -> int | None:
+        """The tokenizer's proven characters-per-token bound (``sluice.text.chars_per_token``)."""
+        return self.tokenizer.max_chars_per_token
+
 
 @dataclass
 class Lost:
@@ -725,6 +730,7 @@ class Broker:
                 return cached[1]
             decoded = ModelCard.decode(await self.redis.hgetall(key))
             tokenizer = await asyncio.to_thread(decoded.tokenizer)
+            await asyncio.to_thread(lambda: tokenizer.max_chars_per_token)  # computed once, off the loop
             header = await asyncio.to_thread(template_header_tokens, tokenizer)
             card = LoadedCard(card=decoded, tokenizer=tokenizer, fingerprint=_s(fingerprint), header_tokens=header)
             self._cards[model] = (time.monotonic(), card)

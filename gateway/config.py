@@ -34,6 +34,11 @@ class GatewayConfig:
     # How long a stored Responses API response (its object, input items and conversation) stays in
     # Redis after it ended; a response still running is kept request_timeout_s (plus a minute).
     responses_ttl_s: float = 24 * 3600.0
+    # Large requests are prepared (JSON parsed, chat template, tokenizing) by this many worker
+    # processes, off the event loop (gateway.prepare_pool, docs/gateway-load.md); 0: on the loop.
+    prepare_pool_workers: int = 2
+    prepare_pool_queue: int = 8  # large requests waiting for a busy pool; one more is a 429 gateway_busy
+    prepare_pool_threshold_bytes: int = 64 * 1024  # a body (or stored history) this large is a large request
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

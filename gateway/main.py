@@ -83,6 +83,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--responses-ttl-s", type=float, default=d.responses_ttl_s,
                         help="how long Redis keeps a stored /v1/responses response after it ended "
                              "(default: %(default)s)")
+    parser.add_argument("--prepare-pool-workers", type=int, default=d.prepare_pool_workers,
+                        help="processes that prepare large requests (parse, chat template, tokenize) off the "
+                             "event loop; 0: everything on the loop (default: %(default)s)")
+    parser.add_argument("--prepare-pool-queue", type=int, default=d.prepare_pool_queue,
+                        help="large requests that may wait for a busy prepare pool; one more is refused with "
+                             "429 gateway_busy (default: %(default)s)")
+    parser.add_argument("--prepare-pool-threshold-bytes", type=int, default=d.prepare_pool_threshold_bytes,
+                        help="a request body (or stored Responses history) this large is prepared in the pool "
+                             "(default: %(default)s)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -101,6 +110,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         resumable_streams=args.resumable_streams,
         event_log_ttl_s=args.event_log_ttl_s,
         responses_ttl_s=args.responses_ttl_s,
+        prepare_pool_workers=args.prepare_pool_workers,
+        prepare_pool_queue=args.prepare_pool_queue,
+        prepare_pool_threshold_bytes=args.prepare_pool_threshold_bytes,
     )
 
 

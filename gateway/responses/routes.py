@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from gateway.protocol import ErrorResponse
+from gateway.request_body import BoundedBodyRoute
 from gateway.responses import service
 from gateway.responses.models import (
     STREAM_EVENT_MODELS,
@@ -17,7 +18,7 @@ from gateway.responses.models import (
     ResponseObject,
 )
 
-router = APIRouter(tags=["responses"])
+router = APIRouter(tags=["responses"], route_class=BoundedBodyRoute)  # gateway.request_body
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text}

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from sse_starlette.sse import EventSourceResponse
 
-from gateway import errors, serving
+from gateway import errors, preparation, prompts, serving
 from gateway.errors import OpenAIError
 from gateway.responses import background, convert
 from gateway.responses.models import CreateResponseRequest, DeletedResponse, InputItemList, ResponseObject
@@ -104,11 +104,14 @@ async def prepare_response(body: CreateResponseRequest, request: Request) -> Pre
         raise errors.invalid("A background response must be stored: 'background': true needs 'store' to be true "
                              "(or left out).", param="background")
     history = await _history(store_of(request), body.previous_response_id) if body.previous_response_id else []
-    items = convert.input_items(body)
-    conversation = convert.parse_items(history + items)
+    card = await serving.card_for(serving.broker_of(request), body.model)
     try:
-        chat = await prepare_chat(convert.chat_request(body, conversation), request, id_prefix="resp",
-                                  resumable=False)
+        # the conversion and the chat template, in the prepare pool for a large request (gateway.preparation)
+        converted = await preparation.run(request, card, prompts.response_prompt, body, history,
+                                          size=max(preparation.body_size(request), prompts.items_chars(history)))
+        items = converted.items
+        chat = await prepare_chat(converted.chat, request, id_prefix="resp", resumable=False,
+                                  prompt=converted.prompt)
     except OpenAIError as exc:
         raise convert.rename_error(exc) from None
     chat_body_tools, chat_tool_choice = convert.chat_tools(body)

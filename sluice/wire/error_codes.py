@@ -42,6 +42,7 @@ class Code(enum.StrEnum):
     METHOD_NOT_ALLOWED = "method_not_allowed"
     REQUEST_TOO_LARGE = "request_too_large"
     QUEUE_FULL = "queue_full"
+    GATEWAY_BUSY = "gateway_busy"
     NO_ENGINE = "no_engine"
     REDIS_UNAVAILABLE = "redis_unavailable"
     REQUEST_LOST = "request_lost"
@@ -98,6 +99,8 @@ TABLE: dict[Code, Spec] = {
     Code.METHOD_NOT_ALLOWED: Spec(405, _BAD, False, "Method Not Allowed"),
     Code.REQUEST_TOO_LARGE: Spec(413, _BAD, False, "The request body is too large."),
     Code.QUEUE_FULL: Spec(429, "rate_limit_error", True, "The model's queue is full."),
+    Code.GATEWAY_BUSY: Spec(429, "rate_limit_error", True,
+                            "The gateway is preparing as many large requests as it takes at once."),
     Code.NO_ENGINE: Spec(503, _UNAVAILABLE, True, "No engine serving the model is alive."),
     Code.REDIS_UNAVAILABLE: Spec(503, _UNAVAILABLE, True, "The queue (Redis) is unavailable."),
     Code.REQUEST_LOST: Spec(503, _UNAVAILABLE, True, "The request was lost with Redis."),

@@ -106,6 +106,14 @@ class Size:
         problem = self.problem(items, param)
         return None if problem is None else invalid(param or self.param, problem)
 
+    def count_problem(self, count: int, param: str | None = None, *, at_least: bool = False) -> str | None:
+        """:meth:`problem` for a number of entries counted apart (``at_least``: the count stopped at
+        the first one over the limit)."""
+        if count <= self.max_items:
+            return None
+        got = f"more than {self.max_items}" if at_least else str(count)
+        return f"{param or self.param} may have at most {self.max_items} {self.unit}, got {got}"
+
 
 # --- the table ---------------------------------------------------------------------------------
 # The sampling parameters' names are vLLM's SamplingParams' (and the wire's); the HTTP API names
@@ -146,6 +154,19 @@ RESPONSE_METADATA = Size("metadata", 16, layers=frozenset({HTTP}))
 RESPONSE_METADATA_KEY_CHARS = 64
 RESPONSE_METADATA_VALUE_CHARS = 512
 INPUT_ITEMS_PAGE = Bound("limit", 1, 100, integer=True, layers=frozenset({HTTP}))
+
+# The shape of a request body, checked on the parsed JSON before any model walks it or any work is
+# spent on it (``gateway/body_shape.py``): what one body can make a gateway build, walk and send
+# between processes, whatever the body size limit. The counts are per request (``content`` per
+# message, input item or function output). HTTP only.
+_BODY = frozenset({HTTP})
+BODY_DEPTH = Size("the request body", 64, layers=_BODY, unit="levels of nesting")
+BODY_VALUES = Size("the request body", 262_144, layers=_BODY, unit="JSON values")
+MESSAGES = Size("messages", 2048, layers=_BODY)  # chat messages (and /tokenize's)
+INPUT_ITEMS = Size("input", 2048, layers=_BODY)  # Responses API input items
+CONTENT_PARTS = Size("content", 256, layers=_BODY)  # parts of one message's content
+TOOLS = Size("tools", 128, layers=_BODY)  # OpenAI's own limit on functions
+BODY_SHAPE: tuple[Size, ...] = (BODY_DEPTH, BODY_VALUES, MESSAGES, INPUT_ITEMS, CONTENT_PARTS, TOOLS)
 
 # The scalar sampling parameters and their bounds, by name (logit_bias's values are checked apart).
 SCALARS: dict[str, Bound] = {
@@ -230,6 +251,25 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int,
     return Problem(Code.CONTEXT_LENGTH_EXCEEDED,
                    f"This model's maximum context length is {max_model_len} tokens. However, {detail}. "
                    f"Please reduce the length of the {param} or the completion.", param)
+
+
+def check_context_chars(chars: int, max_chars_per_token: int | None, max_tokens: int | None,
+                        max_model_len: int, param: str = "prompt") -> Problem | None:
+    """The context-length rule on a text before it is tokenized: ``chars`` characters are at least
+    ``ceil(chars / max_chars_per_token)`` tokens (``sluice.text.chars_per_token``), refused with
+    ``context_length_exceeded`` when even that many cannot fit; None when they might (or no bound
+    is known), and the text must then be tokenized to know."""
+    if not max_chars_per_token:
+        return None
+    at_least = -(-chars // max_chars_per_token)
+    if check_context(at_least, max_tokens, max_model_len, param) is None:
+        return None
+    asked = f"at least {at_least} tokens" + (f" plus {max_tokens} for the completion" if max_tokens is not None else "")
+    return Problem(Code.CONTEXT_LENGTH_EXCEEDED,
+                   f"This model's maximum context length is {max_model_len} tokens. However, your {param} "
+                   f"is {chars} characters, which is {asked} (a token of this model covers at most "
+                   f"{max_chars_per_token} characters). Please reduce the length of the {param} or the "
+                   f"completion.", param)
 
 
 def check_request(req: GenerateRequest, *, vocab_size: int | None, max_model_len: int | None) -> Problem | None:
