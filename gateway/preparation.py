@@ -1,8 +1,9 @@
 """Where a request's preparation runs: on the event loop, or in the prepare pool.
 
 A request whose body (or, for ``/v1/responses``, whose stored history) is at least
-``prepare_pool_threshold_bytes`` is prepared in the prepare pool (``gateway.prepare_pool``): its
-JSON parsed and bounded (``gateway.request_body.parse``), its prompt rendered and checked by the
+``prepare_pool_threshold_bytes``, or that asks for an output constraint, is prepared in the prepare
+pool (``gateway.prepare_pool``): its JSON parsed and bounded (``gateway.request_body.parse``; by
+the body's size only), its tools and constraint compiled, its prompt rendered, checked by the
 characters-per-token bound and tokenized (the jobs of ``gateway.prompts``), each in a worker
 process, so the event loop only waits. A smaller one runs the same jobs on the event loop, as fast
 as before: no process hop; a text of 8192 characters or more is tokenized in a thread with the GIL
@@ -12,6 +13,7 @@ loop, bounded all the same.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +37,13 @@ def offloaded(config: GatewayConfig, size: int) -> bool:
 def body_size(request: Request) -> int:
     """The size of the request's JSON body (0 when it was not read by ``request_body``)."""
     return getattr(request.state, "body_bytes", 0)
+
+
+def size_of(request: Request, body: Any, history_chars: int = 0) -> int:
+    """What decides where ``body`` (the request's validated body) is prepared: its size in bytes,
+    or the characters of the stored history it continues; a request with an output constraint
+    counts as large whatever its size (``prompts.constrained``)."""
+    return sys.maxsize if prompts.constrained(body) else max(body_size(request), history_chars)
 
 
 async def parse_body(request: Request, model: type[BaseModel], raw: bytes) -> BaseModel:

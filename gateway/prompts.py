@@ -8,10 +8,13 @@ small request) or in a prepare-pool worker (a large one, ``gateway.prepare_pool`
 the same prompts. A job returns :class:`Prompt` s without ids; the runner tokenizes them (on the
 loop, or in the worker) with :func:`tokenized`.
 
-- ``render_chat``: chat messages (and tools) through the model's chat template;
-- ``completion_prompts``: ``/v1/completions``' prompts (text ones checked, token-id ones kept);
+- ``chat_prompt``: a chat request's tools and output constraint (compiling a constraint's grammar
+  holds the GIL, for seconds with a schema of thousands of properties) and its messages through
+  the model's chat template (``render_chat``);
+- ``completion_prompts``: ``/v1/completions``' constraint and prompts (text ones checked, token-id
+  ones kept);
 - ``response_prompt``: a Responses request and its stored history converted to the chat request
-  (``gateway.responses.convert``), then rendered as a chat;
+  (``gateway.responses.convert``), then prepared as a chat;
 - ``tokenize_prompt``: ``/tokenize``'s prompt or messages.
 """
 
@@ -25,6 +28,7 @@ from gateway.chat_output import Dialects
 from gateway.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from gateway.responses import convert
 from gateway.responses.models import CreateResponseRequest
+from sluice.structured import StructuredOutputsParams
 from sluice.text.chat_template import template_variables
 from sluice.wire import limits
 from sluice.wire.card import ModelCard
@@ -59,13 +63,32 @@ class Prompt:
 
 
 @dataclass
+class ChatPrompt:
+    """``chat_prompt``'s result: the request's tools, its output constraint (checked to compile;
+    a forced tool choice's included) and its prompt."""
+
+    spec: tools.ToolSpec | None
+    constraint: StructuredOutputsParams | None
+    prompt: Prompt
+
+
+@dataclass
+class CompletionPrompts:
+    """``completion_prompts``' result: each prompt (text, or token ids as given) and the output
+    constraint (checked to compile)."""
+
+    prompts: list[Prompt | list[int]]
+    constraint: StructuredOutputsParams | None
+
+
+@dataclass
 class ResponsePrompt:
     """``response_prompt``'s result: the input items (with their ids, as stored), the chat request
-    serving the response, and its prompt."""
+    serving the response, and its chat prompt."""
 
     items: list[dict[str, Any]]
     chat: ChatCompletionRequest
-    prompt: Prompt
+    chat_prompt: ChatPrompt
 
 
 def _check(problem: limits.Problem | None) -> None:
@@ -77,11 +100,28 @@ def prompts_of(result: Any) -> list[Prompt]:
     """The prompts a job's result holds, in order."""
     if isinstance(result, Prompt):
         return [result]
-    if isinstance(result, ResponsePrompt):
+    if isinstance(result, ChatPrompt):
         return [result.prompt]
-    if isinstance(result, list):
-        return [p for p in result if isinstance(p, Prompt)]
+    if isinstance(result, ResponsePrompt):
+        return [result.chat_prompt.prompt]
+    if isinstance(result, CompletionPrompts):
+        return [p for p in result.prompts if isinstance(p, Prompt)]
     return []
+
+
+def constrained(body: Any) -> bool:
+    """Whether the request asks for an output constraint (``response_format`` / ``text.format``
+    other than text, ``structured_outputs``, a forced ``tool_choice``): compiling one holds the GIL,
+    for seconds with a schema of thousands of properties, so such a request is prepared where a
+    large one is."""
+    if isinstance(body, CreateResponseRequest):
+        fmt = body.text.format if body.text is not None else None
+        kind = getattr(fmt, "type", "text")
+    else:
+        fmt = getattr(body, "response_format", None)
+        kind = fmt.get("type", "text") if isinstance(fmt, dict) else "text"
+    return (kind != "text" or getattr(body, "structured_outputs", None) is not None
+            or getattr(body, "tool_choice", None) not in (None, "auto", "none"))
 
 
 def tokenized(ctx: CardContext, prompt: Prompt, ids: list[int]) -> None:
@@ -138,18 +178,30 @@ def render_chat(ctx: CardContext, body: ChatCompletionRequest, spec: tools.ToolS
     except (ValueError, TypeError) as exc:  # TypeError: chat_template_kwargs naming a parameter
         param = "chat_template" if chat_template is not None else "messages"
         raise errors.invalid(f"Invalid messages for the chat template: {exc}", param=param) from exc
-    _check(limits.check_context_chars(len(text), ctx.max_chars_per_token, requested, ctx.max_model_len, "messages"))
+    _check(limits.check_context_chars(len(text), ctx.max_chars_per_token, ctx.max_model_len, "messages"))
     return Prompt(text, False, "messages", requested)
+
+
+def chat_prompt(ctx: CardContext, body: ChatCompletionRequest, chat_template: str | None) -> ChatPrompt:
+    """A chat request's tools and output constraint (each a 400 naming its parameter when it is
+    malformed or does not compile), and its prompt (:func:`render_chat`)."""
+    spec = tools.parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    constraint = tools.constraint_for(body.response_format, body.structured_outputs)
+    if spec is not None and spec.constrained:
+        if constraint is not None:
+            raise errors.invalid("A forced 'tool_choice' cannot be combined with 'response_format' or "
+                                 "'structured_outputs'.", param="tool_choice")
+        constraint = tools.tool_constraint(spec)
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return ChatPrompt(spec, constraint, render_chat(ctx, body, spec, chat_template, requested))
 
 
 def response_prompt(ctx: CardContext, body: CreateResponseRequest, history: list[dict[str, Any]]) -> ResponsePrompt:
     """A Responses request continuing ``history`` (stored items): its input items with ids, the chat
-    request that serves it, and that chat's prompt."""
+    request that serves it, and that chat's :func:`chat_prompt`."""
     items = convert.input_items(body)
     chat = convert.chat_request(body, convert.parse_items(history + items))
-    spec = tools.parse_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
-    requested = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
-    return ResponsePrompt(items, chat, render_chat(ctx, chat, spec, None, requested))
+    return ResponsePrompt(items, chat, chat_prompt(ctx, chat, None))
 
 
 def items_chars(items: list[dict[str, Any]]) -> int:
@@ -169,17 +221,20 @@ def items_chars(items: list[dict[str, Any]]) -> int:
 # --- completions and /tokenize -----------------------------------------------------------------
 
 
-def completion_prompts(ctx: CardContext, prompts_in: list[Any], requested: int | None) -> list[Prompt | list[int]]:
-    """``/v1/completions``' prompts: each text one checked against the context by its length
-    first (all of them before any is tokenized), token-id prompts as they are."""
+def completion_prompts(ctx: CardContext, prompts_in: list[Any], requested: int | None, response_format: Any,
+                       structured_outputs: Any) -> CompletionPrompts:
+    """``/v1/completions``' output constraint (checked to compile) and prompts: each text one checked
+    against the context by its length first (all of them before any is tokenized), token-id prompts
+    as they are."""
+    constraint = tools.constraint_for(response_format, structured_outputs)
     out: list[Prompt | list[int]] = []
     for p in prompts_in:
         if isinstance(p, str):
-            _check(limits.check_context_chars(len(p), ctx.max_chars_per_token, requested, ctx.max_model_len))
+            _check(limits.check_context_chars(len(p), ctx.max_chars_per_token, ctx.max_model_len))
             out.append(Prompt(p, True, "prompt", requested))
         else:
             out.append(list(p))
-    return out
+    return CompletionPrompts(out, constraint)
 
 
 def tokenize_prompt(ctx: CardContext, body: TokenizeRequest, chat_template: str | None) -> Prompt:

@@ -68,11 +68,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 
 async def prepare_chat(body: ChatCompletionRequest, request: Request, *, id_prefix: str = "chatcmpl",
-                       resumable: bool | None = None, prompt: prompts.Prompt | None = None) -> PreparedChat:
+                       resumable: bool | None = None, prepared: prompts.ChatPrompt | None = None) -> PreparedChat:
     """Everything a chat request needs before it is queued (every 400 is raised here): the
     chat template, tools, constraints, sampling parameters. ``POST /v1/responses`` comes
-    through here too (``gateway.responses``), with a chat request converted from its own and its
-    ``prompt`` already rendered and tokenized (``prompts.response_prompt``). The template and the
+    through here too (``gateway.responses``), with a chat request converted from its own and
+    ``prepared`` already (``prompts.response_prompt``). Tools, constraints, the template and the
     tokenizer run where ``gateway.preparation`` says (the prepare pool for a large request).
     ``resumable``: log it as a resumable chat stream (None: when streamed and the gateway's
     ``--resumable-streams`` is on)."""
@@ -81,19 +81,13 @@ async def prepare_chat(body: ChatCompletionRequest, request: Request, *, id_pref
     card = await serving.card_for(broker, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise errors.invalid("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
-    spec = tools.parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-    constraint = tools.constraint_for(body.response_format, body.structured_outputs)
-    if spec is not None and spec.constrained:
-        if constraint is not None:
-            raise errors.invalid("A forced 'tool_choice' cannot be combined with 'response_format' or "
-                                 "'structured_outputs'.", param="tool_choice")
-        constraint = tools.tool_constraint(spec)
-    dialects = Dialects.of(card.card)  # the model's tool-call and reasoning parsers, named on its card
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if prompt is None:
+    if prepared is None:
         chat_template = request_chat_template(body.chat_template, cfg)
-        prompt = await preparation.run(request, card, prompts.render_chat, body, spec, chat_template, requested,
-                                       size=preparation.body_size(request))
+        prepared = await preparation.run(request, card, prompts.chat_prompt, body, chat_template,
+                                         size=preparation.size_of(request, body))
+    spec, constraint, prompt = prepared.spec, prepared.constraint, prepared.prompt
+    dialects = Dialects.of(card.card)  # the model's tool-call and reasoning parsers, named on its card
+    requested = prompt.max_tokens
     text, ids = prompt.text, prompt.ids
     serving.check_prompt(ids, card, "messages")
     max_tokens = serving.max_tokens_for(card, [len(ids)], requested, "messages")

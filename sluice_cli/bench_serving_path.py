@@ -81,11 +81,13 @@ class Stack:
     engine_args: list[str] = field(default_factory=list)
     engine_env: dict[str, str] = field(default_factory=dict)
     extra_path: str = ""  # appended to the processes' PYTHONPATH (e.g. optional packages to try)
+    gateway_args: list[str] = field(default_factory=list)  # extra `sluice gateway` arguments
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     tmp: str = ""
     port: int = 0
     metrics_port: int = 0
     model: str = ""
+    redis_url: str = ""
 
     def start(self, timeout: float = 180.0) -> None:
         self.tmp = tempfile.mkdtemp(prefix="sluice-bench-path-")
@@ -99,14 +101,14 @@ class Stack:
         self.procs["redis"] = subprocess.Popen(
             [server, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.tmp], stdout=subprocess.DEVNULL, start_new_session=True)
-        url = f"redis://127.0.0.1:{redis_port}/0"
+        url = self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
         cli = [sys.executable, "-m", "sluice_cli.cli"]
         self.procs["engine"] = subprocess.Popen(
             [*cli, "engine", "--stub-model", "--redis-url", url, "--grpc-port", "0", "--metrics-port",
              str(self.metrics_port), "--log-level", "WARNING", *self.engine_args],
             cwd=self.source, env={**env, **self.engine_env}, stdout=log, stderr=log, start_new_session=True)
         self.procs["gateway"] = subprocess.Popen(
-            [*cli, "gateway", "--redis-url", url, "--port", str(self.port), "--log-level", "warning"],
+            [*cli, "gateway", "--redis-url", url, "--port", str(self.port), "--log-level", "warning", *self.gateway_args],
             cwd=self.source, env=env, stdout=log, stderr=log, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -34,6 +34,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
                                    "one request queue against a queue sharded by prompt prefix (3 engines)"),
     ("bench", "gateway-memory"): ("sluice_cli.bench_gateway_memory",
                                   "gateway memory across requests naming random unknown models"),
+    ("bench", "gateway-stall"): ("sluice_cli.bench_gateway_stall",
+                                 "streams' pauses and /health under large request bodies, prepare pool off and on"),
 }
 
 

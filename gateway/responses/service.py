@@ -108,10 +108,10 @@ async def prepare_response(body: CreateResponseRequest, request: Request) -> Pre
     try:
         # the conversion and the chat template, in the prepare pool for a large request (gateway.preparation)
         converted = await preparation.run(request, card, prompts.response_prompt, body, history,
-                                          size=max(preparation.body_size(request), prompts.items_chars(history)))
+                                          size=preparation.size_of(request, body, prompts.items_chars(history)))
         items = converted.items
         chat = await prepare_chat(converted.chat, request, id_prefix="resp", resumable=False,
-                                  prompt=converted.prompt)
+                                  prepared=converted.chat_prompt)
     except OpenAIError as exc:
         raise convert.rename_error(exc) from None
     chat_body_tools, chat_tool_choice = convert.chat_tools(body)

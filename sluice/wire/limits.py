@@ -253,23 +253,24 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int,
                    f"Please reduce the length of the {param} or the completion.", param)
 
 
-def check_context_chars(chars: int, max_chars_per_token: int | None, max_tokens: int | None,
-                        max_model_len: int, param: str = "prompt") -> Problem | None:
+def check_context_chars(chars: int, max_chars_per_token: int | None, max_model_len: int,
+                        param: str = "prompt") -> Problem | None:
     """The context-length rule on a text before it is tokenized: ``chars`` characters are at least
     ``ceil(chars / max_chars_per_token)`` tokens (``sluice.text.chars_per_token``), refused with
-    ``context_length_exceeded`` when even that many cannot fit; None when they might (or no bound
-    is known), and the text must then be tokenized to know."""
+    ``context_length_exceeded`` when that many leave no room for a completion token; None when the
+    text might fit (or no bound is known): it must then be tokenized, and :func:`check_context`
+    decides with its ``max_tokens``. The text tokenized is at most ``max_chars_per_token`` characters
+    per token of the context."""
     if not max_chars_per_token:
         return None
     at_least = -(-chars // max_chars_per_token)
-    if check_context(at_least, max_tokens, max_model_len, param) is None:
+    if at_least < max_model_len:
         return None
-    asked = f"at least {at_least} tokens" + (f" plus {max_tokens} for the completion" if max_tokens is not None else "")
     return Problem(Code.CONTEXT_LENGTH_EXCEEDED,
                    f"This model's maximum context length is {max_model_len} tokens. However, your {param} "
-                   f"is {chars} characters, which is {asked} (a token of this model covers at most "
-                   f"{max_chars_per_token} characters). Please reduce the length of the {param} or the "
-                   f"completion.", param)
+                   f"is {chars} characters, which is at least {at_least} tokens (a token of this model covers "
+                   f"at most {max_chars_per_token} characters), leaving no room for the completion. Please "
+                   f"reduce the length of the {param}.", param)
 
 
 def check_request(req: GenerateRequest, *, vocab_size: int | None, max_model_len: int | None) -> Problem | None:

@@ -48,12 +48,15 @@ def pair(make_gateway, fake_engine):
 
 
 def _ids_at_engine(engine, gw, path: str, body: dict) -> list[list[int]]:
+    """The prompt ids the engine received for ``body`` (and the output constraint, when there is one)."""
     before = len(engine.requests)
     r = httpx.post(f"{gw.url}{path}", json=body, timeout=60)
     assert r.status_code == 200, r.text
     # one engine request per prompt, read from their queue shards in any order: in prompt order
     reqs = sorted(engine.requests[before:], key=lambda req: (len(req.request_id), req.request_id))
-    return [list(req.prompt_token_ids) for req in reqs]
+    constraint = [req.params.structured_outputs.SerializeToString() for req in reqs
+                  if req.params.HasField("structured_outputs")]
+    return [list(req.prompt_token_ids) for req in reqs] + constraint
 
 
 CHAT = [
@@ -68,17 +71,22 @@ CHAT = [
                   {"role": "tool", "tool_call_id": "c1", "content": "Sunny, 21 C"}],
      "tools": [WEATHER], "tool_choice": "auto"},
     {"messages": [{"role": "user", "content": "Continue: once upon"}], "add_generation_prompt": False},
+    {"messages": [{"role": "user", "content": "Weather in Lima?"}], "tools": [WEATHER], "tool_choice": "required"},
+    {"messages": [{"role": "user", "content": "A person."}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "p", "schema": {
+            "type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}}}},
 ]
 
 
 def test_chat_and_completions_prompt_ids_are_the_same_from_the_pool(pair, fake_engine) -> None:
     loop, pooled = pair
     for extra in CHAT:
-        body = {"model": MODEL, "max_tokens": 2, **extra}
+        body = {"model": MODEL, "max_tokens": 40, **extra}
         assert _ids_at_engine(fake_engine, loop, "/v1/chat/completions", body) == \
             _ids_at_engine(fake_engine, pooled, "/v1/chat/completions", body), extra
-    for prompt in ("Once upon a time", ["First prompt", "Second, ünïcödé 🙂"], [1, 2, 3, 4], [[5, 6], [7, 8, 9]]):
-        body = {"model": MODEL, "max_tokens": 2, "prompt": prompt}
+    for prompt, extra in (("Once upon a time", {}), (["First prompt", "Second, ünïcödé 🙂"], {}), ([1, 2, 3, 4], {}),
+                          ([[5, 6], [7, 8, 9]], {}), ("Sky blue?", {"structured_outputs": {"choice": ["yes", "no"]}})):
+        body = {"model": MODEL, "max_tokens": 40, "prompt": prompt, **extra}
         assert _ids_at_engine(fake_engine, loop, "/v1/completions", body) == \
             _ids_at_engine(fake_engine, pooled, "/v1/completions", body), prompt
     assert pooled.app.state.prepare_pool.completed > 0  # the pool did the work
@@ -93,7 +101,7 @@ def test_a_reasoning_model_template_gives_the_same_ids_from_the_pool(pair, fake_
     loop, pooled = pair
     for extra in (*CHAT, {"messages": [{"role": "user", "content": "2+2?"}],
                           "chat_template_kwargs": {"enable_thinking": False}}):
-        body = {"model": MODEL, "max_tokens": 2, **extra}
+        body = {"model": MODEL, "max_tokens": 40, **extra}
         got = _ids_at_engine(fake_engine, loop, "/v1/chat/completions", body)
         assert got == _ids_at_engine(fake_engine, pooled, "/v1/chat/completions", body), extra
         if extra.get("add_generation_prompt", True):  # the card's template was the one rendered
@@ -112,9 +120,12 @@ def test_responses_prompt_ids_are_the_same_from_the_pool(pair, fake_engine) -> N
                    {"type": "function_call", "call_id": "c9", "name": "get_weather", "arguments": "{\"city\": \"Rome\"}"},
                    {"type": "function_call_output", "call_id": "c9", "output": "Rain"}], "tools": [tool]},
         {"input": "And tomorrow?", "previous_response_id": first.json()["id"], "tools": [tool]},
+        {"input": "Weather in Lima?", "tools": [tool], "tool_choice": "required"},
+        {"input": "A person.", "text": {"format": {"type": "json_schema", "name": "p", "schema": {
+            "type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}}}},
     ]
     for extra in bodies:
-        body = {"model": MODEL, "max_output_tokens": 2, **extra}
+        body = {"model": MODEL, "max_output_tokens": 40, **extra}
         assert _ids_at_engine(fake_engine, loop, "/v1/responses", body) == \
             _ids_at_engine(fake_engine, pooled, "/v1/responses", body), extra
 
@@ -163,6 +174,11 @@ BAD = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "word " * 30_000}]}, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                               "chat_template_kwargs": {"add_generation_prompt": 1}}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                                  "type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}},
+     "response_format.json_schema.schema"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "structured_outputs": {"regex": "("}}, "structured_outputs.regex"),
     ("/v1/responses", {"model": MODEL, "input": [{"role": "user", "content": "x"}] * _over(limits.INPUT_ITEMS)}, "input"),
     ("/v1/responses", {"model": MODEL, "input": [{"type": "function_call_output", "call_id": "c", "output": [
         {"type": "input_text", "text": "x"}] * _over(limits.CONTENT_PARTS)}]}, "input[0].output"),
@@ -203,6 +219,7 @@ def test_a_prompt_over_the_context_by_its_length_alone_is_refused_before_tokeniz
         err = assert_error(httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": text}, timeout=60),
                            400, param="prompt", code="context_length_exceeded")
         assert f"is {len(text)} characters, which is at least {-(-len(text) // per_token)} tokens" in err["message"]
+        assert "leaving no room for the completion" in err["message"]
         assert f"maximum context length is {MAX_MODEL_LEN} tokens" in err["message"]
     # under the bound, the text is tokenized and the exact count refused
     text = "word " * (MAX_MODEL_LEN * per_token // 10)

@@ -170,3 +170,21 @@ def test_normalizers_that_only_shrink_so_far_scale_the_bound(spec) -> None:
     assert max_chars_per_token(sp) == base
     del sp["model"]["vocab"]["<0x41>"]
     assert max_chars_per_token(sp) is None
+
+
+@given(st.integers(0, 10**7), st.integers(1, 200), st.integers(1, 10**5), st.integers(0, 10**5),
+       st.one_of(st.none(), st.integers(1, 10**5)))
+def test_the_context_rule_before_tokenizing_refuses_only_what_tokenizing_would(chars, per_token, context, extra,
+                                                                                 max_tokens) -> None:
+    """Whatever the text's real token count (at least chars / per_token), refused by the length alone
+    means refused once tokenized, whatever max_tokens; not refused means it may still fit."""
+    from sluice.wire import limits
+
+    at_least = -(-chars // per_token)
+    early = limits.check_context_chars(chars, per_token, context)
+    if early is not None:
+        assert early.code == "context_length_exceeded" and early.param == "prompt"
+        assert limits.check_context(at_least + extra, max_tokens, context) is not None
+    else:
+        assert limits.check_context(at_least, None, context) is None
+    assert limits.check_context_chars(chars, None, context) is None  # no bound known: nothing refused early
