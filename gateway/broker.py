@@ -730,7 +730,6 @@ class Broker:
                 return cached[1]
             decoded = ModelCard.decode(await self.redis.hgetall(key))
             tokenizer = await asyncio.to_thread(decoded.tokenizer)
-            await asyncio.to_thread(lambda: tokenizer.max_chars_per_token)  # computed once, off the loop
             header = await asyncio.to_thread(template_header_tokens, tokenizer)
             card = LoadedCard(card=decoded, tokenizer=tokenizer, fingerprint=_s(fingerprint), header_tokens=header)
             self._cards[model] = (time.monotonic(), card)

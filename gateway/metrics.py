@@ -81,6 +81,13 @@ class Metrics:
             f"{p}requests_lost", "Requests that cannot complete: their queue entry or output was lost with "
             "Redis (request_lost) or Redis stayed unavailable (redis_unavailable); answered 503",
             ["code"], **kw)
+        # the prepare pool's (gateway/prepare_pool.py)
+        self.prepare_jobs = Gauge(
+            f"{p}prepare_pool_jobs", "Large requests' preparation jobs running or waiting in the prepare pool",
+            multiprocess_mode="livesum", **kw)
+        self.prepare_refused = Counter(
+            f"{p}prepare_pool_refused", "Large requests refused because the prepare pool was full (429 gateway_busy)",
+            **kw)
         # the labelled series an alert reads exist from the start, at zero
         for code in LOST_CODES:
             self.requests_lost.labels(code=code)

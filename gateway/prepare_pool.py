@@ -40,6 +40,7 @@ from typing import Any
 
 from gateway import errors
 from gateway.errors import OpenAIError
+from gateway.metrics import METRICS
 from sluice.wire.card import ModelCard
 from sluice.wire.error_codes import Code
 
@@ -253,6 +254,7 @@ class PreparePool:
 
     def _release(self, ran: bool) -> None:
         self._admitted -= 1
+        METRICS.prepare_jobs.dec()
         self.completed += ran
 
     async def run(self, fn: Callable[..., Any], card: Any, *args: Any) -> Any:
@@ -260,8 +262,10 @@ class PreparePool:
         None); its result, or the OpenAIError it raised. 429 ``gateway_busy`` when ``capacity`` jobs
         are already admitted."""
         if self._admitted >= self.capacity:
+            METRICS.prepare_refused.inc()
             raise errors.gateway_busy(self.retry_after_s)
         self._admitted += 1
+        METRICS.prepare_jobs.inc()
         future: Future = Future()
         # released when the job is done or dropped, not when its waiter goes: a job still running
         # for a client that left keeps its place

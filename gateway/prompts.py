@@ -96,6 +96,14 @@ def _check(problem: limits.Problem | None) -> None:
         raise errors.from_problem(problem)
 
 
+def check_length(ctx: CardContext, text: str, param: str = "prompt") -> None:
+    """``limits.check_context_chars`` on ``text``: refused by its length alone when even the fewest
+    tokens it can be cannot fit the context. A text shorter than the context in characters always
+    might (so the tokenizer's bound, computed once when first needed, is not asked for)."""
+    if len(text) >= ctx.max_model_len:
+        _check(limits.check_context_chars(len(text), ctx.max_chars_per_token, ctx.max_model_len, param))
+
+
 def prompts_of(result: Any) -> list[Prompt]:
     """The prompts a job's result holds, in order."""
     if isinstance(result, Prompt):
@@ -178,7 +186,7 @@ def render_chat(ctx: CardContext, body: ChatCompletionRequest, spec: tools.ToolS
     except (ValueError, TypeError) as exc:  # TypeError: chat_template_kwargs naming a parameter
         param = "chat_template" if chat_template is not None else "messages"
         raise errors.invalid(f"Invalid messages for the chat template: {exc}", param=param) from exc
-    _check(limits.check_context_chars(len(text), ctx.max_chars_per_token, ctx.max_model_len, "messages"))
+    check_length(ctx, text, "messages")
     return Prompt(text, False, "messages", requested)
 
 
@@ -230,7 +238,7 @@ def completion_prompts(ctx: CardContext, prompts_in: list[Any], requested: int |
     out: list[Prompt | list[int]] = []
     for p in prompts_in:
         if isinstance(p, str):
-            _check(limits.check_context_chars(len(p), ctx.max_chars_per_token, ctx.max_model_len))
+            check_length(ctx, p)
             out.append(Prompt(p, True, "prompt", requested))
         else:
             out.append(list(p))
@@ -254,7 +262,7 @@ def tokenize_prompt(ctx: CardContext, body: TokenizeRequest, chat_template: str 
         prompt = Prompt(text, bool(body.add_special_tokens), "messages", check_context=False)
     else:
         prompt = Prompt(body.prompt or "", body.add_special_tokens is not False, "prompt", check_context=False)
-    per_token = ctx.max_chars_per_token
+    per_token = ctx.max_chars_per_token if len(prompt.text) > ctx.max_model_len else None
     if per_token is not None and len(prompt.text) > (limit := ctx.max_model_len * per_token):
         raise errors.invalid(
             f"'{prompt.param}' is {len(prompt.text)} characters; /tokenize takes at most {limit} ({per_token} per "

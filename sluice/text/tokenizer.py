@@ -22,7 +22,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from sluice.text.chars_per_token import max_chars_per_token
+from sluice.text.chars_per_token import max_chars_per_token, spec_of
 from sluice.text.chat_template import ChatTemplateError, render_chat_template
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -196,8 +196,8 @@ class Tokenizer:
     def max_chars_per_token(self) -> int | None:
         """The most characters one token covers (``sluice.text.chars_per_token``): a text of ``C``
         characters is at least ``ceil(C / L)`` tokens. None when no bound is proven for this
-        tokenizer. Computed once (it reads the whole ``tokenizer.json``)."""
-        return max_chars_per_token(json.loads(self._tok.to_str()))
+        tokenizer. Computed once (it reads the whole vocabulary)."""
+        return max_chars_per_token(spec_of(self._tok))
 
     def get_vocab(self) -> dict[str, int]:
         return self._tok.get_vocab(with_added_tokens=True)

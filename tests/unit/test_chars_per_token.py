@@ -188,3 +188,18 @@ def test_the_context_rule_before_tokenizing_refuses_only_what_tokenizing_would(c
     else:
         assert limits.check_context(at_least, None, context) is None
     assert limits.check_context_chars(chars, None, context) is None  # no bound known: nothing refused early
+
+
+def test_the_live_tokenizer_gives_what_its_tokenizer_json_gives(spec) -> None:
+    """``spec_of`` (what ``Tokenizer.max_chars_per_token`` reads, from the loaded object) agrees with
+    the file on the default tokenizer and on variants of it."""
+    from sluice.text.chars_per_token import spec_of
+
+    variants = [spec, _with(spec, normalizer={"type": "NFC"}), _with(spec, pre_tokenizer={"type": "Whitespace"}),
+                _with(spec, normalizer={"type": "Strip", "strip_left": True, "strip_right": True}),
+                _with(spec, added_tokens=[{**spec["added_tokens"][1], "rstrip": True}, *spec["added_tokens"][2:]]),
+                _with(spec, model={**spec["model"], "fuse_unk": True}),
+                _with(spec, truncation={"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0})]
+    for variant in variants:
+        live = HFTokenizer.from_str(json.dumps(variant))
+        assert max_chars_per_token(spec_of(live)) == max_chars_per_token(variant)
