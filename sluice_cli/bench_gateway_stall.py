@@ -10,8 +10,8 @@ Each gateway in turn (``--rounds`` times, the gateways alternating: A B A B) get
 seconds per attack shape:
 
 - ``--streams`` streaming clients (``/v1/chat/completions``, short prompts, ``--max-tokens`` each,
-  one request after another): the longest pause between two chunks of a stream (and the p99), and
-  the longest time to a first chunk;
+  one request after another): the longest time one of them got no chunk (a stream that got
+  nothing paused the whole window), and the p99 gap between two chunks;
 - a ``/health`` prober (one request at a time): its latency p50 and max;
 - ``--attackers`` clients sending large bodies back to back, from a separate process (so that
   building and sending them takes nothing from the measuring loop), in one of two shapes:
@@ -21,6 +21,7 @@ seconds per attack shape:
 
 A quiet window (no attackers) per gateway and round measures the same figures as a reference, and
 the latency of a small non-streamed chat request (the path a small request takes, on the loop).
+The pool-on gateway's workers are started (and their tokenizers built) before the first window.
 Prints a table and writes the JSON (``--result-file``). The machine's load moves absolute figures;
 compare the gateways within one run.
 """
@@ -39,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sluice_cli.bench_serving_path import ROOT, STUB_ENV, Client, Stack, Window, _free_port, _get, _pct
+from sluice_cli.bench_serving_path import ROOT, STUB_ENV, Client, Stack, _free_port, _get, _pct
 
 SHAPES = ("long-message", "many-items")
 
@@ -75,6 +76,25 @@ def wait_ready(gw: Gateway, timeout: float = 120.0) -> None:
             return
         time.sleep(0.3)
     raise SystemExit(f"gateway {gw.label} not ready after {timeout:.0f} s")
+
+
+def _status_kib(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def memory(gw: Gateway) -> dict:
+    """The gateway's resident memory and its prepare workers' (now and at their peak), MiB."""
+    pid = gw.proc.pid
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    workers = [{"rss_mib": _status_kib(c, "VmRSS") / 1024, "peak_mib": _status_kib(c, "VmHWM") / 1024}
+               for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]  # not the
+    # resource tracker multiprocessing starts beside them
+    return {"gateway_rss_mib": _status_kib(pid, "VmRSS") / 1024, "workers": workers}
 
 
 def stop_gateway(gw: Gateway) -> None:
@@ -136,6 +156,14 @@ def _attack(port: int, path: str, body: bytes, attackers: int, seconds: float, o
     out.close()
 
 
+async def warm(gw: Gateway, model: str, shapes: list[str], args: argparse.Namespace) -> None:
+    """Start the prepare pool's workers and build their tokenizers (a worker starts for its first
+    job), outside every window: ``--attackers`` large bodies of each shape at once."""
+    for shape in shapes:
+        path, body = large_body(shape, model, args.body_mb, args.items)
+        await asyncio.gather(*(_post(gw.port, path, body) for _ in range(args.attackers)))
+
+
 # --- one window --------------------------------------------------------------------------------
 
 
@@ -166,6 +194,31 @@ async def _small_requests(port: int, model: str, stop_at: float, probe: Probe) -
         probe.latencies.append(seconds if status == 200 else float("inf"))
 
 
+async def _stream(client: Client, stop_at: float, times: list[float], errors: list[str]) -> None:
+    """One streaming client: requests one after another, every chunk's arrival time kept."""
+    path = "/v1/chat/completions"
+    reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+    try:
+        while time.perf_counter() < stop_at:
+            body = client._body()  # noqa: SLF001 - the serving-path bench's request
+            writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            chunks, _, error = await client._read(reader)  # noqa: SLF001
+            times.extend(chunks)
+            if error:
+                errors.append(error)
+                await asyncio.sleep(0.05)
+    finally:
+        writer.close()
+
+
+def longest_pause(times: list[float], start: float, end: float) -> float:
+    """The longest time inside [start, end] with no chunk arriving (a stream that got nothing in the
+    window paused all of it)."""
+    inside = [start, *sorted(t for t in times if start <= t <= end), end]
+    return max(b - a for a, b in zip(inside, inside[1:], strict=False))
+
+
 async def measure(gw: Gateway, model: str, shape: str | None, args: argparse.Namespace) -> dict:
     """One window on ``gw``: streams and the health prober, under attack by ``shape`` (None: quiet,
     with the small-request prober instead)."""
@@ -179,26 +232,28 @@ async def measure(gw: Gateway, model: str, shape: str | None, args: argparse.Nam
         attack.start()
         send.close()
     t0 = time.perf_counter()
-    window = Window(t0 + warmup, t0 + warmup + duration)
+    start, end = t0 + warmup, t0 + warmup + duration
     client = Client(gw.port, model, "chat", args.max_tokens, 8)
     health, small = Probe(), Probe()
-    tasks = [asyncio.create_task(client.stream(window.end, [window])) for _ in range(args.streams)]
+    times: list[list[float]] = [[] for _ in range(args.streams)]
+    errors: list[str] = []
+    tasks = [asyncio.create_task(_stream(client, end, times[i], errors)) for i in range(args.streams)]
     await asyncio.sleep(warmup)
-    tasks.append(asyncio.create_task(_health(gw.port, window.end, health, args.health_every)))
+    tasks.append(asyncio.create_task(_health(gw.port, end, health, args.health_every)))
     if shape is None:
-        tasks.append(asyncio.create_task(_small_requests(gw.port, model, window.end, small)))
-    await asyncio.sleep(max(0.0, window.end - time.perf_counter()))
+        tasks.append(asyncio.create_task(_small_requests(gw.port, model, end, small)))
+    await asyncio.sleep(max(0.0, end - time.perf_counter()))
     for t in tasks[:args.streams]:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    window.close([])
+    pauses = [longest_pause(ts, start, end) for ts in times]
+    gaps = [b - a for ts in times for a, b in zip(ts, ts[1:], strict=False) if start <= b <= end]
     out: dict = {
         "gateway": gw.label, "shape": shape or "quiet",
-        "stream_max_pause_s": max(window.itl, default=0.0),
-        "stream_p99_pause_s": _pct(window.itl, 99),
-        "stream_max_ttft_s": max(window.ttft, default=0.0),
-        "stream_chunks": len(window.itl),
-        "stream_errors": sorted(set(window.errors))[:3],
+        "stream_max_pause_s": max(pauses),
+        "stream_p99_gap_s": _pct(gaps, 99),
+        "stream_chunks": len(gaps),
+        "stream_errors": sorted(set(errors))[:3],
         "health_p50_s": _pct(health.latencies, 50), "health_max_s": max(health.latencies, default=0.0),
         "health_probes": len(health.latencies),
     }
@@ -238,17 +293,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def format_table(results: list[dict]) -> str:
-    head = (f"{'gateway':<10}{'window':<14}{'pause max':>10}{'p99':>7}{'ttft max':>9}{'health p50':>11}"
+    head = (f"{'gateway':<10}{'window':<14}{'pause max':>10}{'gap p99':>9}{'health p50':>11}"
             f"{'max':>8}{'small p50':>10}  large bodies answered")
-    lines = [head, "  (seconds; pause: the longest gap between two chunks of a stream)"]
+    lines = [head, "  (seconds; pause: the longest time a stream got no chunk; gap: between two chunks)"]
     for r in results:
         small = f"{r['small_request_p50_s']:>10.3f}" if "small_request_p50_s" in r else f"{'':>10}"
         answered = ", ".join(f"{k}x{v}" for k, v in sorted(r.get("attack_statuses", {}).items()))
         if answered:
             answered += f" (p50 {r['attack_p50_s']:.2f} s)"
-        lines.append(f"{r['gateway']:<10}{r['shape']:<14}{r['stream_max_pause_s']:>10.3f}{r['stream_p99_pause_s']:>7.3f}"
-                     f"{r['stream_max_ttft_s']:>9.3f}{r['health_p50_s']:>11.4f}{r['health_max_s']:>8.3f}{small}  "
-                     f"{answered}")
+        lines.append(f"{r['gateway']:<10}{r['shape']:<14}{r['stream_max_pause_s']:>10.3f}{r['stream_p99_gap_s']:>9.3f}"
+                     f"{r['health_p50_s']:>11.4f}{r['health_max_s']:>8.3f}{small}  {answered}")
     return "\n".join(lines)
 
 
@@ -270,6 +324,7 @@ def run(args: argparse.Namespace) -> int:
             start_gateway(gw, stack.redis_url, stack.tmp)
         for gw in gateways:
             wait_ready(gw)
+        asyncio.run(warm(gateways[1], stack.model, shapes, args))
         for rnd in range(args.rounds):
             for shape in [None, *shapes]:
                 for gw in gateways if rnd % 2 == 0 else reversed(gateways):
@@ -278,15 +333,19 @@ def run(args: argparse.Namespace) -> int:
                     results.append(r)
                     print(f"round {rnd} {gw.label:<9} {r['shape']:<13} pause max {r['stream_max_pause_s']:.3f} s, "
                           f"health max {r['health_max_s']:.3f} s {r.get('attack_statuses', '')}", file=sys.stderr)
+        mem = {gw.label: memory(gw) for gw in gateways}
     finally:
         for gw in gateways:
             stop_gateway(gw)
         stack.stop()
     print(format_table(results))
+    for label, m in mem.items():
+        workers = ", ".join(f"{w['rss_mib']:.0f} (peak {w['peak_mib']:.0f})" for w in m["workers"]) or "none"
+        print(f"{label}: gateway {m['gateway_rss_mib']:.0f} MiB resident; prepare workers: {workers} MiB")
     doc = {"bench": "gateway-stall", "duration_s": args.duration, "streams": args.streams,
            "attackers": args.attackers, "body_mb": args.body_mb, "items": args.items,
            "gateways": {gw.label: {"source": str(gw.source), "args": gw.args} for gw in gateways},
-           "cpus": os.cpu_count(), "results": results}
+           "cpus": os.cpu_count(), "memory": mem, "results": results}
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(doc, indent=2))
         print(f"results written to {args.result_file}")

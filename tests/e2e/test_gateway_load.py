@@ -112,3 +112,26 @@ def test_a_full_prepare_pool_sheds_large_bodies_and_small_requests_still_pass(cl
         refused = [line for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
                    if line.startswith("sluice_gateway:prepare_pool_refused_total ")]
         assert refused and float(refused[0].split()[1]) == 3
+
+
+def test_the_gateway_stall_bench_runs(tmp_path, capsys) -> None:
+    """``sluice bench gateway-stall`` end to end, briefly: its own Redis, stub engine and gateways."""
+    import argparse
+
+    from sluice_cli import bench_gateway_stall
+
+    parser = argparse.ArgumentParser()
+    bench_gateway_stall.add_arguments(parser)
+    out = tmp_path / "stall.json"
+    args = parser.parse_args(["--duration", "1", "--rounds", "1", "--streams", "2", "--attackers", "1",
+                              "--body-mb", "0.3", "--items", "3000", "--max-tokens", "16", "--result-file", str(out)])
+    assert bench_gateway_stall.run(args) == 0
+    doc = json.loads(out.read_text())
+    windows = {(r["gateway"], r["shape"]): r for r in doc["results"]}
+    assert set(windows) == {(g, s) for g in ("pool-off", "pool-on") for s in ("quiet", "long-message", "many-items")}
+    for (_, shape), r in windows.items():
+        assert r["stream_chunks"] > 0 and r["health_probes"] > 0 and not r["stream_errors"]
+        if shape != "quiet":
+            assert set(r["attack_statuses"]) == {"400"}  # every large body answered, refused
+    assert 1 <= len(doc["memory"]["pool-on"]["workers"]) <= 2 and not doc["memory"]["pool-off"]["workers"]
+    assert "pool-on" in capsys.readouterr().out
