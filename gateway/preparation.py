@@ -50,9 +50,10 @@ async def parse_body(request: Request, model: type[BaseModel], raw: bytes) -> Ba
     """``raw`` parsed as ``model`` (``request_body.parse``), in the pool when it is large."""
     request.state.body_bytes = len(raw)
     pool = pool_of(request)
-    if pool is not None and offloaded(serving.config_of(request), len(raw)):
+    large = offloaded(serving.config_of(request), len(raw))  # the middleware left the text checks to us
+    if pool is not None and large:
         return await pool.run(request_body.parse, None, model, raw, True)
-    return request_body.parse(None, model, raw, False)
+    return request_body.parse(None, model, raw, large)
 
 
 def run_in_worker(ctx: prompts.CardContext, job: Callable[..., Any], *args: Any) -> Any:

@@ -318,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline:
         gateways.append(Gateway("baseline", Path(args.baseline).resolve(), []))
     results: list[dict] = []
+    load_before = os.getloadavg()
     try:
         stack.start()
         for gw in gateways:
@@ -339,13 +340,15 @@ def run(args: argparse.Namespace) -> int:
             stop_gateway(gw)
         stack.stop()
     print(format_table(results))
+    print(f"{os.cpu_count()} CPUs; load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
     for label, m in mem.items():
         workers = ", ".join(f"{w['rss_mib']:.0f} (peak {w['peak_mib']:.0f})" for w in m["workers"]) or "none"
         print(f"{label}: gateway {m['gateway_rss_mib']:.0f} MiB resident; prepare workers: {workers} MiB")
     doc = {"bench": "gateway-stall", "duration_s": args.duration, "streams": args.streams,
            "attackers": args.attackers, "body_mb": args.body_mb, "items": args.items,
            "gateways": {gw.label: {"source": str(gw.source), "args": gw.args} for gw in gateways},
-           "cpus": os.cpu_count(), "memory": mem, "results": results}
+           "cpus": os.cpu_count(), "load_average": {"before": load_before, "after": os.getloadavg()},
+           "memory": mem, "results": results}
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(doc, indent=2))
         print(f"results written to {args.result_file}")
