@@ -17,6 +17,8 @@ from gateway.config import GatewayConfig
 from gateway.keyring import ANONYMOUS, Keyring, flag_records
 from gateway.keys_file import load_keys_file
 from gateway.metrics import METRICS
+from gateway.preparation import offloaded
+from gateway.prepare_pool import PreparePool
 from gateway.responses.models import STREAM_EVENT_MODELS
 from gateway.responses.routes import router as responses_router
 from gateway.routes import STREAM_CHUNK_MODELS, router
@@ -145,7 +147,9 @@ class GatewayMiddleware:
                     return
                 more = message.get("more_body", False)
             if body:
-                refusal = check_content_type(scope.get("headers", [])) or check_body(bytes(body))
+                # a body for the prepare pool gets check_body there, off the event loop
+                refusal = check_content_type(scope.get("headers", [])) or (
+                    None if offloaded(self.config, len(body)) else check_body(bytes(body)))
                 if refusal is not None:
                     await _send_json(counting_send, refusal.status, refusal.body())
                     return
@@ -228,6 +232,11 @@ def create_app(config: GatewayConfig | None = None, *, broker: Broker | None = N
     async def lifespan(app: FastAPI):
         b = broker or Broker(config.redis_url, card_ttl_s=config.card_ttl_s, retry_after_s=config.retry_after_s)
         app.state.broker = b
+        pool = None
+        if config.prepare_pool_workers > 0:
+            pool = PreparePool(config.prepare_pool_workers, config.prepare_pool_queue, config.retry_after_s)
+            pool.start()
+        app.state.prepare_pool = pool
         await b.start()
         follower = asyncio.create_task(keyring.follow(b.redis), name="sluice-keys") if keyring.redis_keys else None
         if announce:
@@ -239,6 +248,8 @@ def create_app(config: GatewayConfig | None = None, *, broker: Broker | None = N
                 follower.cancel()
                 await asyncio.gather(follower, return_exceptions=True)
             await b.close()
+            if pool is not None:
+                pool.close()
 
     app = FastAPI(
         title="Sluice gateway",

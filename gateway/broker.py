@@ -131,6 +131,11 @@ class LoadedCard:
     def eos_token_ids(self) -> list[int]:
         return self.card.eos_token_ids
 
+    @property
+    def max_chars_per_token(self) -> int | None:
+        """The tokenizer's proven characters-per-token bound (``sluice.text.chars_per_token``)."""
+        return self.tokenizer.max_chars_per_token
+
 
 @dataclass
 class Lost:

@@ -55,6 +55,14 @@ class GatewayConfig:
     # a response still running is kept request_timeout_s (plus a minute)
     responses_ttl_s: float = knob(24 * 3600.0, "how long Redis keeps a stored /v1/responses response after it "
                                                "ended", bounds=(1, None))
+    # Large requests are prepared (JSON parsed, chat template, tokenizing) by worker processes, off
+    # the event loop (gateway.prepare_pool, docs/gateway-load.md).
+    prepare_pool_workers: int = knob(2, "processes that prepare large requests (parse, chat template, tokenize) "
+                                        "off the event loop; 0: everything on the loop", bounds=(0, 64))
+    prepare_pool_queue: int = knob(8, "large requests that wait for a busy prepare pool; one more is a 429 "
+                                      "gateway_busy", bounds=(0, None))
+    prepare_pool_threshold_bytes: int = knob(64 * 1024, "a body (or stored history) this large is prepared in the "
+                                                        "pool", bounds=(0, None))
     log_level: str = shared.log_level()
 
     # --- internal tunables (not knobs) ---

@@ -110,6 +110,20 @@ def body_too_large(limit: int) -> OpenAIError:
     return error(Code.REQUEST_TOO_LARGE, f"The request body exceeds the limit of {limit} bytes.")
 
 
+def gateway_busy(retry_after_s: int) -> OpenAIError:
+    """A large request refused because the prepare pool holds as many as it takes (``gateway.prepare_pool``)."""
+    return error(Code.GATEWAY_BUSY, f"The gateway is preparing as many large requests as it takes at once; retry "
+                 f"after {retry_after_s} s.", retry_after_s=retry_after_s)
+
+
+def invalid_json() -> OpenAIError:
+    return invalid(
+        "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your HTTP "
+        "library correctly. The OpenAI API expects a JSON payload.)",
+        code=Code.INVALID_JSON,
+    )
+
+
 def body_too_deep() -> OpenAIError:
     """JSON nested deeper than Python's parser recurses (RecursionError): a 400, never a 500."""
     return invalid("We could not parse the JSON body of your request: its arrays and objects are nested too "
@@ -171,6 +185,38 @@ def json_type(x: Any) -> str:
     return "an object"
 
 
+def validation_error(errors: list[Any]) -> OpenAIError:
+    """The 400 for pydantic's (or FastAPI's) validation errors of a request: the first one, its
+    parameter named."""
+    if not errors:
+        return invalid("Invalid request.")
+    err = errors[0]
+    if err.get("type") == "json_invalid":
+        return invalid_json()
+    param = (err.get("ctx") or {}).get(PARAM_CTX) or _param_of(err.get("loc", ()))
+    if err.get("type") == "missing" and param:
+        msg = f"Missing required parameter: '{param}'."
+        code = Code.MISSING_REQUIRED_PARAMETER
+    elif param is None and err.get("type") in ("model_attributes_type", "dict_type"):
+        msg = "The request body must be a JSON object."
+        code = Code.INVALID_JSON
+    elif param and err.get("type") == "extra_forbidden":  # OpenAI's answer to a parameter it does not know
+        msg = f"Unknown parameter: '{param}'."
+        code = Code.UNKNOWN_PARAMETER
+    elif param and err.get("type") == "unsupported_parameter":  # one of OpenAI's that Sluice does not serve
+        msg = f"Unsupported parameter: '{param}' {err.get('msg')}."
+        code = Code.UNSUPPORTED_PARAMETER
+    elif param and err.get("type") in _EXPECTED:
+        msg = (f"Invalid type for '{param}': expected {_EXPECTED[err['type']]}, but got "
+               f"{json_type(err.get('input'))} instead.")
+        code = Code.INVALID_TYPE
+    else:
+        detail = str(err.get("msg", "invalid value"))
+        msg = f"Invalid value for '{param}': {detail}." if param else f"Invalid request: {detail}."
+        code = Code.INVALID_VALUE
+    return invalid(msg, param=param, code=code)
+
+
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -178,38 +224,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        if not errors:
-            return invalid("Invalid request.").response()
-        err = errors[0]
-        if err.get("type") == "json_invalid":
-            return invalid(
-                "We could not parse the JSON body of your request. (HINT: This likely means you aren't "
-                "using your HTTP library correctly. The OpenAI API expects a JSON payload.)",
-                code=Code.INVALID_JSON,
-            ).response()
-        param = (err.get("ctx") or {}).get(PARAM_CTX) or _param_of(err.get("loc", ()))
-        if err.get("type") == "missing" and param:
-            msg = f"Missing required parameter: '{param}'."
-            code = Code.MISSING_REQUIRED_PARAMETER
-        elif param is None and err.get("type") in ("model_attributes_type", "dict_type"):
-            msg = "The request body must be a JSON object."
-            code = Code.INVALID_JSON
-        elif param and err.get("type") == "extra_forbidden":  # OpenAI's answer to a parameter it does not know
-            msg = f"Unknown parameter: '{param}'."
-            code = Code.UNKNOWN_PARAMETER
-        elif param and err.get("type") == "unsupported_parameter":  # one of OpenAI's that Sluice does not serve
-            msg = f"Unsupported parameter: '{param}' {err.get('msg')}."
-            code = Code.UNSUPPORTED_PARAMETER
-        elif param and err.get("type") in _EXPECTED:
-            msg = (f"Invalid type for '{param}': expected {_EXPECTED[err['type']]}, but got "
-                   f"{json_type(err.get('input'))} instead.")
-            code = Code.INVALID_TYPE
-        else:
-            detail = str(err.get("msg", "invalid value"))
-            msg = f"Invalid value for '{param}': {detail}." if param else f"Invalid request: {detail}."
-            code = Code.INVALID_VALUE
-        return invalid(msg, param=param, code=code).response()
+        return validation_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -97,6 +97,13 @@ class Metrics:
             "(requests, tokens, tokens_too_large, concurrent, queued)", ["tenant", "limit"], **kw)
         self._tenant_labels: set[str] = set()
         self._tenant_lock = threading.Lock()
+        # the prepare pool's (gateway/prepare_pool.py)
+        self.prepare_jobs = Gauge(
+            f"{p}prepare_pool_jobs", "Large requests' preparation jobs running or waiting in the prepare pool",
+            multiprocess_mode="livesum", **kw)
+        self.prepare_refused = Counter(
+            f"{p}prepare_pool_refused", "Large requests refused because the prepare pool was full (429 gateway_busy)",
+            **kw)
         # the labelled series an alert reads exist from the start, at zero
         for code in LOST_CODES:
             self.requests_lost.labels(code=code)

@@ -36,13 +36,14 @@ from gateway.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from gateway.request_body import BoundedBodyRoute
 from gateway.serving import redis_down, to_json
 from gateway.serving_chat import create_chat_completion
 from gateway.serving_completion import create_completion
 from gateway.serving_tokenization import create_detokenize, create_tokenize
 from sluice.wire.card import CardError
 
-router = APIRouter()
+router = APIRouter(route_class=BoundedBodyRoute)  # JSON bodies bounded, large ones parsed off the loop
 
 # Models whose schemas /openapi.json carries beyond those FastAPI finds (the stream chunks).
 STREAM_CHUNK_MODELS = (CompletionStreamResponse, ChatCompletionStreamResponse)

@@ -197,10 +197,11 @@ def max_tokens_for(card: LoadedCard, prompt_lens: list[int], requested: int | No
 
 
 async def encode(tok, text: str, *, add_special_tokens: bool) -> list[int]:
-    """Tokenize; long texts in a thread so that one big prompt does not stall every stream."""
+    """Tokenize; long texts in a thread, with the GIL released while the tokenizer works
+    (``Tokenizer.encode_unlocked``), so that one long prompt does not stall every stream."""
     if len(text) < 8192:
         return tok.encode(text, add_special_tokens=add_special_tokens)
-    return await asyncio.to_thread(tok.encode, text, add_special_tokens=add_special_tokens)
+    return await asyncio.to_thread(tok.encode_unlocked, text, add_special_tokens=add_special_tokens)
 
 
 def principal_of(request: Request) -> Principal:

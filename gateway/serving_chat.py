@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from gateway import errors, serving, tools
+from gateway import errors, preparation, prompts, serving, tools
 from gateway.broker import LoadedCard
 from gateway.chat_output import ChatOutputStream, Dialects, parse_chat_output
 from gateway.config import GatewayConfig
@@ -23,7 +22,6 @@ from gateway.protocol import (
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
-    ChatMessage,
     ChatResponseMessage,
     DeltaMessage,
     DeltaToolCall,
@@ -32,31 +30,6 @@ from gateway.protocol import (
 )
 from gateway.serving import envelope, finite, usage
 from gateway.stream_chunks import ChunkTemplate
-from sluice.text.chat_template import template_variables
-
-
-def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """The messages as the chat template receives them (also what ``POST /tokenize`` renders):
-    assistant ``tool_calls`` and ``tool`` results kept; a 400 naming the message for a bad one."""
-    out = []
-    for i, m in enumerate(messages):
-        try:
-            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        except ValueError as exc:
-            raise errors.invalid(f"messages[{i}]: {exc}.", param=f"messages[{i}].content") from None
-        if m.tool_calls:
-            for j, call in enumerate(m.tool_calls):
-                fn = call.get("function")
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise errors.invalid(f"messages[{i}].tool_calls[{j}] needs a function with a name.",
-                                         param=f"messages[{i}].tool_calls")
-            msg["tool_calls"] = m.tool_calls
-        if m.role == "tool":
-            msg["tool_call_id"] = m.tool_call_id or ""
-            if m.name:
-                msg["name"] = m.name
-        out.append(msg)
-    return out
 
 
 def request_chat_template(chat_template: str | None, cfg: GatewayConfig) -> str | None:
@@ -95,10 +68,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 
 async def prepare_chat(body: ChatCompletionRequest, request: Request, *, id_prefix: str = "chatcmpl",
-                       resumable: bool | None = None) -> PreparedChat:
+                       resumable: bool | None = None, prepared: prompts.ChatPrompt | None = None) -> PreparedChat:
     """Everything a chat request needs before it is queued (every 400 is raised here): the
     chat template, tools, constraints, sampling parameters. ``POST /v1/responses`` comes
-    through here too (``gateway.responses``), with a chat request converted from its own.
+    through here too (``gateway.responses``), with a chat request converted from its own and
+    ``prepared`` already (``prompts.response_prompt``). Tools, constraints, the template and the
+    tokenizer run where ``gateway.preparation`` says (the prepare pool for a large request).
     ``resumable``: log it as a resumable chat stream (None: when streamed and the gateway's
     ``--resumable-streams`` is on)."""
     broker, cfg = serving.broker_of(request), serving.config_of(request)
@@ -106,32 +81,15 @@ async def prepare_chat(body: ChatCompletionRequest, request: Request, *, id_pref
     card = await serving.card_for(broker, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise errors.invalid("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
-    spec = tools.parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-    constraint = tools.constraint_for(body.response_format, body.structured_outputs)
-    if spec is not None and spec.constrained:
-        if constraint is not None:
-            raise errors.invalid("A forced 'tool_choice' cannot be combined with 'response_format' or "
-                                 "'structured_outputs'.", param="tool_choice")
-        constraint = tools.tool_constraint(spec)
+    if prepared is None:
+        chat_template = request_chat_template(body.chat_template, cfg)
+        prepared = await preparation.run(request, card, prompts.chat_prompt, body, chat_template,
+                                         size=preparation.size_of(request, body))
+    spec, constraint, prompt = prepared.spec, prepared.constraint, prepared.prompt
     dialects = Dialects.of(card.card)  # the model's tool-call and reasoning parsers, named on its card
-    messages = template_messages(body.messages)
-    chat_template = request_chat_template(body.chat_template, cfg)
-    try:
-        # tools go through the template's `tools` variable when it reads one, else a system block
-        template_tools = tools.template_tools(spec)
-        template = card.tokenizer.get_chat_template(chat_template, tools=template_tools)
-        reads_tools = "tools" in template_variables(template)
-        messages = tools.render_messages(messages, spec, reads_tools, dialects.tool_parser)
-        text = card.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt, tokenize=False, chat_template=template,
-            tools=template_tools if reads_tools else None, **(body.chat_template_kwargs or {}),
-        )
-    except (ValueError, TypeError) as exc:  # TypeError: chat_template_kwargs naming a parameter
-        param = "chat_template" if chat_template is not None else "messages"
-        raise errors.invalid(f"Invalid messages for the chat template: {exc}", param=param) from exc
-    ids = list(await serving.encode(card.tokenizer, text, add_special_tokens=False))
+    requested = prompt.max_tokens
+    text, ids = prompt.text, prompt.ids
     serving.check_prompt(ids, card, "messages")
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = serving.max_tokens_for(card, [len(ids)], requested, "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = serving.sampling_params(body, card, max_tokens, logprobs)

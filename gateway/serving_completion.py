@@ -8,9 +8,10 @@ import time
 from fastapi import Request
 from fastapi.responses import Response
 
-from gateway import serving, tools
+from gateway import preparation, serving
 from gateway.broker import LoadedCard
 from gateway.generation import Delta, Generation, SubRequest, TokenInfo, position_info
+from gateway.prompts import Prompt, completion_prompts
 from gateway.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -40,9 +41,15 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if not prompts_in:
         serving.check(limits.invalid("prompt", limits.EMPTY_PROMPT))
     serving.check(limits.PROMPTS.check(prompts_in))
+    for p in prompts_in:  # a token-id prompt longer than the context is refused before its ids are read
+        if not isinstance(p, str):
+            serving.check(limits.check_context(len(p), body.max_tokens, card.max_model_len))
+    prepared = await preparation.run(request, card, completion_prompts, prompts_in, body.max_tokens,
+                                     body.response_format, body.structured_outputs,
+                                     size=preparation.size_of(request, body))
     prompts: list[list[int]] = []
-    for p in prompts_in:
-        ids = await serving.encode(tok, p, add_special_tokens=True) if isinstance(p, str) else list(p)
+    for p in prepared.prompts:
+        ids = p.ids if isinstance(p, Prompt) else p
         serving.check_prompt(ids, card)
         prompts.append(list(ids))
     echo = bool(body.echo)
@@ -52,8 +59,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     max_tokens = serving.max_tokens_for(card, [len(ids) for ids in prompts], 1 if score_only else body.max_tokens,
                                         "prompt")
     params = serving.sampling_params(body, card, max_tokens, body.logprobs)
-    await serving.constrain(params, tools.constraint_for(body.response_format, body.structured_outputs), card,
-                            max_tokens, serving.constraint_param(body.response_format))
+    await serving.constrain(params, prepared.constraint, card, max_tokens, serving.constraint_param(body.response_format))
     if echo and body.logprobs is not None:
         params.prompt_logprobs = body.logprobs
     opts = {"stop": serving.stop_strings(body), "include_stop_str": body.include_stop_str_in_output,

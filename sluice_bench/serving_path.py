@@ -65,18 +65,20 @@ class PathStack:
     engine_args: list[str] = field(default_factory=list)
     engine_env: dict[str, str] = field(default_factory=dict)
     extra_path: str = ""  # appended to the processes' PYTHONPATH (e.g. optional packages to try)
+    gateway_args: list[str] = field(default_factory=list)  # extra `sluice gateway` arguments
     stack: Stack | None = None
     port: int = 0
     metrics_port: int = 0
     model: str = ""
+    redis_url: str = ""
 
     def start(self, timeout: float = 180.0) -> None:
         self.stack = Stack(self.label, source=self.source, env={STUB_ENV: "1"}, extra_path=self.extra_path)
         try:
-            url = self.stack.redis()
+            url = self.redis_url = self.stack.redis()
             engine = self.stack.engine(url, ["--stub-model", "--log-level", "WARNING", *self.engine_args],
                                        name="engine", env=self.engine_env, metrics_port=0)
-            gateway = self.stack.gateway(url, ["--log-level", "warning"], name="gateway")
+            gateway = self.stack.gateway(url, ["--log-level", "warning", *self.gateway_args], name="gateway")
             self.port, self.metrics_port = gateway.port, engine.port
             self.model = self.stack.wait_ready(gateway, timeout)
         except StackError as exc:

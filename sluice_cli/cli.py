@@ -50,6 +50,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "sampler"): ("sluice_bench.sampler", "the sampler's cost per step, sparse path against the dense reference"),
     ("bench", "responses-memory"): ("sluice_bench.responses_memory",
                                     "Redis memory per turn of a long Responses conversation (stub engine)"),
+    ("bench", "gateway-stall"): ("sluice_bench.gateway_stall",
+                                 "streams' pauses and /health under large request bodies, prepare pool off and on"),
 }
 
 

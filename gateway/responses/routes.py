@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from gateway.protocol import ErrorResponse
+from gateway.request_body import BoundedBodyRoute
 from gateway.responses import conversations, service
 from gateway.responses.models import (
     STREAM_EVENT_MODELS,
@@ -24,7 +25,7 @@ from gateway.responses.models import (
     UpdateConversationRequest,
 )
 
-router = APIRouter(tags=["responses"])
+router = APIRouter(tags=["responses"], route_class=BoundedBodyRoute)  # gateway.request_body
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text}

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from sse_starlette.sse import EventSourceResponse
 
-from gateway import errors, serving
+from gateway import errors, preparation, prompts, serving
 from gateway.errors import OpenAIError
 from gateway.responses import background, convert
 from gateway.responses import history as history_module
@@ -121,15 +121,20 @@ def _check(body: CreateResponseRequest) -> None:
                                  "(or left out).", param="conversation")
 
 
-async def _prepare_chat(body: CreateResponseRequest, request: Request, history: list[dict[str, Any]],
-                        items: list[dict[str, Any]]) -> PreparedChat:
-    """The chat request of ``history`` and ``items``; with ``truncation: "auto"``, of the fewest
-    history items dropped (the oldest first) that let the prompt fit the context."""
+async def _prepare_chat(body: CreateResponseRequest, request: Request, card: Any,
+                        history: list[dict[str, Any]]) -> tuple[PreparedChat, list[dict[str, Any]]]:
+    """The chat request of ``history`` and the body's input items (with their ids); with
+    ``truncation: "auto"``, of the fewest history items dropped (the oldest first) that let the
+    prompt fit the context. The conversion and the chat template run in the prepare pool for a large
+    request (``gateway.preparation``)."""
 
-    async def attempt(drop: int) -> PreparedChat:
-        conversation = convert.parse_items(history[drop:] + items)
-        return await prepare_chat(convert.chat_request(body, conversation), request, id_prefix="resp",
-                                  resumable=False)
+    async def attempt(drop: int) -> tuple[PreparedChat, list[dict[str, Any]]]:
+        kept = history[drop:]
+        converted = await preparation.run(request, card, prompts.response_prompt, body, kept,
+                                          size=preparation.size_of(request, body, prompts.items_chars(kept)))
+        chat = await prepare_chat(converted.chat, request, id_prefix="resp", resumable=False,
+                                  prepared=converted.chat_prompt)
+        return chat, converted.items
 
     try:
         return await attempt(0)
@@ -161,8 +166,7 @@ async def prepare_response(body: CreateResponseRequest, request: Request) -> Pre
     if history.cut and body.truncation != "auto":
         what = "conversation" if body.conversation is not None else "conversation 'previous_response_id' continues"
         raise history_module.too_long(card.max_model_len, what)
-    items = convert.input_items(body)
-    chat = await _prepare_chat(body, request, history.items, items)
+    chat, items = await _prepare_chat(body, request, card, history.items)
     chat_body_tools, chat_tool_choice = convert.chat_tools(body)
     record = ResponseRecord(
         id="resp_" + chat.gen.id.split("-", 1)[1], request_id=chat.gen.id, created_at=chat.gen.created,

@@ -14,6 +14,7 @@ card in Redis), with Hugging Face semantics:
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from sluice.text.chars_per_token import max_chars_per_token, spec_of
 from sluice.text.chat_template import ChatTemplateError, render_chat_template
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -190,6 +192,13 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
+    @functools.cached_property
+    def max_chars_per_token(self) -> int | None:
+        """The most characters one token covers (``sluice.text.chars_per_token``): a text of ``C``
+        characters is at least ``ceil(C / L)`` tokens. None when no bound is proven for this
+        tokenizer. Computed once (it reads the whole vocabulary)."""
+        return max_chars_per_token(spec_of(self._tok))
+
     def get_vocab(self) -> dict[str, int]:
         return self._tok.get_vocab(with_added_tokens=True)
 
@@ -267,7 +276,17 @@ class Tokenizer:
     # -- encode / decode ------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._specials(self._tok.encode(text, add_special_tokens=add_special_tokens).ids, add_special_tokens)
+
+    def encode_unlocked(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """:meth:`encode`, the same ids, with Python's GIL released while the text is tokenized
+        (``tokenizers`` releases it in ``encode_batch`` only): other threads, an event loop among
+        them, run meanwhile."""
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return self._specials(ids, add_special_tokens)
+
+    def _specials(self, ids: list[int], add_special_tokens: bool) -> list[int]:
+        """The BOS / EOS ``tokenizer_config.json`` asks for and the post-processor did not add."""
         if add_special_tokens:
             bos, eos = self.bos_token_id, self.eos_token_id
             if self.add_bos_token and bos is not None and (not ids or ids[0] != bos):

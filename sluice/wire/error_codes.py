@@ -45,6 +45,7 @@ class Code(enum.StrEnum):
     REQUEST_TOO_LARGE = "request_too_large"
     QUEUE_FULL = "queue_full"
     RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
+    GATEWAY_BUSY = "gateway_busy"
     NO_ENGINE = "no_engine"
     REDIS_UNAVAILABLE = "redis_unavailable"
     REQUEST_LOST = "request_lost"
@@ -105,6 +106,8 @@ TABLE: dict[Code, Spec] = {
     Code.QUEUE_FULL: Spec(429, "rate_limit_error", True, "The model's queue is full."),
     # OpenAI's own code; its type names the limit ("requests" or "tokens"), set by gateway/admission.py
     Code.RATE_LIMIT_EXCEEDED: Spec(429, "requests", True, "Rate limit reached for the tenant."),
+    Code.GATEWAY_BUSY: Spec(429, "rate_limit_error", True,
+                            "The gateway is preparing as many large requests as it takes at once."),
     Code.NO_ENGINE: Spec(503, _UNAVAILABLE, True, "No engine serving the model is alive."),
     Code.REDIS_UNAVAILABLE: Spec(503, _UNAVAILABLE, True, "The queue (Redis) is unavailable."),
     Code.REQUEST_LOST: Spec(503, _UNAVAILABLE, True, "The request was lost with Redis."),

@@ -106,6 +106,14 @@ class Size:
         problem = self.problem(items, param)
         return None if problem is None else invalid(param or self.param, problem)
 
+    def count_problem(self, count: int, param: str | None = None, *, at_least: bool = False) -> str | None:
+        """:meth:`problem` for a number of entries counted apart (``at_least``: the count stopped at
+        the first one over the limit)."""
+        if count <= self.max_items:
+            return None
+        got = f"more than {self.max_items}" if at_least else str(count)
+        return f"{param or self.param} may have at most {self.max_items} {self.unit}, got {got}"
+
 
 @dataclass(frozen=True)
 class Depth:
@@ -187,11 +195,24 @@ MAX_TOOL_CALLS = Bound("max_tool_calls", 1, INT32_MAX, integer=True, layers=froz
 
 # How deep any request parameter's value may nest (a tool's parameters schema, a response format's
 # schema, ``structured_outputs``, ``chat_template_kwargs``, a message's tool calls, input items):
-# checked on the parsed body before anything else is done with it. The gateway serializes a request
+# checked on the parsed body before anything else is done with it (``gateway/body_shape.py``; the
+# request models check it again for a body that reaches them another way). The gateway serializes a request
 # (its event-log record, a stored response) and compiles schemas by recursion, which a value nested
 # some 250 levels breaks (a 500 where a 400 naming the parameter is due); 64 leaves a JSON schema
 # some 30 levels of its own, three times OpenAI's limit for structured outputs.
 NESTING = Depth("nesting", 64, layers=frozenset({HTTP}))
+
+# The shape of a request body, checked on the parsed JSON before any model walks it or any work is
+# spent on it (``gateway/body_shape.py``): what one body can make a gateway build, walk and send
+# between processes, whatever the body size limit. The counts are per request (``content`` per
+# message, input item or function output). HTTP only.
+_BODY = frozenset({HTTP})
+BODY_VALUES = Size("the request body", 262_144, layers=_BODY, unit="JSON values")
+MESSAGES = Size("messages", 2048, layers=_BODY)  # chat messages (and /tokenize's)
+INPUT_ITEMS = Size("input", 2048, layers=_BODY)  # Responses API input items
+CONTENT_PARTS = Size("content", 256, layers=_BODY)  # parts of one message's content
+TOOLS = Size("tools", 128, layers=_BODY)  # OpenAI's own limit on functions
+BODY_SHAPE: tuple[Size, ...] = (BODY_VALUES, MESSAGES, INPUT_ITEMS, CONTENT_PARTS, TOOLS)  # and NESTING
 
 # The scalar sampling parameters and their bounds, by name (logit_bias's values are checked apart).
 SCALARS: dict[str, Bound] = {
@@ -276,6 +297,26 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int,
     return Problem(Code.CONTEXT_LENGTH_EXCEEDED,
                    f"This model's maximum context length is {max_model_len} tokens. However, {detail}. "
                    f"Please reduce the length of the {param} or the completion.", param)
+
+
+def check_context_chars(chars: int, max_chars_per_token: int | None, max_model_len: int,
+                        param: str = "prompt") -> Problem | None:
+    """The context-length rule on a text before it is tokenized: ``chars`` characters are at least
+    ``ceil(chars / max_chars_per_token)`` tokens (``sluice.text.chars_per_token``), refused with
+    ``context_length_exceeded`` when that many leave no room for a completion token; None when the
+    text might fit (or no bound is known): it must then be tokenized, and :func:`check_context`
+    decides with its ``max_tokens``. The text tokenized is at most ``max_chars_per_token`` characters
+    per token of the context."""
+    if not max_chars_per_token:
+        return None
+    at_least = -(-chars // max_chars_per_token)
+    if at_least < max_model_len:
+        return None
+    return Problem(Code.CONTEXT_LENGTH_EXCEEDED,
+                   f"This model's maximum context length is {max_model_len} tokens. However, your {param} "
+                   f"is {chars} characters, which is at least {at_least} tokens (a token of this model covers "
+                   f"at most {max_chars_per_token} characters), leaving no room for the completion. Please "
+                   f"reduce the length of the {param}.", param)
 
 
 def check_request(req: GenerateRequest, *, vocab_size: int | None, max_model_len: int | None) -> Problem | None:

@@ -9,7 +9,7 @@ import math
 import httpx
 import pytest
 
-pytestmark = [pytest.mark.model, pytest.mark.docker]
+pytestmark = [pytest.mark.model, pytest.mark.docker, pytest.mark.redis]
 
 
 def score(stack, prompt: str) -> dict:

@@ -22,7 +22,7 @@ fake_engine = support.fake_engine
 make_gateway = support.make_gateway
 gateway = support.gateway
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 
 def client(gw) -> OpenAI:

@@ -28,7 +28,7 @@ fake_engine = support.fake_engine
 make_gateway = support.make_gateway
 gateway = support.gateway
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 OK, REFUSED = "served", "refused"
 USER = [{"role": "user", "content": "hi"}]

@@ -21,7 +21,7 @@ fake_engine = support.fake_engine
 make_gateway = support.make_gateway
 gateway = support.gateway
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.redis]
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
