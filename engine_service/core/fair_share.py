@@ -188,8 +188,8 @@ class FairShare:
         taker = self.next_waiting()
         if taker is None or len(running) < 2:
             return None
-        tenants = self.tenants
-        giver = self.furthest_over({tenants[r.tenant] for r in running[1:]} - {taker})
+        # a giver holds two slots at least (may_take_slot), so one of them is not running[0]
+        giver = self.furthest_over(s for s in self.tenants.values() if s is not taker)
         if giver is None or taker.vtime > giver.vtime \
                 or not may_take_slot(taker.num_running, taker.weight, giver.num_running, giver.weight):
             return None
