@@ -32,6 +32,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "plot"): ("sluice.plots", "charts of saved bench results (JSON), as the benches draw them"),
     ("bench", "prefix-affinity"): ("engine_service.bench.prefix_affinity",
                                    "one request queue against a queue sharded by prompt prefix (3 engines)"),
+    ("bench", "fairness"): ("sluice_cli.bench_fairness",
+                            "a flood tenant against a light one on real engines: the light tenant's TTFT, FIFO vs fair"),
     ("bench", "gateway-memory"): ("sluice_cli.bench_gateway_memory",
                                   "gateway memory across requests naming random unknown models"),
 }

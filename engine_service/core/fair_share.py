@@ -29,9 +29,9 @@ weight of its latest request, 1 to ``tenants.MAX_WEIGHT``). It is weighted fair 
   thrashes. With one active tenant none of this runs.
 
 ``FairView`` is the snapshot other threads read after each step: the engine's Redis reader takes
-entries first from the queue lanes of the tenants with the least virtual time, and reads ahead for
-tenants absent from the engine while one of its tenants could give them a slot
-(``FairView.newcomer_slots``).
+entries first from the queue lanes of the tenants with the least virtual time, and, beyond its
+credit, one entry of each tenant with nothing waiting in the engine whose next request could take a
+slot now (``FairView.may_take_slot``; at most ``FairView.slots_to_give`` of them).
 """
 
 from __future__ import annotations
@@ -88,14 +88,15 @@ class FairView:
     """The fair share after a step, immutable (safe to hand to other threads).
 
     ``tenants``: the active tenants. ``floor``: the virtual time a tenant joining now starts at.
-    ``newcomer_slots``: how many tenants absent from the engine could each take a slot now (a
-    weight-1 newcomer may take from a giver holding more than its weight in slots), less one per
-    tenant here that waits and could take one: what the reader may read ahead of its credit, one
-    entry per absent tenant."""
+    ``giver``: the tenant furthest over its slot share (None: no tenant runs anything).
+    ``slots_to_give``: how many slots takers of weight 1 could take from the tenants now (one
+    holding more than its weight in slots gives), less one per tenant here that waits and could
+    take one: the most entries the reader may take beyond its credit."""
 
     tenants: Mapping[str, TenantLoad] = field(default_factory=lambda: MappingProxyType({}))
     floor: float = 0.0
-    newcomer_slots: int = 0
+    giver: str | None = None
+    slots_to_give: int = 0
 
     def priority(self, tenant: str) -> tuple[float, float]:
         """Sort key of a tenant's queue lanes: least virtual time first (an absent tenant would
@@ -104,6 +105,22 @@ class FairView:
         if load is None:
             return (self.floor, 0.0)
         return (load.vtime, load.running / load.weight)
+
+    def may_take_slot(self, tenant: str) -> bool:
+        """Whether the next request of ``tenant``, with nothing of it waiting here, could take a
+        slot of the giver now (the module's rule; an absent tenant's weight is not known yet, and 1
+        is the strictest)."""
+        giver = self.tenants.get(self.giver) if self.giver is not None else None
+        if giver is None or tenant == self.giver:
+            return False
+        load = self.tenants.get(tenant)
+        if load is None:
+            running, weight, vtime = 0, 1, self.floor
+        elif load.waiting:
+            return False  # it waits already: the scheduler moves with what it has
+        else:
+            running, weight, vtime = load.running, load.weight, load.vtime
+        return vtime <= giver.vtime and may_take_slot(running, weight, giver.running, giver.weight)
 
 
 EMPTY_VIEW = FairView()
@@ -202,9 +219,10 @@ class FairShare:
         """The snapshot other threads read (the module's doc)."""
         tenants = self.tenants
         loads = {name: TenantLoad(s.weight, s.vtime, len(s.waiting), s.num_running) for name, s in tenants.items()}
+        giver = self.furthest_over(tenants.values())
         givable = sum(max(0, s.num_running - s.weight) for s in tenants.values())
         if givable:  # less the tenants already here that wait to take a slot
-            giver = self.furthest_over(tenants.values())
             givable -= sum(1 for s in tenants.values() if s.waiting and s is not giver
                            and may_take_slot(s.num_running, s.weight, giver.num_running, giver.weight))
-        return FairView(MappingProxyType(loads), self.least_vtime(), max(0, givable))
+        return FairView(MappingProxyType(loads), self.least_vtime(), giver.name if giver is not None else None,
+                        max(0, givable))

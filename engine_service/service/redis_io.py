@@ -8,10 +8,10 @@
   (``engine_service.core.fair_share``, the worker's ``FairView`` of each step): the credit goes
   first to the lanes of the tenants with the least virtual time (one absent from the engine counts
   as the least), so a tenant's backlog does not stand in front of another tenant's request; and,
-  while one of the engine's tenants could give a slot to a newcomer (``FairView.newcomer_slots``),
-  the reader takes one entry ahead of its credit for each tenant absent from the engine (the
-  scheduler then gives it a slot of the tenant furthest over its share). The lanes are looked up
-  (SMEMBERS of each shard's lanes set) at most every ``LANE_REFRESH_S``. After an empty read it BLOCKs on its shards in one XREADGROUP on one Redis server;
+  beyond its credit, one entry of each tenant with nothing waiting in the engine whose next
+  request could take a slot of the tenant furthest over its share (``FairView.may_take_slot``; at
+  most ``FairView.slots_to_give`` such entries on their way), which the scheduler then gives it.
+  The lanes are looked up (SMEMBERS of each shard's lanes set) at most every ``LANE_REFRESH_S``. After an empty read it BLOCKs on its shards in one XREADGROUP on one Redis server;
   on a cluster, where one XREADGROUP cannot name streams of several slots, it pauses instead,
   doubling the pause up to ``read_idle_ms``.
   It checks the cancel marker (and, for reclaimed entries, the emitted marker) in the same round
@@ -383,14 +383,13 @@ class RedisIO:
         return self._headroom - (self._delivered - self._consumed)
 
     def _read_ahead(self) -> int:
-        """Entries the reader may take beyond its credit, one per tenant absent from the engine:
-        the fair share's newcomer slots, less the entries of absent tenants on their way (call with
-        ``_credit_lock`` held)."""
+        """Entries the reader may take beyond its credit (one per tenant that could take a slot):
+        the fair share's slots to give, less the entries on their way to the worker, which the
+        view does not count yet (call with ``_credit_lock`` held)."""
         fair = self._fair
-        if not self.reading or fair.newcomer_slots <= 0 or not self.lanes:
+        if not self.reading or fair.slots_to_give <= 0 or not self.lanes:
             return 0
-        on_the_way = sum(1 for t in set(self._inflight_tenants) if t not in fair.tenants)
-        return max(0, fair.newcomer_slots - on_the_way)
+        return max(0, fair.slots_to_give - len(self._inflight_tenants))
 
     def send(self, batch: Batch) -> None:
         if batch:
@@ -600,8 +599,9 @@ class RedisIO:
         """The own shards' lanes in fair-share order: the lanes' unread entries first (one
         pipelined round trip), then ``count`` entries dealt one at a time to the tenants in order
         of least virtual time (``FairView.priority``; an absent tenant's is the least), round after
-        round while they have entries; then ``ahead`` more, one per tenant absent from the engine
-        and with nothing on its way. A tenant's entries come from its lanes in rotating order."""
+        round while they have entries; then ``ahead`` more, one per tenant that could take a slot
+        (``FairView.may_take_slot``) and has nothing on its way. A tenant's entries come from its
+        lanes in rotating order."""
         if not shard_ids or count + ahead <= 0:
             return []
         lanes = [(shard, tenant, stream) for shard in shard_ids for tenant, stream in self.shard_lanes(shard)]
@@ -633,7 +633,7 @@ class RedisIO:
         for t in order:
             if ahead <= 0:
                 break
-            if not dealt[t] and t not in fair.tenants and t not in on_the_way:
+            if not dealt[t] and t not in on_the_way and fair.may_take_slot(t):
                 dealt[t] = 1
                 ahead -= 1
         alloc: list[tuple[int, str, int]] = []

@@ -192,14 +192,22 @@ def test_every_slot_move_lowers_the_potential():
             assert ng >= 2
 
 
-def test_newcomer_slots_say_how_many_absent_tenants_could_take_a_slot():
+def test_the_view_says_who_could_take_a_slot_and_how_many_there_are_to_give():
     sim = Sim(max_num_seqs=4)
     for i in range(10):
         sim.add(request(f"f{i}", "flood", weight=2, max_tokens=20))
     sim.step()
-    assert sim.sched.fair_view().newcomer_slots == 2  # 4 running over a weight of 2
+    view = sim.sched.fair_view()
+    assert view.giver == "flood" and view.slots_to_give == 2  # 4 running over a weight of 2
+    assert view.may_take_slot("absent") and not view.may_take_slot("flood")
     sim.add(request("l0", "light", max_tokens=20))
-    assert sim.sched.fair_view().newcomer_slots == 1  # light waits for one of them
+    view = sim.sched.fair_view()
+    assert view.slots_to_give == 1  # light waits for one of them
+    assert not view.may_take_slot("light")  # it waits already: nothing more to read ahead
+    sim.step()  # light took a slot: 3 against 1; (1 + 1) / 1 <= (3 - 1) / 2 does not hold
+    view = sim.sched.fair_view()
+    assert view.tenants["light"].running == 1 and not view.may_take_slot("light")
+    assert view.may_take_slot("absent")  # (0 + 1) / 1 <= (3 - 1) / 2
 
 
 @pytest.mark.parametrize(("tenant", "weight", "param"), [("no spaces", 1, "tenant"), ("", 0, "tenant_weight"),
