@@ -1,8 +1,11 @@
 """``sluice bench fairness``: fair share between tenants on the real model, fed through Redis.
 
 Starts a private ``redis-server`` and real ``sluice engine`` processes (the default model unless
-``--model``) with few slots (``--max-num-seqs``, default 4), so that requests queue. For each engine
-count of ``--engines`` (default ``1,2``), three runs on the same engines:
+``--model``) with few slots (``--max-num-seqs``, default 4), so that requests queue, and one queue
+shard (``--queue-shards``, default 1: every request shares one queue, the case where one tenant's
+flood stands in front of everyone; with more shards, requests that hash to different shards are
+interleaved by the shards' rotation with or without tenants). For each engine count of
+``--engines`` (default ``1,2``), three runs on the same engines:
 
 - ``alone``: the light tenant alone, one request every ``--light-interval`` seconds;
 - ``fifo``: a flood of ``--flood-requests`` requests queued at once, then the light requests as
@@ -81,6 +84,7 @@ class Engines:
             flags = ["--redis-url", self.url, "--grpc-port", "0", "--metrics-port", str(self.metrics_ports[-1]),
                      "--engine-id", f"fair-{i}-{uuid.uuid4().hex[:4]}", "--served-model-name", MODEL,
                      "--max-num-seqs", str(a.max_num_seqs), "--max-model-len", str(a.max_model_len),
+                     "--queue-shards", str(a.queue_shards),
                      "--log-level", "WARNING", *(["--model", a.model] if a.model else []), *a.engine_arg]
             log = open(Path(self.tmp) / f"engine{i}.log", "w")  # noqa: SIM115 - closed with the process
             self.procs.append(subprocess.Popen([*cli, *flags], stdout=log, stderr=log, env={**os.environ},
@@ -184,6 +188,9 @@ def run_one(engines: Engines, client: WireClient, name: str, vocab: int, args: a
     reply = client.new_reply_id()
     listener = Listener(client, reply)
     flood_tenant, light_tenant = {"alone": ("", LIGHT), "fifo": ("", ""), "fair": (FLOOD, LIGHT)}[name]
+    # ids of this run's own: an engine remembers a cancel of an id it has not seen (an earlier
+    # run's), and would drop a later request of that id
+    tag = uuid.uuid4().hex[:6]
     sent: dict[str, float] = {}
 
     def send(rid: str, tenant: str, prompt_len: int, max_tokens: int) -> None:
@@ -198,7 +205,7 @@ def run_one(engines: Engines, client: WireClient, name: str, vocab: int, args: a
     try:
         if name != "alone":
             for i in range(args.flood_requests):
-                send(f"{name}-flood-{i}", flood_tenant, args.flood_prompt_tokens, args.flood_max_tokens)
+                send(f"{name}-{tag}-flood-{i}", flood_tenant, args.flood_prompt_tokens, args.flood_max_tokens)
             time.sleep(args.flood_lead)  # the flood holds every slot; its backlog waits in Redis
         window = time.monotonic()
         lights = []
@@ -206,7 +213,7 @@ def run_one(engines: Engines, client: WireClient, name: str, vocab: int, args: a
             due = window + k * args.light_interval
             if (delay := due - time.monotonic()) > 0:
                 time.sleep(delay)
-            lights.append(f"{name}-light-{k}")
+            lights.append(f"{name}-{tag}-light-{k}")
             send(lights[-1], light_tenant, args.light_prompt_tokens, args.light_max_tokens)
         end = sent[lights[-1]] + args.light_timeout
         while time.monotonic() < end and not all(r in listener.first for r in lights):
@@ -256,6 +263,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engines", default="1,2", help="engine counts to run, comma-separated (default 1,2)")
     parser.add_argument("--max-num-seqs", type=int, default=4, help="each engine's slots (default 4)")
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--queue-shards", type=int, default=1, help="the engines' --queue-shards (default 1)")
     parser.add_argument("--flood-requests", type=int, default=200)
     parser.add_argument("--flood-prompt-tokens", type=int, default=48)
     parser.add_argument("--flood-max-tokens", type=int, default=48)
@@ -300,7 +308,8 @@ def run(args: argparse.Namespace) -> int:
             engines.stop()
     summarize(runs)
     print()
-    print(f"sluice bench fairness: {args.max_num_seqs} slots an engine, flood {args.flood_requests} requests "
+    print(f"sluice bench fairness: {args.max_num_seqs} slots an engine, {args.queue_shards} queue shard(s), "
+          f"flood {args.flood_requests} requests "
           f"({args.flood_prompt_tokens} prompt + {args.flood_max_tokens} tokens), light {args.light_requests} "
           f"requests one every {args.light_interval:g} s ({args.light_prompt_tokens} + {args.light_max_tokens})")
     print(format_table(runs, args.light_timeout))
