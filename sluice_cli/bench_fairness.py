@@ -270,8 +270,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flood-lead", type=float, default=2.0, help="seconds between the flood and the first light request")
     parser.add_argument("--light-requests", type=int, default=12)
     parser.add_argument("--light-interval", type=float, default=1.0, help="seconds between light requests (default 1)")
-    parser.add_argument("--light-prompt-tokens", type=int, default=32)
-    parser.add_argument("--light-max-tokens", type=int, default=8)
+    parser.add_argument("--light-prompt-tokens", type=int, default=16)
+    parser.add_argument("--light-max-tokens", type=int, default=4)
     parser.add_argument("--light-timeout", type=float, default=15.0,
                         help="a light request without a first token this long after it was sent counts as that long")
     parser.add_argument("--runs", default="alone,fifo,fair", help="which runs, in order (default alone,fifo,fair)")

@@ -604,7 +604,13 @@ class RedisIO:
         lanes in rotating order."""
         if not shard_ids or count + ahead <= 0:
             return []
+        with self._credit_lock:
+            fair, on_the_way = self._fair, set(self._inflight_tenants)
         lanes = [(shard, tenant, stream) for shard in shard_ids for tenant, stream in self.shard_lanes(shard)]
+        if count <= 0:  # a look for takers only (every steal_probe_ms while saturated): their lanes alone
+            lanes = [lane for lane in lanes if lane[1] not in on_the_way and fair.may_take_slot(lane[1])]
+            if not lanes:
+                return []
         positions = self._positions([stream for _, _, stream in lanes])
         by_tenant: dict[str, list[list]] = {}  # tenant -> [[shard, stream, unread], ...]
         for (shard, tenant, stream), (last, lag) in zip(lanes, positions, strict=True):
@@ -616,8 +622,6 @@ class RedisIO:
                 by_tenant.setdefault(tenant, []).append([shard, stream, lag])
         if not by_tenant:
             return []
-        with self._credit_lock:
-            fair, on_the_way = self._fair, set(self._inflight_tenants)
         names = sorted(by_tenant)
         k = self._rotation % len(names)
         self._rotation += 1
