@@ -2,9 +2,15 @@
 
 A tenant is who a request is for (``Request.tenant``, the API key's owner: ``sluice.wire.tenants``).
 A tenant is *active* while the scheduler holds one of its requests, waiting or running. Each active
-tenant has a **virtual time**: the tokens its requests forwarded (prefill chunks and decodes, as the
-scheduler schedules them; recompute after a preemption included) divided by its **weight** (the
-weight of its latest request, 1 to ``tenants.MAX_WEIGHT``). It is weighted fair queueing by tokens:
+tenant has a **virtual time**: the service its requests got divided by its **weight** (the weight of
+its latest request, 1 to ``tenants.MAX_WEIGHT``). Service is counted in tokens as the scheduler
+schedules them (prefill chunks and decodes; recompute after a preemption included), each scheduled
+chunk counting ``ROW_COST`` more: a request holding a row of a step pays for its share of the
+step's pass over the weights, so a decode costs two tokens and a prefill chunk of n tokens n + 1
+(the weights of "Fairness in Serving Large Language Models", Sheng et al., OSDI 2024: an output
+token counts twice an input token). Counting tokens alone, a tenant of short prompts and short
+outputs paid as much for a 16-token prefill as a flood for 16 of its decode rows, and was held back
+behind a flood whose rows cost the engine more time. It is weighted fair queueing by that service:
 
 - **Admission** takes the head of the waiting tenant with the least virtual time; within a tenant,
   requests keep their order (first come, first served; a preempted request goes back to the front
@@ -44,6 +50,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the scheduler's request; only its tenant, weight and arrival time are read here
     from engine_service.core.request import Request
+
+# What a scheduled chunk costs beyond its tokens (the module's doc).
+ROW_COST = 1
 
 
 class TenantShare:

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 from engine_service.config import SchedulerConfig, check_num_scheduler_steps
 from engine_service.core.block_pool import ROOT_HASH, BlockPool, blocks_for_length, hash_block_tokens
-from engine_service.core.fair_share import FairShare, FairView
+from engine_service.core.fair_share import ROW_COST, FairShare, FairView
 from engine_service.core.request import FinishReason, Request, RequestStatus
 from engine_service.core.scheduler_stats import SchedulerStats
 from engine_service.core.spec_decode import NgramDrafter, SpecDecodeStats
@@ -478,7 +478,7 @@ class Scheduler:
         if multi:  # each tenant pays for what its running requests forward (admission reads it next)
             for chunk in chunks:
                 share = shares[chunk.request.tenant]
-                share.vtime += chunk.num_tokens / share.weight
+                share.vtime += (chunk.num_tokens + ROW_COST) / share.weight
 
         # 2. admission, in order, unless this step had to preempt
         if not preempted:
@@ -526,7 +526,7 @@ class Scheduler:
                 waiting.popleft()
                 share.num_running += 1
                 if multi:
-                    share.vtime += num_new / share.weight
+                    share.vtime += (num_new + ROW_COST) / share.weight
                 if hit_blocks:
                     pool.touch(hit_blocks)
                 req.block_ids = hit_blocks + pool.allocate(new_blocks)

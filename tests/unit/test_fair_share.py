@@ -136,21 +136,42 @@ def test_slot_moves_are_bounded_by_the_takers_arrivals():
     assert all(r.time_to_first_token <= 1.0 for r in lights)
 
 
-def test_a_taker_never_holds_more_slots_by_weight_than_the_giver_keeps():
-    # weight 3 against 1, both backlogged: moves stop at 3 slots against 1 (never 4 against 0)
+def test_a_slot_move_leaves_the_taker_no_more_slots_by_weight_than_the_giver():
+    fair = FairShare()
+    heavy, light = fair.join("heavy", 3), fair.join("light", 1)
+    running = [request(f"r{i}", "light") for i in range(4)]  # light holds every slot
+    light.num_running = light.num_requests = 4
+    heavy.waiting.append(request("h0", "heavy"))
+    heavy.num_requests = 1
+    moves = []
+    while (move := fair.slot_move(running)) is not None:
+        taker, j = move
+        assert taker is heavy and running[j].tenant == "light" and j > 0  # never the oldest
+        running[j] = heavy.waiting.popleft()  # the scheduler preempts it and admits the taker's head
+        light.num_running -= 1
+        heavy.num_running += 1
+        moves.append(j)
+        assert heavy.num_running / heavy.weight <= light.num_running / light.weight
+        heavy.waiting.append(request(f"h{len(moves)}", "heavy"))
+    # weight 3 against 1: moves until 3 against 1 (3 / 3 <= 1 / 1); a fourth would leave 4 / 3 > 0 / 1
+    assert (heavy.num_running, light.num_running) == (3, 1) and len(moves) == 3
+
+
+def test_backlogged_tenants_hold_slots_in_proportion_to_their_weights():
     sim = Sim(max_num_seqs=4, budget=64)
-    for i in range(30):
+    for i in range(100):
         sim.add(request(f"b{i}", "b", 1, max_tokens=30))
     sim.step()
-    for i in range(30):
+    for i in range(100):
         sim.add(request(f"a{i}", "a", 3, max_tokens=30))
-    seen = set()
-    for _ in range(200):
+    held = {"a": 0, "b": 0}
+    for _ in range(300):
         sim.step()
         view = sim.sched.fair_view().tenants
-        if "a" in view and "b" in view and view["b"].waiting:
-            seen.add((view["a"].running, view["b"].running))
-    assert (4, 0) not in seen and (3, 1) in seen, seen
+        assert view["a"].waiting and view["b"].waiting  # both backlogged throughout
+        held["a"] += view["a"].running
+        held["b"] += view["b"].running
+    assert held["a"] / (held["a"] + held["b"]) == pytest.approx(0.75, abs=0.1), held
 
 
 def test_a_tenant_joins_at_the_least_virtual_time_and_an_idle_one_banks_no_credit():
