@@ -274,7 +274,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--light-max-tokens", type=int, default=4)
     parser.add_argument("--light-timeout", type=float, default=15.0,
                         help="a light request without a first token this long after it was sent counts as that long")
-    parser.add_argument("--runs", default="alone,fifo,fair", help="which runs, in order (default alone,fifo,fair)")
+    parser.add_argument("--runs", default="alone,fair,fifo",
+                        help="which runs, in order (default alone,fair,fifo: the two compared run back to back)")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
                         help="an extra `sluice engine` argument (repeat it: --engine-arg=--cpus --engine-arg=0)")
     parser.add_argument("--seed", type=int, default=0)

@@ -10,7 +10,9 @@
   as the least), so a tenant's backlog does not stand in front of another tenant's request; and,
   beyond its credit, one entry of each tenant with nothing waiting in the engine whose next
   request could take a slot of the tenant furthest over its share (``FairView.may_take_slot``; at
-  most ``FairView.slots_to_give`` such entries on their way), which the scheduler then gives it.
+  most ``FairView.slots_to_give`` such entries on their way), which the scheduler then gives it:
+  on one Redis server it BLOCKs on those tenants' lanes for up to ``steal_probe_ms`` (their
+  request is read as it lands), on a cluster it looks every ``steal_probe_ms``.
   The lanes are looked up (SMEMBERS of each shard's lanes set) at most every ``LANE_REFRESH_S``. After an empty read it BLOCKs on its shards in one XREADGROUP on one Redis server;
   on a cluster, where one XREADGROUP cannot name streams of several slots, it pauses instead,
   doubling the pause up to ``read_idle_ms``.
@@ -474,14 +476,17 @@ class RedisIO:
                     if self._credit() <= 0 and self._read_ahead() <= 0:
                         self._credit_lock.wait(0.1)
                 continue
-            if credit <= 0:  # a look for absent tenants' entries only: at most every steal_probe_ms
+            if credit <= 0 and not self._can_block:  # a cluster: look for takers every steal_probe_ms
                 wait = self._next_read_ahead - time.monotonic()
                 if wait > 0:
                     self._stop.wait(wait)
                     continue
                 self._next_read_ahead = time.monotonic() + self.settings.steal_probe_ms / 1000
             try:
-                entries = self.read(min(max(0, credit), self.settings.max_read_batch), ahead)
+                if credit <= 0:  # one Redis server: wait on the takers' lanes for steal_probe_ms
+                    entries = self._wait_for_takers(ahead)
+                else:
+                    entries = self.read(min(credit, self.settings.max_read_batch), ahead)
                 if not entries and credit > 0 and self._can_block:
                     entries = self._wait_for_entries()
                 backoff.ok()
@@ -530,6 +535,47 @@ class RedisIO:
                 entries.append(entry)
         return entries
 
+    def _wait_for_takers(self, ahead: int) -> list[Entry]:
+        """One Redis server, no credit, a read-ahead allowed: BLOCK (up to ``steal_probe_ms``, so
+        that credit coming back waits no longer) on the lanes of the owned shards of up to ``ahead``
+        tenants that could take a slot (``FairView.may_take_slot``) and have nothing on their way
+        (least virtual time first, equal ones in turn), COUNT 1 each: such a tenant's request is read
+        the moment it lands instead of at the next look. On a cluster the reader looks every
+        ``steal_probe_ms`` instead (``read``)."""
+        self._refresh_lanes_when_due()
+        with self._credit_lock:
+            fair, on_the_way = self._fair, set(self._inflight_tenants)
+        owned = [shard for shard in self.view.owned if shard < len(self.streams)]
+        lanes = [(shard, tenant, stream) for shard in owned for tenant, stream in self.shard_lanes(shard)
+                 if tenant not in on_the_way and fair.may_take_slot(tenant)]
+        names = sorted({tenant for _, tenant, _ in lanes})
+        if names:
+            k = self._rotation % len(names)
+            self._rotation += 1
+            chosen = set(sorted(names[k:] + names[:k], key=fair.priority)[:ahead])
+            lanes = [lane for lane in lanes if lane[1] in chosen]
+        streams = {stream: shard for shard, _, stream in lanes}
+        if not streams:
+            with self._credit_lock:
+                self._credit_lock.wait(self.settings.steal_probe_ms / 1000)
+            return []
+        reply = self.redis.xreadgroup(contract.CONSUMER_GROUP, self.consumer, dict.fromkeys(streams, ">"), count=1,
+                                      block=self.settings.steal_probe_ms)
+        entries = []
+        for name, messages in reply or []:
+            stream = _str(name)
+            for eid, fields in messages:
+                entry = parse_entry(EntryRef(stream, eid), fields)
+                entry.shard = streams.get(stream, 0)
+                entries.append(entry)
+        return entries
+
+    def _refresh_lanes_when_due(self) -> None:
+        now = time.monotonic()
+        if now >= self._lanes_due:
+            self._lanes_due = now + LANE_REFRESH_S
+            self.refresh_lanes()
+
     def _show_room(self, room: bool) -> None:
         """Tell peers at once whether this engine can take more (``contract.room_key``): while it
         cannot, they take its shards' entries without waiting for the steal bound."""
@@ -546,10 +592,8 @@ class RedisIO:
         view = self.view
         streams = self.streams
         self._ensure_groups(streams)
+        self._refresh_lanes_when_due()
         now = time.monotonic()
-        if now >= self._lanes_due:
-            self._lanes_due = now + LANE_REFRESH_S
-            self.refresh_lanes()
         owned = [i for i in view.owned if i < len(streams)]
         if self.lanes:
             entries = self._read_fair(owned, count, ahead)
