@@ -5,7 +5,8 @@ Starts a private ``redis-server`` and real ``sluice engine`` processes (the defa
 shard (``--queue-shards``, default 1: every request shares one queue, the case where one tenant's
 flood stands in front of everyone; with more shards, requests that hash to different shards are
 interleaved by the shards' rotation with or without tenants). For each engine count of
-``--engines`` (default ``1,2``), three runs on the same engines:
+``--engines`` (default ``1,2``), three runs on the same engines (``alone`` and ``fair`` in turn
+``--rounds`` times, so that a change of the machine's load weighs on both; ``fifo`` once):
 
 - ``alone``: the light tenant alone, one request every ``--light-interval`` seconds;
 - ``fifo``: a flood of ``--flood-requests`` requests queued at once, then the light requests as
@@ -234,6 +235,14 @@ def run_one(engines: Engines, client: WireClient, name: str, vocab: int, args: a
                round(time.monotonic() - started, 1))
 
 
+def merge(parts: list[Run]) -> Run:
+    """One run's rounds as one: the light requests of every round, the sums."""
+    first = parts[0]
+    return Run(first.engines, first.name, [v for p in parts for v in p.light_ttft_ms],
+               sum(p.flood_first_tokens for p in parts), sum(p.preemptions for p in parts),
+               round(sum(p.seconds for p in parts), 1))
+
+
 def summarize(runs: list[Run]) -> None:
     alone = {r.engines: r for r in runs if r.name == "alone"}
     for r in runs:
@@ -276,6 +285,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a light request without a first token this long after it was sent counts as that long")
     parser.add_argument("--runs", default="alone,fair,fifo",
                         help="which runs, in order (default alone,fair,fifo: the two compared run back to back)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="run them this many times in turn (A B A B; fifo once), the figures over all "
+                             "rounds (default 2)")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
                         help="an extra `sluice engine` argument (repeat it: --engine-arg=--cpus --engine-arg=0)")
     parser.add_argument("--seed", type=int, default=0)
@@ -299,11 +311,16 @@ def run(args: argparse.Namespace) -> int:
             # warm-up: each engine's first steps (kernels built, caches touched) stay out of the figures
             run_one(engines, client, "alone", vocab,
                     argparse.Namespace(**{**vars(args), "light_requests": 2 * count, "light_interval": 0.2}))
-            for name in names:
-                runs.append(run_one(engines, client, name, vocab, args))
-                r = runs[-1]
-                print(f"{count} engine(s), {name}: light TTFT {r.light_ttft_ms} ms, {r.preemptions} preemptions",
-                      flush=True)
+            rounds: dict[str, list[Run]] = {}
+            for turn in range(args.rounds):
+                for name in names:
+                    if name == "fifo" and turn:  # once is enough: it serves none of them
+                        continue
+                    r = run_one(engines, client, name, vocab, args)
+                    rounds.setdefault(name, []).append(r)
+                    print(f"{count} engine(s), {name} (round {turn + 1}): light TTFT {r.light_ttft_ms} ms, "
+                          f"{r.preemptions} preemptions", flush=True)
+            runs += [merge(parts) for parts in rounds.values()]
             client.close()
         finally:
             engines.stop()
