@@ -80,13 +80,19 @@ class Engines:
         self.url = f"redis://127.0.0.1:{port}/0"
         a = self.args
         cli = [sys.executable, "-m", "sluice_cli.cli", "engine"]
+        k = a.cpus_per_engine
+        if k and self.count * k > len(os.sched_getaffinity(0)):
+            raise SystemExit(f"--cpus-per-engine {k}: {self.count} engines need {self.count * k} CPUs, "
+                             f"this process may use {len(os.sched_getaffinity(0))}")
+        cpus = sorted(os.sched_getaffinity(0))
         for i in range(self.count):
             self.metrics_ports.append(_free_port())
+            pin = ["--cpus", ",".join(str(c) for c in cpus[i * k:(i + 1) * k])] if k else []
             flags = ["--redis-url", self.url, "--grpc-port", "0", "--metrics-port", str(self.metrics_ports[-1]),
                      "--engine-id", f"fair-{i}-{uuid.uuid4().hex[:4]}", "--served-model-name", MODEL,
                      "--max-num-seqs", str(a.max_num_seqs), "--max-model-len", str(a.max_model_len),
                      "--queue-shards", str(a.queue_shards),
-                     "--log-level", "WARNING", *(["--model", a.model] if a.model else []), *a.engine_arg]
+                     "--log-level", "WARNING", *(["--model", a.model] if a.model else []), *pin, *a.engine_arg]
             log = open(Path(self.tmp) / f"engine{i}.log", "w")  # noqa: SIM115 - closed with the process
             self.procs.append(subprocess.Popen([*cli, *flags], stdout=log, stderr=log, env={**os.environ},
                                                start_new_session=True))
@@ -288,6 +294,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2,
                         help="run them this many times in turn (A B A B; fifo once), the figures over all "
                              "rounds (default 2)")
+    parser.add_argument("--cpus-per-engine", type=int, default=0, metavar="N",
+                        help="pin engine i to the i-th N CPUs of this process's (--cpus), so that saturated engines "
+                             "do not share cores (default: not pinned)")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
                         help="an extra `sluice engine` argument (repeat it: --engine-arg=--cpus --engine-arg=0)")
     parser.add_argument("--seed", type=int, default=0)
