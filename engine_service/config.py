@@ -197,6 +197,10 @@ class SchedulerConfig:
     # a step of decodes of fewer rows than this runs the runner's fast step (the native decode step);
     # drafts never push such a step past it (0: no fast step; the engine sets it where one runs)
     fast_step_max_rows: int = 0
+    # fair share between tenants (engine_service.core.fair_share): a waiting tenant under its share
+    # may take a slot of the tenant furthest over it when every slot is taken. Off only to measure
+    # what that buys (sluice bench scheduler --tenants)
+    fair_share_preemption: bool = True
 
     def resolved_watermark_blocks(self) -> int:
         if self.watermark_blocks is not None:

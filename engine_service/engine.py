@@ -25,6 +25,7 @@ from engine_service.config import (
     SpeculativeConfig,
     check_num_scheduler_steps,
 )
+from engine_service.core.fair_share import FairView
 from engine_service.core.outputs import EngineOutput, RequestMetrics
 from engine_service.core.request import Request
 from engine_service.core.sampling_params import SamplingParams
@@ -267,8 +268,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        """Admit a request past the door, or raise ``RequestRejected`` / ``ValueError`` saying why."""
+                    arrival_time: float | None = None, *, tenant: str = "", tenant_weight: int = 1) -> None:
+        """Admit a request past the door, or raise ``RequestRejected`` / ``ValueError`` saying why.
+        ``tenant`` / ``tenant_weight``: who it is for and its fair share (``sluice.wire.tenants``,
+        ``engine_service.core.fair_share``); every sequence of it counts for the tenant."""
         if request_id in self._groups:
             raise RequestRejected(Code.INVALID_REQUEST, f"request id {request_id!r} is already running")
         problem = limits.check_prompt(prompt_token_ids, self.vocab_size)
@@ -293,7 +296,8 @@ class LLMEngine:
                 child_id, child_params = request_id, params
             else:
                 child_id, child_params = f"{request_id}#{i}", params.for_child(i)
-            children.append(Request(child_id, list(prompt_token_ids), child_params, self._eos, arrival))
+            children.append(Request(child_id, list(prompt_token_ids), child_params, self._eos, arrival,
+                                    tenant=tenant, tenant_weight=tenant_weight))
         admitted: list[Request] = []
         try:
             for child in children:
@@ -352,6 +356,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
+
+    def fair_view(self) -> FairView:
+        """The scheduler's fair share between tenants (``engine_service.core.fair_share``)."""
+        return self.scheduler.fair_view()
 
     def admission_headroom(self) -> int:
         """How many new requests this engine could start soon: free sequence slots, but none when

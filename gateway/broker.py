@@ -30,7 +30,9 @@ Surviving Redis restarts (issue 12):
   once. A request still waiting, untouched, in the queue keeps waiting.
 - The request goes to one shard of the model's queue, chosen from its prompt's first blocks
   (``sluice.wire.shards.choose_shard``, with the shard count, block size and prefix blocks of the
-  model card), so requests that share a prefix meet on the engine that owns the shard.
+  model card), so requests that share a prefix meet on the engine that owns the shard; and in that
+  shard to its tenant's lane (``contract.lane_stream``: the shard's stream for the default tenant),
+  which the enqueue script creates when it is new. The queue depth and the audit count every lane.
 - The XADD goes with an in-flight marker (``contract.inflight_key``) in one script. Every
   ``ENTRY_CHECK_S`` the broker checks the markers of the requests it waits for: a marker gone while
   the gateway still waits means Redis lost the entry (restart without persistence, FLUSHALL, an
@@ -67,7 +69,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from gateway.metrics import METRICS
 from sluice.wire import card as wire_card
-from sluice.wire import codec, contract, event_log, registry, shards
+from sluice.wire import codec, contract, event_log, registry, shards, tenants
 from sluice.wire.card import ModelCard
 from sluice.wire.connection import (
     TRANSIENT_ERRORS,
@@ -154,6 +156,7 @@ class _Tracked:
     queue: asyncio.Queue
     deadline: float  # unix seconds
     shard: int = 0  # the queue shard it went to
+    tenant: str = ""  # whose lane of the shard (the default tenant's: the shard's stream)
     entry_id: bytes | None = None  # known once the XADD returned
     audit_pending: bool = False  # a reconnect happened before the entry id was known
     lost: bool = False  # a Lost was sent
@@ -412,12 +415,14 @@ class Broker:
         queue = self._queues.get(rid)
         tracked = None
         if queue is not None:
-            tracked = _Tracked(rid, req.model, queue, req.deadline, shard)
+            tracked = _Tracked(rid, req.model, queue, req.deadline, shard, req.tenant)
             self._tracked[rid] = tracked
         ttl = (max(req.deadline - time.time(), 0.0) if req.deadline else 3600.0) + contract.INFLIGHT_MARGIN_S
-        entry_id = await self._enqueue_script(  # marker + XADD, atomic: both in the shard's slot
-            keys=[contract.request_stream(req.model, shard), contract.inflight_key(req.model, shard, rid)],
-            args=[req.SerializeToString(), max(1, int(ttl)), contract.REQUEST_FIELD])
+        entry_id = await self._enqueue_script(  # marker + (new lane) + XADD, atomic: all in the shard's slot
+            keys=[contract.lane_stream(req.model, shard, req.tenant), contract.inflight_key(req.model, shard, rid),
+                  contract.lanes_key(req.model, shard)],
+            args=[req.SerializeToString(), max(1, int(ttl)), contract.REQUEST_FIELD, req.tenant,
+                  contract.CONSUMER_GROUP])
         if tracked is not None and self._tracked.get(rid) is tracked:
             tracked.entry_id = entry_id
             if tracked.audit_pending:
@@ -616,7 +621,7 @@ class Broker:
                     t.audit_pending = True  # audited when its XADD returns
             targets = [t for t in targets if t.entry_id is not None and self._tracked.get(t.request_id) is t]
             try:
-                delivered = await self._last_delivered({(t.model, t.shard) for t in targets})
+                delivered = await self._last_delivered({(t.model, t.shard, t.tenant) for t in targets})
                 alive = await self._check_markers(targets)
             except (RedisError, OSError) as exc:
                 if time.monotonic() < give_up:
@@ -626,24 +631,25 @@ class Broker:
                     self._lose(t, Code.REDIS_UNAVAILABLE, f"The queue (Redis) is unavailable: {type(exc).__name__}")
                 return
             for t in alive:
-                last = delivered.get((t.model, t.shard))
+                last = delivered.get((t.model, t.shard, t.tenant))
                 if last is not None and _entry_id(t.entry_id) <= last:
                     self._lose(t, Code.REQUEST_LOST,
                                "The connection to the queue (Redis) was lost while an engine ran the request, "
                                "so part of its output may be missing; retry it.")
             return
 
-    async def _last_delivered(self, queues: set[tuple[str, int]]) -> dict[tuple[str, int], tuple[int, int]]:
-        """Per (model, shard), the id of the last entry the engines' group has read (absent: none read)."""
-        out: dict[tuple[str, int], tuple[int, int]] = {}
-        for model, shard in queues:
+    async def _last_delivered(self, lanes: set[tuple[str, int, str]]) -> dict[tuple[str, int, str], tuple[int, int]]:
+        """Per (model, shard, tenant) lane, the id of the last entry the engines' group has read
+        (absent: none read, or the lane is gone)."""
+        out: dict[tuple[str, int, str], tuple[int, int]] = {}
+        for model, shard, tenant in lanes:
             try:
-                groups = await self.redis.xinfo_groups(contract.request_stream(model, shard))
+                groups = await self.redis.xinfo_groups(contract.lane_stream(model, shard, tenant))
             except ResponseError:  # the stream is gone
                 continue
             for g in groups:
                 if _s(g.get("name", b"")) == contract.CONSUMER_GROUP:
-                    out[(model, shard)] = _entry_id(g.get("last-delivered-id", b"0-0"))
+                    out[(model, shard, tenant)] = _entry_id(g.get("last-delivered-id", b"0-0"))
         return out
 
     def tracked_ids(self) -> Iterator[str]:
@@ -682,17 +688,32 @@ class Broker:
         return sorted(_s(m) for m in await self.redis.smembers(contract.MODELS_KEY))
 
     async def queue_depth(self, model: str) -> int:
-        """Requests not yet delivered to any engine, over the shards of the model's card: each
-        shard's group lag, else its stream's length (one pipelined round trip, plus one for lengths)."""
+        """Requests not yet delivered to any engine, over the shards of the model's card and their
+        tenants' lanes: each lane's group lag, else its stream's length (one pipelined round trip
+        for the shards' streams and lanes sets, one more for the lanes when there are any, one for
+        lengths)."""
         card = self._cards.get(model)
         count = card[1].card.queue_shards if card is not None else 1
         streams = contract.request_streams(model, count)
         pipe = self.redis.pipeline(transaction=False)
         for stream in streams:
             pipe.xinfo_groups(stream)
+        for shard in range(count):
+            pipe.smembers(contract.lanes_key(model, shard))
+        replies = await pipe.execute(raise_on_error=False)
+        infos = list(replies[:count])
+        lanes = [contract.lane_stream(model, shard, _s(t)) for shard, members in enumerate(replies[count:])
+                 if not isinstance(members, Exception) for t in members
+                 if _s(t) and tenants.check_tenant_id(_s(t)) is None]
+        if lanes:
+            pipe = self.redis.pipeline(transaction=False)
+            for stream in lanes:
+                pipe.xinfo_groups(stream)
+            streams += lanes
+            infos += await pipe.execute(raise_on_error=False)
         depth = 0
         unknown = []
-        for stream, groups in zip(streams, await pipe.execute(raise_on_error=False), strict=True):
+        for stream, groups in zip(streams, infos, strict=True):
             if isinstance(groups, ResponseError):  # no stream yet
                 continue
             if isinstance(groups, Exception):

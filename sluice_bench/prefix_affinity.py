@@ -74,8 +74,10 @@ class SimEngine:
         self.iterations = 0
         self.last_batch = (0, 0)
 
-    def add_request(self, rid: str, prompt: list[int], params: SamplingParams, arrival_time: float | None = None) -> None:
-        req = Request(rid, list(prompt), params, frozenset(), time.monotonic())
+    def add_request(self, rid: str, prompt: list[int], params: SamplingParams, arrival_time: float | None = None,
+                    *, tenant: str = "", tenant_weight: int = 1) -> None:
+        req = Request(rid, list(prompt), params, frozenset(), time.monotonic(), tenant=tenant,
+                      tenant_weight=tenant_weight)
         self.scheduler.add_request(req)
         self.requests[rid] = req
 
@@ -88,6 +90,9 @@ class SimEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def fair_view(self):
+        return self.scheduler.fair_view()
 
     def admission_headroom(self) -> int:
         s = self.scheduler

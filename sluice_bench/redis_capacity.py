@@ -181,7 +181,8 @@ class FastFakeEngine:
         self.iterations = 0
         self.generated = 0
 
-    def add_request(self, rid: str, prompt: list[int], params: Any, arrival_time: float | None = None) -> None:
+    def add_request(self, rid: str, prompt: list[int], params: Any, arrival_time: float | None = None,
+                    *, tenant: str = "", tenant_weight: int = 1) -> None:
         self.reqs[rid] = [params.max_tokens or 16, 0]
 
     def abort_request(self, ids: list[str]) -> list[Any]:

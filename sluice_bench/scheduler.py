@@ -7,6 +7,10 @@ admissions, iterations and recompute share; ``--json PATH`` writes everything, a
 drawn as a chart (``--plot``, sluice_bench/plots.py). The "sampled" tokens
 are fake ids; a request stops at its target output length (``max_tokens`` with ``ignore_eos``).
 It also measures the scheduler's own cost per step with 256 running and 1,000 waiting requests.
+``--tenants`` runs the multi-tenant workload instead (``sluice_bench.scheduler_tenants``): a flood
+tenant and a light one, the light tenant's time to first token alone, first come first served, and
+with fair share, and two backlogged tenants' token shares against their weights; the cost is then
+measured with the waiting and running requests of one tenant and of two.
 
 The simulated clock advances one unit per step, so queue times and times to first token are in steps.
 """
@@ -123,10 +127,13 @@ class SyntheticRequest:
     arrival: float  # in steps
     prompt_token_ids: list[int]
     output_len: int
+    tenant: str = ""  # sluice.wire.tenants: "" is the default tenant
+    weight: int = 1
 
     def to_request(self) -> Request:
         params = SamplingParams(max_tokens=self.output_len, ignore_eos=True, temperature=0.0)
-        return Request(self.request_id, list(self.prompt_token_ids), params, arrival_time=self.arrival)
+        return Request(self.request_id, list(self.prompt_token_ids), params, arrival_time=self.arrival,
+                       tenant=self.tenant, tenant_weight=self.weight)
 
 
 @dataclass
@@ -176,6 +183,9 @@ class SimResult:
     schedule_us_per_step: float
     update_us_per_step: float
     stats: dict = field(repr=False, default_factory=dict)
+    # per tenant: "ttft_steps" (each request's steps from arrival to its first token, that step
+    # included, in arrival order), "forwarded_tokens" (recompute included)
+    tenants: dict = field(repr=False, default_factory=dict)
 
 
 def simulate(
@@ -194,6 +204,7 @@ def simulate(
     nxt = 0
     sched_ns = update_ns = 0
     steps = 0
+    forwarded: dict[str, int] = {}
     while nxt < len(pending) or sched.has_unfinished_requests():
         if not sched.has_unfinished_requests() and pending[nxt].arrival > clock[0]:
             clock[0] = float(pending[nxt].arrival)  # idle: jump to the next arrival
@@ -209,6 +220,8 @@ def simulate(
         t2 = time.perf_counter_ns()
         sched.update_from_output(out, sampled)
         t3 = time.perf_counter_ns()
+        for c in out.chunks:
+            forwarded[c.request.tenant] = forwarded.get(c.request.tenant, 0) + c.num_tokens
         sched_ns += t1 - t0
         update_ns += t3 - t2
         if check_invariants:
@@ -220,6 +233,11 @@ def simulate(
     st = sched.stats
     queue = [r.queue_time for r in requests if r.queue_time is not None]
     ttft = [r.time_to_first_token for r in requests if r.time_to_first_token is not None]
+    tenants: dict[str, dict] = {}
+    for r in requests:
+        t = tenants.setdefault(r.tenant, {"ttft_steps": [], "forwarded_tokens": forwarded.get(r.tenant, 0)})
+        if r.time_to_first_token is not None:
+            t["ttft_steps"].append(r.time_to_first_token + 1)  # the first token's own step counts
     return SimResult(
         watermark_blocks=sched.watermark_blocks,
         iterations=st.iterations,
@@ -235,6 +253,7 @@ def simulate(
         schedule_us_per_step=sched_ns / 1e3 / max(steps, 1),
         update_us_per_step=update_ns / 1e3 / max(steps, 1),
         stats=st.as_dict(),
+        tenants=tenants,
     )
 
 
@@ -280,9 +299,11 @@ def measure_step_cost(
     max_num_batched_tokens: int = 2048,
     enable_prefix_caching: bool = True,
     seed: int = 0,
+    tenants: int = 1,
 ) -> dict:
     """Scheduler time per step in steady decode with ``num_running`` running and ``num_waiting``
-    waiting requests (nobody finishes during the measurement; the pool has room for all)."""
+    waiting requests (nobody finishes during the measurement; the pool has room for all), of
+    ``tenants`` tenants in turn (1: the default tenant alone, the plain FIFO path)."""
     rng = random.Random(seed)
     out_len = steps + 64
     blocks_per_req = -(-(prompt_len + out_len) // block_size)
@@ -299,7 +320,7 @@ def measure_step_cost(
     params = SamplingParams(max_tokens=out_len, ignore_eos=True)
     for i in range(num_running + num_waiting):
         prompt = [rng.randrange(32_000) for _ in range(prompt_len)]
-        sched.add_request(Request(f"r{i}", prompt, params))
+        sched.add_request(Request(f"r{i}", prompt, params, tenant=f"t{i % tenants}" if tenants > 1 else ""))
     warm = 0
     while (
         any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running)
@@ -333,6 +354,7 @@ def measure_step_cost(
     return {
         "num_running": num_running,
         "num_waiting": num_waiting,
+        "tenants": tenants,
         "steps": steps,
         "block_size": block_size,
         "enable_prefix_caching": enable_prefix_caching,
@@ -359,12 +381,11 @@ def _pair(text: str) -> tuple[int, int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("pool and scheduler")
-    g.add_argument("--num-blocks", type=int, default=8, help="KV blocks in the pool (default 8)")
-    g.add_argument("--block-size", type=int, default=4, help="tokens per block (default 4)")
-    g.add_argument("--max-num-seqs", type=int, default=3, help="slots (default 3)")
-    g.add_argument(
-        "--max-num-batched-tokens", type=int, default=10, help="token budget per step (default 10)"
-    )
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default 8; 2048 with --tenants)")
+    g.add_argument("--block-size", type=int, default=None, help="tokens per block (default 4; 16 with --tenants)")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="slots (default 3; 4 with --tenants)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step (default 10; 512 with --tenants)")
     g.add_argument("--max-model-len", type=int, default=None, help="default: the pool's size in tokens + 1")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     g.add_argument(
@@ -388,6 +409,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--prompt-len", type=_pair, default=(2, 12), help="MIN,MAX tokens (default 2,12)")
     w.add_argument("--output-len", type=_pair, default=(4, 16), help="MIN,MAX tokens (default 4,16)")
     w.add_argument("--shared-prefix-len", type=int, default=0, help="tokens every prompt shares")
+    t = parser.add_argument_group("tenants (--tenants: the multi-tenant workload, sluice_bench.scheduler_tenants)")
+    t.add_argument("--tenants", action="store_true",
+                   help="a flood tenant and a light one: the light tenant's TTFT alone, FIFO and fair; weights")
+    t.add_argument("--flood-requests", type=int, default=300, help="the flood's requests, all at step 0 (default 300)")
+    t.add_argument("--flood-prompt-len", type=_pair, default=(64, 256), help="MIN,MAX (default 64,256)")
+    t.add_argument("--flood-output-len", type=_pair, default=(32, 128), help="MIN,MAX (default 32,128)")
+    t.add_argument("--light-requests", type=int, default=30, help="the light tenant's requests (default 30)")
+    t.add_argument("--light-every", type=int, default=25, help="steps between light requests (default 25)")
+    t.add_argument("--light-prompt-len", type=_pair, default=(32, 96), help="MIN,MAX (default 32,96)")
+    t.add_argument("--light-output-len", type=_pair, default=(16, 32), help="MIN,MAX (default 16,32)")
+    t.add_argument("--flood-weight", type=int, default=1)
+    t.add_argument("--light-weight", type=int, default=1)
+    t.add_argument("--weights", type=_pair, default=(3, 1),
+                   help="A,B: two backlogged tenants' weights, whose token shares are compared (default 3,1)")
     o = parser.add_argument_group("output")
     o.add_argument("--json", type=str, default=None, help="write the results as JSON to this path")
     plots.add_plot_arguments(o, "the --sweep-watermarks results",
@@ -412,7 +447,19 @@ def format_table(results: Sequence[SimResult]) -> str:
     return "\n".join(lines)
 
 
+def _pool_defaults(args: argparse.Namespace) -> None:
+    """The pool's defaults: tiny for the watermark workload, room for a flood with --tenants."""
+    tiny, roomy = (8, 4, 3, 10), (2048, 16, 4, 512)
+    for name, value in zip(("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"),
+                           roomy if args.tenants else tiny, strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def run(args: argparse.Namespace) -> int:
+    _pool_defaults(args)
+    if args.tenants:
+        return run_tenants(args)
     max_len = args.max_model_len or args.num_blocks * args.block_size + 1
     cfg = SchedulerConfig(
         num_blocks=args.num_blocks,
@@ -505,4 +552,52 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}")
     if chart is not None:
         print(f"wrote {plots.plot_scheduler_sweep(doc, chart)}")
+    return 0
+
+
+def _cost_line(cost: dict) -> str:
+    return (f"{cost['num_running']} running / {cost['num_waiting']} waiting of {cost['tenants']} tenant(s), "
+            f"{cost['steps']} decode steps: {cost['step_us_mean']:.0f} us/step mean "
+            f"(schedule {cost['schedule_us_mean']:.0f} + update {cost['update_us_mean']:.0f}), "
+            f"p50 {cost['step_us_p50']:.0f} us; CPU time p50 {cost['step_cpu_us_p50']:.0f} us")
+
+
+def run_tenants(args: argparse.Namespace) -> int:
+    """``--tenants``: the multi-tenant workload (sluice_bench.scheduler_tenants)."""
+    from sluice_bench.scheduler_tenants import FairnessSpec, format_fairness_table, run_fairness, run_weights
+
+    spec = FairnessSpec(flood_requests=args.flood_requests, flood_prompt_len=tuple(args.flood_prompt_len),
+                        flood_output_len=tuple(args.flood_output_len), light_requests=args.light_requests,
+                        light_every=args.light_every, light_prompt_len=tuple(args.light_prompt_len),
+                        light_output_len=tuple(args.light_output_len), flood_weight=args.flood_weight,
+                        light_weight=args.light_weight, weights=tuple(args.weights), seed=args.seed)
+    longest = max(spec.flood_prompt_len[1] + spec.flood_output_len[1], spec.light_prompt_len[1] + spec.light_output_len[1])
+    cfg = SchedulerConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_model_len=args.max_model_len or longest + 1, watermark_blocks=args.watermark_blocks,
+                          enable_prefix_caching=not args.no_prefix_caching)
+    runs = run_fairness(cfg, spec, check_invariants=args.check_invariants)
+    weights = run_weights(cfg, spec)
+    print(f"batchbench --tenants: {spec.flood_requests} flood requests at step 0 (weight {spec.flood_weight}), "
+          f"{spec.light_requests} light requests one every {spec.light_every} steps (weight {spec.light_weight}); "
+          f"{args.max_num_seqs} slots, {args.num_blocks} blocks of {args.block_size} tokens, budget "
+          f"{args.max_num_batched_tokens}, seed {args.seed}")
+    print(format_fairness_table(runs))
+    print("(light TTFT: steps from arrival to the first token, its own step included; x alone: p50 over the "
+          "alone run's p50; steps: to finish every request)")
+    print(f"weights {weights.weights[0]}:{weights.weights[1]}, both backlogged for {weights.steps} steps: tokens "
+          f"{weights.tokens[0]:,} : {weights.tokens[1]:,} = {weights.share:.2f} (the weights' ratio: "
+          f"{weights.expected:.2f})")
+    costs = []
+    if not args.no_cost:
+        for tenants in (1, 2):
+            costs.append(measure_step_cost(args.cost_running, args.cost_waiting, steps=args.cost_steps,
+                                           seed=args.seed, tenants=tenants))
+            print("scheduler cost, " + _cost_line(costs[-1]))
+    if args.json:
+        doc = {"bench": "scheduler --tenants", "config": asdict(cfg), "workload": asdict(spec),
+               "runs": [asdict(r) for r in runs], "weights": asdict(weights), "cost": costs}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+        print(f"wrote {args.json}")
     return 0

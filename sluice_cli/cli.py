@@ -40,6 +40,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "plot"): ("sluice_bench.plots", "charts of saved bench results (JSON), as the benches draw them"),
     ("bench", "prefix-affinity"): ("sluice_bench.prefix_affinity",
                                    "one request queue against a queue sharded by prompt prefix (3 engines)"),
+    ("bench", "fairness"): ("sluice_bench.fairness",
+                            "a flood tenant against a light one on real engines: the light tenant's TTFT, FIFO vs fair"),
     ("bench", "gateway-memory"): ("sluice_bench.gateway_memory",
                                   "gateway memory across requests naming random unknown models"),
     ("bench", "redis-capacity"): ("sluice_bench.redis_capacity",

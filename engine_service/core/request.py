@@ -39,6 +39,10 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
+    # Who it is for (``sluice.wire.tenants``; "": the default tenant) and its fair-share weight
+    # (``engine_service.core.fair_share``), both checked before it reaches the scheduler.
+    tenant: str = ""
+    tenant_weight: int = 1
     # Lifecycle
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

@@ -10,6 +10,13 @@ One step (token budget B = ``max_num_batched_tokens``, slots S = ``max_num_seqs`
 2. Then, unless something was preempted this step, waiting and preempted requests are admitted in
    order (strict FIFO: the head blocks the rest) while budget and slots remain, reusing the blocks of
    their longest cached prefix and prefilling in chunks when a prompt exceeds the remaining budget.
+   With several tenants (``Request.tenant``) the order is fair share's (``fair_share``): each tenant
+   keeps its own FIFO queue, the head of the tenant with the least virtual time (tokens forwarded
+   / weight) goes next, and that head blocks the rest; preemption takes its victim from the tenant
+   furthest over its slot share (its youngest request not yet scheduled this step, never the
+   oldest running request), and when every slot is taken, a tenant under its share may take one
+   slot of the tenant furthest over it at the start of a step. With one tenant, steps 1 and 2 are
+   exactly as above.
 3. Watermark: admission keeps ``watermark_blocks`` free; growth ignores it. The watermark may delay a
    request, never exclude it: ``reserve = watermark_blocks if need <= admissible_blocks else 0``,
    where ``need`` is what the request's whole known sequence (prompt, plus outputs when it is
@@ -42,17 +49,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine_service.config import SchedulerConfig, check_num_scheduler_steps
 from engine_service.core.block_pool import ROOT_HASH, BlockPool, blocks_for_length, hash_block_tokens
+from engine_service.core.fair_share import ROW_COST, FairShare, FairView
 from engine_service.core.request import FinishReason, Request, RequestStatus
 from engine_service.core.scheduler_stats import SchedulerStats
 from engine_service.core.spec_decode import NgramDrafter, SpecDecodeStats
 from engine_service.core.stopping import check_stop
-from sluice.wire import limits
+from sluice.wire import limits, tenants
 from sluice.wire.error_codes import Code
 
 __all__ = [
@@ -71,6 +78,16 @@ def attention_pairs(start: int, num_tokens: int) -> int:
     if start == 0:
         return num_tokens * (num_tokens + 1) // 2
     return num_tokens * (start + num_tokens)
+
+
+def _tenant_problem(request: Request) -> limits.Problem | None:
+    """The tenant rules (``sluice.wire.tenants``), at the door too: a weight below 1 would divide
+    by zero in the fair share, an id outside the alphabet would become a metric label."""
+    if problem := tenants.check_tenant_id(request.tenant):
+        return limits.invalid("tenant", problem)
+    if problem := tenants.check_weight(request.tenant_weight):
+        return limits.invalid("tenant_weight", problem)
+    return None
 
 
 class RequestRejected(ValueError):
@@ -174,12 +191,14 @@ class Scheduler:
         self.watermark_blocks = wm
         self.enable_prefix_caching = config.enable_prefix_caching
         self.block_pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self._waiting: deque[Request] = deque()
+        # the waiting requests, one FIFO queue per active tenant (fair_share.TenantShare.waiting)
+        self._fair = FairShare()
+        self.fair_share_preemption = config.fair_share_preemption
         self._running: list[Request] = []  # in admission order: [0] is the oldest
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._state: dict[str, _State] = {}
         self._stats = SchedulerStats()
-        self._num_preempted_waiting = 0  # waiting requests that were preempted (a subset of _waiting)
+        self._num_preempted_waiting = 0  # waiting requests that were preempted (a subset of the waiting)
         self._idle_violation: str | None = None
         spec = config.speculative_config
         if spec is not None:
@@ -199,7 +218,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return sum(len(share.waiting) for share in self._fair.tenants.values())
 
     @property
     def num_preempted_waiting(self) -> int:
@@ -212,7 +231,12 @@ class Scheduler:
 
     @property
     def waiting(self) -> tuple[Request, ...]:
-        return tuple(self._waiting)
+        """The waiting requests, tenant by tenant, each tenant's in its order."""
+        return tuple(r for share in self._fair.tenants.values() for r in share.waiting)
+
+    def fair_view(self) -> FairView:
+        """The fair share between tenants now (``fair_share.FairView``: safe to hand to other threads)."""
+        return self._fair.view()
 
     @property
     def admissible_blocks(self) -> int:
@@ -249,7 +273,9 @@ class Scheduler:
             drafter = NgramDrafter(self.speculative_config)
         self._state[request.request_id] = _State(max_kv_tokens, drafter)
         request.status = RequestStatus.WAITING
-        self._waiting.append(request)
+        share = self._fair.join(request.tenant, request.tenant_weight)
+        share.num_requests += 1
+        share.waiting.append(request)
 
     def _check_door(self, request: Request) -> int:
         """Return the most tokens the request will ever forward (its KV need)."""
@@ -263,6 +289,7 @@ class Scheduler:
         max_len = self.max_model_len
         # the rules every layer applies (sluice.wire.limits): a prompt, max_tokens, the context
         problem = (limits.check_prompt(request.prompt_token_ids, None)
+                   or _tenant_problem(request)
                    or (limits.MAX_TOKENS.check(max_tokens) if max_tokens is not None else None)
                    or limits.check_context(n_prompt, max_tokens, max_len))
         if problem is not None:
@@ -303,13 +330,14 @@ class Scheduler:
             req = self._requests.get(rid)
             if req is None:
                 continue
-            if req.status is RequestStatus.RUNNING:
+            was_running = req.status is RequestStatus.RUNNING
+            if was_running:
                 removed_running = True
             else:
                 if req.status is RequestStatus.PREEMPTED:
                     self._num_preempted_waiting -= 1
-                self._waiting.remove(req)
-            self._release(req)
+                self._fair.tenants[req.tenant].waiting.remove(req)
+            self._release(req, was_running)
             req.finish(reason, error=error)
             if reason is FinishReason.ABORT:
                 self._stats.requests_aborted += 1
@@ -318,13 +346,20 @@ class Scheduler:
             self._running = [r for r in self._running if r.status is RequestStatus.RUNNING]
         return done
 
-    def _release(self, req: Request) -> None:
-        """Free the request's blocks (cached content stays in the prefix cache) and forget it."""
+    def _release(self, req: Request, running: bool = True) -> None:
+        """Free the request's blocks (cached content stays in the prefix cache) and forget it
+        (``running``: it held a slot)."""
         if req.block_ids:
             self.block_pool.free(reversed(req.block_ids))
             req.block_ids = []
         del self._requests[req.request_id]
         del self._state[req.request_id]
+        share = self._fair.tenants[req.tenant]
+        share.num_requests -= 1
+        if running:
+            share.num_running -= 1
+        if not share.num_requests:
+            self._fair.leave(share)
 
     # --- one step ---
     def schedule(self) -> SchedulerOutput:
@@ -341,6 +376,18 @@ class Scheduler:
         forwarded = 0
         pairs = self.max_num_batched_pairs  # attention pairs left this step (see 4.)
         num_batched = 0
+
+        fair = self._fair
+        shares = fair.tenants
+        multi = len(shares) > 1  # several tenants: fair share decides (one tenant: exactly FIFO)
+        taker = None  # the tenant that took a slot this step: its head is admitted first
+        moved: list[Request] = []
+        if multi and len(running) >= self.max_num_seqs and self.fair_share_preemption:
+            move = fair.slot_move(running)
+            if move is not None:  # at the step's start: the giver's request has no chunk yet
+                taker, j = move
+                moved.append(running[j])
+                self._preempt(running[j], j)
 
         spec = self.speculative_config
         # drafts this step: speculation on, and the batch no larger than its disable_by_batch_size
@@ -386,7 +433,10 @@ class Scheduler:
             if need > 0:
                 victim_self = False
                 while need > pool.num_free_blocks:
-                    victim = running[-1]
+                    # one tenant: the youngest; several: the youngest of the tenant furthest over its
+                    # share among the requests not scheduled yet (req and those after it)
+                    j = fair.victim_index(running, i or 1) if multi else len(running) - 1
+                    victim = running[j] if j >= 0 else req
                     if victim is req:
                         if i == 0:
                             raise AssertionError(
@@ -394,12 +444,14 @@ class Scheduler:
                                 f"with every other request preempted ({pool.num_free_blocks} free)"
                             )
                         victim_self = True
-                    self._preempt(victim)
+                    self._preempt(victim, j)
                     preempted.append(victim)
                     if victim_self:
                         break
                 if victim_self:
-                    break  # req itself was the youngest; everything after it is gone too
+                    # one tenant: req was the youngest, everything after it is gone too; several:
+                    # those after it wait for the next step
+                    break
                 req.block_ids.extend(pool.allocate(need))
             st = states[req.request_id]
             if drafts is not None:
@@ -423,13 +475,28 @@ class Scheduler:
                 prefilling |= drafts is None
             num_batched += num_new
         self._stats.forwarded_tokens += forwarded
+        if multi:  # each tenant pays for what its running requests forward (admission reads it next)
+            for chunk in chunks:
+                share = shares[chunk.request.tenant]
+                share.vtime += (chunk.num_tokens + ROW_COST) / share.weight
 
         # 2. admission, in order, unless this step had to preempt
         if not preempted:
-            waiting = self._waiting
             wm = self.watermark_blocks
             admissible = self.admissible_blocks
-            while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            solo = None if multi else next(iter(shares.values()), None)
+            while budget > 0 and len(running) < self.max_num_seqs:
+                if not multi:
+                    share = solo
+                    if share is None or not share.waiting:
+                        break
+                elif taker is not None:  # the slot it took is its own this step, or nobody's
+                    share, taker = taker, None
+                else:
+                    share = fair.next_waiting()
+                    if share is None:
+                        break
+                waiting = share.waiting
                 req = waiting[0]
                 st = states[req.request_id]
                 num_tokens = req.num_tokens
@@ -457,6 +524,9 @@ class Scheduler:
                     break
                 new_blocks = -(-(num_hit + num_new) // bs) - len(hit_blocks)
                 waiting.popleft()
+                share.num_running += 1
+                if multi:
+                    share.vtime += (num_new + ROW_COST) / share.weight
                 if hit_blocks:
                     pool.touch(hit_blocks)
                 req.block_ids = hit_blocks + pool.allocate(new_blocks)
@@ -483,21 +553,21 @@ class Scheduler:
                 if num_new > 1:
                     pairs -= attention_pairs(num_hit, num_new)
                 num_batched += num_new
-            if waiting and not running:
+            if not running and (head := next((s.waiting[0] for s in shares.values() if s.waiting), None)):
                 self._idle_violation = (
-                    f"request {waiting[0].request_id!r} waits while nothing runs "
+                    f"request {head.request_id!r} waits while nothing runs "
                     f"({pool.num_free_blocks}/{pool.num_total_blocks} blocks free)"
                 )
 
         step_tokens = 0
-        if (self.num_scheduler_steps > 1 and chunks and not preempted and not self._waiting
+        if (self.num_scheduler_steps > 1 and chunks and not preempted and not moved and not self.num_waiting
                 and len(chunks) < self.multi_step_max_rows):
             step_tokens = self._multi_step(chunks)
         if chunks:
             self._stats.iterations += 1
         self._stats.schedule_calls += 1
-        return SchedulerOutput(chunks=chunks, preempted=preempted, num_batched_tokens=num_batched,
-                               num_step_tokens=step_tokens)
+        return SchedulerOutput(chunks=chunks, preempted=moved + preempted if moved else preempted,
+                               num_batched_tokens=num_batched, num_step_tokens=step_tokens)
 
     @staticmethod
     def _cut_chunk(req: Request, start: int, num_new: int, budget: int, pairs: int, first: bool) -> tuple[int, int]:
@@ -624,9 +694,10 @@ class Scheduler:
                 hashes.append(parent)
         return hashes
 
-    def _preempt(self, req: Request) -> None:
-        """Preempt by recompute the youngest running request (``req`` is ``running[-1]``)."""
-        victim = self._running.pop()
+    def _preempt(self, req: Request, index: int = -1) -> None:
+        """Preempt by recompute the running request ``req`` (``running[index]``: the youngest by
+        default) and put it back at the front of its tenant's queue."""
+        victim = self._running.pop(index)
         assert victim is req
         st = self._state[req.request_id]
         if req.num_computed_tokens < st.thrash_target:
@@ -639,7 +710,9 @@ class Scheduler:
         req.num_preemptions += 1
         self._stats.preemptions += 1
         self._num_preempted_waiting += 1
-        self._waiting.appendleft(req)
+        share = self._fair.tenants[req.tenant]
+        share.num_running -= 1
+        share.waiting.appendleft(req)
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Append the sampled token of every chunk that samples, apply the stopping rules and free the
@@ -790,7 +863,8 @@ class Scheduler:
                 f"running request {rid!r} holds {len(req.block_ids)} blocks for "
                 f"{req.num_computed_tokens} computed tokens (needs {want})"
             )
-        for req in self._waiting:
+        waiting = [r for share in self._fair.tenants.values() for r in share.waiting]
+        for req in waiting:
             rid = req.request_id
             assert rid not in seen, f"request {rid!r} is both running and waiting (or waits twice)"
             seen.add(rid)
@@ -800,7 +874,7 @@ class Scheduler:
             assert self._requests.get(rid) is req, f"waiting request {rid!r} is not registered"
             assert not req.block_ids, f"waiting request {rid!r} holds blocks {req.block_ids}"
             assert req.num_computed_tokens == 0, f"waiting request {rid!r} has computed tokens"
-        preempted = sum(1 for r in self._waiting if r.status is RequestStatus.PREEMPTED)
+        preempted = sum(1 for r in waiting if r.status is RequestStatus.PREEMPTED)
         assert preempted == self._num_preempted_waiting, (
             f"{preempted} preempted requests wait, but the counter says {self._num_preempted_waiting}"
         )
@@ -808,8 +882,30 @@ class Scheduler:
             f"registered but neither running nor waiting: {sorted(set(self._requests) - seen)}"
         )
         assert set(self._state) == set(self._requests), "scheduler state out of step with its requests"
-        if not self._running and not self._waiting:
+        self._check_tenants()
+        if not self._running and not waiting:
             assert pool.num_free_blocks == pool.num_total_blocks, (
                 f"nothing runs yet only {pool.num_free_blocks}/{pool.num_total_blocks} blocks are free (leak)"
             )
         pool.check_invariants(r.block_ids for r in self._running)
+
+    def _check_tenants(self) -> None:
+        """The fair share's bookkeeping: every unfinished request's tenant is active, and waits in
+        that tenant's queue (and nowhere else) or runs; each active tenant's counts are its
+        requests', it holds at least one, and a weight of at least 1."""
+        shares = self._fair.tenants
+        running: dict[str, int] = {}
+        requests: dict[str, int] = {}
+        for req in self._requests.values():
+            assert req.tenant in shares, f"request {req.request_id!r} of tenant {req.tenant!r}, which is not active"
+            requests[req.tenant] = requests.get(req.tenant, 0) + 1
+        for req in self._running:
+            running[req.tenant] = running.get(req.tenant, 0) + 1
+        for name, share in shares.items():
+            assert share.name == name and share.weight >= 1, f"tenant {name!r}: {share!r}"
+            for req in share.waiting:
+                assert req.tenant == name, f"request {req.request_id!r} of tenant {req.tenant!r} waits in {name!r}'s queue"
+            assert share.num_running == running.get(name, 0), (
+                f"tenant {name!r} counts {share.num_running} running requests, {running.get(name, 0)} run")
+            assert share.num_requests == requests.get(name, 0) > 0, (
+                f"tenant {name!r} counts {share.num_requests} requests, holds {requests.get(name, 0)}")

@@ -93,7 +93,7 @@ class EngineService:
             self.metrics.serve(settings.metrics_port, settings.metrics_host)
         if self.metrics is not None:
             self.metrics.bind(self.worker.snapshot, io_stats=self.io.stats, worker_counters=self.worker.counters,
-                              shard_depth=self.io.shard_depth,
+                              shard_depth=self.io.shard_depth, fair_view=self.worker.fair_view,
                               spec_decode=lambda: getattr(getattr(engine, "scheduler", None), "spec_stats", None))
             self.worker.metrics = self.io.metrics = self.metrics
             cache_dtype = getattr(engine, "kv_cache_dtype", None)

@@ -31,9 +31,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from engine_service.core.fair_share import EMPTY_VIEW, FairView
 from sluice.ports import PortInUse, port_error
 from sluice.ports import check_port_free as check_ports_free
-from sluice.wire import codec
+from sluice.wire import codec, tenants
 from sluice.wire.error_codes import Code
 from sluice.wire.stats import EngineStats
 
@@ -81,6 +82,12 @@ IO_COUNTERS = {
 CACHE_CONFIG_LABELS = ("block_size", "cache_dtype", "num_blocks", "enable_prefix_caching")
 # Worker.counters keys: the `outcome` label's values of sluice:worker_requests
 WORKER_OUTCOMES = ("invalid", "cancelled", "deadline", "engine_lost", "handed_back", "gateway_lost")
+# The per-tenant gauges' `tenant` label: the tenants holding the most requests get their own (the
+# default tenant's is "default"), at most this many; the rest are summed under OTHER_TENANTS, which
+# no tenant id can be (an id starts with a letter or a digit): a series count bounded whatever the
+# number of API keys.
+MAX_TENANT_LABELS = 20
+OTHER_TENANTS = "_other"
 
 
 class MetricsPortInUse(PortInUse):
@@ -218,6 +225,40 @@ class _CountersCollector:
         yield g
 
 
+class _TenantsCollector:
+    """Each tenant's waiting and running requests in the engine, from the worker's ``FairView``
+    after its last step, with the label count bounded (``MAX_TENANT_LABELS``)."""
+
+    def __init__(self, labels: tuple[str, str]) -> None:
+        self.labels = list(labels)
+        self.source: Callable[[], FairView] = lambda: EMPTY_VIEW
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        loads = tenant_gauges(self.source())
+        for name, doc, i in (
+            ("sluice:tenant_requests_waiting", "Requests waiting in the engine, by tenant (preempted ones included)", 0),
+            ("sluice:tenant_requests_running", "Requests in the engine's running batch, by tenant", 1),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=[*LABELS, "tenant"])
+            for tenant, values in loads.items():
+                g.add_metric([*self.labels, tenant], float(values[i]))
+            yield g
+
+
+def tenant_gauges(view: FairView, cap: int = MAX_TENANT_LABELS) -> dict[str, tuple[int, int]]:
+    """label -> (waiting, running): the ``cap`` tenants holding the most requests by name, the
+    others summed under ``OTHER_TENANTS``."""
+    ranked = sorted(view.tenants.items(), key=lambda kv: (-(kv[1].waiting + kv[1].running), kv[0]))
+    out = {tenants.label(name): (load.waiting, load.running) for name, load in ranked[:cap]}
+    if len(ranked) > cap:
+        rest = ranked[cap:]
+        out[OTHER_TENANTS] = (sum(load.waiting for _, load in rest), sum(load.running for _, load in rest))
+    return out
+
+
 class _SpecDecodeCollector:
     """Speculative decoding's counters (vLLM's names), read from the scheduler's ``SpecDecodeStats``
     at scrape time; zero when the engine does not speculate."""
@@ -275,6 +316,8 @@ class EngineMetrics(NullMetrics):
         self.registry.register(self._counters)
         self._spec = _SpecDecodeCollector((model, engine_id))
         self.registry.register(self._spec)
+        self._tenants = _TenantsCollector((model, engine_id))
+        self.registry.register(self._tenants)
         self._server = None
         self._live: dict[str, _Live] = {}
         r = self.registry
@@ -341,12 +384,16 @@ class EngineMetrics(NullMetrics):
     def bind(self, snapshot: Callable[[], EngineStats | None], *, io_stats: dict[str, int] | None = None,
              worker_counters: dict[str, int] | None = None,
              shard_depth: dict[int, int] | None = None,
-             spec_decode: Callable[[], Any] | None = None) -> EngineMetrics:
+             spec_decode: Callable[[], Any] | None = None,
+             fair_view: Callable[[], FairView] | None = None) -> EngineMetrics:
         """Read gauges and scheduler counters from ``snapshot()`` (e.g. ``Worker.snapshot``), the
         I/O and step-loop counters from ``RedisIO.stats`` and ``Worker.counters``, the queue
-        shards' depths from ``RedisIO.shard_depth``, and speculative decoding's from
-        ``spec_decode()`` (the scheduler's ``SpecDecodeStats``)."""
+        shards' depths from ``RedisIO.shard_depth``, speculative decoding's from ``spec_decode()``
+        (the scheduler's ``SpecDecodeStats``), and the tenants' gauges from ``fair_view()``
+        (``Worker.fair_view``)."""
         self._snapshot = snapshot
+        if fair_view is not None:
+            self._tenants.source = fair_view
         if spec_decode is not None:
             self._spec.source = spec_decode
         if io_stats is not None:

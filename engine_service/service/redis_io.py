@@ -4,7 +4,16 @@
   (credit): first the shards this engine owns (rendezvous hashing over the live engines,
   ``sluice.wire.shards``), in one pipelined non-blocking read, then, when room is left, the
   oldest entries of other shards that waited ``steal_after_ms`` (or whose owner is gone or
-  saturated). After an empty read it BLOCKs on its shards in one XREADGROUP on one Redis server;
+  saturated). A shard with tenants' lanes (``contract.lane_stream``) is read in fair-share order
+  (``engine_service.core.fair_share``, the worker's ``FairView`` of each step): the credit goes
+  first to the lanes of the tenants with the least virtual time (one absent from the engine counts
+  as the least), so a tenant's backlog does not stand in front of another tenant's request; and,
+  beyond its credit, one entry of each tenant with nothing waiting in the engine whose next
+  request could take a slot of the tenant furthest over its share (``FairView.may_take_slot``; at
+  most ``FairView.slots_to_give`` such entries on their way), which the scheduler then gives it:
+  on one Redis server it BLOCKs on those tenants' lanes for up to ``steal_probe_ms`` (their
+  request is read as it lands), on a cluster it looks every ``steal_probe_ms``.
+  The lanes are looked up (SMEMBERS of each shard's lanes set) at most every ``LANE_REFRESH_S``. After an empty read it BLOCKs on its shards in one XREADGROUP on one Redis server;
   on a cluster, where one XREADGROUP cannot name streams of several slots, it pauses instead,
   doubling the pause up to ``read_idle_ms``.
   It checks the cancel marker (and, for reclaimed entries, the emitted marker) in the same round
@@ -21,8 +30,10 @@ families but is not a transaction (redis-py sends each node its part, in order, 
 marker still lands before the event it guards: both are in the reply_to's slot).
 - housekeeper: heartbeat (liveness key + registry hash), model card (again after each reconnect),
   the shard view (who owns which shard, how many shards exist, each shard's depth), reclaim of
-  pending entries whose consumer's liveness key is gone (shard by shard), removal of dead engines'
-  registry entries, and the streams' trim (acknowledged entries only, see ``trim_stream``).
+  pending entries whose consumer's liveness key is gone (shard by shard, lane by lane), removal of
+  dead engines' registry entries, the streams' trim (acknowledged entries only, see
+  ``trim_stream``) and the removal of tenants' lanes that stayed empty and idle
+  (``contract.LANE_REMOVE_SCRIPT``).
 
 At start the housekeeper first reclaims this consumer's own pending entries (a restarted engine
 with a fixed ``--engine-id`` owns those of its previous life); the reader waits for that, so the
@@ -39,6 +50,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -46,14 +58,20 @@ from typing import Any, NamedTuple
 import redis
 from redis.backoff import ExponentialBackoff
 
+from engine_service.core.fair_share import EMPTY_VIEW, FairView
 from engine_service.service.metrics import NULL_METRICS, NullMetrics
-from sluice.wire import codec, contract, event_log, policy, registry, shards, usage
+from sluice.wire import codec, contract, event_log, policy, registry, shards, tenants, usage
 from sluice.wire.connection import TRANSIENT_ERRORS, connect, is_cluster, read_shard_message, refresh_topology
 from sluice.wire.messages_pb2 import Cancel, Event, GenerateRequest
 
 log = logging.getLogger("sluice.engine.io")
 
 _REDIS_ERRORS = TRANSIENT_ERRORS
+# How often the reader looks up the shards' lanes (a tenant's first entry in a new lane waits this
+# long at most, beyond the read); the housekeeper also does at each heartbeat.
+LANE_REFRESH_S = 0.1
+# Errors of a read naming a lane that was just removed (it holds nothing): look the lanes up again.
+_GONE_LANE = ("NOGROUP", "UNBLOCKED")
 
 
 class EntryRef(NamedTuple):
@@ -241,8 +259,14 @@ class RedisIO:
         # The queue's shards: until the housekeeper has read the registry, this engine is alone.
         own = max(1, min(int(settings.queue_shards), contract.MAX_QUEUE_SHARDS))
         self.view = ShardView(own, tuple(range(own)), (self.consumer,) * own)
-        self.streams = contract.request_streams(model, own)
+        self.streams = contract.request_streams(model, own)  # each shard's stream: the default tenant's lane
+        # the tenants' lanes: shard -> tenant ids (valid ones only; refresh_lanes), and where each
+        # stream of a shard (default lane included) belongs
+        self.lanes: dict[int, tuple[str, ...]] = {}
         self._shard_of = {stream: i for i, stream in enumerate(self.streams)}
+        self._tenant_of: dict[str, str] = {}  # lane stream -> tenant (absent: the default tenant)
+        self._lanes_due = 0.0
+        self._lane_remove = None  # contract.LANE_REMOVE_SCRIPT, registered at first use
         self._grouped: set[str] = set()  # streams whose consumer group exists (reader thread)
         self._rotation = 0  # which owned shard a short credit starts with, so none starves
         self._next_probe = 0.0
@@ -273,6 +297,11 @@ class RedisIO:
         self._headroom = 0
         self._consumed = 0
         self._delivered = 0
+        # The worker's fair share after its last step, and the tenants of the entries delivered and
+        # not consumed yet (oldest first): the reader's order among lanes and its read-ahead.
+        self._fair: FairView = EMPTY_VIEW
+        self._inflight_tenants: deque[str] = deque()
+        self._next_read_ahead = 0.0
         # Entries handed to the worker and not acknowledged yet (their XACK not sent), with their
         # request and gateway ids: our own pending entries that are NOT here are orphans (see
         # ``reclaim_orphans``), and the gateways named here are watched (``check_gateways``).
@@ -339,16 +368,32 @@ class RedisIO:
             self._credit_lock.notify_all()
 
     # --- credit (called by the worker) ---
-    def report_headroom(self, headroom: int, consumed: int) -> None:
+    def report_headroom(self, headroom: int, consumed: int, fair: FairView | None = None) -> None:
+        """The worker's room for new entries, the entries it has taken so far, and (after a step)
+        its fair share between tenants."""
         with self._credit_lock:
+            inflight = self._inflight_tenants
+            for _ in range(min(len(inflight), consumed - self._consumed)):
+                inflight.popleft()
             self._headroom, self._consumed = headroom, consumed
-            if self._credit() > 0:
+            if fair is not None:
+                self._fair = fair
+            if self._credit() > 0 or self._read_ahead() > 0:
                 self._credit_lock.notify_all()
 
     def _credit(self) -> int:
         if not self.reading:
             return 0
         return self._headroom - (self._delivered - self._consumed)
+
+    def _read_ahead(self) -> int:
+        """Entries the reader may take beyond its credit (one per tenant that could take a slot):
+        the fair share's slots to give, less the entries on their way to the worker, which the
+        view does not count yet (call with ``_credit_lock`` held)."""
+        fair = self._fair
+        if not self.reading or fair.slots_to_give <= 0 or not self.lanes:
+            return 0
+        return max(0, fair.slots_to_give - len(self._inflight_tenants))
 
     def send(self, batch: Batch) -> None:
         if batch:
@@ -372,8 +417,49 @@ class RedisIO:
         if view.count > len(self.streams):
             log.info("serving %d queue shards (an engine of the model published that many)", view.count)
             self.streams = contract.request_streams(self.model, view.count)
-            self._shard_of = {stream: i for i, stream in enumerate(self.streams)}
+            self._set_lanes(self.lanes)
         self.view = view
+
+    # --- lanes ---
+    def shard_lanes(self, shard: int) -> list[tuple[str, str]]:
+        """(tenant, stream) of each lane of a shard: the default tenant's (the shard's stream) first."""
+        lanes = [("", self.streams[shard])]
+        lanes += [(t, contract.lane_stream(self.model, shard, t)) for t in self.lanes.get(shard, ())]
+        return lanes
+
+    def all_streams(self) -> list[str]:
+        """Every lane's stream of every shard served."""
+        return [stream for shard in range(len(self.streams)) for _, stream in self.shard_lanes(shard)]
+
+    def refresh_lanes(self) -> dict[int, tuple[str, ...]]:
+        """Look up each shard's lanes set (one pipelined round trip). A member that is not a valid
+        tenant id is ignored: the engine trusts nothing it reads."""
+        count = len(self.streams)
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in range(count):
+            pipe.smembers(contract.lanes_key(self.model, shard))
+        lanes: dict[int, tuple[str, ...]] = {}
+        for shard, members in enumerate(pipe.execute(raise_on_error=False)):
+            if isinstance(members, Exception):  # that node is away: keep what we knew
+                if shard in self.lanes:
+                    lanes[shard] = self.lanes[shard]
+                continue
+            names = sorted({t for t in map(_str, members) if t and tenants.check_tenant_id(t) is None})
+            if names:
+                lanes[shard] = tuple(names)
+        if lanes != self.lanes:
+            self._set_lanes(lanes)
+        return lanes
+
+    def _set_lanes(self, lanes: dict[int, tuple[str, ...]]) -> None:
+        shard_of = {stream: i for i, stream in enumerate(self.streams)}
+        tenant_of = {}
+        for shard, names in lanes.items():
+            for name in names:
+                stream = contract.lane_stream(self.model, shard, name)
+                shard_of[stream], tenant_of[stream] = shard, name
+        # each attribute swapped whole: the other threads read one or the other, never a half
+        self._shard_of, self._tenant_of, self.lanes = shard_of, tenant_of, lanes
 
     def _reader_loop(self) -> None:
         backoff = self._backoff("reader")
@@ -384,16 +470,26 @@ class RedisIO:
                 continue
             with self._credit_lock:
                 credit = self._credit()
+                ahead = self._read_ahead()
             if (credit > 0) != self._room_shown:
                 self._show_room(credit > 0)
-            if credit <= 0:
+            if credit <= 0 and ahead <= 0:
                 with self._credit_lock:
-                    if self._credit() <= 0:
+                    if self._credit() <= 0 and self._read_ahead() <= 0:
                         self._credit_lock.wait(0.1)
                 continue
+            if credit <= 0 and not self._can_block:  # a cluster: look for takers every steal_probe_ms
+                wait = self._next_read_ahead - time.monotonic()
+                if wait > 0:
+                    self._stop.wait(wait)
+                    continue
+                self._next_read_ahead = time.monotonic() + self.settings.steal_probe_ms / 1000
             try:
-                entries = self.read(min(credit, self.settings.max_read_batch))
-                if not entries and self._can_block:
+                if credit <= 0:  # one Redis server: wait on the takers' lanes for steal_probe_ms
+                    entries = self._wait_for_takers(ahead)
+                else:
+                    entries = self.read(min(credit, self.settings.max_read_batch), ahead)
+                if not entries and credit > 0 and self._can_block:
                     entries = self._wait_for_entries()
                 backoff.ok()
                 self.connected.set()
@@ -404,7 +500,9 @@ class RedisIO:
                 continue
             except redis.ResponseError as exc:
                 self._grouped.clear()
-                if "NOGROUP" in str(exc):  # Redis lost a stream (restart without persistence)
+                if any(word in str(exc) for word in _GONE_LANE):
+                    # Redis lost a stream (restart without persistence), or a lane read was removed
+                    self._lanes_due = 0.0
                     continue
                 log.error("XREADGROUP failed: %s", exc)
                 backoff.fail(self._stop)
@@ -423,8 +521,8 @@ class RedisIO:
         nothing and a new entry is read at once. Only an entry that lands between the empty read
         and this one can make the read return more than one (one per shard at most)."""
         view = self.view
-        owned = [self.streams[i] for i in view.owned if i < len(self.streams)]
-        others = view.count > len(owned)
+        owned = [stream for i in view.owned if i < len(self.streams) for _, stream in self.shard_lanes(i)]
+        others = view.count > len([i for i in view.owned if i < len(self.streams)])
         if not owned:
             self._stop.wait(self.settings.steal_probe_ms / 1000)
             return []
@@ -439,6 +537,47 @@ class RedisIO:
                 entries.append(entry)
         return entries
 
+    def _wait_for_takers(self, ahead: int) -> list[Entry]:
+        """One Redis server, no credit, a read-ahead allowed: BLOCK (up to ``steal_probe_ms``, so
+        that credit coming back waits no longer) on the lanes of the owned shards of up to ``ahead``
+        tenants that could take a slot (``FairView.may_take_slot``) and have nothing on their way
+        (least virtual time first, equal ones in turn), COUNT 1 each: such a tenant's request is read
+        the moment it lands instead of at the next look. On a cluster the reader looks every
+        ``steal_probe_ms`` instead (``read``)."""
+        self._refresh_lanes_when_due()
+        with self._credit_lock:
+            fair, on_the_way = self._fair, set(self._inflight_tenants)
+        owned = [shard for shard in self.view.owned if shard < len(self.streams)]
+        lanes = [(shard, tenant, stream) for shard in owned for tenant, stream in self.shard_lanes(shard)
+                 if tenant not in on_the_way and fair.may_take_slot(tenant)]
+        names = sorted({tenant for _, tenant, _ in lanes})
+        if names:
+            k = self._rotation % len(names)
+            self._rotation += 1
+            chosen = set(sorted(names[k:] + names[:k], key=fair.priority)[:ahead])
+            lanes = [lane for lane in lanes if lane[1] in chosen]
+        streams = {stream: shard for shard, _, stream in lanes}
+        if not streams:
+            with self._credit_lock:
+                self._credit_lock.wait(self.settings.steal_probe_ms / 1000)
+            return []
+        reply = self.redis.xreadgroup(contract.CONSUMER_GROUP, self.consumer, dict.fromkeys(streams, ">"), count=1,
+                                      block=self.settings.steal_probe_ms)
+        entries = []
+        for name, messages in reply or []:
+            stream = _str(name)
+            for eid, fields in messages:
+                entry = parse_entry(EntryRef(stream, eid), fields)
+                entry.shard = streams.get(stream, 0)
+                entries.append(entry)
+        return entries
+
+    def _refresh_lanes_when_due(self) -> None:
+        now = time.monotonic()
+        if now >= self._lanes_due:
+            self._lanes_due = now + LANE_REFRESH_S
+            self.refresh_lanes()
+
     def _show_room(self, room: bool) -> None:
         """Tell peers at once whether this engine can take more (``contract.room_key``): while it
         cannot, they take its shards' entries without waiting for the steal bound."""
@@ -449,53 +588,136 @@ class RedisIO:
         except _REDIS_ERRORS + (redis.RedisError,) as exc:
             log.debug("reader: could not publish room (%s)", exc)
 
-    def read(self, count: int) -> list[Entry]:
-        """At most ``count`` new entries: own shards first, then what may be stolen."""
+    def read(self, count: int, ahead: int = 0) -> list[Entry]:
+        """At most ``count`` new entries: own shards first, then what may be stolen; and with
+        tenants' lanes, up to ``ahead`` more, one per tenant absent from the engine."""
         view = self.view
         streams = self.streams
         self._ensure_groups(streams)
-        entries = self._read_shards(list(view.owned), count) if view.owned else []
-        room = count - len(entries)
+        self._refresh_lanes_when_due()
         now = time.monotonic()
+        owned = [i for i in view.owned if i < len(streams)]
+        if self.lanes:
+            entries = self._read_fair(owned, count, ahead)
+        else:  # one lane a shard (no tenants): the shards' credit split
+            entries = self._read_shards(owned, count) if owned else []
+        room = count - len(entries)
         if room > 0 and now >= self._next_probe:
             self._next_probe = now + self.settings.steal_probe_ms / 1000
-            stolen = self._read_shards(self.steal_candidates(view, streams), room, stolen=True)
+            stolen = self._read_stolen(self.steal_candidates(view, streams), room)
             if stolen:
                 self.stats["stolen"] += len(stolen)
                 log.debug("took %d entries of shards this engine does not own", len(stolen))
             entries += stolen
         return entries
 
-    def _read_shards(self, shard_ids: list[int], count: int, stolen: bool = False) -> list[Entry]:
-        """One pipelined, non-blocking XREADGROUP per shard (a cluster pipeline sends each node its
-        part), the credit split so that the total never exceeds ``count``: a credit shorter than
-        the shards goes to those with unread entries, a rotating subset when they are still more."""
+    def _read_shards(self, shard_ids: list[int], count: int) -> list[Entry]:
+        """The own shards' default lanes, the credit split so that the total never exceeds
+        ``count``: a credit shorter than the shards goes to those with unread entries, a rotating
+        subset when they are still more."""
         if not shard_ids or count <= 0:
             return []
-        if not stolen and count < len(shard_ids):
+        if count < len(shard_ids):
             # Less credit than shards: look first which hold unread entries (one more pipelined
             # round trip), so that the credit goes to those rather than to empty ones.
             positions = self._positions([self.streams[i] for i in shard_ids])
             shard_ids = [i for i, (last, lag) in zip(shard_ids, positions, strict=True) if last is None or lag != 0]
             if not shard_ids:
                 return []
-        if not stolen:
-            k = self._rotation % len(shard_ids)
-            shard_ids = shard_ids[k:] + shard_ids[:k]
-            self._rotation += 1
+        k = self._rotation % len(shard_ids)
+        shard_ids = shard_ids[k:] + shard_ids[:k]
+        self._rotation += 1
         shard_ids = shard_ids[:count]
         base, extra = divmod(count, len(shard_ids))
+        return self._xread([(shard, self.streams[shard], base + (1 if i < extra else 0))
+                            for i, shard in enumerate(shard_ids)])
+
+    def _read_stolen(self, targets: list[tuple[int, str]], count: int) -> list[Entry]:
+        """Other shards' lanes, in the order given (``steal_candidates``), the credit split."""
+        targets = targets[:count]
+        if not targets or count <= 0:
+            return []
+        base, extra = divmod(count, len(targets))
+        return self._xread([(shard, stream, base + (1 if i < extra else 0))
+                            for i, (shard, stream) in enumerate(targets)], stolen=True)
+
+    def _read_fair(self, shard_ids: list[int], count: int, ahead: int) -> list[Entry]:
+        """The own shards' lanes in fair-share order: the lanes' unread entries first (one
+        pipelined round trip), then ``count`` entries dealt one at a time to the tenants in order
+        of least virtual time (``FairView.priority``; an absent tenant's is the least), round after
+        round while they have entries; then ``ahead`` more, one per tenant that could take a slot
+        (``FairView.may_take_slot``) and has nothing on its way. A tenant's entries come from its
+        lanes in rotating order."""
+        if not shard_ids or count + ahead <= 0:
+            return []
+        with self._credit_lock:
+            fair, on_the_way = self._fair, set(self._inflight_tenants)
+        lanes = [(shard, tenant, stream) for shard in shard_ids for tenant, stream in self.shard_lanes(shard)]
+        if count <= 0:  # a look for takers only (every steal_probe_ms while saturated): their lanes alone
+            lanes = [lane for lane in lanes if lane[1] not in on_the_way and fair.may_take_slot(lane[1])]
+            if not lanes:
+                return []
+        positions = self._positions([stream for _, _, stream in lanes])
+        by_tenant: dict[str, list[list]] = {}  # tenant -> [[shard, stream, unread], ...]
+        for (shard, tenant, stream), (last, lag) in zip(lanes, positions, strict=True):
+            if tenant and last is None:
+                continue  # a lane without its group: removed meanwhile
+            if lag is None:
+                lag = count + ahead  # unknown (no group yet on a default lane, or Redis cannot tell)
+            if lag > 0:
+                by_tenant.setdefault(tenant, []).append([shard, stream, lag])
+        if not by_tenant:
+            return []
+        names = sorted(by_tenant)
+        k = self._rotation % len(names)
+        self._rotation += 1
+        order = sorted(names[k:] + names[:k], key=fair.priority)  # stable: equal priorities rotate
+        unread = {t: sum(lane[2] for lane in by_tenant[t]) for t in order}
+        dealt = dict.fromkeys(order, 0)
+        left = count
+        while left > 0 and any(dealt[t] < unread[t] for t in order):
+            for t in order:
+                if left > 0 and dealt[t] < unread[t]:
+                    dealt[t] += 1
+                    left -= 1
+        for t in order:
+            if ahead <= 0:
+                break
+            if not dealt[t] and t not in on_the_way and fair.may_take_slot(t):
+                dealt[t] = 1
+                ahead -= 1
+        alloc: list[tuple[int, str, int]] = []
+        for t in order:
+            tenant_lanes = by_tenant[t]
+            j = self._rotation % len(tenant_lanes)
+            tenant_lanes = tenant_lanes[j:] + tenant_lanes[:j]
+            n = dealt[t]
+            while n > 0:
+                for lane in tenant_lanes:
+                    if n > 0 and lane[2] > 0:
+                        take = 1 if len(tenant_lanes) > 1 else min(n, lane[2])
+                        lane[2] -= take
+                        n -= take
+                        alloc.append((lane[0], lane[1], take))
+        merged: dict[tuple[int, str], int] = {}
+        for shard, stream, n in alloc:
+            merged[(shard, stream)] = merged.get((shard, stream), 0) + n
+        return self._xread([(shard, stream, n) for (shard, stream), n in merged.items()])
+
+    def _xread(self, alloc: list[tuple[int, str, int]], stolen: bool = False) -> list[Entry]:
+        """One pipelined, non-blocking XREADGROUP per (shard, stream, count) (a cluster pipeline
+        sends each node its part)."""
+        if not alloc:
+            return []
         pipe = self.redis.pipeline(transaction=False)
-        for i, shard in enumerate(shard_ids):
-            pipe.xreadgroup(contract.CONSUMER_GROUP, self.consumer, {self.streams[shard]: ">"},
-                            count=base + (1 if i < extra else 0))
+        for _, stream, n in alloc:
+            pipe.xreadgroup(contract.CONSUMER_GROUP, self.consumer, {stream: ">"}, count=n)
         # A failing node (a cluster failover) must not hide what the others delivered: those
         # entries are ours now, pending; dropping them would leave them to the orphan check.
         replies = pipe.execute(raise_on_error=False)
         entries = []
         failed: list[Exception] = []
-        for shard, reply in zip(shard_ids, replies, strict=True):
-            stream = self.streams[shard]
+        for (shard, stream, _), reply in zip(alloc, replies, strict=True):
             if isinstance(reply, Exception):
                 failed.append(reply)
                 self._grouped.discard(stream)
@@ -508,27 +730,29 @@ class RedisIO:
         if failed and not entries:
             raise failed[0]
         if failed:
-            log.warning("reader: %d of %d shard reads failed (%s)", len(failed), len(shard_ids), failed[0])
+            log.warning("reader: %d of %d lane reads failed (%s)", len(failed), len(alloc), failed[0])
         return entries
 
-    def steal_candidates(self, view: ShardView, streams: list[str]) -> list[int]:
-        """The other shards whose oldest undelivered entry may be taken now, oldest first: it
-        waited ``steal_after_ms``, or its shard has no live owner, or the owner is saturated.
-        Two pipelined round trips: each group's read position (and lag), then the first entry
-        after it (its id is its enqueue time)."""
+    def steal_candidates(self, view: ShardView, streams: list[str]) -> list[tuple[int, str]]:
+        """The other shards' lanes whose oldest undelivered entry may be taken now, as (shard,
+        stream): it waited ``steal_after_ms``, or its shard has no live owner, or the owner is
+        saturated; oldest first, and with tenants' lanes in fair-share order first. Two pipelined
+        round trips: each group's read position (and lag), then the first entry after it (its id
+        is its enqueue time)."""
         owned = set(view.owned)
-        others = [i for i in range(len(streams)) if i not in owned]
+        others = [(i, tenant, stream) for i in range(len(streams)) if i not in owned
+                  for tenant, stream in self.shard_lanes(i)]
         if not others:
             return []
-        positions = self._positions([streams[i] for i in others])
-        looked = [(i, last) for i, (last, lag) in zip(others, positions, strict=True)
+        positions = self._positions([stream for _, _, stream in others])
+        looked = [(i, tenant, stream, last) for (i, tenant, stream), (last, lag) in zip(others, positions, strict=True)
                   if last is not None and lag != 0]
         if not looked:
             return []
-        owners = sorted({o for i, _ in looked if (o := view.owners[i] if i < len(view.owners) else None)})
+        owners = sorted({o for i, *_ in looked if (o := view.owners[i] if i < len(view.owners) else None)})
         pipe = self.redis.pipeline(transaction=False)
-        for i, last in looked:
-            pipe.xrange(streams[i], min="(" + last, count=1)
+        for _, _, stream, last in looked:
+            pipe.xrange(stream, min="(" + last, count=1)
         for o in owners:
             pipe.get(contract.room_key(o))
         replies = pipe.execute(raise_on_error=False)
@@ -536,15 +760,16 @@ class RedisIO:
         # no room: its reader's credit is spent (or it has not said so: hung, dying)
         full = {o for o, room in rooms.items() if room in (b"0", "0", None)} | set(view.saturated)
         now_ms = self._redis_ms()
-        ready: list[tuple[int, int]] = []
-        for (i, _), first in zip(looked, firsts, strict=True):
+        fair = self._fair
+        ready: list[tuple[tuple[float, float], int, int, str]] = []
+        for (i, tenant, stream, _), first in zip(looked, firsts, strict=True):
             if isinstance(first, Exception) or not first:
                 continue
             age = now_ms - shards.entry_ms(first[0][0])
             owner = view.owners[i] if i < len(view.owners) else None
             if age >= self.settings.steal_after_ms or owner is None or owner in full:
-                ready.append((age, i))
-        return [i for _, i in sorted(ready, reverse=True)]
+                ready.append((fair.priority(tenant) if self.lanes else (0.0, 0.0), -age, i, stream))
+        return [(i, stream) for _, _, i, stream in sorted(ready)]
 
     def _positions(self, streams: list[str]) -> list[tuple[str | None, int | None]]:
         """Per stream: the group's last-delivered id and lag (None where unknown); (None, None)
@@ -600,6 +825,7 @@ class RedisIO:
                         self._logs[rid] = spec
         with self._credit_lock:
             self._delivered += len(entries)
+            self._inflight_tenants.extend(e.request.tenant if e.request is not None else "" for e in entries)
         for e in entries:
             self.inbox.put(e)
 
@@ -918,8 +1144,14 @@ class RedisIO:
         if view.owned != self.view.owned:
             log.info("owning queue shards %s of %d (%d live engines)", list(view.owned), count, len(live))
         self._set_view(view)
-        positions = self._positions(self.streams)
-        self.shard_depth.update({i: lag for i, (_, lag) in enumerate(positions) if lag is not None})
+        self.refresh_lanes()
+        streams = self.all_streams()
+        depth: dict[int, int] = {}
+        for stream, (_, lag) in zip(streams, self._positions(streams), strict=True):
+            if lag is not None:
+                shard = self._shard_of.get(stream, 0)
+                depth[shard] = depth.get(shard, 0) + lag
+        self.shard_depth.update(depth)
         return view
 
     def check_gateways(self, now: float | None = None) -> list[str]:
@@ -996,7 +1228,7 @@ class RedisIO:
         a previous life of this engine id. Left alone they would stay pending forever (no peer
         reclaims a live consumer's entries) and stop the stream's trim. They go through the
         reclaim path: errored (emitted, cancelled, expired) or restarted, and acknowledged."""
-        return sum(self._reclaim_orphans(stream) for stream in list(self.streams))
+        return sum(self._reclaim_orphans(stream) for stream in self.all_streams())
 
     def _reclaim_orphans(self, stream: str) -> int:
         try:
@@ -1036,11 +1268,33 @@ class RedisIO:
         return len(entries) + len(gone)
 
     def tidy(self) -> None:
-        """Trim the streams' acknowledged entries and forget dead engines' registry entries."""
-        for stream in list(self.streams):
+        """Trim the streams' acknowledged entries, remove the tenants' lanes that stayed empty and
+        idle, and forget dead engines' registry entries."""
+        for stream in self.all_streams():
             _, removed = trim_stream(self.redis, stream)
             self.stats["trimmed"] += removed
+        self.remove_idle_lanes()
         self.stats["pruned_engines"] += self.prune_registry()
+
+    def remove_idle_lanes(self, now_ms: int | None = None) -> int:
+        """Remove each tenant's lane that holds nothing and took no entry for
+        ``contract.LANE_IDLE_S`` (``contract.LANE_REMOVE_SCRIPT``: the stream and its name in the
+        lanes set, in one step); returns how many went."""
+        if not self.lanes:
+            return 0
+        if self._lane_remove is None:
+            self._lane_remove = self.redis.register_script(contract.LANE_REMOVE_SCRIPT)
+        now_ms = self._redis_ms() if now_ms is None else now_ms
+        removed = 0
+        for shard, names in list(self.lanes.items()):
+            for name in names:
+                removed += int(self._lane_remove(
+                    keys=[contract.lane_stream(self.model, shard, name), contract.lanes_key(self.model, shard)],
+                    args=[name, now_ms, contract.LANE_IDLE_S * 1000]) or 0)
+        if removed:
+            log.info("removed %d idle tenant lanes", removed)
+            self.refresh_lanes()
+        return removed
 
     def prune_registry(self) -> int:
         """Remove registry entries (``sluice:engines``) of engines whose liveness key is gone and
@@ -1072,7 +1326,7 @@ class RedisIO:
         """Forget consumers (dead engines) that own nothing and whose liveness key is gone, so the
         group does not grow with every engine restart. A live one removed by a race is recreated
         by its next XREADGROUP."""
-        for stream in list(self.streams):
+        for stream in self.all_streams():
             self._prune_consumers(stream)
 
     def _prune_consumers(self, stream: str) -> None:
@@ -1094,7 +1348,7 @@ class RedisIO:
         our own: a restarted engine with a fixed id owns entries of its previous life), shard by
         shard: whoever finds a dead consumer's entries first takes them (XCLAIM's min-idle keeps
         two reclaimers from both winning one), whichever shards they are on."""
-        streams = list(self.streams)
+        streams = self.all_streams()
         pipe = self.redis.pipeline(transaction=False)
         for stream in streams:
             pipe.xpending(stream, contract.CONSUMER_GROUP)

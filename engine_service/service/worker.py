@@ -3,7 +3,8 @@
 Per iteration: take what the inbox holds (new entries, cancels, drain/stop), expire deadlines,
 run one engine step, turn its outputs into wire Events, and hand the I/O threads ONE Batch
 (events + emitted markers + XACKs) to send in one round trip. When the engine has nothing to do
-the loop blocks on the inbox instead of spinning.
+the loop blocks on the inbox instead of spinning. After each step the reader learns the engine's
+room (credit) and its fair share between tenants (``FairView``: the order it reads lanes in).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_service.core.fair_share import EMPTY_VIEW, FairView
 from engine_service.service.metrics import NULL_METRICS, NullMetrics
 from engine_service.service.redis_io import Batch, CancelNote, Entry
 from sluice.wire import codec, contract, limits, policy, tenants
@@ -105,6 +107,7 @@ class Worker:
         self._rates: deque[tuple[float, int, int]] = deque()
         self._snapshot = EngineStats()
         self._snapshot_lock = threading.Lock()
+        self._fair: FairView = EMPTY_VIEW  # the engine's fair share after the last step (immutable)
         self.counters = {"invalid": 0, "cancelled": 0, "deadline": 0, "engine_lost": 0, "handed_back": 0,
                          "gateway_lost": 0}
         self.metrics: NullMetrics = NULL_METRICS
@@ -130,6 +133,10 @@ class Worker:
         """The latest stats, refreshed after every step (immutable: safe to hand to other threads)."""
         with self._snapshot_lock:
             return self._snapshot
+
+    def fair_view(self) -> FairView:
+        """The engine's fair share between tenants after the last step (immutable, any thread)."""
+        return self._fair
 
     # ------------------------------------------------------------------ the loop
     def run(self, on_start: Callable[[], None] | None = None) -> None:
@@ -178,7 +185,7 @@ class Worker:
 
     def _report_credit(self) -> None:
         headroom = 0 if self.draining else max(0, int(self.engine.admission_headroom()))
-        self.io.report_headroom(headroom, self.consumed)
+        self.io.report_headroom(headroom, self.consumed, self._fair)
 
     def _take_inbox(self, batch: Batch, timeout: float) -> bool:
         """Handle what the inbox holds, waiting up to ``timeout`` for the first item. True: stop."""
@@ -261,7 +268,8 @@ class Worker:
             from engine_service.core.sampling_params import SamplingParams
 
             params = SamplingParams(**codec.sampling_kwargs_from_proto(req.params))
-            self.engine.add_request(rid, list(req.prompt_token_ids), params)
+            self.engine.add_request(rid, list(req.prompt_token_ids), params, tenant=req.tenant,
+                                    tenant_weight=tenants.wire_weight(req.tenant_weight))
         except ValueError as exc:  # RequestRejected is a ValueError with a .code
             code = getattr(exc, "code", None)
             self.counters["invalid"] += 1
@@ -483,6 +491,9 @@ class Worker:
 
     # ------------------------------------------------------------------ stats
     def _update_snapshot(self) -> None:
+        view = getattr(self.engine, "fair_view", None)  # an engine without tenants (a test's fake): none
+        if view is not None:
+            self._fair = view()
         stats = self.engine.get_stats()
         now = time.monotonic()
         self._rates.append((now, stats.generation_tokens_total, stats.prompt_tokens_total))

@@ -144,6 +144,7 @@ class WireClient:
         self.redis = r
         self._reply_of: dict[str, str] = {}  # request id -> reply id, for cancel()
         self.last_shard = 0  # the queue shard of the last enqueue
+        self._enqueue_script: Any = None  # contract.ENQUEUE_SCRIPT, registered at the first tenant's enqueue
 
     @classmethod
     def from_url(cls, url: str) -> WireClient:
@@ -173,13 +174,17 @@ class WireClient:
         gateway_id: str = "",
         reply_to: str | None = None,
         shard: int | None = None,
+        tenant: str = "",
+        tenant_weight: int = 0,
     ) -> RequestHandle:
         """Enqueue a request and subscribe to its events. With ``gateway_id`` the engines abort it
         once that gateway's liveness key (``heartbeat_gateway``) stays gone. ``reply_to``: the
-        reply id (default: a new one). ``shard``: the queue shard (default: as a gateway chooses)."""
+        reply id (default: a new one). ``shard``: the queue shard (default: as a gateway chooses).
+        ``tenant`` / ``tenant_weight``: who it is for (its lane of the shard) and its fair share."""
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         request = codec.make_request(request_id, model, prompt_token_ids, params, deadline=deadline,
-                                     reply_to=reply_to or self.new_reply_id(), gateway_id=gateway_id)
+                                     reply_to=reply_to or self.new_reply_id(), gateway_id=gateway_id,
+                                     tenant=tenant, tenant_weight=tenant_weight)
         handle = self.listen(request)
         handle.entry_id = self.enqueue(request, shard)
         handle.shard = self.last_shard
@@ -210,11 +215,21 @@ class WireClient:
                                    prefix_blocks=blocks, request_id=request.request_id)
 
     def enqueue(self, request: Any, shard: int | None = None) -> bytes:
-        """XADD ``request`` to its shard (``shard_of``, unless ``shard`` is given)."""
+        """XADD ``request`` to its shard (``shard_of``, unless ``shard`` is given): to the shard's
+        stream for the default tenant, else to the tenant's lane (created as a gateway's enqueue
+        creates it, ``contract.ENQUEUE_SCRIPT``, without the gateway's in-flight marker)."""
         self._reply_of[request.request_id] = request.reply_to
         shard = self.shard_of(request) if shard is None else shard
         self.last_shard = shard
-        return self.redis.xadd(contract.request_stream(request.model, shard), codec.encode_request(request))
+        if not request.tenant:
+            return self.redis.xadd(contract.request_stream(request.model, shard), codec.encode_request(request))
+        if self._enqueue_script is None:
+            self._enqueue_script = self.redis.register_script(contract.ENQUEUE_SCRIPT)
+        return self._enqueue_script(
+            keys=[contract.lane_stream(request.model, shard, request.tenant),
+                  contract.inflight_key(request.model, shard, request.request_id),
+                  contract.lanes_key(request.model, shard)],
+            args=[request.SerializeToString(), 0, contract.REQUEST_FIELD, request.tenant, contract.CONSUMER_GROUP])
 
     def enqueue_raw(self, model: str, fields: dict, shard: int = 0) -> bytes:
         """Add an arbitrary entry (tests of malformed input)."""

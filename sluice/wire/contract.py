@@ -20,7 +20,14 @@ down this module:
   slot, so XADD + marker is one atomic script and a failover loses both or neither (Redis
   replicates a node's writes in order): a marker that is gone still means "the entry is gone".
   The engine's hand-back (XADD, to the same shard) and XACK go together in one MULTI for the same
-  reason.
+  reason. A shard holds one **lane** (stream) per tenant that queued there (``sluice.wire.tenants``):
+  the shard's stream is the default tenant's lane (a deployment without tenants has no other), a
+  tenant's lane is ``...:requests:<tenant>``, and the shard's lanes set names the tenants' lanes.
+  All of them share the shard's tag, so the gateway's enqueue creates a lane (its consumer group,
+  from the start, and its name in the set) in the same script as the marker and the XADD, and the
+  engines' removal of an idle, empty lane (``LANE_REMOVE_SCRIPT``) is atomic with it. The engines
+  read a shard's lanes in fair-share order (``engine_service.core.fair_share``): a tenant's flood
+  waits in its own lane, not ahead of everyone else's requests.
 - ``{g:<reply_to>}``: one gateway process's replies (``GenerateRequest.reply_to``). All events of
   its requests go through ONE sharded channel (SPUBLISH/SSUBSCRIBE: a cluster delivers it on the
   slot's node only, instead of broadcasting every token to every node), batched per engine step;
@@ -34,7 +41,9 @@ down this module:
 
 | key / channel                        | type                   | writer  | purpose                                   |
 |--------------------------------------|------------------------|---------|-------------------------------------------|
-| sluice:{q:<model>:<shard>}:requests  | stream, group engines  | gateway | one shard of the request queue (field "r": GenerateRequest); the gateway picks the shard from the prompt's first blocks |
+| sluice:{q:<model>:<shard>}:requests  | stream, group engines  | gateway | one shard of the request queue (field "r": GenerateRequest); the gateway picks the shard from the prompt's first blocks; the default tenant's lane |
+| sluice:{q:<model>:<shard>}:requests:<tenant> | stream, group engines | gateway | a tenant's lane of the shard (same entries); created with its group by ENQUEUE_SCRIPT, removed by the engines once empty and idle for LANE_IDLE_S (LANE_REMOVE_SCRIPT) |
+| sluice:{q:<model>:<shard>}:lanes     | set of tenant ids      | gateway | the tenants that have a lane in the shard (engines ignore a member that is not a valid tenant id) |
 | sluice:{q:<model>:<shard>}:inflight:<rid> | string with TTL   | gateway | set atomically with the request's XADD (ENQUEUE_SCRIPT), deleted when the gateway is done with it: gone while the gateway still waits = Redis lost the entry |
 | sluice:{g:<reply_to>}:events         | sharded channel        | engine  | EventBatch messages for the requests of one reply_to |
 | sluice:{g:<reply_to>}:emitted:<rid>  | string with TTL        | engine  | set with a request's first token: a reclaimed request that has it is errored, not restarted |
@@ -68,7 +77,8 @@ from sluice.wire.messages_pb2 import ErrorCode
 # 4: the queue is sharded (``{q:<model>:<shard>}``, shard chosen from the prompt's prefix; the card
 #    carries the shard count, block size and prefix blocks; the registry the shard counts published);
 #    the per-request event log (GenerateRequest.log_events, detached, log_ttl_s; the {r:<rid>} family).
-# 5: tenants (GenerateRequest.tenant, tenant_weight; sluice.wire.tenants).
+# 5: tenants (GenerateRequest.tenant, tenant_weight; sluice.wire.tenants); a queue shard holds one
+#    lane per tenant (``lane_stream``, ``lanes_key``: the default tenant's is the shard's stream).
 CONTRACT_VERSION = 5
 PREFIX = "sluice"
 
@@ -129,6 +139,17 @@ def request_streams(model: str, shards: int) -> list[str]:
     return [request_stream(model, s) for s in range(max(1, int(shards)))]
 
 
+def lane_stream(model: str, shard: int, tenant: str) -> str:
+    """A tenant's lane of one shard: the shard's stream itself for the default tenant ("")."""
+    stream = request_stream(model, shard)
+    return f"{stream}:{tenant}" if tenant else stream
+
+
+def lanes_key(model: str, shard: int) -> str:
+    """The set of tenants that have a lane in the shard (the default tenant's is never in it)."""
+    return f"{PREFIX}:{queue_tag(model, shard)}:lanes"
+
+
 def inflight_key(model: str, shard: int, request_id: str) -> str:
     return f"{PREFIX}:{queue_tag(model, shard)}:inflight:{request_id}"
 
@@ -165,14 +186,53 @@ def model_card_key(model: str) -> str:
     return f"{PREFIX}:{REGISTRY_TAG}:model:{model}"
 
 
-# The gateway's enqueue, atomic on one server and on a cluster (both keys in the queue's slot): the
+# The gateway's enqueue, atomic on one server and on a cluster (every key in the queue's slot): the
 # in-flight marker, then the entry; returns the entry id. A script rather than MULTI/EXEC because
 # redis-py's asyncio cluster client cannot run a transaction (8.1 executes it on a thread of its
 # own event loop); a script is one round trip on both topologies and replicated as one unit.
-# KEYS: request_stream, inflight_key; ARGV: GenerateRequest bytes, marker TTL (s), REQUEST_FIELD.
+# A tenant's request goes to its lane: a lane that does not exist yet gets its consumer group from
+# id 0 (no entry is ever skipped) and its name in the lanes set, in the same step. The default
+# tenant's runs SET and XADD only, as before lanes.
+# KEYS: lane_stream, inflight_key, lanes_key; ARGV: GenerateRequest bytes, marker TTL (s; 0: no
+# marker, WireClient), REQUEST_FIELD, tenant ("" default), CONSUMER_GROUP.
 ENQUEUE_SCRIPT = """
-redis.call('SET', KEYS[2], '1', 'EX', ARGV[2])
+if tonumber(ARGV[2]) > 0 then
+  redis.call('SET', KEYS[2], '1', 'EX', ARGV[2])
+end
+if ARGV[4] ~= '' then
+  redis.call('SADD', KEYS[3], ARGV[4])
+  if redis.call('EXISTS', KEYS[1]) == 0 then
+    redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[5], '0', 'MKSTREAM')
+  end
+end
 return redis.call('XADD', KEYS[1], '*', ARGV[3], ARGV[1])
+"""
+
+# An engine removes a tenant's lane that holds nothing (no entry left after the trim, nothing
+# pending) and took no entry for LANE_IDLE_S, with its name in the lanes set, in one step: an
+# enqueue that follows creates it again. Returns 1 when removed (or already gone), else 0.
+# KEYS: lane_stream, lanes_key; ARGV: tenant, now (ms since the epoch), LANE_IDLE_S in ms.
+LANE_IDLE_S = 60
+LANE_REMOVE_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  if redis.call('XLEN', KEYS[1]) > 0 then return 0 end
+  local info = redis.call('XINFO', 'STREAM', KEYS[1])
+  for i = 1, #info, 2 do
+    if info[i] == 'last-generated-id' then
+      local ms = tonumber(string.match(info[i + 1], '^(%d+)'))
+      if ms and ms > tonumber(ARGV[2]) - tonumber(ARGV[3]) then return 0 end
+    end
+  end
+  local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
+  for _, g in ipairs(groups) do
+    for i = 1, #g, 2 do
+      if g[i] == 'pending' and tonumber(g[i + 1]) > 0 then return 0 end
+    end
+  end
+  redis.call('DEL', KEYS[1])
+end
+redis.call('SREM', KEYS[2], ARGV[1])
+return 1
 """
 
 # The in-flight marker outlives the request's deadline by this much (a crashed gateway's markers

@@ -35,7 +35,7 @@ class FakeEngine:
         self.slow = slow
         self.iterations = 0
 
-    def add_request(self, rid, prompt, params, arrival_time=None):
+    def add_request(self, rid, prompt, params, arrival_time=None, *, tenant="", tenant_weight=1):
         if not prompt:
             raise ValueError("the prompt is empty")
         self.reqs[rid] = [params, 0]
@@ -84,7 +84,7 @@ class FakeIO:
             with self.lock:
                 self.batches.append(batch)
 
-    def report_headroom(self, headroom: int, consumed: int) -> None:
+    def report_headroom(self, headroom: int, consumed: int, fair=None) -> None:
         self.credit.append((headroom, consumed))
 
     def stop_reading(self) -> None:

@@ -98,3 +98,23 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     assert doc["cost"]["num_running"] == 8
     assert main(["bench", "scheduler", "--num-seeds", "2", "--no-cost"]) == 0
     assert "seeds 0..1, summed" in capsys.readouterr().out
+
+
+def test_tenants_workload_shows_the_light_tenant_served_ahead_of_the_flood(tmp_path, capsys):
+    """``--tenants``: behind a flood, the light tenant's TTFT stays within 3x of its TTFT alone with
+    fair share, and is far beyond it first come first served; weights split the tokens."""
+    path = tmp_path / "tenants.json"
+    argv = ["bench", "scheduler", "--tenants", "--flood-requests", "60", "--light-requests", "8",
+            "--light-every", "30", "--check-invariants", "--json", str(path),
+            "--cost-running", "8", "--cost-waiting", "16", "--cost-steps", "3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "light TTFT p50" in out and "weights 3:1" in out and "of 2 tenant(s)" in out
+    doc = json.loads(path.read_text())
+    runs = {r["name"]: r for r in doc["runs"]}
+    assert set(runs) == {"alone", "fifo (one tenant)", "fair, no slot moves", "fair"}
+    assert runs["fair"]["ratio_to_alone"] <= 3.0
+    assert runs["fifo (one tenant)"]["ratio_to_alone"] > 10.0
+    assert runs["fair, no slot moves"]["light_ttft_p50"] < runs["fifo (one tenant)"]["light_ttft_p50"]
+    assert abs(doc["weights"]["share"] / doc["weights"]["expected"] - 1) < 0.15
+    assert [c["tenants"] for c in doc["cost"]] == [1, 2]

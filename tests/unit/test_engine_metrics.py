@@ -284,3 +284,24 @@ def test_a_port_in_use_is_a_clear_error():
         with pytest.raises(MetricsPortInUse, match="already in use"):
             m.serve(port, "127.0.0.1")
         assert m.port is None
+
+
+def test_tenant_gauges_have_a_bounded_label_count():
+    from types import MappingProxyType
+
+    from engine_service.core.fair_share import FairView, TenantLoad
+    from engine_service.service.metrics import MAX_TENANT_LABELS, OTHER_TENANTS, tenant_gauges
+
+    loads = {f"t{i:02d}": TenantLoad(1, 0.0, waiting=i, running=1) for i in range(MAX_TENANT_LABELS + 5)}
+    loads[""] = TenantLoad(1, 0.0, waiting=100, running=2)
+    view = FairView(MappingProxyType(loads))
+    gauges = tenant_gauges(view)
+    assert len(gauges) == MAX_TENANT_LABELS + 1 and gauges["default"] == (100, 2)
+    kept = {name for name in gauges if name not in ("default", OTHER_TENANTS)}
+    assert kept == {f"t{i:02d}" for i in range(6, MAX_TENANT_LABELS + 5)}  # the busiest
+    assert gauges[OTHER_TENANTS] == (sum(range(6)), 6)  # the rest, summed
+    assert sum(w for w, _ in gauges.values()) == sum(load.waiting for load in loads.values())
+    m = EngineMetrics("smol", "e1", process_metrics=False).bind(lambda: SNAPSHOT, fair_view=lambda: view)
+    text = m.render().decode()
+    assert 'sluice:tenant_requests_waiting{engine_id="e1",model="smol",tenant="default"} 100.0' in text
+    assert f'tenant="{OTHER_TENANTS}"' in text and text.count("sluice:tenant_requests_running{") == MAX_TENANT_LABELS + 1

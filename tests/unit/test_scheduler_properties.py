@@ -1,5 +1,6 @@
 """Property-based test of the scheduler: random pool sizes, block sizes, budgets, slots, watermarks,
-arrivals, aborts and lengths. Every admitted request finishes or is aborted within a bounded number
+arrivals, aborts, lengths and tenants with weights (one tenant: the plain FIFO path; several: the fair
+share, slot moves on or off). Every admitted request finishes or is aborted within a bounded number
 of steps, no block leaks, and the invariants hold after every step. ``FakeKVRunner`` checks that
 every scheduled request reads its exact context back through its block table (so prefix-cache hits,
 shared blocks and recompute are checked too), and makes outputs depend on that context."""
@@ -39,7 +40,11 @@ def scenarios(draw, pressure: bool = False):
         # several greedy decode steps a step (num_scheduler_steps) where no one waits
         num_scheduler_steps=draw(st.sampled_from([1, 1, 3, 8])),
         multi_step_max_rows=draw(st.integers(0, 6)),
+        fair_share_preemption=draw(st.booleans()),
     )
+    # tenants: "" (the default) alone, or with others; a request's weight may differ from its
+    # tenant's earlier ones (the latest counts)
+    tenant_names = ["", "a", "b"][: draw(st.integers(1, 3))]
     pool_tokens = num_blocks * block_size
     # most requests are sized to pass the door (their KV fits the pool, so they compete for it);
     # a few are drawn freely and may be refused
@@ -67,6 +72,8 @@ def scenarios(draw, pressure: bool = False):
                 "prompt": prompt,
                 "max_tokens": max_tokens,
                 "ignore_eos": draw(st.booleans()),
+                "tenant": draw(st.sampled_from(tenant_names)),
+                "weight": draw(st.integers(1, 3)),
                 # abort: None, or (step, between schedule and update?)
                 "abort": draw(st.none() | st.tuples(st.integers(0, 40), st.booleans())),
             }
@@ -120,7 +127,8 @@ def run_scenario(cfg: SchedulerConfig, specs: list[dict]) -> Scheduler:
             params = SamplingParams(
                 max_tokens=spec["max_tokens"], ignore_eos=spec["ignore_eos"], temperature=0.0
             )
-            req = Request(spec["id"], list(spec["prompt"]), params, eos_token_ids=frozenset({EOS}))
+            req = Request(spec["id"], list(spec["prompt"]), params, eos_token_ids=frozenset({EOS}),
+                          tenant=spec["tenant"], tenant_weight=spec["weight"])
             want = expected_rejection(cfg, spec)
             before = (sched.num_waiting, sched.num_running, sched.block_pool.num_free_blocks)
             try:
@@ -171,6 +179,12 @@ def run_scenario(cfg: SchedulerConfig, specs: list[dict]) -> Scheduler:
         else:
             assert req.num_output_tokens == spec["max_tokens"] or req.num_tokens >= cfg.max_model_len
         assert req.first_scheduled_time is not None and req.queue_time is not None
+    # within a tenant, first come, first served: first admissions keep the order of arrival
+    for tenant in {spec["tenant"] for _, spec in admitted.values()}:
+        times = [req.first_scheduled_time for req, spec in admitted.values()
+                 if spec["tenant"] == tenant and req.first_scheduled_time is not None]
+        assert times == sorted(times), f"tenant {tenant!r} admitted out of its order"
+    assert not sched.fair_view().tenants, "a tenant stays active with nothing left"
     st_ = sched.stats
     assert st_.recomputed_tokens <= st_.forwarded_tokens
     assert st_.thrashed_admissions <= st_.preemptions
