@@ -88,6 +88,9 @@ WORKER_OUTCOMES = ("invalid", "cancelled", "deadline", "engine_lost", "handed_ba
 # number of API keys.
 MAX_TENANT_LABELS = 20
 OTHER_TENANTS = "_other"
+# The usage counters' tenant labels: counters cannot fold a tenant into OTHER_TENANTS later, so the
+# first this many tenants an engine sees keep a label and the rest share OTHER_TENANTS.
+MAX_USAGE_TENANTS = 100
 
 
 class MetricsPortInUse(PortInUse):
@@ -117,6 +120,9 @@ class NullMetrics:
     def aborted(self, cause: str, n: int = 1) -> None:
         """Requests the engine stopped before their end: ``cancel``, ``deadline``, ``drain`` or
         ``gateway_lost``."""
+
+    def usage(self, used: Any) -> None:
+        """What one ended request used (``sluice.wire.usage.Usage``): its tenant's counters."""
 
     def reclaimed(self, n: int) -> None:
         """Pending entries claimed from dead engines."""
@@ -379,6 +385,15 @@ class EngineMetrics(NullMetrics):
         self._reconnects = {name: reconnects.labels(**lv, connection=name) for name in IO_THREADS}
         self._reconnects_family = reconnects
         self._lv = lv
+        # each tenant's use (sluice.wire.usage, also counted in Redis): the first MAX_USAGE_TENANTS
+        # tenants seen get a label of their own, the rest share OTHER_TENANTS
+        self._usage_families = {
+            name: Counter(f"sluice:tenant_{name}", doc, [*LABELS, "tenant"], registry=r)
+            for name, doc in (("requests", "Requests that ended here, by tenant (cancelled and failed ones included)"),
+                              ("prompt_tokens", "Prompt tokens of the requests that ended here, by tenant"),
+                              ("generation_tokens", "Tokens generated for the requests that ended here, by tenant"),
+                              ("cached_tokens", "Prompt tokens served from the prefix cache, by tenant"))}
+        self._usage_labels: set[str] = set()
 
     # ---------------------------------------------------------------- wiring
     def bind(self, snapshot: Callable[[], EngineStats | None], *, io_stats: dict[str, int] | None = None,
@@ -546,7 +561,20 @@ class EngineMetrics(NullMetrics):
         if n > 0:
             self._aborts[cause].inc(n)
 
+    def usage(self, used: Any) -> None:
+        label = tenants.label(used.tenant)
+        if label not in self._usage_labels:
+            if len(self._usage_labels) < MAX_USAGE_TENANTS:
+                self._usage_labels.add(label)
+            else:
+                label = OTHER_TENANTS
+        for name, value in (("requests", used.requests), ("prompt_tokens", used.prompt_tokens),
+                            ("generation_tokens", used.completion_tokens), ("cached_tokens", used.cached_tokens)):
+            if value:
+                self._usage_families[name].labels(**self._lv, tenant=label).inc(value)
+
     # ---------------------------------------------------------------- the I/O threads
+
     def reclaimed(self, n: int) -> None:
         if n > 0:
             self._reclaimed.inc(n)

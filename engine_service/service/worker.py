@@ -335,8 +335,9 @@ class Worker:
         if live is not None:
             batch.acks.append(live.entry_id)
             req = live.request
-            batch.usage.append(Usage(req.tenant, req.model, 1, len(req.prompt_token_ids), live.completion_tokens,
-                                     live.cached_tokens))
+            used = Usage(req.tenant, req.model, 1, len(req.prompt_token_ids), live.completion_tokens, live.cached_tokens)
+            batch.usage.append(used)
+            self.metrics.usage(used)
             self.metrics.request_done(rid)
 
     def _abort_silently(self, rid: str) -> None:

@@ -305,3 +305,23 @@ def test_tenant_gauges_have_a_bounded_label_count():
     text = m.render().decode()
     assert 'sluice:tenant_requests_waiting{engine_id="e1",model="smol",tenant="default"} 100.0' in text
     assert f'tenant="{OTHER_TENANTS}"' in text and text.count("sluice:tenant_requests_running{") == MAX_TENANT_LABELS + 1
+
+
+def test_usage_counters_by_tenant_with_a_bounded_label_count():
+    from engine_service.service.metrics import MAX_USAGE_TENANTS, OTHER_TENANTS
+    from sluice.wire.usage import Usage
+
+    m = EngineMetrics("smol", "e1", process_metrics=False)
+    m.usage(Usage("team-a", "smol", 1, 10, 4, 8))
+    m.usage(Usage("team-a", "smol", 1, 5, 0, 0))
+    m.usage(Usage("", "smol", 1, 3, 2, 0))
+    assert value(m, "sluice:tenant_requests_total", tenant="team-a") == 2
+    assert value(m, "sluice:tenant_prompt_tokens_total", tenant="team-a") == 15
+    assert value(m, "sluice:tenant_generation_tokens_total", tenant="team-a") == 4
+    assert value(m, "sluice:tenant_cached_tokens_total", tenant="team-a") == 8
+    assert value(m, "sluice:tenant_generation_tokens_total", tenant="default") == 2
+    for i in range(MAX_USAGE_TENANTS + 10):
+        m.usage(Usage(f"t{i}", "smol", 1, 1, 1, 0))
+    tenants_seen = {s.labels["tenant"] for s in samples(m)["sluice:tenant_requests_total"]}
+    assert len(tenants_seen) == MAX_USAGE_TENANTS + 1 and OTHER_TENANTS in tenants_seen
+    assert value(m, "sluice:tenant_requests_total", tenant=OTHER_TENANTS) == 12  # 2 of the first 100 went to labels
