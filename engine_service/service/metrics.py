@@ -388,11 +388,14 @@ class EngineMetrics(NullMetrics):
         # each tenant's use (sluice.wire.usage, also counted in Redis): the first MAX_USAGE_TENANTS
         # tenants seen get a label of their own, the rest share OTHER_TENANTS
         self._usage_families = {
-            name: Counter(f"sluice:tenant_{name}", doc, [*LABELS, "tenant"], registry=r)
-            for name, doc in (("requests", "Requests that ended here, by tenant (cancelled and failed ones included)"),
-                              ("prompt_tokens", "Prompt tokens of the requests that ended here, by tenant"),
-                              ("generation_tokens", "Tokens generated for the requests that ended here, by tenant"),
-                              ("cached_tokens", "Prompt tokens served from the prefix cache, by tenant"))}
+            name: Counter(metric, doc, [*LABELS, "tenant"], registry=r)
+            for name, metric, doc in (
+                ("requests", "sluice:tenant_requests",
+                 "Requests that ended here, by tenant (cancelled and failed ones included)"),
+                ("prompt_tokens", "sluice:tenant_prompt_tokens", "Prompt tokens of the requests that ended here, by tenant"),
+                ("generation_tokens", "sluice:tenant_generation_tokens",
+                 "Tokens generated for the requests that ended here, by tenant"),
+                ("cached_tokens", "sluice:tenant_cached_tokens", "Prompt tokens served from the prefix cache, by tenant"))}
         self._usage_labels: set[str] = set()
 
     # ---------------------------------------------------------------- wiring
