@@ -119,9 +119,9 @@ def prompts_of(result: Any) -> list[Prompt]:
 
 def constrained(body: Any) -> bool:
     """Whether the request asks for an output constraint (``response_format`` / ``text.format``
-    other than text, ``structured_outputs``, a forced ``tool_choice``): compiling one holds the GIL,
-    for seconds with a schema of thousands of properties, so such a request is prepared where a
-    large one is."""
+    other than text, ``structured_outputs``, a forced ``tool_choice``): converting its schema or
+    tools to a grammar is Python work, so its body counts heavier when choosing where it is
+    prepared (``preparation.CONSTRAINT_WEIGHT``)."""
     if isinstance(body, CreateResponseRequest):
         fmt = body.text.format if body.text is not None else None
         kind = getattr(fmt, "type", "text")

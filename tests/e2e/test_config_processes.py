@@ -182,5 +182,5 @@ def test_config_files_drive_a_real_engine_and_gateway(model_dir, clean_redis, tm
                      rf"{re.escape(clean_redis)}, gRPC health/admin on 127\.0\.0\.1:{grpc_port}$", engine_out, re.M), \
         engine_out
     assert gateway_out.count(f"gateway ready: OpenAI API at http://127.0.0.1:{port}/v1") == 1, gateway_out
-    assert "1 API key(s) required" in gateway_out
+    assert "API keys required (--api-key)" in gateway_out
     assert "GET /health" not in gateway_out and "Uvicorn running" not in gateway_out, gateway_out

@@ -85,8 +85,8 @@ def test_a_full_prepare_pool_sheds_large_bodies_and_small_requests_still_pass(cl
     flags = ["--prepare-pool-workers", "1", "--prepare-pool-queue", "0", "--prepare-pool-threshold-bytes", "65536",
              "--trust-request-chat-template", "--retry-after-s", "2"]
     with extra_gateway(clean_redis, tmp_path / "gateway.log", flags) as (_, url):
-        # a small body (parsed on the loop) with an output constraint: prepared in the pool, one job
-        slow = {**_chat("Hi"), "chat_template": SLOW_TEMPLATE, "response_format": {"type": "json_object"},
+        # a 9 KB body (parsed on the loop) with an output constraint: prepared in the pool, one job
+        slow = {**_chat("Hi " * 3000), "chat_template": SLOW_TEMPLATE, "response_format": {"type": "json_object"},
                 "max_tokens": 64}
 
         def hold() -> None:
@@ -118,7 +118,7 @@ def test_the_gateway_stall_bench_runs(tmp_path, capsys) -> None:
     """``sluice bench gateway-stall`` end to end, briefly: its own Redis, stub engine and gateways."""
     import argparse
 
-    from sluice_cli import bench_gateway_stall
+    from sluice_bench import gateway_stall as bench_gateway_stall
 
     parser = argparse.ArgumentParser()
     bench_gateway_stall.add_arguments(parser)

@@ -179,10 +179,18 @@ class FakeEngine:
                 self.cancels.extend(Cancel.FromString(msg["data"]).request_ids)
 
     async def _read(self) -> None:
-        # Every shard of the queue (the card's count), as a real engine alone serves them:
-        # non-blocking reads, a short pause when all are empty.
-        streams = contract.request_streams(MODEL, contract.DEFAULT_QUEUE_SHARDS)
+        # Every shard of the queue (the card's count) and every tenant's lane in it, as a real
+        # engine alone serves them: non-blocking reads, a short pause when all are empty.
+        shards = range(contract.DEFAULT_QUEUE_SHARDS)
         while not self._stopping:
+            streams = [contract.request_stream(MODEL, shard) for shard in shards]
+            try:
+                for shard in shards:
+                    tenants = await self.r.smembers(contract.lanes_key(MODEL, shard))
+                    streams += [contract.lane_stream(MODEL, shard, t.decode()) for t in sorted(tenants)]
+            except (redis.RedisError, OSError):
+                await asyncio.sleep(0.1)
+                continue
             free = 16 if self.max_running is None else min(16, self.max_running - self.running)
             if self.paused or free <= 0:
                 if self.paused:
