@@ -22,6 +22,7 @@ from gateway.prepare_pool import PreparePool
 from gateway.responses.models import STREAM_EVENT_MODELS
 from gateway.responses.routes import router as responses_router
 from gateway.routes import STREAM_CHUNK_MODELS, router
+from gateway.usage_api import router as usage_router
 from sluice.heap import freeze_startup_heap
 
 log = logging.getLogger("sluice.gateway")
@@ -263,6 +264,7 @@ def create_app(config: GatewayConfig | None = None, *, broker: Broker | None = N
     errors.install_handlers(app)
     app.include_router(router)
     app.include_router(responses_router)
+    app.include_router(usage_router)
     app.add_middleware(GatewayMiddleware, config=config, keyring=keyring)
     return app
 

@@ -11,6 +11,7 @@ A hash field is ``<model>|<counter>``; the hashes expire ``RETENTION_S`` after t
 
 from __future__ import annotations
 
+import calendar
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -70,6 +71,24 @@ def hours(since: float, until: float) -> list[str]:
     return [hour_of(t) for t in range(start, int(until) + 1, 3600)]
 
 
+def hour_start(hour: str) -> int:
+    """The unix time an ``hour_of`` key part starts at."""
+    return calendar.timegm(time.strptime(hour, "%Y%m%d%H"))
+
+
+def parse(tenant: str, fields: dict) -> list[Usage]:
+    """One usage hash (``HGETALL``) as a Usage per model; fields that are not ours are skipped."""
+    per_model: dict[str, Usage] = {}
+    for raw_field, raw_value in fields.items():
+        name = raw_field.decode() if isinstance(raw_field, bytes) else raw_field
+        model, _, counter = name.rpartition(SEPARATOR)
+        if counter not in COUNTERS or not model:
+            continue
+        u = per_model.setdefault(model, Usage(tenant, model))
+        setattr(u, counter, getattr(u, counter) + int(raw_value))
+    return list(per_model.values())
+
+
 def read(redis, since: float, until: float, tenant: str | None = None) -> list[Usage]:
     """Every tenant's (or one tenant's) use per model over the hours from ``since`` to ``until``."""
     tenants = [tenant] if tenant is not None else sorted(
@@ -81,11 +100,6 @@ def read(redis, since: float, until: float, tenant: str | None = None) -> list[U
         pipe.hgetall(key)
     totals: dict[tuple[str, str], Usage] = {}
     for (t, _), fields in zip(keys, pipe.execute() if keys else [], strict=True):
-        for raw_field, raw_value in fields.items():
-            name = raw_field.decode() if isinstance(raw_field, bytes) else raw_field
-            model, _, counter = name.rpartition(SEPARATOR)
-            if counter not in COUNTERS or not model:
-                continue
-            u = totals.setdefault((t, model), Usage(t, model))
-            setattr(u, counter, getattr(u, counter) + int(raw_value))
+        for u in parse(t, fields):
+            totals.setdefault((t, u.model), Usage(t, u.model)).add(u)
     return sorted(totals.values(), key=lambda u: (u.tenant, u.model))

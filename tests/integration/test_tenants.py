@@ -304,3 +304,58 @@ def test_limited_tenant_fails_closed_when_redis_is_down(make_fake_engine, restar
         assert "retry-after" in r.headers
     finally:
         gw.stop()
+
+
+def test_usage_api_answers_each_tenant_its_own_on_every_gateway(make_gateway, tmp_path, redis_client):
+    """GET /v1/organization/usage/completions: OpenAI's Usage API shape, from what the engines wrote
+    (``usage.record``, as their step pipeline does), by UTC hour or day, the caller's tenant only."""
+    from sluice.wire import usage
+
+    path = keys_file(tmp_path, f"tenants:\n  team-a:\n    keys: [{K1}]\n  team-b:\n    keys: [{K2}]\n")
+    gw1, gw2 = make_gateway(keys_file=path), make_gateway(keys_file=path)
+    day = (int(time.time()) // 86400 - 1) * 86400  # yesterday, 00:00 UTC
+    for hour, rows in ((day + 3600, [usage.Usage("team-a", "m1", 1, 10, 5, 4), usage.Usage("team-a", "m2", 2, 20, 6, 0)]),
+                       (day + 5 * 3600, [usage.Usage("team-a", "m1", 1, 7, 3, 0)]),
+                       (day + 86400, [usage.Usage("team-a", "m1", 4, 40, 12, 8)]),
+                       (day + 3600, [usage.Usage("team-b", "m1", 9, 99, 99, 99)])):
+        pipe = redis_client.pipeline()
+        usage.record(pipe, rows, now=hour + 60)
+        pipe.execute()
+    url = "/v1/organization/usage/completions"
+
+    def get(gw, key=K1, **params):
+        return httpx.get(f"{gw.url}{url}", params=params, headers=auth(key), timeout=30)
+
+    daily = get(gw1, start_time=day, end_time=day + 2 * 86400).json()
+    assert daily["object"] == "page" and not daily["has_more"] and daily["next_page"] is None
+    assert [b["start_time"] for b in daily["data"]] == [day, day + 86400]
+    first = daily["data"][0]["results"]
+    assert len(first) == 1 and first[0]["model"] is None
+    assert (first[0]["num_model_requests"], first[0]["input_tokens"], first[0]["output_tokens"],
+            first[0]["input_cached_tokens"]) == (4, 37, 14, 4)
+    by_model = get(gw2, start_time=day, end_time=day + 86400, group_by="model").json()["data"][0]["results"]
+    assert [(r["model"], r["input_tokens"]) for r in by_model] == [("m1", 17), ("m2", 20)]
+    only_m2 = get(gw2, start_time=day, end_time=day + 86400, **{"models[]": "m2"}).json()["data"][0]["results"]
+    assert [r["input_tokens"] for r in only_m2] == [20]
+    other = get(gw1, K2, start_time=day, end_time=day + 86400).json()["data"][0]["results"]
+    assert [r["num_model_requests"] for r in other] == [9]  # team-b sees its own, never team-a's
+
+    hourly = get(gw1, start_time=day, end_time=day + 6 * 3600, bucket_width="1h", limit=4).json()
+    assert [b["start_time"] for b in hourly["data"]] == [day + i * 3600 for i in range(4)]
+    assert [len(b["results"]) for b in hourly["data"]] == [0, 1, 0, 0] and hourly["has_more"]
+    rest = get(gw2, start_time=day, end_time=day + 6 * 3600, bucket_width="1h", limit=4,
+               page=hourly["next_page"]).json()
+    assert [b["start_time"] for b in rest["data"]] == [day + 4 * 3600, day + 5 * 3600] and not rest["has_more"]
+    assert rest["data"][1]["results"][0]["input_tokens"] == 7
+
+    for params, param in (({}, "start_time"), ({"start_time": "soon"}, "start_time"),
+                          ({"start_time": day, "end_time": day}, "end_time"),
+                          ({"start_time": day, "bucket_width": "1m"}, "bucket_width"),
+                          ({"start_time": day, "limit": 32}, "limit"),
+                          ({"start_time": day, "group_by": "user_id"}, "group_by"),
+                          ({"start_time": day, "project_ids": "p1"}, "project_ids"),
+                          ({"start_time": day, "page": "12"}, "page"),
+                          ({"start_time": day, "colour": "red"}, "colour")):
+        r = get(gw1, **params)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (params, r.text)
+    assert httpx.get(f"{gw1.url}{url}", params={"start_time": day}, timeout=30).status_code == 401
