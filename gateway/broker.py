@@ -5,7 +5,7 @@ One :class:`Broker` per worker process holds
 - a command client (model cards, registry, XADD, cancels) from ``sluice.wire.connection``: one
   Redis server or a Redis Cluster, the same code;
 - ONE sharded subscription for every request this process serves: its requests carry
-  ``reply_to = gateway_id``, engines SPUBLISH each step's events for them as one ``EventBatch`` on
+  ``reply_to = gateway_id``, engines SPUBLISH each step's events for them as one ``EventFrame`` on
   ``contract.events_channel(gateway_id)``, and a reader task demultiplexes the events into
   per-request asyncio queues by request id. Nothing is subscribed or unsubscribed per request
   (no round trip before the XADD), and on a cluster each gateway's events stay on the node that
@@ -216,6 +216,7 @@ class Broker:
         self.retry_after_s = retry_after_s
         self.redis: aioredis.Redis = connect(redis_url, asyncio=True)
         self._enqueue_script = self.redis.register_script(contract.ENQUEUE_SCRIPT)
+        self._cancel_script = self.redis.register_script(contract.CANCEL_SCRIPT)
         self._pubsub = None
         self._reader: asyncio.Task | None = None
         self._housekeeper: asyncio.Task | None = None
@@ -345,15 +346,17 @@ class Broker:
         return self._spawn(self._audit(in_flight))
 
     def _dispatch(self, data: bytes) -> None:
+        """One frame: each part whose request this process waits for is decoded and queued (the
+        others, requests given up on, are not even decoded)."""
         try:
-            events = codec.decode_events(data)
+            frame = codec.decode_frame(data)
+            for part in frame.requests:
+                q = self._queues.get(part.request_id)
+                if q is not None:
+                    for event in codec.decode_part(part):
+                        q.put_nowait(event)
         except Exception as exc:  # noqa: BLE001 - a foreign or corrupt message must not kill the reader
-            log.warning("ignoring an undecodable event batch (%d bytes): %s", len(data), exc)
-            return
-        for event in events:
-            q = self._queues.get(event.request_id)
-            if q is not None:
-                q.put_nowait(event)
+            log.warning("ignoring an undecodable event frame (%d bytes): %s", len(data), exc)
 
     async def _reopen_pubsub(self) -> None:
         """A fresh pub/sub connection, after the slot map of a cluster is refreshed (a failed
@@ -451,11 +454,12 @@ class Broker:
         t.queue.put_nowait(Lost(code, message))
 
     async def cancel(self, request_ids: list[str], reply_to: str | None = None) -> None:
-        """Publish a Cancel and leave a marker for requests still in the queue (idempotent).
+        """Leave a marker for requests still in the queue and send a Cancel to the engine that holds
+        each of the others (``codec.cancel_async``; idempotent).
         ``reply_to``: whose requests (another gateway's, for a resumed or background request)."""
         if not request_ids:
             return
-        await codec.cancel(self.redis.pipeline(transaction=False), reply_to or self.gateway_id, request_ids).execute()
+        await codec.cancel_async(self.redis, reply_to or self.gateway_id, request_ids, self._cancel_script)
 
     def cancel_nowait(self, request_ids: list[str], give_up_at: float | None = None,
                       reply_to: str | None = None) -> None:

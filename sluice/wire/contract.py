@@ -12,8 +12,10 @@ below carry the requests; the Responses API's (``{resp:<response_id>}``, stored 
 down this module:
 
 - ``{registry}``: the control plane (a few writes a second per process, never per token): the
-  engine registry, liveness keys, model cards, the cancel channel. One slot, so a card and the
-  model set change in one MULTI.
+  engine registry, liveness keys, model cards. One slot, so a card and the model set change in one
+  MULTI.
+- ``{e:<engine_id>}``: one engine's cancel channel: a cancel goes to the engine that holds the
+  request (its owner marker names it), not to every engine.
 - ``{q:<model>:<shard>}``: one shard of a model's queue (a model's queue is ``queue_shards``
   streams, ``sluice.wire.shards``; each shard has its own tag, so a cluster spreads a model's queue
   over its nodes). A shard's stream and the gateway's in-flight markers of its entries are in one
@@ -31,8 +33,11 @@ down this module:
 - ``{g:<reply_to>}``: one gateway process's replies (``GenerateRequest.reply_to``). All events of
   its requests go through ONE sharded channel (SPUBLISH/SSUBSCRIBE: a cluster delivers it on the
   slot's node only, instead of broadcasting every token to every node), batched per engine step;
-  the emitted and cancelled markers of its requests live in the same slot, so the engine's
-  "emitted" marker and the event it guards travel over one connection, in order.
+  the emitted, cancelled and owner markers of its requests live in the same slot, so the engine's
+  "emitted" marker and the event it guards travel over one connection, in order, and the engine's
+  take of an entry (TAKE_SCRIPT: cancelled? then "owner = me") and a gateway's cancel
+  (CANCEL_SCRIPT: "cancelled", then who owns it?) are each one script of that slot: whichever runs
+  first, the other sees it, so a cancel is either seen at the take or sent to the owner.
 - ``{r:<rid>}``: one request's event log, its record and its lease (issue 22: resumable streams and
   background responses), keyed by the request id (an engine request id, which for a single-prompt
   request is the OpenAI id the client sees). One tag per request spreads logs over a cluster's
@@ -45,10 +50,11 @@ down this module:
 | sluice:{q:<model>:<shard>}:requests:<tenant> | stream, group engines | gateway | a tenant's lane of the shard (same entries); created with its group by ENQUEUE_SCRIPT, removed by the engines once empty and idle for LANE_IDLE_S (LANE_REMOVE_SCRIPT) |
 | sluice:{q:<model>:<shard>}:lanes     | set of tenant ids      | gateway | the tenants that have a lane in the shard (engines ignore a member that is not a valid tenant id) |
 | sluice:{q:<model>:<shard>}:inflight:<rid> | string with TTL   | gateway | set atomically with the request's XADD (ENQUEUE_SCRIPT), deleted when the gateway is done with it: gone while the gateway still waits = Redis lost the entry |
-| sluice:{g:<reply_to>}:events         | sharded channel        | engine  | EventBatch messages for the requests of one reply_to |
+| sluice:{g:<reply_to>}:events         | sharded channel        | engine  | EventFrame messages for the requests of one reply_to |
 | sluice:{g:<reply_to>}:emitted:<rid>  | string with TTL        | engine  | set with a request's first token: a reclaimed request that has it is errored, not restarted |
 | sluice:{g:<reply_to>}:cancelled:<rid>| string with TTL        | gateway | a cancel remembered for a still-queued request |
-| sluice:{registry}:cancel             | sharded channel        | gateway | Cancel messages; every engine listens     |
+| sluice:{g:<reply_to>}:owner:<rid>    | string with TTL        | engine  | the id of the engine that took the request (TAKE_SCRIPT), deleted when it lets it go |
+| sluice:{e:<engine_id>}:cancel        | sharded channel        | gateway | Cancel messages for the requests that engine owns |
 | sluice:{registry}:engines            | hash id -> EngineEntry | engine  | the registry (``sluice.wire.registry``): model, load, last heartbeat |
 | sluice:{registry}:engine:<engine_id> | string with TTL        | engine  | liveness: gone when the heartbeat lapses  |
 | sluice:{registry}:room:<engine_id>   | string with TTL        | engine  | "1" while the engine's reader has credit (room for more work), "0" when it has none: written when that changes and with each heartbeat; a peer takes the queue shards of an owner without room at once |
@@ -79,14 +85,17 @@ from sluice.wire.messages_pb2 import ErrorCode
 #    the per-request event log (GenerateRequest.log_events, detached, log_ttl_s; the {r:<rid>} family).
 # 5: tenants (GenerateRequest.tenant, tenant_weight; sluice.wire.tenants); a queue shard holds one
 #    lane per tenant (``lane_stream``, ``lanes_key``: the default tenant's is the shard's stream).
-CONTRACT_VERSION = 5
+# 6: a cancel goes to the engine that took the request (``owner_key``, TAKE_SCRIPT, CANCEL_SCRIPT,
+#    ``cancel_channel``; no channel every engine hears); a reply channel carries an EventFrame whose
+#    per-request parts are the bytes the request's log gets (log elements are unchanged); the
+#    ``served`` key, and the removal of an unserved model's keys (MODEL_FORGET_SCRIPT, SHARD_FORGET_SCRIPT).
+CONTRACT_VERSION = 6
 PREFIX = "sluice"
 
 CONSUMER_GROUP = "engines"
 REQUEST_FIELD = b"r"  # the stream entry's field holding the GenerateRequest bytes
 
 REGISTRY_TAG = "{registry}"
-CANCEL_CHANNEL = f"{PREFIX}:{REGISTRY_TAG}:cancel"
 ENGINES_KEY = f"{PREFIX}:{REGISTRY_TAG}:engines"
 MODELS_KEY = f"{PREFIX}:{REGISTRY_TAG}:models"
 
@@ -168,6 +177,50 @@ def emitted_key(reply_to: str, request_id: str) -> str:
 
 def cancelled_key(reply_to: str, request_id: str) -> str:
     return f"{PREFIX}:{reply_tag(reply_to)}:cancelled:{request_id}"
+
+
+def owner_key(reply_to: str, request_id: str) -> str:
+    """Who holds the request now: the id of the engine whose TAKE_SCRIPT took it."""
+    return f"{PREFIX}:{reply_tag(reply_to)}:owner:{request_id}"
+
+
+def engine_tag(engine_id: str) -> str:
+    """The hash tag of one engine's family (its cancel channel)."""
+    return "{e:" + engine_id + "}"
+
+
+def cancel_channel(engine_id: str) -> str:
+    """The sharded channel an engine hears the cancels of the requests it owns on."""
+    return f"{PREFIX}:{engine_tag(engine_id)}:cancel"
+
+
+# An engine takes the entries it read, one script each in the reply_to's slot: whether the request
+# was cancelled while queued, whether an earlier attempt emitted tokens, and (unless cancelled) the
+# owner marker naming this engine. A gateway's cancel (CANCEL_SCRIPT) runs in the same slot: run
+# before the take, the take sees "cancelled"; run after, the cancel sees the owner and sends it the
+# Cancel. The engine deletes the marker in the step that lets the request go (its XACK).
+# KEYS: cancelled_key, emitted_key, owner_key; ARGV: engine id, marker TTL (s). Returns {cancelled, emitted}.
+TAKE_SCRIPT = """
+local cancelled = redis.call('EXISTS', KEYS[1])
+local emitted = redis.call('EXISTS', KEYS[2])
+if cancelled == 0 then
+  redis.call('SET', KEYS[3], ARGV[1], 'EX', ARGV[2])
+end
+return {cancelled, emitted}
+"""
+
+# THE cancel of requests of one reply_to: each request's cancelled marker (an engine that takes it
+# later drops it), then who owns it ('' while none does: queued, or over). The caller sends one
+# Cancel to each owner's ``cancel_channel``.
+# KEYS: cancelled_key, owner_key of each request in turn; ARGV: marker TTL (s). Returns the owners.
+CANCEL_SCRIPT = """
+local owners = {}
+for i = 1, #KEYS, 2 do
+  redis.call('SET', KEYS[i], '1', 'EX', ARGV[1])
+  owners[#owners + 1] = redis.call('GET', KEYS[i + 1]) or ''
+end
+return owners
+"""
 
 
 def engine_key(engine_id: str) -> str:
