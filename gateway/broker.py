@@ -67,6 +67,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
+from gateway import unserved
 from gateway.metrics import METRICS
 from sluice.wire import card as wire_card
 from sluice.wire import codec, contract, event_log, registry, shards, tenants
@@ -88,6 +89,8 @@ log = logging.getLogger("sluice.gateway.broker")
 
 # How often the in-flight markers of waiting requests are checked.
 ENTRY_CHECK_S = 2.0
+# How often the models nobody serves any more are looked for, and removed (gateway/unserved.py).
+UNSERVED_CHECK_S = 10.0
 # The housekeeper's tick: deleting markers of finished requests, retrying cancels, the watchdog.
 HOUSEKEEP_S = 0.5
 # The pub/sub connection has failed and Redis has not come back for this long: end every request
@@ -520,6 +523,7 @@ class Broker:
 
     async def _housekeeping(self) -> None:
         next_check = time.monotonic() + ENTRY_CHECK_S
+        next_unserved = time.monotonic() + UNSERVED_CHECK_S
         next_beat = 0.0
         while True:
             await asyncio.sleep(HOUSEKEEP_S)
@@ -535,12 +539,44 @@ class Broker:
                     log.debug("heartbeat: Redis unavailable (%s)", exc)
             try:
                 await self._housekeep_once(check)
+                if now >= next_unserved and self._down_since is None:
+                    next_unserved = now + UNSERVED_CHECK_S
+                    await self.forget_unserved()
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as exc:
                 log.debug("housekeeping: Redis unavailable (%s)", exc)
             except Exception:  # noqa: BLE001 - the housekeeper must not die
                 log.exception("housekeeping failed")
+
+    async def forget_unserved(self) -> list[str]:
+        """Remove the keys of the models nobody has served for their grace period
+        (``gateway.unserved``); returns the models removed."""
+        gone = []
+        for model in await unserved.unserved_models(self.redis):
+            if await unserved.forget_model(self.redis, model):
+                self._cards.pop(model, None)
+                gone.append(model)
+        return gone
+
+    async def withdraw(self, request_ids: list[str]) -> bool:
+        """For requests whose model has no live engine: True when no engine holds any of them (no
+        owner marker: still queued, or handed back), and then their queue entries are deleted, so
+        that nothing is left behind for an engine that comes later; False (nothing deleted) when
+        some engine took one (it died with it)."""
+        tracked = [t for rid in request_ids if (t := self._tracked.get(rid)) is not None]
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in request_ids:
+            pipe.exists(contract.owner_key(self.gateway_id, rid))
+        if any(await pipe.execute()):
+            return False
+        pipe = self.redis.pipeline(transaction=False)
+        for t in tracked:
+            if t.entry_id is not None:
+                pipe.xdel(contract.lane_stream(t.model, t.shard, t.tenant), t.entry_id)
+        if len(pipe):
+            await pipe.execute()
+        return True
 
     async def heartbeat(self) -> None:
         """Refresh this gateway's liveness key (engines abort the requests of a gateway without one)."""

@@ -55,8 +55,11 @@ from sluice_bench.redis_cluster import HOST, REDIS_SERVER
 from sluice_bench.stack import Stack
 
 SLOTS = 256  # the fake engine's admission headroom: Redis, not the engine, limits the flow
-# Commands a Lua script runs are counted in commandstats as well: ENQUEUE_SCRIPT runs SET + XADD.
-SCRIPT_INNER_COMMANDS = 2
+# Commands a Lua script runs are counted in commandstats as well: per request, the gateway's
+# ENQUEUE_SCRIPT runs SET + XADD and the engine's TAKE_SCRIPT EXISTS, EXISTS, SET; a cancel's
+# CANCEL_SCRIPT runs SET + GET.
+SCRIPT_INNER_COMMANDS = 5
+CANCEL_INNER_COMMANDS = 2
 # Per-process counters (one row per process, written by it alone, read by the parent).
 # C_CANCELS: in an engine's row, the request ids its cancel listener handed its step loop.
 C_COMPLETED, C_COMPLETED_EVENTS, C_EVENTS, C_BAD, C_SENDS, C_TOKENS, C_CANCELS = range(7)
@@ -472,7 +475,7 @@ def _figures(topology: Any, cfg: BenchConfig, nodes: dict[str, tuple[redis.Redis
         for cmd, calls in by_node[name].items():
             by_command[cmd] = by_command.get(cmd, 0) + calls
     total_commands = sum(by_command.values())
-    scripts = by_command.get("evalsha", 0) + by_command.get("eval", 0)
+    enqueues = by_command.get("xadd", 0)  # one per enqueue script (hand-backs are rare)
     cpu = {name: after.cpu[name] - before.cpu[name] for name in nodes}
     cpu_total = sum(cpu.values())
     busiest = max(cpu, key=cpu.get)
@@ -508,7 +511,8 @@ def _figures(topology: Any, cfg: BenchConfig, nodes: dict[str, tuple[redis.Redis
         "token_events_per_s": d(C_EVENTS) / window,
         "commands_per_request": per_req(total_commands),
         # ENQUEUE_SCRIPT's SET and XADD run inside Redis, not sent by a client
-        "client_commands_per_request": per_req(total_commands - SCRIPT_INNER_COMMANDS * scripts),
+        "client_commands_per_request": per_req(total_commands - SCRIPT_INNER_COMMANDS * enqueues
+                                               - CANCEL_INNER_COMMANDS * d(C_CANCELS)),
         "commands_per_request_by_command": dict(sorted(((k, per_req(v)) for k, v in by_command.items()),
                                                        key=lambda kv: -kv[1])),
         "tokens": tokens,

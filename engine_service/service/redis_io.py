@@ -31,7 +31,8 @@ Redis may be one server or a Redis Cluster (``sluice.wire.connection``): every m
 stays inside one hash slot family of ``sluice.wire.contract``; the publisher's pipeline spans
 families but is not a transaction (redis-py sends each node its part, in order, so an emitted
 marker still lands before the event it guards: both are in the reply_to's slot).
-- housekeeper: heartbeat (liveness key + registry hash), model card (again after each reconnect),
+- housekeeper: heartbeat (liveness key + registry hash + the model's served key), model card (again
+  after each reconnect),
   the shard view (who owns which shard, how many shards exist, each shard's depth), reclaim of
   pending entries whose consumer's liveness key is gone (shard by shard, lane by lane), removal of
   dead engines' registry entries, the streams' trim (acknowledged entries only, see
@@ -1079,6 +1080,7 @@ class RedisIO:
         pipe.hset(contract.model_card_key(self.model), mapping=self.card)
         pipe.sadd(contract.MODELS_KEY, self.model)
         pipe.sadd(contract.queue_shards_key(self.model), self.settings.queue_shards)
+        pipe.set(contract.served_key(self.model), self.consumer, px=int(self.settings.model_grace_s * 1000))
         pipe.execute()
 
     def heartbeat(self) -> None:
@@ -1096,6 +1098,8 @@ class RedisIO:
         pipe.set(contract.room_key(self.consumer), b"1" if load["free_slots"] > 0 else b"0",
                  px=int(self.settings.heartbeat_ttl_s * 1000))
         pipe.hset(contract.ENGINES_KEY, self.consumer, entry.encode())
+        # the model is served: its keys stay (a draining engine still serves what it holds)
+        pipe.set(contract.served_key(self.model), self.consumer, px=int(self.settings.model_grace_s * 1000))
         pipe.execute()
         # What the room key says now: the reader compares its credit with this, so a "0" written
         # here at an instant without credit is put right as soon as credit is back (not a beat later).

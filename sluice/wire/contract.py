@@ -62,6 +62,7 @@ down this module:
 | sluice:{registry}:model:<model>      | hash                   | engine  | model card (``sluice.wire.card``): tokenizer, chat template, limits |
 | sluice:{registry}:models             | set                    | engine  | names of models that have a card          |
 | sluice:{registry}:queue_shards:<model>| set of ints           | engine  | every shard count an engine of the model has published: engines serve the shards of the largest, so a rolling change of the count strands nothing |
+| sluice:{registry}:served:<model>     | string with TTL        | engine  | refreshed by each heartbeat of the model's engines, TTL their model grace: gone = nobody has served the model for that long, and gateways remove its keys (MODEL_FORGET_SCRIPT, SHARD_FORGET_SCRIPT) |
 | sluice:{r:<rid>}:log                 | list                   | engine  | the request's event log (GenerateRequest.log_events): one EventBatch per publish |
 | sluice:{r:<rid>}:record              | string (JSON)          | gateway | what any gateway needs to render the log (``sluice.wire.event_log.StreamRecord``) |
 | sluice:{r:<rid>}:lease               | string with TTL        | gateway | a gateway follows the log for a resumed client: the engine's lost-gateway rule spares the request |
@@ -165,6 +166,47 @@ def inflight_key(model: str, shard: int, request_id: str) -> str:
 
 def queue_shards_key(model: str) -> str:
     return f"{PREFIX}:{REGISTRY_TAG}:queue_shards:{model}"
+
+
+def served_key(model: str) -> str:
+    return f"{PREFIX}:{REGISTRY_TAG}:served:{model}"
+
+
+# --- a model nobody serves any more -------------------------------------------------------------
+# Each heartbeat of an engine (and its card's publication) sets served_key(model) with the engine's
+# model grace as TTL (``--model-grace-s``). Once it is gone -- no engine of the model for that long --
+# gateways remove what the model left: every shard's empty streams (lanes included, the lanes set
+# with them; entries nobody waits for deleted first: gateway/unserved.py), then the card, the
+# shard counts and the model's name in the models set. An engine that starts again publishes them
+# anew (its card and served key in one MULTI, so the forget script never removes a card that is
+# served), and a stream removed under an engine's feet is recreated with its group (NOGROUP).
+DEFAULT_MODEL_GRACE_S = 600
+
+# One shard: remove each of the given streams (the shard's own, tenants' lanes) that holds no entry,
+# and the lanes' names that went. Returns how many streams still hold entries.
+# KEYS: lanes_key, then the streams; ARGV: the tenant of each stream ("" for the shard's own).
+SHARD_FORGET_SCRIPT = """
+local left = 0
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 and redis.call('XLEN', KEYS[i]) > 0 then
+    left = left + 1
+  else
+    redis.call('DEL', KEYS[i])
+    if ARGV[i - 1] ~= '' then redis.call('SREM', KEYS[1], ARGV[i - 1]) end
+  end
+end
+if redis.call('SCARD', KEYS[1]) == 0 then redis.call('DEL', KEYS[1]) end
+return left
+"""
+
+# The model's card, shard counts and name, unless an engine serves it again. Returns 1 when removed.
+# KEYS: served_key, model_card_key, queue_shards_key, MODELS_KEY; ARGV: model.
+MODEL_FORGET_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('DEL', KEYS[2], KEYS[3])
+redis.call('SREM', KEYS[4], ARGV[1])
+return 1
+"""
 
 
 def events_channel(reply_to: str) -> str:

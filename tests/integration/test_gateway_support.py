@@ -2,7 +2,9 @@
 served by uvicorn in a thread. (No tests here; the test modules import these fixtures.)
 
 The fake engine publishes the model card (the real SmolLM2 tokenizer files of ``model_dir``),
-heartbeats, reads the request stream with XREADGROUP and answers with ``Event``s: each completion
+heartbeats (the model's served key too), reads the request stream with XREADGROUP, takes what it reads
+as the engine does (``contract.TAKE_SCRIPT``: a cancelled request is dropped, the owner marker names it,
+so cancels come to its own channel) and answers with ``Event``s: each completion
 index spells ``REPLY`` (rotated by the index) token by token (with logprobs, and the prompt's with the
 first event, when asked), then finishes with "length" at ``max_tokens`` or "stop" at the end of the
 reply. It records the requests it read and the cancels
@@ -55,6 +57,7 @@ class FakeEngine:
         self.reply_ids = self.tokenizer.encode(REPLY, add_special_tokens=False)
         self.token_delay = token_delay
         self.engine_id = "fake-0"
+        self.model_grace_s = float(contract.DEFAULT_MODEL_GRACE_S)  # the served key's TTL (--model-grace-s)
         self.requests: list[GenerateRequest] = []
         self.stream_of: dict[str, str] = {}  # request id -> the queue shard's stream it came from
         self.cancels: list[str] = []
@@ -125,6 +128,7 @@ class FakeEngine:
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(contract.model_card_key(MODEL), mapping=card_fields(self.model_dir))
         pipe.sadd(contract.MODELS_KEY, MODEL)
+        pipe.set(contract.served_key(MODEL), self.engine_id, px=int(self.model_grace_s * 1000))
         await pipe.execute()
         for stream in contract.request_streams(MODEL, contract.DEFAULT_QUEUE_SHARDS):
             try:
@@ -150,6 +154,7 @@ class FakeEngine:
         await self.r.hset(contract.ENGINES_KEY, self.engine_id,
                           EngineEntry(engine_id=self.engine_id, model=MODEL, heartbeat=time.time()).encode())
         await self.r.set(contract.engine_key(self.engine_id), b"1", ex=int(contract.HEARTBEAT_TTL_S))
+        await self.r.set(contract.served_key(MODEL), self.engine_id, px=int(self.model_grace_s * 1000))
 
     async def _heartbeat(self) -> None:
         while not self._stopping:
