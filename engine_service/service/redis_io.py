@@ -151,6 +151,8 @@ class Batch:
     reply_to: dict[str, str] = field(default_factory=dict)
     logs: dict[str, LogSpec] = field(default_factory=dict)  # the same, for their event-log flags
     usage: list[usage.Usage] = field(default_factory=list)  # what the requests that ended used (their tenants')
+    # request id -> reply_to of entries the worker never held that this batch lets go (their owner markers)
+    released: dict[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.events or self.emitted or self.requeue or self.acks or self.usage)
@@ -163,6 +165,7 @@ class Batch:
         self.usage += other.usage
         self.reply_to.update(other.reply_to)
         self.logs.update(other.logs)
+        self.released.update(other.released)
 
 
 def next_id(entry_id: str) -> str:
@@ -881,6 +884,7 @@ class RedisIO:
             reason = reasons[id(e)]
             batch.events.append(codec.error_event(e.request.request_id, contract.ERR_ENGINE_LOST, reason, self.consumer))
             batch.reply_to[e.request.request_id] = e.request.reply_to
+            batch.released[e.request.request_id] = e.request.reply_to
             if (spec := LogSpec.of(e.request)) is not None:
                 batch.logs[e.request.request_id] = spec
             batch.acks.append(e.entry_id)
@@ -1004,6 +1008,7 @@ class RedisIO:
             replies = {rid: self._reply_to.get(rid) for rid in batch.emitted}
             acks, requeues = self._queue_writes(batch)
             let_go = {rid: self._reply_to.get(rid) for a in batch.acks if (rid := self._held.get(a, ("", ""))[0])}
+            let_go.update(batch.released)
             requeued = {request.request_id for request in batch.requeue}  # handed back: not ended
             ended = {self._held[a][0] for a in batch.acks if a in self._held} - requeued
             ended |= set(batch.logs)
