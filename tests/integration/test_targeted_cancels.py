@@ -4,9 +4,8 @@ and the cancel are scripts of the reply_to's slot, the cancel channel is each en
 
 What it pins down: every cancelled request ends with ``abort``, each engine's step loop hears the
 cancels of its own requests and of nobody else's, a cancel of a queued request publishes nothing
-(the marker alone stops it at the take), and no owner marker outlives its request. The process
-fault (an owner killed with ``kill -9``, its request reclaimed by a peer, then cancelled) is in
-test_engine_service_processes.py.
+(the marker alone stops it at the take), and no owner marker outlives its request. A reclaimed
+request's owner marker moves with the reclaim: a reclaim delivers through the same take.
 """
 
 from __future__ import annotations
