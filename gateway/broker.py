@@ -5,7 +5,7 @@ One :class:`Broker` per worker process holds
 - a command client (model cards, registry, XADD, cancels) from ``sluice.wire.connection``: one
   Redis server or a Redis Cluster, the same code;
 - ONE sharded subscription for every request this process serves: its requests carry
-  ``reply_to = gateway_id``, engines SPUBLISH each step's events for them as one ``EventBatch`` on
+  ``reply_to = gateway_id``, engines SPUBLISH each step's events for them as one ``EventFrame`` on
   ``contract.events_channel(gateway_id)``, and a reader task demultiplexes the events into
   per-request asyncio queues by request id. Nothing is subscribed or unsubscribed per request
   (no round trip before the XADD), and on a cluster each gateway's events stay on the node that
@@ -67,6 +67,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
+from gateway import unserved
 from gateway.metrics import METRICS
 from sluice.wire import card as wire_card
 from sluice.wire import codec, contract, event_log, registry, shards, tenants
@@ -88,6 +89,8 @@ log = logging.getLogger("sluice.gateway.broker")
 
 # How often the in-flight markers of waiting requests are checked.
 ENTRY_CHECK_S = 2.0
+# How often the models nobody serves any more are looked for, and removed (gateway/unserved.py).
+UNSERVED_CHECK_S = 10.0
 # The housekeeper's tick: deleting markers of finished requests, retrying cancels, the watchdog.
 HOUSEKEEP_S = 0.5
 # The pub/sub connection has failed and Redis has not come back for this long: end every request
@@ -216,6 +219,7 @@ class Broker:
         self.retry_after_s = retry_after_s
         self.redis: aioredis.Redis = connect(redis_url, asyncio=True)
         self._enqueue_script = self.redis.register_script(contract.ENQUEUE_SCRIPT)
+        self._cancel_script = self.redis.register_script(contract.CANCEL_SCRIPT)
         self._pubsub = None
         self._reader: asyncio.Task | None = None
         self._housekeeper: asyncio.Task | None = None
@@ -345,15 +349,17 @@ class Broker:
         return self._spawn(self._audit(in_flight))
 
     def _dispatch(self, data: bytes) -> None:
+        """One frame: each part whose request this process waits for is decoded and queued (the
+        others, requests given up on, are not even decoded)."""
         try:
-            events = codec.decode_events(data)
+            frame = codec.decode_frame(data)
+            for part in frame.requests:
+                q = self._queues.get(part.request_id)
+                if q is not None:
+                    for event in codec.decode_part(part):
+                        q.put_nowait(event)
         except Exception as exc:  # noqa: BLE001 - a foreign or corrupt message must not kill the reader
-            log.warning("ignoring an undecodable event batch (%d bytes): %s", len(data), exc)
-            return
-        for event in events:
-            q = self._queues.get(event.request_id)
-            if q is not None:
-                q.put_nowait(event)
+            log.warning("ignoring an undecodable event frame (%d bytes): %s", len(data), exc)
 
     async def _reopen_pubsub(self) -> None:
         """A fresh pub/sub connection, after the slot map of a cluster is refreshed (a failed
@@ -451,11 +457,12 @@ class Broker:
         t.queue.put_nowait(Lost(code, message))
 
     async def cancel(self, request_ids: list[str], reply_to: str | None = None) -> None:
-        """Publish a Cancel and leave a marker for requests still in the queue (idempotent).
+        """Leave a marker for requests still in the queue and send a Cancel to the engine that holds
+        each of the others (``codec.cancel_async``; idempotent).
         ``reply_to``: whose requests (another gateway's, for a resumed or background request)."""
         if not request_ids:
             return
-        await codec.cancel(self.redis.pipeline(transaction=False), reply_to or self.gateway_id, request_ids).execute()
+        await codec.cancel_async(self.redis, reply_to or self.gateway_id, request_ids, self._cancel_script)
 
     def cancel_nowait(self, request_ids: list[str], give_up_at: float | None = None,
                       reply_to: str | None = None) -> None:
@@ -516,6 +523,7 @@ class Broker:
 
     async def _housekeeping(self) -> None:
         next_check = time.monotonic() + ENTRY_CHECK_S
+        next_unserved = time.monotonic() + UNSERVED_CHECK_S
         next_beat = 0.0
         while True:
             await asyncio.sleep(HOUSEKEEP_S)
@@ -531,12 +539,44 @@ class Broker:
                     log.debug("heartbeat: Redis unavailable (%s)", exc)
             try:
                 await self._housekeep_once(check)
+                if now >= next_unserved and self._down_since is None:
+                    next_unserved = now + UNSERVED_CHECK_S
+                    await self.forget_unserved()
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as exc:
                 log.debug("housekeeping: Redis unavailable (%s)", exc)
             except Exception:  # noqa: BLE001 - the housekeeper must not die
                 log.exception("housekeeping failed")
+
+    async def forget_unserved(self) -> list[str]:
+        """Remove the keys of the models nobody has served for their grace period
+        (``gateway.unserved``); returns the models removed."""
+        gone = []
+        for model in await unserved.unserved_models(self.redis):
+            if await unserved.forget_model(self.redis, model):
+                self._cards.pop(model, None)
+                gone.append(model)
+        return gone
+
+    async def withdraw(self, request_ids: list[str]) -> bool:
+        """For requests whose model has no live engine: True when no engine holds any of them (no
+        owner marker: still queued, or handed back), and then their queue entries are deleted, so
+        that nothing is left behind for an engine that comes later; False (nothing deleted) when
+        some engine took one (it died with it)."""
+        tracked = [t for rid in request_ids if (t := self._tracked.get(rid)) is not None]
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in request_ids:
+            pipe.exists(contract.owner_key(self.gateway_id, rid))
+        if any(await pipe.execute()):
+            return False
+        pipe = self.redis.pipeline(transaction=False)
+        for t in tracked:
+            if t.entry_id is not None:
+                pipe.xdel(contract.lane_stream(t.model, t.shard, t.tenant), t.entry_id)
+        if len(pipe):
+            await pipe.execute()
+        return True
 
     async def heartbeat(self) -> None:
         """Refresh this gateway's liveness key (engines abort the requests of a gateway without one)."""

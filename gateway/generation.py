@@ -30,6 +30,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from redis.exceptions import RedisError
+
 from gateway import errors
 from gateway.broker import Broker, LoadedCard, Lost
 from gateway.keyring import ANONYMOUS, Principal
@@ -438,6 +440,12 @@ class Generation:
         emitted = any(c.token_ids for c in self.choices)
         if policy.engine_lost(live_engines=alive, emitted=emitted, no_engine_for_s=now - self._no_engine_since,
                               wait_s=NO_ENGINE_WAIT_S):
+            if not emitted and not self.resumed:
+                try:  # never taken by an engine: no engine serves the model; its entry goes
+                    if await self.broker.withdraw([s.request_id for s in self.subs]):
+                        raise errors.no_engine(self.card.name, self.broker.retry_after_s)
+                except (RedisError, OSError):
+                    pass
             raise errors.engine_lost(self.card.name, self.broker.retry_after_s)
 
     @property

@@ -15,12 +15,15 @@ import threading
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
+    REGISTRY,
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from sluice.wire import tenants
 from sluice.wire.error_codes import Code
@@ -38,6 +41,25 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
                 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0, 480.0, 960.0)
+
+
+class QueueDepths(Collector):
+    """A gauge per model whose values are replaced whole at each scrape (``set_all``): a model
+    absent from the latest set has no series. Not a prometheus ``Gauge``: in multi-process mode a
+    gauge's series live in the workers' files and cannot be removed."""
+
+    def __init__(self, name: str, documentation: str) -> None:
+        self.name, self.documentation = name, documentation
+        self._values: dict[str, float] = {}
+
+    def set_all(self, values: dict[str, float]) -> None:
+        self._values = dict(values)
+
+    def collect(self):
+        family = GaugeMetricFamily(self.name, self.documentation, labels=["model"])
+        for model, value in sorted(self._values.items()):
+            family.add_metric([model], value)
+        yield family
 
 
 class Metrics:
@@ -68,10 +90,11 @@ class Metrics:
             "Enqueue (XADD) to the first event from an engine: queueing plus the prefill",
             buckets=_E2E_BUCKETS, **kw,
         )
-        self.queue_depth = Gauge(
-            f"{p}num_requests_waiting", "Requests in the model's Redis queue not yet taken by an engine",
-            ["model"], multiprocess_mode="max", **kw,
-        )
+        # Read from Redis by the process that answers the scrape, for the models Redis names now:
+        # a model that was forgotten (nobody served it, docs/operations.md) is no longer exported.
+        self.queue_depth = QueueDepths(f"{p}num_requests_waiting",
+                                       "Requests in the model's Redis queue not yet taken by an engine")
+        (registry if registry is not None else REGISTRY).register(self.queue_depth)
         self.running = Gauge(
             f"{p}num_requests_running", "Requests this gateway is serving now",
             multiprocess_mode="livesum", **kw,
@@ -132,7 +155,6 @@ def render() -> tuple[bytes, str]:
 
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
+        registry.register(METRICS.queue_depth)  # this process's, read for this scrape
         return generate_latest(registry), CONTENT_TYPE_LATEST
-    from prometheus_client import REGISTRY
-
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST

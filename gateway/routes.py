@@ -90,10 +90,9 @@ async def metrics(request: Request) -> Response:
     broker = serving.broker_of(request)
     try:
         async with asyncio.timeout(1.0):
-            for model in await broker.model_names():
-                METRICS.queue_depth.labels(model=model).set(await broker.queue_depth(model))
+            METRICS.queue_depth.set_all({model: await broker.queue_depth(model) for model in await broker.model_names()})
     except (RedisError, OSError, TimeoutError):
-        pass
+        pass  # Redis away: the depths of the last scrape
     body, content_type = render()
     return Response(body, media_type=content_type)
 

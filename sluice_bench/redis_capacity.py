@@ -55,11 +55,15 @@ from sluice_bench.redis_cluster import HOST, REDIS_SERVER
 from sluice_bench.stack import Stack
 
 SLOTS = 256  # the fake engine's admission headroom: Redis, not the engine, limits the flow
-# Commands a Lua script runs are counted in commandstats as well: ENQUEUE_SCRIPT runs SET + XADD.
-SCRIPT_INNER_COMMANDS = 2
+# Commands a Lua script runs are counted in commandstats as well: per request, the gateway's
+# ENQUEUE_SCRIPT runs SET + XADD and the engine's TAKE_SCRIPT EXISTS, EXISTS, SET; a cancel's
+# CANCEL_SCRIPT runs SET + GET.
+SCRIPT_INNER_COMMANDS = 5
+CANCEL_INNER_COMMANDS = 2
 # Per-process counters (one row per process, written by it alone, read by the parent).
-C_COMPLETED, C_COMPLETED_EVENTS, C_EVENTS, C_BAD, C_SENDS, C_TOKENS = range(6)
-N_COUNTERS = 6
+# C_CANCELS: in an engine's row, the request ids its cancel listener handed its step loop.
+C_COMPLETED, C_COMPLETED_EVENTS, C_EVENTS, C_BAD, C_SENDS, C_TOKENS, C_CANCELS = range(7)
+N_COUNTERS = 7
 _IGNORED_COMMANDS = {"info"}  # the bench's own polling
 IDLE_S = 1.0  # Redis CPU with no client is measured this long before the processes start
 
@@ -80,6 +84,9 @@ class BenchConfig:
     # Every request logged (GenerateRequest.log_events, its record written before the XADD), as a
     # resumable stream is: sluice_bench/event_log.py compares both.
     log_events: bool = False
+    # Each request is cancelled after this many token events (as a stop string matched in the
+    # gateway cancels it), then read to its end (the engine's abort); 0: never.
+    cancel_after: int = 0
 
     def model(self, i: int) -> str:
         return f"bench-{i % self.models}"
@@ -220,6 +227,21 @@ class FastFakeEngine:
                            total_blocks=self.slots, generation_tokens_total=self.generated)
 
 
+class _CountingInbox(queue.Queue):
+    """The step loop's inbox, counting the request ids of the clients' cancels that reach it."""
+
+    def __init__(self, counters: Any, index: int) -> None:
+        super().__init__()
+        self.counters, self.index = counters, index
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        from engine_service.service.redis_io import CancelNote
+
+        if isinstance(item, CancelNote) and item.cause == "cancel":
+            self.counters[self.index] += len(item.request_ids)
+        super().put(item, block, timeout)
+
+
 def _engine_main(url: str, model: str, engine_id: str, ready: Any, stop: Any, counters: Any, row: int,
                  switch_interval_ms: float | None = None) -> None:
     from engine_service.service.redis_io import RedisIO
@@ -231,7 +253,7 @@ def _engine_main(url: str, model: str, engine_id: str, ready: Any, stop: Any, co
         sys.setswitchinterval(switch_interval_ms / 1000)
     settings = ServiceSettings(redis_url=url, engine_id=engine_id)
     holder: dict[str, Worker] = {}
-    io = RedisIO(settings, model, queue.Queue(), {"name": model, "bench": "1"},
+    io = RedisIO(settings, model, _CountingInbox(counters, row * N_COUNTERS + C_CANCELS), {"name": model, "bench": "1"},
                  lambda: holder["w"].snapshot().load() if "w" in holder else {})
     worker = holder["w"] = Worker(FastFakeEngine(), io, settings, model)
     io.start()
@@ -286,7 +308,7 @@ async def _load(url: str, cfg: BenchConfig, index: int, ready: Any, stop: Any, c
                                       reply_to="", request_ids=[rid], prompt_ids=[[1, 2, 3]], prompt_tokens=[3],
                                       deadline=req.deadline)
             await broker.enqueue(req, record)
-            events, ok = 0, True
+            events, ok, cancelled = 0, True, False
             while True:
                 try:
                     event = await asyncio.wait_for(q.get(), 60)
@@ -300,12 +322,16 @@ async def _load(url: str, cfg: BenchConfig, index: int, ready: Any, stop: Any, c
                     events += 1
                     counters[base + C_EVENTS] += 1
                     counters[base + C_TOKENS] += len(event.token_ids)
+                    if events == cfg.cancel_after and not cancelled:
+                        cancelled = True
+                        counters[base + C_CANCELS] += 1
+                        await broker.cancel([rid])
                 if codec.is_terminal(event):
                     ok = ok and not event.HasField("error")
                     break
             broker.settled(rid)
             broker.unregister([rid])
-            if ok and events == cfg.tokens:
+            if ok and (events == cfg.tokens or (cancelled and cfg.cancel_after <= events <= cfg.tokens)):
                 counters[base + C_COMPLETED_EVENTS] += events
                 counters[base + C_COMPLETED] += 1
             else:
@@ -332,6 +358,7 @@ class _Snapshot:
     counters: list[int]
     commands: dict[str, dict[str, int]]  # node -> command -> calls
     cpu: dict[str, float]  # node -> used_cpu_sys + used_cpu_user
+    net: dict[str, tuple[int, int]] = field(default_factory=dict)  # node -> (bytes in, bytes out)
     proc_cpu: dict[str, float] = field(default_factory=dict)  # "engines"/"loadgens" -> seconds
 
 
@@ -345,15 +372,17 @@ def _command_calls(info: dict[str, Any]) -> dict[str, int]:
 
 
 def _snapshot(nodes: dict[str, tuple[redis.Redis, str]], counters: Any, procs: dict[str, list[Any]]) -> _Snapshot:
-    commands, cpu = {}, {}
+    commands, cpu, net = {}, {}, {}
     t = time.monotonic()
     values = list(counters)
     for name, (client, _) in nodes.items():
         commands[name] = _command_calls(client.info("commandstats"))
         info = client.info("cpu")
         cpu[name] = float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+        stats = client.info("stats")
+        net[name] = (int(stats["total_net_input_bytes"]), int(stats["total_net_output_bytes"]))
     proc_cpu = {kind: sum(_proc_cpu_s(p.pid) for p in ps) for kind, ps in procs.items()}
-    return _Snapshot(t, values, commands, cpu, proc_cpu)
+    return _Snapshot(t, values, commands, cpu, net=net, proc_cpu=proc_cpu)
 
 
 def _delta(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
@@ -446,7 +475,7 @@ def _figures(topology: Any, cfg: BenchConfig, nodes: dict[str, tuple[redis.Redis
         for cmd, calls in by_node[name].items():
             by_command[cmd] = by_command.get(cmd, 0) + calls
     total_commands = sum(by_command.values())
-    scripts = by_command.get("evalsha", 0) + by_command.get("eval", 0)
+    enqueues = by_command.get("xadd", 0)  # one per enqueue script (hand-backs are rare)
     cpu = {name: after.cpu[name] - before.cpu[name] for name in nodes}
     cpu_total = sum(cpu.values())
     busiest = max(cpu, key=cpu.get)
@@ -463,6 +492,14 @@ def _figures(topology: Any, cfg: BenchConfig, nodes: dict[str, tuple[redis.Redis
     }
     proc_cpu = {kind: after.proc_cpu[kind] - before.proc_cpu[kind] for kind in after.proc_cpu}
     bench_cpu = cpu_total + sum(proc_cpu.values())
+    tokens = d(C_TOKENS)
+    per_token = (lambda x: x / tokens) if tokens else (lambda x: float("nan"))
+    # Bytes Redis read from its clients (commands) and wrote to them (replies, pub/sub messages),
+    # the bench's own INFO polling included (a few KB a snapshot, spread over the window's tokens)
+    net_in = sum(after.net[n][0] - before.net[n][0] for n in masters)
+    net_out = sum(after.net[n][1] - before.net[n][1] for n in masters)
+    cancels = [after.counters[r * N_COUNTERS + C_CANCELS] - before.counters[r * N_COUNTERS + C_CANCELS]
+               for r in range(cfg.engines)]
     return {
         "topology": topology.name,
         "nodes": len(nodes),
@@ -474,9 +511,18 @@ def _figures(topology: Any, cfg: BenchConfig, nodes: dict[str, tuple[redis.Redis
         "token_events_per_s": d(C_EVENTS) / window,
         "commands_per_request": per_req(total_commands),
         # ENQUEUE_SCRIPT's SET and XADD run inside Redis, not sent by a client
-        "client_commands_per_request": per_req(total_commands - SCRIPT_INNER_COMMANDS * scripts),
+        "client_commands_per_request": per_req(total_commands - SCRIPT_INNER_COMMANDS * enqueues
+                                               - CANCEL_INNER_COMMANDS * d(C_CANCELS)),
         "commands_per_request_by_command": dict(sorted(((k, per_req(v)) for k, v in by_command.items()),
                                                        key=lambda kv: -kv[1])),
+        "tokens": tokens,
+        "commands_per_token": per_token(total_commands),
+        "redis_bytes_in_per_token": per_token(net_in),
+        "redis_bytes_out_per_token": per_token(net_out),
+        # cancels: the clients' (one per request with cfg.cancel_after) and, per engine, the request
+        # ids its step loop was told to cancel
+        "cancels_sent": d(C_CANCELS),
+        "cancels_received_per_engine": cancels,
         "round_trips_per_request": per_req(d(C_SENDS, all_rows)),
         "round_trips_per_request_engines": per_req(d(C_SENDS, range(cfg.engines))),
         "round_trips_per_request_loadgens": per_req(d(C_SENDS)),
@@ -516,6 +562,9 @@ ROWS = [
     ("client round trips / request", "round_trips_per_request", "{:.2f}"),
     ("  engines", "round_trips_per_request_engines", "{:.2f}"),
     ("  load generators", "round_trips_per_request_loadgens", "{:.2f}"),
+    ("Redis commands / token", "commands_per_token", "{:.2f}"),
+    ("Redis bytes in / token", "redis_bytes_in_per_token", "{:,.0f}"),
+    ("Redis bytes out / token", "redis_bytes_out_per_token", "{:,.0f}"),
     ("Redis CPU s / 1k requests", "redis_cpu_s_per_1k_requests", "{:.3f}"),
     ("busiest node CPU s / 1k req", "busiest_node_cpu_s_per_1k_requests", "{:.3f}"),
     ("busiest node share of CPU", "busiest_node_cpu_share", "{:.0%}"),
@@ -539,6 +588,8 @@ def mean_result(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 for k in first}
     if isinstance(first, (int, float)) and not isinstance(first, bool):
         return sum(runs) / len(runs)
+    if isinstance(first, list) and all(isinstance(r, list) and len(r) == len(first) for r in runs):
+        return [mean_result(list(column)) for column in zip(*runs, strict=True)]
     return first
 
 
@@ -554,6 +605,11 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     for kind in ("engines", "loadgens"):
         cells = "".join(f"{results[n]['python_cpu_s_per_1k_requests'].get(kind, 0):>14.3f}" for n in names)
         lines.append(f"{'Python CPU s / 1k req, ' + kind:32}{cells}")
+    if any(results[n].get("cancels_sent") for n in names):
+        lines.append(f"{'cancels sent':32}" + "".join(f"{results[n]['cancels_sent']:>14,.0f}" for n in names))
+        for i in range(len(results[names[0]]["cancels_received_per_engine"])):
+            cells = "".join(f"{results[n]['cancels_received_per_engine'][i]:>14,.0f}" for n in names)
+            lines.append(f"{f'  received by engine {i}':32}{cells}")
     lines.append("commands / request by command:")
     commands = sorted({c for n in names for c in results[n]["commands_per_request_by_command"]},
                       key=lambda c: -results[names[0]]["commands_per_request_by_command"].get(c, 0))
@@ -583,6 +639,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight per load generator")
     parser.add_argument("--tokens", type=int, default=16, help="tokens per request (max_tokens)")
     parser.add_argument("--models", type=int, default=1, help="model names (queues) to spread engines and requests over")
+    parser.add_argument("--cancel-after", type=int, default=0,
+                        help="cancel each request after this many token events, as a stop string does (0: never); "
+                             "the table then shows the cancels each engine received")
     parser.add_argument("--cluster-replicas", type=int, default=0, choices=(0, 1), help="replicas per cluster master")
     parser.add_argument("--topologies", default="standalone,cluster", help="comma-separated: standalone, cluster")
     parser.add_argument("--rounds", type=int, default=1,
@@ -601,6 +660,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("duration", "engines", "gateways", "concurrency", "tokens", "models", "rounds"):
         if getattr(args, name) <= 0:
             return usage(f"--{name} must be positive")
+    if args.cancel_after < 0:
+        return usage("--cancel-after must not be negative")
     if args.engine_switch_interval_ms is not None and args.engine_switch_interval_ms <= 0:
         return usage("--engine-switch-interval-ms must be positive")
     if args.engines < args.models:
@@ -613,7 +674,7 @@ def run(args: argparse.Namespace) -> int:
         return usage(f"--topologies: unknown {unknown or args.topologies!r}; use standalone,cluster")
     cfg = BenchConfig(duration_s=args.duration, warmup_s=args.warmup, engines=args.engines, gateways=args.gateways,
                       concurrency=args.concurrency, tokens=args.tokens, models=args.models,
-                      cluster_replicas=args.cluster_replicas,
+                      cluster_replicas=args.cluster_replicas, cancel_after=args.cancel_after,
                       engine_switch_interval_ms=args.engine_switch_interval_ms)
     rounds: list[dict[str, dict[str, Any]]] = []
     for i in range(args.rounds):

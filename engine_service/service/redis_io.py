@@ -16,19 +16,23 @@
   The lanes are looked up (SMEMBERS of each shard's lanes set) at most every ``LANE_REFRESH_S``. After an empty read it BLOCKs on its shards in one XREADGROUP on one Redis server;
   on a cluster, where one XREADGROUP cannot name streams of several slots, it pauses instead,
   doubling the pause up to ``read_idle_ms``.
-  It checks the cancel marker (and, for reclaimed entries, the emitted marker) in the same round
-  trip and delivers to the worker's inbox.
-- canceller: SSUBSCRIBE to the cancel channel; delivers Cancel ids to the inbox.
+  It takes what it read with ``contract.TAKE_SCRIPT`` (the cancel and emitted markers, and the owner
+  marker naming this engine) in one pipelined round trip and delivers to the worker's inbox.
+- canceller: SSUBSCRIBE to this engine's cancel channel (``contract.cancel_channel``: gateways send a
+  cancel to the engine whose owner marker names it, set when the reader took the entry); delivers
+  Cancel ids to the inbox.
 - publisher: takes the worker's per-step ``Batch`` from the outbox and sends it in ONE pipelined
-  round trip (emitted markers, then one SPUBLISH per reply_to carrying all its events of the step,
-  the event-log appends of logged requests, then the XACKs), retrying while Redis is away. Hand-backs go with their XACKs in one MULTI (both
+  round trip (emitted markers, then one SPUBLISH per reply_to of an ``EventFrame`` carrying all its
+  events of the step, each request's encoded once and appended as the same bytes to its log when it
+  is logged, the owner markers of the requests let go, then the XACKs), retrying while Redis is away. Hand-backs go with their XACKs in one MULTI (both
   in the queue's slot), so a hand-back can never leave the entry twice in the queue.
 
 Redis may be one server or a Redis Cluster (``sluice.wire.connection``): every multi-key step above
 stays inside one hash slot family of ``sluice.wire.contract``; the publisher's pipeline spans
 families but is not a transaction (redis-py sends each node its part, in order, so an emitted
 marker still lands before the event it guards: both are in the reply_to's slot).
-- housekeeper: heartbeat (liveness key + registry hash), model card (again after each reconnect),
+- housekeeper: heartbeat (liveness key + registry hash + the model's served key), model card (again
+  after each reconnect),
   the shard view (who owns which shard, how many shards exist, each shard's depth), reclaim of
   pending entries whose consumer's liveness key is gone (shard by shard, lane by lane), removal of
   dead engines' registry entries, the streams' trim (acknowledged entries only, see
@@ -147,6 +151,8 @@ class Batch:
     reply_to: dict[str, str] = field(default_factory=dict)
     logs: dict[str, LogSpec] = field(default_factory=dict)  # the same, for their event-log flags
     usage: list[usage.Usage] = field(default_factory=list)  # what the requests that ended used (their tenants')
+    # request id -> reply_to of entries the worker never held that this batch lets go (their owner markers)
+    released: dict[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.events or self.emitted or self.requeue or self.acks or self.usage)
@@ -159,6 +165,7 @@ class Batch:
         self.usage += other.usage
         self.reply_to.update(other.reply_to)
         self.logs.update(other.logs)
+        self.released.update(other.released)
 
 
 def next_id(entry_id: str) -> str:
@@ -205,6 +212,15 @@ def trim_stream(client: redis.Redis, stream: str) -> tuple[str | None, int]:
         return None, 0
     removed = client.xtrim(stream, minid=floor, approximate=False)
     return floor, int(removed or 0)
+
+
+def owner_ttl_s(deadline: float, now: float | None = None) -> int:
+    """The owner marker's TTL: past the request's deadline by the in-flight margin (a dead engine's
+    markers expire on their own); an hour without a deadline."""
+    if not deadline:
+        return contract.EMITTED_TTL_S
+    now = time.time() if now is None else now
+    return max(1, int(deadline - now) + contract.INFLIGHT_MARGIN_S)
 
 
 class _LoopBackoff:
@@ -276,6 +292,7 @@ class RedisIO:
         self.card = card
         self.load = load  # the worker's latest load snapshot, for the heartbeat
         self.redis = connect(settings.redis_url, socket_timeout=max(5.0, settings.read_block_ms / 1000 + 2.0))
+        self._take_sha = self.redis.register_script(contract.TAKE_SCRIPT).sha
         # One server: an idle reader BLOCKs on its shards in one XREADGROUP. A cluster cannot
         # (CROSSSLOT: the shards' streams are in different slots), so its reader polls.
         self._can_block = not is_cluster(self.redis)
@@ -798,16 +815,12 @@ class RedisIO:
         known = [e for e in entries if e.request is not None]
         if known:
             try:
-                pipe = self.redis.pipeline(transaction=False)
-                for e in known:
-                    pipe.exists(contract.cancelled_key(e.request.reply_to, e.request.request_id))
-                    pipe.exists(contract.emitted_key(e.request.reply_to, e.request.request_id))
-                flags = pipe.execute()
-                for i, e in enumerate(known):
-                    e.cancelled = bool(flags[2 * i])
-                    e.emitted = bool(flags[2 * i + 1]) and (e.reclaimed or e.request.attempt > 0)
+                for e, (cancelled, emitted) in zip(known, self._take(known), strict=True):
+                    e.cancelled = bool(cancelled)
+                    e.emitted = bool(emitted) and (e.reclaimed or e.request.attempt > 0)
             except _REDIS_ERRORS + (redis.RedisError,) as exc:
-                # The entries are ours now (pending); the pub/sub cancel still reaches us.
+                # The entries are ours now (pending), but no owner marker names us: a cancel of one
+                # of them only leaves its marker, which a reclaim or hand-back would see.
                 log.warning("could not check markers: %s", exc)
         entries = self._answer_lost(entries)
         with self._gateways_lock:
@@ -829,6 +842,29 @@ class RedisIO:
         for e in entries:
             self.inbox.put(e)
 
+    def _take(self, entries: list[Entry]) -> list[Any]:
+        """``contract.TAKE_SCRIPT`` for each entry, pipelined (one round trip; a cluster pipeline
+        sends each node its part): its (cancelled, emitted) flags, and the owner marker naming this
+        engine, so that cancels of these requests come here. EVALSHA; a Redis that lost the script
+        (a restart, a failover to a node that never saw it) gets it loaded, and the round trip is
+        made again (the script is idempotent)."""
+        for attempt in (0, 1):
+            pipe = self.redis.pipeline(transaction=False)
+            for e in entries:
+                rid, reply_to = e.request.request_id, e.request.reply_to
+                pipe.evalsha(self._take_sha, 3, contract.cancelled_key(reply_to, rid),
+                             contract.emitted_key(reply_to, rid), contract.owner_key(reply_to, rid),
+                             self.consumer, owner_ttl_s(e.request.deadline))
+            replies = pipe.execute(raise_on_error=False)
+            if attempt == 0 and any(isinstance(r, redis.exceptions.NoScriptError) for r in replies):
+                self.redis.script_load(contract.TAKE_SCRIPT)
+                continue
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+            return replies
+        raise AssertionError("unreachable")
+
     def _answer_lost(self, entries: list[Entry]) -> list[Entry]:
         """Reclaimed entries whose request already emitted tokens (or that were delivered too
         often) need no model: answer them here, at once (error event + XACK in one round trip),
@@ -848,6 +884,7 @@ class RedisIO:
             reason = reasons[id(e)]
             batch.events.append(codec.error_event(e.request.request_id, contract.ERR_ENGINE_LOST, reason, self.consumer))
             batch.reply_to[e.request.request_id] = e.request.reply_to
+            batch.released[e.request.request_id] = e.request.reply_to
             if (spec := LogSpec.of(e.request)) is not None:
                 batch.logs[e.request.request_id] = spec
             batch.acks.append(e.entry_id)
@@ -863,7 +900,7 @@ class RedisIO:
         while not self._stop.is_set():
             pubsub = self.redis.pubsub()
             try:
-                pubsub.ssubscribe(contract.CANCEL_CHANNEL)
+                pubsub.ssubscribe(contract.cancel_channel(self.consumer))  # the cancels of our requests
                 backoff.ok()
                 while not self._stop.is_set():
                     message = read_shard_message(pubsub, 0.2)
@@ -955,31 +992,44 @@ class RedisIO:
         """One step's writes: emitted markers, then each reply_to's events as ONE message on its
         channel, then the XACKs (one pipeline, not a transaction: it spans slot families). With
         hand-backs, their XADDs and the XACKs go in one MULTI of the queue's slot instead."""
-        by_reply: dict[str, list[Event]] = {}
-        by_log: dict[str, list[Event]] = {}
+        by_request: dict[str, list[Event]] = {}  # each request's events of the batch, in order
+        reply_of: dict[str, str] = {}
         with self._held_lock:
             for event in batch.events:
-                reply_to = batch.reply_to.get(event.request_id) or self._reply_to.get(event.request_id)
+                rid = event.request_id
+                reply_to = batch.reply_to.get(rid) or self._reply_to.get(rid)
                 if reply_to is None:  # cannot happen for a delivered entry; never guess a channel
-                    log.error("publish: no reply_to known for request %s; event dropped", event.request_id)
+                    log.error("publish: no reply_to known for request %s; event dropped", rid)
                     continue
-                by_reply.setdefault(reply_to, []).append(event)
-                if (spec := batch.logs.get(event.request_id) or self._logs.get(event.request_id)) and spec.logged:
-                    by_log.setdefault(event.request_id, []).append(event)
+                by_request.setdefault(rid, []).append(event)
+                reply_of[rid] = reply_to
+            logged = {rid for rid in by_request
+                      if (spec := batch.logs.get(rid) or self._logs.get(rid)) and spec.logged}
             replies = {rid: self._reply_to.get(rid) for rid in batch.emitted}
             acks, requeues = self._queue_writes(batch)
+            let_go = {rid: self._reply_to.get(rid) for a in batch.acks if (rid := self._held.get(a, ("", ""))[0])}
+            let_go.update(batch.released)
             requeued = {request.request_id for request in batch.requeue}  # handed back: not ended
             ended = {self._held[a][0] for a in batch.acks if a in self._held} - requeued
             ended |= set(batch.logs)
-            log_specs = {rid: batch.logs.get(rid) or self._logs.get(rid) for rid in by_log.keys() | ended}
-            first_writes = {rid for rid in by_log if rid not in self._log_started}
+            log_specs = {rid: batch.logs.get(rid) or self._logs.get(rid) for rid in logged | ended}
+            first_writes = {rid for rid in logged if rid not in self._log_started}
+        # Each request's events encoded ONCE: the same bytes go in its part of the reply channel's
+        # frame and, when it is logged, in its log.
+        encoded = {rid: event_log.encode_entry(events) for rid, events in by_request.items()}
+        by_reply: dict[str, list[tuple[str, bytes]]] = {}
+        for rid, data in encoded.items():
+            by_reply.setdefault(reply_of[rid], []).append((rid, data))
         pipe = self.redis.pipeline(transaction=False)
         for rid, reply_to in replies.items():
             if reply_to:
                 pipe.set(contract.emitted_key(reply_to, rid), self.consumer, ex=contract.EMITTED_TTL_S)
-        for reply_to, events in by_reply.items():
-            pipe.spublish(contract.events_channel(reply_to), codec.encode_events(events))
-        self._append_logs(pipe, by_log, log_specs, first_writes, ended)
+        for reply_to, parts in by_reply.items():
+            pipe.spublish(contract.events_channel(reply_to), codec.encode_frame(self.consumer, parts))
+        self._append_logs(pipe, {rid: encoded[rid] for rid in logged}, log_specs, first_writes, ended)
+        for rid, reply_to in let_go.items():  # acknowledged (ended or handed back): no longer ours
+            if reply_to:
+                pipe.delete(contract.owner_key(reply_to, rid))
         usage.record(pipe, batch.usage)
         for stream, ids in acks.items():
             if stream not in requeues:
@@ -1011,13 +1061,14 @@ class RedisIO:
             requeues.setdefault(stream, []).append(request)
         return acks, requeues
 
-    def _append_logs(self, pipe: Any, by_log: dict[str, list[Event]], specs: dict[str, LogSpec | None],
+    def _append_logs(self, pipe: Any, by_log: dict[str, bytes], specs: dict[str, LogSpec | None],
                      first_writes: set[str], ended: set[str]) -> None:
         """The event-log part of a step's pipeline (``sluice.wire.event_log``): one RPUSH per logged
-        request with events in this step; an EXPIRE to (deadline + window) with its first write, and
-        to the window alone for log and record when the request ends here. No extra round trip."""
-        for rid, events in by_log.items():
-            pipe.rpush(contract.log_key(rid), event_log.encode_entry(events))
+        request with events in this step (the bytes of its part of the frame); an EXPIRE to
+        (deadline + window) with its first write, and to the window alone for log and record when
+        the request ends here. No extra round trip."""
+        for rid, element in by_log.items():
+            pipe.rpush(contract.log_key(rid), element)
             spec = specs[rid]
             if rid in first_writes and rid not in ended and spec is not None:
                 pipe.expire(contract.log_key(rid), event_log.ttl_until_end(spec.deadline, spec.ttl_s))
@@ -1034,6 +1085,7 @@ class RedisIO:
         pipe.hset(contract.model_card_key(self.model), mapping=self.card)
         pipe.sadd(contract.MODELS_KEY, self.model)
         pipe.sadd(contract.queue_shards_key(self.model), self.settings.queue_shards)
+        pipe.set(contract.served_key(self.model), self.consumer, px=int(self.settings.model_grace_s * 1000))
         pipe.execute()
 
     def heartbeat(self) -> None:
@@ -1051,6 +1103,8 @@ class RedisIO:
         pipe.set(contract.room_key(self.consumer), b"1" if load["free_slots"] > 0 else b"0",
                  px=int(self.settings.heartbeat_ttl_s * 1000))
         pipe.hset(contract.ENGINES_KEY, self.consumer, entry.encode())
+        # the model is served: its keys stay (a draining engine still serves what it holds)
+        pipe.set(contract.served_key(self.model), self.consumer, px=int(self.settings.model_grace_s * 1000))
         pipe.execute()
         # What the room key says now: the reader compares its credit with this, so a "0" written
         # here at an instant without credit is put right as soon as credit is back (not a beat later).

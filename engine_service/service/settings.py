@@ -61,6 +61,9 @@ class ServiceSettings:
                                     bounds=(0, 1 << 16))
     steal_after_ms: int = knob(contract.DEFAULT_STEAL_AFTER_MS, "take another shard's entries once the oldest has "
                                "waited this long (ms), when this engine has room", bounds=(0, 3_600_000))
+    model_grace_s: float = knob(contract.DEFAULT_MODEL_GRACE_S, "how long the model's card and queue stay in Redis "
+                                "after its last engine is gone; then gateways remove them (the model is unknown)",
+                                bounds=(1, None))
     log_level: str = shared.log_level()
 
     # --- internal tunables (not knobs) ---

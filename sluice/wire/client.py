@@ -3,7 +3,8 @@
 No torch, no engine import: tests and tools can use it, on one Redis or a Redis Cluster (the URL
 says which, ``sluice.wire.connection``). It follows the contract's rules: each request handle has
 a reply id of its own, whose sharded channel it subscribes to *before* enqueueing (pub/sub keeps
-nothing), and a cancel both sets the queued-request marker and publishes on the cancel channel.
+nothing), and a cancel (``codec.cancel``) sets the queued-request marker and sends a Cancel to the
+engine that holds the request, if one does.
 """
 
 from __future__ import annotations
@@ -247,10 +248,8 @@ class WireClient:
             if owner is None:
                 raise KeyError(f"request {rid!r} was not enqueued by this client: pass its reply_to")
             by_reply.setdefault(owner, []).append(rid)
-        pipe = self.redis.pipeline(transaction=False)
         for owner, ids in by_reply.items():
-            codec.cancel(pipe, owner, ids)
-        pipe.execute()
+            codec.cancel(self.redis, owner, ids)
 
     def model_card(self, model: str) -> ModelCard | None:
         raw = self.redis.hgetall(contract.model_card_key(model))

@@ -13,18 +13,19 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from sluice.structured import StructuredOutputsParams
-from sluice.wire import contract
+from sluice.wire import contract, event_log
 from sluice.wire.messages_pb2 import (
     Cancel,
     ChoiceList,
     Error,
     ErrorCode,
     Event,
-    EventBatch,
+    EventFrame,
     Finished,
     FinishReason,
     GenerateRequest,
     PositionLogprobs,
+    RequestEvents,
     SamplingParams,
     StructuredOutputs,
     TokenLogprob,
@@ -291,23 +292,93 @@ def encode_cancel(request_ids: Iterable[str]) -> bytes:
     return Cancel(request_ids=list(request_ids)).SerializeToString()
 
 
-def cancel(pipe: Any, reply_to: str, request_ids: Iterable[str]) -> Any:
-    """Queue THE cancel on a Redis pipeline (sync or asyncio, standalone or cluster; the caller
-    executes it, non-transactionally: the markers and the channel are in different slots): a
-    marker per request, for a request still in the queue (the engine drops it on read), then one
-    ``Cancel`` on the cancel channel for engines running it. Idempotent. Returns ``pipe``."""
+def cancel_script_call(reply_to: str, request_ids: Iterable[str]) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of ``contract.CANCEL_SCRIPT`` for these requests of ``reply_to``."""
+    keys: list[str] = []
+    for request_id in request_ids:
+        keys += [contract.cancelled_key(reply_to, request_id), contract.owner_key(reply_to, request_id)]
+    return keys, [contract.CANCEL_MARKER_TTL_S]
+
+
+def cancel_messages(request_ids: Iterable[str], owners: Iterable[Any]) -> dict[str, bytes]:
+    """The Cancel to publish on each owner's channel (``contract.cancel_channel``), from the owners
+    CANCEL_SCRIPT returned in the order of ``request_ids`` (an empty one: nobody holds it)."""
+    by_owner: dict[str, list[str]] = {}
+    for request_id, owner in zip(request_ids, owners, strict=True):
+        owner = owner.decode() if isinstance(owner, bytes) else str(owner or "")
+        if owner:
+            by_owner.setdefault(owner, []).append(request_id)
+    return {contract.cancel_channel(owner): encode_cancel(ids) for owner, ids in by_owner.items()}
+
+
+def cancel(client: Any, reply_to: str, request_ids: Iterable[str]) -> dict[str, bytes]:
+    """THE cancel (a sync client, standalone or cluster): ``contract.CANCEL_SCRIPT`` (the markers, in
+    the reply_to's slot; a request still queued is dropped by whichever engine takes it), then one
+    Cancel to each engine that holds some of them. Idempotent. Returns what was published."""
     ids = list(request_ids)
-    for request_id in ids:
-        pipe.set(contract.cancelled_key(reply_to, request_id), b"1", ex=contract.CANCEL_MARKER_TTL_S)
-    pipe.spublish(contract.CANCEL_CHANNEL, encode_cancel(ids))
-    return pipe
+    if not ids:
+        return {}
+    keys, args = cancel_script_call(reply_to, ids)
+    messages = cancel_messages(ids, client.register_script(contract.CANCEL_SCRIPT)(keys=keys, args=args))
+    if messages:
+        pipe = client.pipeline(transaction=False)
+        for channel, payload in messages.items():
+            pipe.spublish(channel, payload)
+        pipe.execute()
+    return messages
 
 
-def encode_events(events: Iterable[Event]) -> bytes:
-    """One reply channel message: the events of one step for one reply_to, in order."""
-    return EventBatch(events=list(events)).SerializeToString()
+async def cancel_async(client: Any, reply_to: str, request_ids: Iterable[str], script: Any = None) -> dict[str, bytes]:
+    """:func:`cancel` for an asyncio client (``script``: its registered CANCEL_SCRIPT, if kept)."""
+    ids = list(request_ids)
+    if not ids:
+        return {}
+    keys, args = cancel_script_call(reply_to, ids)
+    script = script or client.register_script(contract.CANCEL_SCRIPT)
+    messages = cancel_messages(ids, await script(keys=keys, args=args))
+    if messages:
+        pipe = client.pipeline(transaction=False)
+        for channel, payload in messages.items():
+            pipe.spublish(channel, payload)
+        await pipe.execute()
+    return messages
+
+
+def encode_frame(engine_id: str, parts: Iterable[tuple[str, bytes]]) -> bytes:
+    """One reply channel message (``EventFrame``): per request, its events of this publish as the
+    bytes ``event_log.encode_entry`` made of them (the same bytes its log gets, when logged)."""
+    frame = EventFrame(engine_id=engine_id)
+    for request_id, events in parts:
+        frame.requests.add(request_id=request_id, events=events)
+    return frame.SerializeToString()
+
+
+def encode_events(events: Iterable[Event], engine_id: str = "") -> bytes:
+    """One reply channel message from events (each request's in order): :func:`encode_frame` of
+    each request's ``event_log.encode_entry``."""
+    by_request: dict[str, list[Event]] = {}
+    for event in events:
+        by_request.setdefault(event.request_id, []).append(event)
+    return encode_frame(engine_id, ((rid, event_log.encode_entry(evs)) for rid, evs in by_request.items()))
+
+
+def decode_frame(data: bytes) -> EventFrame:
+    """A reply channel message (raises ``google.protobuf.message.DecodeError``); its parts decode
+    with :func:`decode_part` (a reader decodes only the requests it waits for)."""
+    return EventFrame.FromString(data)
+
+
+def decode_part(part: RequestEvents, engine_id: str = "") -> list[Event]:
+    """One request's events of a frame, their request (and engine) ids put back."""
+    events = event_log.decode_entry(part.events, part.request_id)
+    if engine_id:
+        for event in events:
+            event.engine_id = engine_id
+    return events
 
 
 def decode_events(data: bytes) -> list[Event]:
-    """The events of one reply channel message (raises ``google.protobuf.message.DecodeError``)."""
-    return list(EventBatch.FromString(data).events)
+    """Every event of one reply channel message, request by request (raises
+    ``google.protobuf.message.DecodeError``)."""
+    frame = decode_frame(data)
+    return [event for part in frame.requests for event in decode_part(part, frame.engine_id)]

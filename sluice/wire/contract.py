@@ -12,8 +12,10 @@ below carry the requests; the Responses API's (``{resp:<response_id>}``, stored 
 down this module:
 
 - ``{registry}``: the control plane (a few writes a second per process, never per token): the
-  engine registry, liveness keys, model cards, the cancel channel. One slot, so a card and the
-  model set change in one MULTI.
+  engine registry, liveness keys, model cards. One slot, so a card and the model set change in one
+  MULTI.
+- ``{e:<engine_id>}``: one engine's cancel channel: a cancel goes to the engine that holds the
+  request (its owner marker names it), not to every engine.
 - ``{q:<model>:<shard>}``: one shard of a model's queue (a model's queue is ``queue_shards``
   streams, ``sluice.wire.shards``; each shard has its own tag, so a cluster spreads a model's queue
   over its nodes). A shard's stream and the gateway's in-flight markers of its entries are in one
@@ -31,8 +33,11 @@ down this module:
 - ``{g:<reply_to>}``: one gateway process's replies (``GenerateRequest.reply_to``). All events of
   its requests go through ONE sharded channel (SPUBLISH/SSUBSCRIBE: a cluster delivers it on the
   slot's node only, instead of broadcasting every token to every node), batched per engine step;
-  the emitted and cancelled markers of its requests live in the same slot, so the engine's
-  "emitted" marker and the event it guards travel over one connection, in order.
+  the emitted, cancelled and owner markers of its requests live in the same slot, so the engine's
+  "emitted" marker and the event it guards travel over one connection, in order, and the engine's
+  take of an entry (TAKE_SCRIPT: cancelled? then "owner = me") and a gateway's cancel
+  (CANCEL_SCRIPT: "cancelled", then who owns it?) are each one script of that slot: whichever runs
+  first, the other sees it, so a cancel is either seen at the take or sent to the owner.
 - ``{r:<rid>}``: one request's event log, its record and its lease (issue 22: resumable streams and
   background responses), keyed by the request id (an engine request id, which for a single-prompt
   request is the OpenAI id the client sees). One tag per request spreads logs over a cluster's
@@ -45,10 +50,11 @@ down this module:
 | sluice:{q:<model>:<shard>}:requests:<tenant> | stream, group engines | gateway | a tenant's lane of the shard (same entries); created with its group by ENQUEUE_SCRIPT, removed by the engines once empty and idle for LANE_IDLE_S (LANE_REMOVE_SCRIPT) |
 | sluice:{q:<model>:<shard>}:lanes     | set of tenant ids      | gateway | the tenants that have a lane in the shard (engines ignore a member that is not a valid tenant id) |
 | sluice:{q:<model>:<shard>}:inflight:<rid> | string with TTL   | gateway | set atomically with the request's XADD (ENQUEUE_SCRIPT), deleted when the gateway is done with it: gone while the gateway still waits = Redis lost the entry |
-| sluice:{g:<reply_to>}:events         | sharded channel        | engine  | EventBatch messages for the requests of one reply_to |
+| sluice:{g:<reply_to>}:events         | sharded channel        | engine  | EventFrame messages for the requests of one reply_to |
 | sluice:{g:<reply_to>}:emitted:<rid>  | string with TTL        | engine  | set with a request's first token: a reclaimed request that has it is errored, not restarted |
 | sluice:{g:<reply_to>}:cancelled:<rid>| string with TTL        | gateway | a cancel remembered for a still-queued request |
-| sluice:{registry}:cancel             | sharded channel        | gateway | Cancel messages; every engine listens     |
+| sluice:{g:<reply_to>}:owner:<rid>    | string with TTL        | engine  | the id of the engine that took the request (TAKE_SCRIPT), deleted when it lets it go |
+| sluice:{e:<engine_id>}:cancel        | sharded channel        | gateway | Cancel messages for the requests that engine owns |
 | sluice:{registry}:engines            | hash id -> EngineEntry | engine  | the registry (``sluice.wire.registry``): model, load, last heartbeat |
 | sluice:{registry}:engine:<engine_id> | string with TTL        | engine  | liveness: gone when the heartbeat lapses  |
 | sluice:{registry}:room:<engine_id>   | string with TTL        | engine  | "1" while the engine's reader has credit (room for more work), "0" when it has none: written when that changes and with each heartbeat; a peer takes the queue shards of an owner without room at once |
@@ -56,6 +62,7 @@ down this module:
 | sluice:{registry}:model:<model>      | hash                   | engine  | model card (``sluice.wire.card``): tokenizer, chat template, limits |
 | sluice:{registry}:models             | set                    | engine  | names of models that have a card          |
 | sluice:{registry}:queue_shards:<model>| set of ints           | engine  | every shard count an engine of the model has published: engines serve the shards of the largest, so a rolling change of the count strands nothing |
+| sluice:{registry}:served:<model>     | string with TTL        | engine  | refreshed by each heartbeat of the model's engines, TTL their model grace: gone = nobody has served the model for that long, and gateways remove its keys (MODEL_FORGET_SCRIPT, SHARD_FORGET_SCRIPT) |
 | sluice:{r:<rid>}:log                 | list                   | engine  | the request's event log (GenerateRequest.log_events): one EventBatch per publish |
 | sluice:{r:<rid>}:record              | string (JSON)          | gateway | what any gateway needs to render the log (``sluice.wire.event_log.StreamRecord``) |
 | sluice:{r:<rid>}:lease               | string with TTL        | gateway | a gateway follows the log for a resumed client: the engine's lost-gateway rule spares the request |
@@ -79,14 +86,17 @@ from sluice.wire.messages_pb2 import ErrorCode
 #    the per-request event log (GenerateRequest.log_events, detached, log_ttl_s; the {r:<rid>} family).
 # 5: tenants (GenerateRequest.tenant, tenant_weight; sluice.wire.tenants); a queue shard holds one
 #    lane per tenant (``lane_stream``, ``lanes_key``: the default tenant's is the shard's stream).
-CONTRACT_VERSION = 5
+# 6: a cancel goes to the engine that took the request (``owner_key``, TAKE_SCRIPT, CANCEL_SCRIPT,
+#    ``cancel_channel``; no channel every engine hears); a reply channel carries an EventFrame whose
+#    per-request parts are the bytes the request's log gets (log elements are unchanged); the
+#    ``served`` key, and the removal of an unserved model's keys (MODEL_FORGET_SCRIPT, SHARD_FORGET_SCRIPT).
+CONTRACT_VERSION = 6
 PREFIX = "sluice"
 
 CONSUMER_GROUP = "engines"
 REQUEST_FIELD = b"r"  # the stream entry's field holding the GenerateRequest bytes
 
 REGISTRY_TAG = "{registry}"
-CANCEL_CHANNEL = f"{PREFIX}:{REGISTRY_TAG}:cancel"
 ENGINES_KEY = f"{PREFIX}:{REGISTRY_TAG}:engines"
 MODELS_KEY = f"{PREFIX}:{REGISTRY_TAG}:models"
 
@@ -158,6 +168,47 @@ def queue_shards_key(model: str) -> str:
     return f"{PREFIX}:{REGISTRY_TAG}:queue_shards:{model}"
 
 
+def served_key(model: str) -> str:
+    return f"{PREFIX}:{REGISTRY_TAG}:served:{model}"
+
+
+# --- a model nobody serves any more -------------------------------------------------------------
+# Each heartbeat of an engine (and its card's publication) sets served_key(model) with the engine's
+# model grace as TTL (``--model-grace-s``). Once it is gone -- no engine of the model for that long --
+# gateways remove what the model left: every shard's empty streams (lanes included, the lanes set
+# with them; entries nobody waits for deleted first: gateway/unserved.py), then the card, the
+# shard counts and the model's name in the models set. An engine that starts again publishes them
+# anew (its card and served key in one MULTI, so the forget script never removes a card that is
+# served), and a stream removed under an engine's feet is recreated with its group (NOGROUP).
+DEFAULT_MODEL_GRACE_S = 600
+
+# One shard: remove each of the given streams (the shard's own, tenants' lanes) that holds no entry,
+# and the lanes' names that went. Returns how many streams still hold entries.
+# KEYS: lanes_key, then the streams; ARGV: the tenant of each stream ("" for the shard's own).
+SHARD_FORGET_SCRIPT = """
+local left = 0
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 and redis.call('XLEN', KEYS[i]) > 0 then
+    left = left + 1
+  else
+    redis.call('DEL', KEYS[i])
+    if ARGV[i - 1] ~= '' then redis.call('SREM', KEYS[1], ARGV[i - 1]) end
+  end
+end
+if redis.call('SCARD', KEYS[1]) == 0 then redis.call('DEL', KEYS[1]) end
+return left
+"""
+
+# The model's card, shard counts and name, unless an engine serves it again. Returns 1 when removed.
+# KEYS: served_key, model_card_key, queue_shards_key, MODELS_KEY; ARGV: model.
+MODEL_FORGET_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('DEL', KEYS[2], KEYS[3])
+redis.call('SREM', KEYS[4], ARGV[1])
+return 1
+"""
+
+
 def events_channel(reply_to: str) -> str:
     return f"{PREFIX}:{reply_tag(reply_to)}:events"
 
@@ -168,6 +219,50 @@ def emitted_key(reply_to: str, request_id: str) -> str:
 
 def cancelled_key(reply_to: str, request_id: str) -> str:
     return f"{PREFIX}:{reply_tag(reply_to)}:cancelled:{request_id}"
+
+
+def owner_key(reply_to: str, request_id: str) -> str:
+    """Who holds the request now: the id of the engine whose TAKE_SCRIPT took it."""
+    return f"{PREFIX}:{reply_tag(reply_to)}:owner:{request_id}"
+
+
+def engine_tag(engine_id: str) -> str:
+    """The hash tag of one engine's family (its cancel channel)."""
+    return "{e:" + engine_id + "}"
+
+
+def cancel_channel(engine_id: str) -> str:
+    """The sharded channel an engine hears the cancels of the requests it owns on."""
+    return f"{PREFIX}:{engine_tag(engine_id)}:cancel"
+
+
+# An engine takes the entries it read, one script each in the reply_to's slot: whether the request
+# was cancelled while queued, whether an earlier attempt emitted tokens, and (unless cancelled) the
+# owner marker naming this engine. A gateway's cancel (CANCEL_SCRIPT) runs in the same slot: run
+# before the take, the take sees "cancelled"; run after, the cancel sees the owner and sends it the
+# Cancel. The engine deletes the marker in the step that lets the request go (its XACK).
+# KEYS: cancelled_key, emitted_key, owner_key; ARGV: engine id, marker TTL (s). Returns {cancelled, emitted}.
+TAKE_SCRIPT = """
+local cancelled = redis.call('EXISTS', KEYS[1])
+local emitted = redis.call('EXISTS', KEYS[2])
+if cancelled == 0 then
+  redis.call('SET', KEYS[3], ARGV[1], 'EX', ARGV[2])
+end
+return {cancelled, emitted}
+"""
+
+# THE cancel of requests of one reply_to: each request's cancelled marker (an engine that takes it
+# later drops it), then who owns it ('' while none does: queued, or over). The caller sends one
+# Cancel to each owner's ``cancel_channel``.
+# KEYS: cancelled_key, owner_key of each request in turn; ARGV: marker TTL (s). Returns the owners.
+CANCEL_SCRIPT = """
+local owners = {}
+for i = 1, #KEYS, 2 do
+  redis.call('SET', KEYS[i], '1', 'EX', ARGV[1])
+  owners[#owners + 1] = redis.call('GET', KEYS[i + 1]) or ''
+end
+return owners
+"""
 
 
 def engine_key(engine_id: str) -> str:

@@ -210,6 +210,22 @@ class EventBatch(_message.Message):
     events: _containers.RepeatedCompositeFieldContainer[Event]
     def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
 
+class RequestEvents(_message.Message):
+    __slots__ = ("request_id", "events")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    events: bytes
+    def __init__(self, request_id: _Optional[str] = ..., events: _Optional[bytes] = ...) -> None: ...
+
+class EventFrame(_message.Message):
+    __slots__ = ("engine_id", "requests")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    requests: _containers.RepeatedCompositeFieldContainer[RequestEvents]
+    def __init__(self, engine_id: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestEvents, _Mapping]]] = ...) -> None: ...
+
 class Cancel(_message.Message):
     __slots__ = ("request_ids",)
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -2,7 +2,9 @@
 served by uvicorn in a thread. (No tests here; the test modules import these fixtures.)
 
 The fake engine publishes the model card (the real SmolLM2 tokenizer files of ``model_dir``),
-heartbeats, reads the request stream with XREADGROUP and answers with ``Event``s: each completion
+heartbeats (the model's served key too), reads the request stream with XREADGROUP, takes what it reads
+as the engine does (``contract.TAKE_SCRIPT``: a cancelled request is dropped, the owner marker names it,
+so cancels come to its own channel) and answers with ``Event``s: each completion
 index spells ``REPLY`` (rotated by the index) token by token (with logprobs, and the prompt's with the
 first event, when asked), then finishes with "length" at ``max_tokens`` or "stop" at the end of the
 reply. It records the requests it read and the cancels
@@ -55,6 +57,7 @@ class FakeEngine:
         self.reply_ids = self.tokenizer.encode(REPLY, add_special_tokens=False)
         self.token_delay = token_delay
         self.engine_id = "fake-0"
+        self.model_grace_s = float(contract.DEFAULT_MODEL_GRACE_S)  # the served key's TTL (--model-grace-s)
         self.requests: list[GenerateRequest] = []
         self.stream_of: dict[str, str] = {}  # request id -> the queue shard's stream it came from
         self.cancels: list[str] = []
@@ -117,6 +120,7 @@ class FakeEngine:
     # -- engine side --
     async def _setup(self) -> None:
         self.r = connect(self.redis_url, asyncio=True)
+        self._take = self.r.register_script(contract.TAKE_SCRIPT)
         await self._publish_card()
         await self._beat()
 
@@ -124,6 +128,7 @@ class FakeEngine:
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(contract.model_card_key(MODEL), mapping=card_fields(self.model_dir))
         pipe.sadd(contract.MODELS_KEY, MODEL)
+        pipe.set(contract.served_key(MODEL), self.engine_id, px=int(self.model_grace_s * 1000))
         await pipe.execute()
         for stream in contract.request_streams(MODEL, contract.DEFAULT_QUEUE_SHARDS):
             try:
@@ -149,6 +154,7 @@ class FakeEngine:
         await self.r.hset(contract.ENGINES_KEY, self.engine_id,
                           EngineEntry(engine_id=self.engine_id, model=MODEL, heartbeat=time.time()).encode())
         await self.r.set(contract.engine_key(self.engine_id), b"1", ex=int(contract.HEARTBEAT_TTL_S))
+        await self.r.set(contract.served_key(MODEL), self.engine_id, px=int(self.model_grace_s * 1000))
 
     async def _heartbeat(self) -> None:
         while not self._stopping:
@@ -168,7 +174,7 @@ class FakeEngine:
 
     async def _listen_cancels(self) -> None:
         ps = self.r.pubsub()
-        await ps.ssubscribe(contract.CANCEL_CHANNEL)
+        await ps.ssubscribe(contract.cancel_channel(self.engine_id))  # as the engine: its own requests' cancels
         while not self._stopping:
             try:
                 msg = await read_shard_message_async(ps, 1.0)
@@ -229,11 +235,19 @@ class FakeEngine:
     async def _serve(self, stream: str, entry_id, req: GenerateRequest) -> None:
         channel = contract.events_channel(req.reply_to)
         try:
-            if await self.r.exists(contract.cancelled_key(req.reply_to, req.request_id)) or self.hang:
+            # as the engine: take it (cancelled while queued? else the owner marker names this engine)
+            rid, reply_to = req.request_id, req.reply_to
+            cancelled, _ = await self._take(keys=[contract.cancelled_key(reply_to, rid), contract.emitted_key(reply_to, rid),
+                                                  contract.owner_key(reply_to, rid)], args=[self.engine_id, 600])
+            if cancelled:
+                return
+            while self.hang and not self._cancelled(rid) and not self._stopping:  # holds it, says nothing
+                await asyncio.sleep(0.02)
+            if self.hang:
                 return
             if self.error is not None:
                 ev = codec.error_event(req.request_id, self.error[0], self.error[1], self.engine_id)
-                await self.r.spublish(channel, codec.encode_events([ev]))
+                await self.r.spublish(channel, codec.encode_events([ev], self.engine_id))
                 return
             n = req.params.n or 1
             max_tokens = req.params.max_tokens if req.params.HasField("max_tokens") else 64
@@ -244,7 +258,7 @@ class FakeEngine:
                     if req.log_events:  # as the engine: an abort for each completion, logged too
                         for i in range(n):
                             ev = codec.finished_event(req.request_id, i, "abort", engine_id=self.engine_id)
-                            await self.r.spublish(channel, codec.encode_events([ev]))
+                            await self.r.spublish(channel, codec.encode_events([ev], self.engine_id))
                             await self.r.rpush(contract.log_key(req.request_id), event_log.encode_entry([ev]))
                     return
                 for i in range(n):
@@ -277,7 +291,7 @@ class FakeEngine:
                             ev.finished.stop_token_id = 2
                         ev.finished.usage.prompt_tokens = len(req.prompt_token_ids)
                         ev.finished.usage.completion_tokens = min(step + 1, len(ids))
-                    await self.r.spublish(channel, codec.encode_events([ev]))
+                    await self.r.spublish(channel, codec.encode_events([ev], self.engine_id))
                     if req.log_events:  # the engine's event log (sluice.wire.event_log), one element a step
                         await self.r.rpush(contract.log_key(req.request_id), event_log.encode_entry([ev]))
                 if step >= max(len(s) for s in streams):
@@ -289,6 +303,7 @@ class FakeEngine:
         finally:
             self.running -= 1
             try:
+                await self.r.delete(contract.owner_key(req.reply_to, req.request_id))
                 await self.r.xack(stream, contract.CONSUMER_GROUP, entry_id)
             except (redis.RedisError, OSError):
                 pass

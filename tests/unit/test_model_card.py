@@ -128,25 +128,15 @@ def test_error_codes_and_finish_reasons_are_enums_with_short_names() -> None:
     assert codec.is_terminal(ev) and not codec.is_terminal(codec.Event(request_id="r", token_ids=[1]))
 
 
-class _Pipe:
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-
-    def set(self, *args, **kw):
-        self.calls.append(("set", args, kw))
-
-    def spublish(self, *args):
-        self.calls.append(("spublish", args))
-
-
-def test_one_cancel_marks_then_publishes() -> None:
-    pipe = _Pipe()
-    assert codec.cancel(pipe, "gw", ["a", "b"]) is pipe
-    assert pipe.calls[:2] == [("set", (contract.cancelled_key("gw", r), b"1"), {"ex": contract.CANCEL_MARKER_TTL_S})
-                              for r in ("a", "b")]
-    kind, (channel, payload) = pipe.calls[2]
-    assert (kind, channel) == ("spublish", contract.CANCEL_CHANNEL)
-    assert list(Cancel.FromString(payload).request_ids) == ["a", "b"]
+def test_cancel_messages_go_to_each_owner_only() -> None:
+    keys, args = codec.cancel_script_call("gw", ["a", "b", "c"])
+    assert keys == [k for r in ("a", "b", "c") for k in (contract.cancelled_key("gw", r), contract.owner_key("gw", r))]
+    assert args == [contract.CANCEL_MARKER_TTL_S]
+    messages = codec.cancel_messages(["a", "b", "c"], [b"e1", b"", "e2"])  # b: queued, nobody holds it
+    assert set(messages) == {contract.cancel_channel("e1"), contract.cancel_channel("e2")}
+    assert list(Cancel.FromString(messages[contract.cancel_channel("e1")]).request_ids) == ["a"]
+    assert list(Cancel.FromString(messages[contract.cancel_channel("e2")]).request_ids) == ["c"]
+    assert codec.cancel_messages(["a"], [b""]) == {}
 
 
 def test_lost_on_delivery() -> None:

@@ -72,9 +72,30 @@ def test_make_request_and_entry() -> None:
         codec.make_request("r1", "m", [1], None, reply_to="")
 
 
-def test_event_batches_round_trip() -> None:
-    events = [codec.error_event("a", contract.ERR_DEADLINE, "late"), codec.finished_event("b", 1, "stop")]
-    assert codec.decode_events(codec.encode_events(events)) == events
+def test_event_frames_round_trip() -> None:
+    events = [codec.error_event("a", contract.ERR_DEADLINE, "late", "e1"), codec.finished_event("b", 1, "stop", engine_id="e1")]
+    assert codec.decode_events(codec.encode_events(events, "e1")) == events
+
+
+def test_a_frame_carries_each_request_as_the_bytes_its_log_gets() -> None:
+    """Encoded once: a request's part of a reply channel frame is byte for byte its log element,
+    and both decode to the same events."""
+    from sluice.wire import event_log
+    from sluice.wire.messages_pb2 import Event
+
+    a = [Event(request_id="a", index=0, token_ids=[5], engine_id="e1"),
+         Event(request_id="a", index=1, token_ids=[6, 7], engine_id="e1")]
+    b = [codec.finished_event("b", 0, "length", completion_tokens=3, engine_id="e1")]
+    element_a = event_log.encode_entry(a)
+    frame = codec.decode_frame(codec.encode_frame("e1", [("a", element_a), ("b", event_log.encode_entry(b))]))
+    assert frame.engine_id == "e1" and [p.request_id for p in frame.requests] == ["a", "b"]
+    assert frame.requests[0].events == element_a
+    assert codec.decode_part(frame.requests[0], "e1") == a
+    assert event_log.decode_entry(frame.requests[0].events, "a") == [Event(request_id="a", index=e.index,
+                                                                           token_ids=e.token_ids) for e in a]
+    # interleaved events of two requests: grouped by request, each request's order kept
+    mixed = [a[0], b[0], a[1]]
+    assert codec.decode_events(codec.encode_events(mixed, "e1")) == [a[0], a[1], b[0]]
 
 
 def test_position_logprobs_puts_the_chosen_token_first() -> None:
@@ -108,7 +129,12 @@ def test_each_key_family_is_one_hash_slot() -> None:
     for reply_to in ("g1", "0123456789abcdef", "wc-x"):
         assert len(slots(contract.events_channel(reply_to), contract.emitted_key(reply_to, "r1"),
                          contract.cancelled_key(reply_to, "r2"))) == 1, reply_to
-    assert len(slots(contract.ENGINES_KEY, contract.MODELS_KEY, contract.CANCEL_CHANNEL, contract.engine_key("e"),
+    for reply_to in ("g1", "0123456789abcdef"):  # the take and the cancel scripts' keys: one slot
+        assert len(slots(contract.cancelled_key(reply_to, "r"), contract.emitted_key(reply_to, "r"),
+                         contract.owner_key(reply_to, "r"), contract.owner_key(reply_to, "r2"))) == 1
+    # each engine's cancel channel in its own slot: cancels spread over a cluster's nodes
+    assert len(slots(*(contract.cancel_channel(f"engine-{i}") for i in range(50)))) > 40
+    assert len(slots(contract.ENGINES_KEY, contract.MODELS_KEY, contract.engine_key("e"),
                      contract.gateway_key("g"), contract.model_card_key("m"), contract.queue_shards_key("m"))) == 1
     # and the families spread: different models' queues (and gateways' channels) land on many slots
     assert len(slots(*(contract.request_stream(f"model-{i}", 0) for i in range(50)))) > 40
