@@ -197,3 +197,41 @@ def test_sigterm_drains_not_serving_then_exit_0(engines, redis_client):
     ids = [parse_entry(eid, fields).request.request_id for _, msgs in reply for eid, fields in msgs]
     assert queued.request_id in ids
     assert c.engine_id not in client.engines()
+
+
+def test_a_request_reclaimed_from_a_killed_engine_is_cancelled_on_its_new_owner(engines, redis_client):
+    """Cancels go to the engine that holds a request (its owner marker): when the holder is killed
+    before the request emitted anything, the engine that reclaims it becomes its owner, and a cancel
+    then reaches that engine and stops it; no owner marker is left."""
+    client = WireClient(redis_client)
+    # a slow prefill (200 tokens, 16 a step) on the only engine: a window in which it holds the
+    # request and has emitted nothing
+    a = engines("--max-num-batched-tokens", "16")
+    a.wait_ready(client)
+    long_prompt = [1] + [504 + (i * 7) % 900 for i in range(199)]
+    handle = client.submit(MODEL, long_prompt, {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True})
+    owner = contract.owner_key(handle.reply_to, handle.request_id)
+    end = time.monotonic() + 60
+    while redis_client.get(owner) != a.engine_id.encode():
+        assert time.monotonic() < end, f"engine a never took the request:\n{a.logs()}"
+        time.sleep(0.01)
+    a.proc.send_signal(signal.SIGSTOP)  # frozen mid-prefill, then killed without a word
+    a.proc.send_signal(signal.SIGKILL)
+    a.proc.wait(30)
+    b = engines()
+    b.wait_ready(client)
+    end = time.monotonic() + 60
+    while redis_client.get(owner) != b.engine_id.encode():
+        assert time.monotonic() < end, f"engine b never reclaimed the request:\n{b.logs()}"
+        time.sleep(0.05)
+    handle.cancel()
+    cancelled_at = time.monotonic()
+    result = handle.collect(timeout=30)
+    assert not result.timed_out and result.error_code is None, (result.error_message, b.logs())
+    assert result.finish_reason == "abort" and len(result.token_ids) < 48
+    assert time.monotonic() - cancelled_at < 10
+    assert {e.engine_id for e in result.events if e.token_ids} <= {b.engine_id}  # a emitted nothing
+    end = time.monotonic() + 10
+    while redis_client.exists(owner):
+        assert time.monotonic() < end, "the owner marker was left behind"
+        time.sleep(0.05)
