@@ -74,6 +74,7 @@ _REDIS_ERRORS = TRANSIENT_ERRORS
 # How often the reader looks up the shards' lanes (a tenant's first entry in a new lane waits this
 # long at most, beyond the read); the housekeeper also does at each heartbeat.
 LANE_REFRESH_S = 0.1
+STOP_READING_WAIT_S = 2.0  # how long stop_reading waits for a read in flight (Redis not answering)
 # Errors of a read naming a lane that was just removed (it holds nothing): look the lanes up again.
 _GONE_LANE = ("NOGROUP", "UNBLOCKED")
 
@@ -311,6 +312,7 @@ class RedisIO:
         # Credit: the worker reports (headroom, entries it has consumed); the reader may have
         # ``headroom - (delivered - consumed)`` entries in flight towards it.
         self._credit_lock = threading.Condition()
+        self._read_lock = threading.Lock()  # held by the reader while it reads and delivers (stop_reading)
         self._headroom = 0
         self._consumed = 0
         self._delivered = 0
@@ -380,9 +382,14 @@ class RedisIO:
         self.redis.close()
 
     def stop_reading(self) -> None:
+        """No entry is taken after this returns: a read already in flight (a BLOCK of up to
+        ``read_block_ms``) is waited for, and what it took is delivered before (bounded by
+        ``STOP_READING_WAIT_S`` while Redis does not answer)."""
         with self._credit_lock:
             self.reading = False
             self._credit_lock.notify_all()
+        if threading.current_thread().name != "sluice-io-reader" and self._read_lock.acquire(timeout=STOP_READING_WAIT_S):
+            self._read_lock.release()
 
     # --- credit (called by the worker) ---
     def report_headroom(self, headroom: int, consumed: int, fair: FairView | None = None) -> None:
@@ -501,7 +508,10 @@ class RedisIO:
                     self._stop.wait(wait)
                     continue
                 self._next_read_ahead = time.monotonic() + self.settings.steal_probe_ms / 1000
+            self._read_lock.acquire()
             try:
+                if not self.reading:  # stopped since the credit was read
+                    continue
                 if credit <= 0:  # one Redis server: wait on the takers' lanes for steal_probe_ms
                     entries = self._wait_for_takers(ahead)
                 else:
@@ -510,6 +520,8 @@ class RedisIO:
                     entries = self._wait_for_entries()
                 backoff.ok()
                 self.connected.set()
+                if entries:
+                    self._deliver(entries)
             except _REDIS_ERRORS as exc:
                 log.warning("reader: Redis unavailable (%s); retrying", exc)
                 self._grouped.clear()
@@ -524,9 +536,10 @@ class RedisIO:
                 log.error("XREADGROUP failed: %s", exc)
                 backoff.fail(self._stop)
                 continue
+            finally:
+                self._read_lock.release()
             if entries:
                 idle_s = 0.001
-                self._deliver(entries)
             elif not self._can_block:  # an idle queue on a cluster: pause a little, longer each time
                 self._stop.wait(idle_s)
                 idle_s = min(idle_s * 2, self.settings.read_idle_ms / 1000)
