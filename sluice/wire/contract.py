@@ -126,6 +126,12 @@ DEFAULT_QUEUE_SHARDS = 16
 MAX_QUEUE_SHARDS = 1024
 # How many full KV blocks at the start of a prompt choose its shard (the card carries it).
 DEFAULT_SHARD_PREFIX_BLOCKS = 8
+# Bounded-load ownership (shards.balanced_owners): an engine's owned shards may carry this fraction
+# more than its fair share of the queue's recent prompt tokens (--shard-load-slack); those loads
+# are sums decayed with this half-life (long enough that ownership holds still, short enough that
+# it follows a tenant mix that changes within a minute).
+DEFAULT_SHARD_LOAD_SLACK = 0.1
+SHARD_LOAD_HALF_LIFE_S = 20.0
 # An engine with room takes another shard's entries once the oldest waited this long (--steal-after-ms).
 DEFAULT_STEAL_AFTER_MS = 200
 
