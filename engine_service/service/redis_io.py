@@ -297,6 +297,7 @@ class RedisIO:
         self._shard_load_lock = threading.Lock()
         self._handed_over: dict[int, float] = {}
         self._viewed = False  # a view was computed from the registry
+        self._claimed: tuple[int, ...] = ()  # the shards the last view gave this engine (published)
         self.inbox = inbox
         self.card = card
         self.load = load  # the worker's latest load snapshot, for the heartbeat
@@ -1114,6 +1115,7 @@ class RedisIO:
             load["free_slots"] = max(0, self._credit())  # 0 while draining: its shards are others' now
         with self._shard_load_lock:
             load["shard_load"] = {s: round(v, 1) for s, v in self._shard_load.snapshot(time.monotonic()).items()}
+        load["owned_shards"] = list(self._claimed) if self.reading else []
         entry = registry.EngineEntry.from_load(self.consumer, self.model, time.time(), load)
         pipe = self.redis.pipeline(transaction=True)  # both in the registry's slot
         pipe.set(contract.engine_key(self.consumer), json.dumps({"model": self.model}), px=int(self.settings.heartbeat_ttl_s * 1000))
@@ -1221,10 +1223,12 @@ class RedisIO:
             for shard, value in entry.shard_load.items():
                 loads[shard] = loads.get(shard, 0.0) + value
         capacity = {e: float(published[e].total_blocks) if e in published else 0.0 for e in live}
-        owners = tuple(shards.balanced_owners(count, capacity, loads, self.settings.shard_load_slack))
+        current = shards.current_owners({e: entry.owned_shards for e, entry in published.items()}, count)
+        owners = tuple(shards.balanced_owners(count, capacity, loads, self.settings.shard_load_slack, current))
         # One shard is one shared queue, as before sharding: every engine reads it as its own.
         owned = tuple(range(count)) if count == 1 and self.reading else \
             tuple(i for i, o in enumerate(owners) if o == self.consumer)
+        self._claimed = owned if count > 1 else ()
         owned = self._with_handover(owned, count)
         view = ShardView(count, owned, owners, frozenset(e for e, entry in peers.items() if entry.saturated))
         if set(view.owned) != set(self.view.owned):

@@ -31,6 +31,7 @@ class EngineEntry:
     # queue shard -> prompt tokens it took from that shard lately (a decayed sum, ``shards.ShardLoad``):
     # every engine sums them into the shards' loads that bound ownership (``shards.balanced_owners``)
     shard_load: dict[int, float] = field(default_factory=dict, hash=False)
+    owned_shards: tuple[int, ...] = ()  # the queue shards it owns (its last view): where ownership holds still
 
     @property
     def saturated(self) -> bool:
@@ -67,6 +68,10 @@ def decode(raw: bytes | str | None) -> EngineEntry | None:
     for name, kind in _TYPES.items():
         if name == "shard_load":
             values[name] = _shard_load(data.get(name))
+        elif name == "owned_shards":
+            raw_owned = data.get(name)
+            values[name] = tuple(sorted({s for s in raw_owned if type(s) is int and 0 <= s < 1 << 16})) \
+                if isinstance(raw_owned, list) else ()
         elif name in data:
             try:
                 values[name] = _CASTS[str(kind)](data[name])

@@ -16,10 +16,11 @@ the header alone must not send every tenant to one shard.
 Ownership. Rendezvous (highest-random-weight) hashing of the shard over the live engines of the
 model, bounded by load (``balanced_owners``): every engine computes the same owners from the
 registry with no round trip. Each engine publishes the prompt tokens it recently took from each
-shard (a decayed sum); shards are placed heaviest first, each on the first engine in its hash order
-whose share of the recent prompt tokens stays within ``1 + slack`` times its fair share (by KV
-capacity), so one engine cannot be handed several busy shards while another idles, and a shard
-stays where it is while the loads do not move across the bound. Without load figures (a new queue)
+shard (a decayed sum) and the shards it owns; shards are placed heaviest first, each kept by its
+current owner while that owner's share of the recent prompt tokens stays within ``1 + 2 * slack``
+times its fair share (by KV capacity), else on the first engine in its hash order that stays within
+``1 + slack``: one engine cannot be handed several busy shards while another idles, and a shard
+does not move for noise. Without load figures (a new queue)
 it is plain rendezvous hashing, where an engine that joins or leaves moves about 1/N of the shards.
 
 Age. A stream entry id is ``<ms>-<seq>``, the ms being Redis's clock at the XADD: an entry's wait
@@ -118,18 +119,21 @@ class ShardLoad:
         return dict(self._values)
 
 
-def balanced_owners(shards: int, capacity: Mapping[str, float], loads: Mapping[int, float],
-                    slack: float) -> list[str | None]:
+def balanced_owners(shards: int, capacity: Mapping[str, float], loads: Mapping[int, float], slack: float,
+                    current: Mapping[int, str] | None = None) -> list[str | None]:
     """The owner of each shard 0 .. shards-1 by bounded-load rendezvous hashing.
 
     ``capacity``: the live engines and their KV capacity (a weight: an engine's fair share of the
     load is its part of the total capacity; 0 or less counts as 1 block). ``loads``: each shard's
-    recent prompt tokens (absent: none). Shards with load are placed heaviest first (ties: lower
-    shard first), each on the first engine of its rendezvous order (``weight``) that stays within
-    ``(1 + slack) * total * capacity / total capacity``; a shard no engine has room for goes to the
-    engine left least loaded relative to its capacity. Shards without load keep their rendezvous
-    owner. A pure function of its arguments: every engine that read the same registry computes
-    the same owners. A large ``slack`` gives plain rendezvous ownership."""
+    recent prompt tokens (absent: none). ``current``: the owner each engine says it has now (the
+    registry's). Shards with load are placed heaviest first (ties: lower shard first): a shard stays
+    with its current owner while that owner's share stays within ``1 + 2 * slack`` times its fair
+    share (a moved shard costs its prefix-cache blocks, so ownership holds still against the loads'
+    noise), else it goes to the first engine of its rendezvous order (``weight``) that stays within
+    ``1 + slack``; a shard no engine has room for goes to the engine left least loaded relative to
+    its capacity. Shards without load keep their rendezvous owner. A pure function of its
+    arguments: every engine that read the same registry computes the same owners. A large
+    ``slack`` gives plain rendezvous ownership."""
     live = sorted(capacity)
     base = [owner(s, live) for s in range(shards)]
     load = {s: float(v) for s, v in loads.items() if 0 <= s < shards and v > 0}
@@ -138,16 +142,35 @@ def balanced_owners(shards: int, capacity: Mapping[str, float], loads: Mapping[i
         return base
     weights = {e: float(capacity[e]) if capacity[e] > 0 else 1.0 for e in live}
     all_weight = sum(weights.values())
-    bound = {e: (1.0 + max(0.0, slack)) * total * weights[e] / all_weight for e in live}
+    slack = max(0.0, slack)
+    bound = {e: (1.0 + slack) * total * weights[e] / all_weight for e in live}
+    keep = {e: (1.0 + 2 * slack) * total * weights[e] / all_weight for e in live}
+    current = current or {}
     taken = dict.fromkeys(live, 0.0)
     out = list(base)
     for s in sorted(load, key=lambda s: (-load[s], s)):
-        order = sorted(live, key=lambda e: (weight(s, e), e), reverse=True)
-        chosen = next((e for e in order if taken[e] + load[s] <= bound[e]), None)
-        if chosen is None:
-            chosen = min(order, key=lambda e: (taken[e] + load[s]) / weights[e])
+        held = current.get(s)
+        if held in taken and taken[held] + load[s] <= keep[held]:
+            chosen = held
+        else:
+            order = sorted(live, key=lambda e: (weight(s, e), e), reverse=True)
+            chosen = next((e for e in order if taken[e] + load[s] <= bound[e]), None)
+            if chosen is None:
+                chosen = min(order, key=lambda e: (taken[e] + load[s]) / weights[e])
         taken[chosen] += load[s]
         out[s] = chosen
+    return out
+
+
+def current_owners(claims: Mapping[str, Iterable[int]], shards: int) -> dict[int, str]:
+    """Each shard's current owner from the shards each live engine says it owns (``claims``); a
+    shard two engines claim (a hand-over between their views) goes to the one first in its
+    rendezvous order."""
+    out: dict[int, str] = {}
+    for engine_id in sorted(claims):
+        for s in claims[engine_id]:
+            if 0 <= s < shards and (s not in out or (weight(s, engine_id), engine_id) > (weight(s, out[s]), out[s])):
+                out[s] = engine_id
     return out
 
 
