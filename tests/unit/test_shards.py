@@ -187,3 +187,39 @@ def test_shard_load_decays_with_its_half_life():
     load.add(3, 100, now=110.0)
     assert load.snapshot(120.0)[3] == 150.0
     assert 5 not in load.snapshot(130.0)  # under half a token: forgotten
+
+
+def test_registry_entries_carry_shard_loads_and_claims_and_junk_is_dropped():
+    from sluice.wire import registry
+
+    entry = registry.EngineEntry(engine_id="e1", model="m", total_blocks=160, shard_load={3: 812.5, 7: 40.0},
+                                 owned_shards=(3, 7))
+    back = registry.decode(entry.encode())
+    assert back.shard_load == {3: 812.5, 7: 40.0} and back.owned_shards == (3, 7)
+    # an older engine's entry: no loads, no claims
+    assert registry.decode('{"engine_id":"e0","model":"m"}').shard_load == {}
+    # a peer's junk moves nothing, and the rest of the entry still decodes
+    junk = registry.decode('{"engine_id":"e2","model":"m","running":2,"shard_load":{"x":5,"-1":3,"4":"inf","5":-2,'
+                           '"6":12},"owned_shards":[1,"2",true,-3,9]}')
+    assert junk.running == 2 and junk.shard_load == {6: 12.0} and junk.owned_shards == (1, 9)
+    assert registry.decode('{"engine_id":"e3","model":"m","shard_load":[1,2],"owned_shards":{"a":1}}').owned_shards == ()
+    # claims: a shard two engines say they own (a hand-over) is the one first in its hash order's
+    claims = shards.current_owners({"a": (0, 1, 99), "b": (1, 2)}, 4)
+    assert claims[0] == "a" and claims[2] == "b" and 99 not in claims
+    assert claims[1] == max(("a", "b"), key=lambda e: (shards.weight(1, e), e))
+
+
+def test_a_shard_stays_with_its_current_owner_within_the_wider_bound():
+    engines = {"a": 1.0, "b": 1.0}
+    loads = {s: 100.0 for s in range(4)}
+    # all four held by a: a keeps two (200 <= 1.2 x 200), the third would take it past 1.2x
+    first = shards.balanced_owners(4, engines, loads, 0.1, current=dict.fromkeys(range(4), "a"))
+    assert sorted(first) == ["a", "a", "b", "b"] and first[:2] == ["a", "a"]  # heaviest first, ties by shard
+    # once placed, noise inside the band moves nothing: 15% more on one of a's shards stays with a
+    current = dict(enumerate(first))
+    noisy = {**loads, 0: 115.0}
+    assert shards.balanced_owners(4, engines, noisy, 0.1, current) == first
+    # a shard heavier than any bound still has one owner; its current owner keeps nothing beside it
+    # past the band (a 300 + 100 > 240), so the other shard moves
+    assert shards.balanced_owners(4, engines, {0: 300.0, 1: 100.0}, 0.1, {0: "a", 1: "a"}) == \
+        ["a", "b", *shards.owners(4, engines)[2:]]
