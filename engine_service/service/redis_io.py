@@ -74,8 +74,8 @@ _REDIS_ERRORS = TRANSIENT_ERRORS
 # How often the reader looks up the shards' lanes (a tenant's first entry in a new lane waits this
 # long at most, beyond the read); the housekeeper also does at each heartbeat.
 LANE_REFRESH_S = 0.1
-# How many heartbeats an engine reads on a shard it stopped owning (beside its new owner): peers
-# refresh their views a beat apart, and the shard must not be ownerless in between.
+# How many heartbeats an engine takes the entries of a shard it stopped owning without waiting for
+# the steal bound: peers refresh their views a beat apart, and the shard must not wait in between.
 SHARD_HANDOVER_BEATS = 2
 # Errors of a read naming a lane that was just removed (it holds nothing): look the lanes up again.
 _GONE_LANE = ("NOGROUP", "UNBLOCKED")
@@ -101,6 +101,8 @@ class ShardView:
     owned: tuple[int, ...]
     owners: tuple[str | None, ...]
     saturated: frozenset[str] = frozenset()
+    # shards this engine owned until lately: taken without waiting for the steal bound for a while
+    handed_over: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -795,7 +797,7 @@ class RedisIO:
                 continue
             age = now_ms - shards.entry_ms(first[0][0])
             owner = view.owners[i] if i < len(view.owners) else None
-            if age >= self.settings.steal_after_ms or owner is None or owner in full:
+            if age >= self.settings.steal_after_ms or owner is None or owner in full or i in view.handed_over:
                 ready.append((fair.priority(tenant) if self.lanes else (0.0, 0.0), -age, i, stream))
         return [(i, stream) for _, _, i, stream in sorted(ready)]
 
@@ -1191,9 +1193,9 @@ class RedisIO:
         this engine while it reads), the shard counts published, the shard loads and KV capacity
         the live engines published; compute every shard's owner by bounded-load rendezvous hashing
         (``shards.balanced_owners``), and each shard's depth (for the metrics). A shard this
-        engine owned until now stays its own for ``SHARD_HANDOVER_BEATS`` heartbeats beside its
-        new owner: engines adopt a moved owner a beat apart, and an entry landing between must not
-        wait for the steal bound (two owners only means both may read it)."""
+        engine owned until now is taken without waiting for the steal bound for
+        ``SHARD_HANDOVER_BEATS`` heartbeats (``_handover``): engines adopt a moved owner a beat
+        apart, and an entry landing between must not wait for the bound."""
         pipe = self.redis.pipeline(transaction=False)  # both in the registry's slot
         pipe.hgetall(contract.ENGINES_KEY)
         pipe.smembers(contract.queue_shards_key(self.model))
@@ -1229,9 +1231,9 @@ class RedisIO:
         owned = tuple(range(count)) if count == 1 and self.reading else \
             tuple(i for i, o in enumerate(owners) if o == self.consumer)
         self._claimed = owned if count > 1 else ()
-        owned = self._with_handover(owned, count)
-        view = ShardView(count, owned, owners, frozenset(e for e, entry in peers.items() if entry.saturated))
-        if set(view.owned) != set(self.view.owned):
+        view = ShardView(count, owned, owners, frozenset(e for e, entry in peers.items() if entry.saturated),
+                         self._handover(owned, count))
+        if view.owned != self.view.owned:
             self.stats["ownership_changes"] += 1
             log.info("owning queue shards %s of %d (%d live engines)", list(view.owned), count, len(live))
         self._set_view(view)
@@ -1245,18 +1247,19 @@ class RedisIO:
         self.shard_depth.update(depth)
         return view
 
-    def _with_handover(self, owned: tuple[int, ...], count: int) -> tuple[int, ...]:
-        """``owned`` plus the shards this engine owned until now and lost less than
-        ``SHARD_HANDOVER_BEATS`` heartbeats ago (none while draining)."""
+    def _handover(self, owned: tuple[int, ...], count: int) -> frozenset[int]:
+        """The shards this engine owned and lost less than ``SHARD_HANDOVER_BEATS`` heartbeats ago
+        (none while draining): peers adopt a moved owner a beat apart, so until the new owner
+        reads the shard, this engine takes its entries without waiting for the steal bound."""
         now = time.monotonic()
         if not self.reading or not self._viewed:  # the start's view (alone, owning all) hands nothing over
             self._viewed = self.reading
             self._handed_over.clear()
-            return owned
+            return frozenset()
         for shard in set(self.view.owned) - set(owned):
             self._handed_over.setdefault(shard, now + SHARD_HANDOVER_BEATS * self.settings.heartbeat_interval_s)
         self._handed_over = {s: t for s, t in self._handed_over.items() if t > now and s not in owned and s < count}
-        return tuple(sorted({*owned, *self._handed_over}))
+        return frozenset(self._handed_over)
 
     def check_gateways(self, now: float | None = None) -> list[str]:
         """Abort the requests of gateways that are gone; return the ids of those found lost now.

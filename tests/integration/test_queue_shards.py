@@ -290,8 +290,8 @@ def test_ownership_bounded_by_load_moves_a_busy_engines_shards(services, redis_c
     def settled() -> bool:
         owners = a.io.view.owners
         per = [sum(owners[s] == svc.settings.engine_id for s in moved) for svc in (a, b)]
-        # agreed, two each, and the hand-over reads over (each reads only its own)
-        return owners == b.io.view.owners and per == [2, 2] and not set(a.io.view.owned) & set(b.io.view.owned)
+        # agreed, two each, and the hand-over over (each takes only its own)
+        return owners == b.io.view.owners and per == [2, 2] and not a.io.view.handed_over | b.io.view.handed_over
 
     wait_until(settled, 10, "two of the busy engine's shards moved")
     owners = a.io.view.owners
