@@ -1,36 +1,41 @@
 """``sluice bench prefix-affinity``: one queue against a queue sharded by prompt prefix, side by side.
 
-Three engine services (the real ``RedisIO`` reader with its shard ownership and stealing, the real
+Engine services (the real ``RedisIO`` reader with its shard ownership and stealing, the real
 ``Worker`` step loop, the real ``Scheduler`` with its block pool and prefix cache) run in this
-process against a private ``redis-server`` (or ``--redis-url``). The model is replaced by a cost
-model: a step sleeps ``--prefill-us-per-token`` per prompt token it actually computes (prefix-cache
-hits are free) plus ``--decode-ms-per-step`` when it decodes, so what the prefix cache saves shows
-as time, as with a real model, without needing one (three real models do not fit this bench's CPU
-budget). Each engine's KV pool (``--num-blocks``) is too small for every tenant's prefix, the
-three together are large enough.
+process against a private ``redis-server`` (or ``--redis-url``). By default the model is replaced by
+a cost model: a step sleeps ``--prefill-us-per-token`` per prompt token it actually computes
+(prefix-cache hits are free) plus ``--decode-ms-per-step`` when it decodes, so what the prefix
+cache saves shows as time. ``--model DIR`` runs the real model instead (``LLMEngine``, one per
+engine, in this process). Each engine's KV pool (``--num-blocks``) is too small for every tenant's
+prefix, all of them together are large enough.
 
-Workloads (seeded, the same requests for both queue settings):
+Workloads (seeded, the same requests for every queue mode):
 
 - ``tenants``: ``--tenants`` system prompts of ``--system-tokens`` tokens; each request is one
   tenant's system prompt and a distinct ``--user-tokens`` user turn, ``--output-tokens`` out;
 - ``uniform``: the same lengths, no shared prefix at all (sharding must cost nothing here).
 
-Requests arrive as a Poisson process of ``--rate`` requests/s, each enqueued on the shard a gateway
-would choose (``sluice.wire.shards``, from the model card). Reported per run: prefix-cache hit
-rate (cached / prompt tokens), prompt tokens computed, requests and output tokens per second, p50
-and p99 queue time (enqueue to admission by an engine) and time to first token, and the entries
-stolen. ``--json PATH`` writes everything.
+Queue modes (``--modes``): ``shared`` (one shard: every engine reads one queue), ``hash`` (``--shards``
+shards owned by rendezvous hashing alone) and ``bounded`` (the same shards, ownership bounded by
+load: ``--shard-load-slack``). Requests arrive as a Poisson process of ``--rate`` requests/s, or
+``--concurrency`` at a time (a new one as one ends), each enqueued on the shard a gateway would
+choose (``sluice.wire.shards``, from the model card). Reported per run: prefix-cache hit rate
+(cached / prompt tokens), prompt tokens computed, requests and output tokens per second, p50 and
+p99 queue time (enqueue to admission by an engine) and time to first token, the entries stolen,
+and the busiest engine's prompt tokens over the engines' mean. ``--json PATH`` writes everything.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from engine_service.config import SchedulerConfig
@@ -38,6 +43,7 @@ from engine_service.core.outputs import EngineOutput
 from engine_service.core.request import Request
 from engine_service.core.sampling_params import SamplingParams
 from engine_service.core.scheduler import Scheduler
+from engine_service.service.main import model_card
 from engine_service.service.metrics import NullMetrics
 from engine_service.service.redis_io import RedisIO
 from engine_service.service.settings import ServiceSettings
@@ -143,23 +149,36 @@ class _QueueTimes(NullMetrics):
 
 @dataclass
 class _Engine:
-    engine: SimEngine
+    engine: Any
     io: RedisIO
     worker: Worker
     thread: threading.Thread
 
 
-def _start_engine(url: str, args: argparse.Namespace, shards: int, queue_times: list[float]) -> _Engine:
+def _model_engine(args: argparse.Namespace, max_model_len: int) -> Any:
+    """The real model (``--model``): an ``LLMEngine`` with the bench's pool and batch limits."""
+    from engine_service.config import EngineConfig
+    from engine_service.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=args.model, num_blocks=args.num_blocks, block_size=args.block_size,
+                                  max_num_seqs=args.max_num_seqs, max_model_len=max_model_len))
+
+
+def _start_engine(url: str, args: argparse.Namespace, shards: int, slack: float, queue_times: list[float]) -> _Engine:
     settings = ServiceSettings(redis_url=url, engine_id=f"sim-{uuid.uuid4().hex[:6]}", queue_shards=shards,
                                shard_prefix_blocks=args.prefix_blocks, steal_after_ms=args.steal_after_ms,
-                               heartbeat_interval_s=0.5, heartbeat_ttl_s=2.0)
-    engine = SimEngine(args.num_blocks, args.block_size, args.max_num_seqs,
-                       args.system_tokens + args.user_tokens + args.output_tokens + 64,
-                       args.prefill_us_per_token / 1e6, args.decode_ms_per_step / 1e3)
-    card = {wire_card.F_NAME: MODEL, wire_card.F_MAX_MODEL_LEN: str(engine.max_model_len),
-            wire_card.F_CONTRACT_VERSION: str(contract.CONTRACT_VERSION),
-            wire_card.F_QUEUE_SHARDS: str(shards), wire_card.F_BLOCK_SIZE: str(args.block_size),
-            wire_card.F_SHARD_PREFIX_BLOCKS: str(args.prefix_blocks)}
+                               shard_load_slack=slack, heartbeat_interval_s=0.5, heartbeat_ttl_s=2.0)
+    max_model_len = args.system_tokens + args.user_tokens + args.output_tokens + 64
+    if args.model:
+        engine = _model_engine(args, max_model_len)
+        card = model_card(engine, MODEL, settings).encode()
+    else:
+        engine = SimEngine(args.num_blocks, args.block_size, args.max_num_seqs, max_model_len,
+                           args.prefill_us_per_token / 1e6, args.decode_ms_per_step / 1e3)
+        card = {wire_card.F_NAME: MODEL, wire_card.F_MAX_MODEL_LEN: str(engine.max_model_len),
+                wire_card.F_CONTRACT_VERSION: str(contract.CONTRACT_VERSION),
+                wire_card.F_QUEUE_SHARDS: str(shards), wire_card.F_BLOCK_SIZE: str(args.block_size),
+                wire_card.F_SHARD_PREFIX_BLOCKS: str(args.prefix_blocks)}
     holder: dict[str, Worker] = {}
     io = RedisIO(settings, MODEL, new_inbox(), card, lambda: holder["w"].snapshot().load() if "w" in holder else {})
     worker = Worker(engine, io, settings, MODEL)
@@ -171,22 +190,44 @@ def _start_engine(url: str, args: argparse.Namespace, shards: int, queue_times: 
     return _Engine(engine, io, worker, thread)
 
 
-def make_workload(kind: str, args: argparse.Namespace) -> list[list[int]]:
+def make_workload(kind: str, args: argparse.Namespace, vocab: int = VOCAB) -> list[list[int]]:
+    """The requests' prompts: random token ids below ``vocab`` (ids 0-99 left out: a model's
+    special tokens sit there)."""
     rng = random.Random(args.seed)
-    systems = [[rng.randrange(VOCAB) for _ in range(args.system_tokens)] for _ in range(args.tenants)]
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(n)]
+
+    systems = [tokens(args.system_tokens) for _ in range(args.tenants)]
     prompts = []
     for _ in range(args.num_requests):
-        user = [rng.randrange(VOCAB) for _ in range(args.user_tokens)]
+        user = tokens(args.user_tokens)
         if kind == "tenants":
             prompts.append(systems[rng.randrange(args.tenants)] + user)
         else:
-            prompts.append([rng.randrange(VOCAB) for _ in range(args.system_tokens)] + user)
+            prompts.append(tokens(args.system_tokens) + user)
     return prompts
+
+
+MODES = {"shared": "one shard", "hash": "shards by hash alone", "bounded": "shards bounded by load"}
+HASH_ONLY_SLACK = 1e9  # a bound no engine reaches: rendezvous ownership alone
+
+
+def mode_settings(mode: str, args: argparse.Namespace) -> tuple[int, float]:
+    """(shard count, load slack) of a queue mode."""
+    if mode == "shared":
+        return 1, args.shard_load_slack
+    if mode == "hash":
+        return args.shards, HASH_ONLY_SLACK
+    if mode == "bounded":
+        return args.shards, args.shard_load_slack
+    raise ValueError(f"unknown queue mode {mode!r} (one of {', '.join(MODES)})")
 
 
 @dataclass
 class RunResult:
     workload: str
+    mode: str
     shards: int
     requests: int
     completed: int
@@ -201,6 +242,8 @@ class RunResult:
     ttft_p50_ms: float
     ttft_p99_ms: float
     stolen: int
+    busiest_over_mean: float  # the busiest engine's prompt tokens over the engines' mean
+    ownership_changes: int
     per_engine: list[dict] = field(default_factory=list)
 
 
@@ -211,11 +254,12 @@ def _pct(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
-def run_one(url: str, args: argparse.Namespace, kind: str, shards: int, prompts: list[list[int]]) -> RunResult:
+def run_one(url: str, args: argparse.Namespace, kind: str, mode: str, prompts: list[list[int]]) -> RunResult:
+    shards, slack = mode_settings(mode, args)
     r = connect(url)
     r.flushall()
     queue_times: list[float] = []
-    engines = [_start_engine(url, args, shards, queue_times) for _ in range(args.engines)]
+    engines = [_start_engine(url, args, shards, slack, queue_times) for _ in range(args.engines)]
     client = WireClient(r)
     try:
         end = time.monotonic() + 20
@@ -230,6 +274,7 @@ def run_one(url: str, args: argparse.Namespace, kind: str, shards: int, prompts:
         first: dict[str, float] = {}
         done: dict[str, Any] = {}
         stop = threading.Event()
+        slots = threading.Semaphore(args.concurrency) if args.concurrency > 0 else None
 
         def listen() -> None:
             while not stop.is_set() and len(done) < len(prompts):
@@ -240,25 +285,31 @@ def run_one(url: str, args: argparse.Namespace, kind: str, shards: int, prompts:
                 for ev in codec.decode_events(msg["data"]):
                     if ev.token_ids and ev.request_id not in first:
                         first[ev.request_id] = now
-                    if codec.is_terminal(ev):
+                    if codec.is_terminal(ev) and ev.request_id not in done:
                         done[ev.request_id] = (now, ev)
+                        if slots is not None:
+                            slots.release()
 
         listener = threading.Thread(target=listen, daemon=True)
         listener.start()
         rng = random.Random(args.seed + 1)
         params = {"temperature": 0.0, "max_tokens": args.output_tokens, "ignore_eos": True}
         t0 = time.monotonic()
+        limit = t0 + args.timeout_s
         next_at = t0
         for i, prompt in enumerate(prompts):
-            next_at += rng.expovariate(args.rate)
-            delay = next_at - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            rid = f"{kind}-{shards}-{i}"
+            if slots is not None:
+                if not slots.acquire(timeout=max(0.0, limit - time.monotonic())):
+                    break
+            else:
+                next_at += rng.expovariate(args.rate)
+                delay = next_at - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+            rid = f"{kind}-{mode}-{i}"
             request = codec.make_request(rid, MODEL, prompt, params, reply_to=reply)
             sent[rid] = time.monotonic()
             client.enqueue(request)
-        limit = time.monotonic() + args.timeout_s
         while len(done) < len(prompts) and time.monotonic() < limit:
             time.sleep(0.05)
         stop.set()
@@ -269,21 +320,32 @@ def run_one(url: str, args: argparse.Namespace, kind: str, shards: int, prompts:
         cached = sum(ev.finished.usage.cached_tokens for ev in finished)
         span = max((t for t, _ in done.values()), default=t0) - t0
         ttft = [first[rid] - sent[rid] for rid in first]
+        served: dict[str, list[int]] = {e.io.consumer: [0, 0, 0] for e in engines}  # requests, prompt, cached
+        for ev in finished:
+            row = served.setdefault(ev.engine_id, [0, 0, 0])
+            row[0] += 1
+            row[1] += ev.finished.usage.prompt_tokens
+            row[2] += ev.finished.usage.cached_tokens
+        mean = prompt_tokens / len(engines) if engines else 0.0
         per_engine = [{"engine_id": e.io.consumer, "owned_shards": list(e.io.view.owned),
-                       "prompt_tokens_computed": e.engine.prompt_tokens_computed, "stolen": e.io.stats["stolen"],
-                       "prefix_cache_hit_rate": round(e.engine.scheduler.stats.prefix_cache_hit_rate, 4)}
+                       "requests": served[e.io.consumer][0], "prompt_tokens": served[e.io.consumer][1],
+                       "prompt_tokens_computed": served[e.io.consumer][1] - served[e.io.consumer][2],
+                       "prefix_cache_hit_rate": round(served[e.io.consumer][2] / served[e.io.consumer][1], 4)
+                       if served[e.io.consumer][1] else 0.0,
+                       "stolen": e.io.stats["stolen"], "ownership_changes": e.io.stats["ownership_changes"]}
                       for e in engines]
         return RunResult(
-            workload=kind, shards=shards, requests=len(prompts), completed=len(finished),
+            workload=kind, mode=mode, shards=shards, requests=len(prompts), completed=len(finished),
             prefix_cache_hit_rate=round(cached / prompt_tokens, 4) if prompt_tokens else 0.0,
-            prompt_tokens=prompt_tokens,
-            prompt_tokens_computed=sum(e.engine.prompt_tokens_computed for e in engines),
+            prompt_tokens=prompt_tokens, prompt_tokens_computed=prompt_tokens - cached,
             seconds=round(span, 3),
             requests_per_s=round(len(finished) / span, 2) if span else 0.0,
             output_tokens_per_s=round(len(finished) * args.output_tokens / span, 1) if span else 0.0,
             queue_p50_ms=round(1000 * _pct(queue_times, 50), 1), queue_p99_ms=round(1000 * _pct(queue_times, 99), 1),
             ttft_p50_ms=round(1000 * _pct(ttft, 50), 1), ttft_p99_ms=round(1000 * _pct(ttft, 99), 1),
-            stolen=sum(e.io.stats["stolen"] for e in engines), per_engine=per_engine,
+            stolen=sum(e.io.stats["stolen"] for e in engines),
+            busiest_over_mean=round(max(row["prompt_tokens"] for row in per_engine) / mean, 3) if mean else 0.0,
+            ownership_changes=sum(e.io.stats["ownership_changes"] for e in engines), per_engine=per_engine,
         )
     finally:
         for e in engines:
@@ -312,24 +374,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-us-per-token", type=float, default=40.0, help="cost model: per prompt token computed")
     parser.add_argument("--decode-ms-per-step", type=float, default=4.0, help="cost model: per step that decodes")
     parser.add_argument("--steal-after-ms", type=int, default=contract.DEFAULT_STEAL_AFTER_MS)
+    parser.add_argument("--shard-load-slack", type=float, default=contract.DEFAULT_SHARD_LOAD_SLACK,
+                        help="the bounded mode's load slack (the engines' --shard-load-slack)")
+    parser.add_argument("--concurrency", type=int, default=0,
+                        help="keep this many requests in flight instead of Poisson arrivals (0: --rate)")
+    parser.add_argument("--model", default=None, metavar="DIR",
+                        help="run this model (an LLMEngine per engine) instead of the cost model")
+    parser.add_argument("--modes", default="shared,bounded", help=f"queue modes to run, of {', '.join(MODES)}")
     parser.add_argument("--workloads", default="tenants,uniform")
+    parser.add_argument("--repeat", type=int, default=1, help="run the modes in turns this many times (A B A B)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results here")
 
 
 def _table(results: list[RunResult]) -> str:
-    head = ("| workload | shards | hit rate | prompt tokens computed | req/s | out tok/s | queue p50 / p99 ms "
-            "| TTFT p50 / p99 ms | stolen | completed |")
-    rows = [head, "|" + "---|" * 10]
+    head = ("| workload | queue | hit rate | prompt tokens computed | busiest engine / mean | req/s | out tok/s "
+            "| queue p50 / p99 ms | TTFT p50 / p99 ms | stolen | completed |")
+    rows = [head, "|" + "---|" * 11]
     for r in results:
-        rows.append(f"| {r.workload} | {r.shards} | {r.prefix_cache_hit_rate:.1%} | {r.prompt_tokens_computed:,} "
-                    f"| {r.requests_per_s:.1f} | {r.output_tokens_per_s:.0f} | {r.queue_p50_ms:.0f} / {r.queue_p99_ms:.0f} "
-                    f"| {r.ttft_p50_ms:.0f} / {r.ttft_p99_ms:.0f} | {r.stolen} | {r.completed}/{r.requests} |")
+        queue = "1 shard" if r.mode == "shared" else f"{r.shards} shards, {r.mode}"
+        rows.append(f"| {r.workload} | {queue} | {r.prefix_cache_hit_rate:.1%} | {r.prompt_tokens_computed:,} "
+                    f"| {r.busiest_over_mean:.2f} | {r.requests_per_s:.1f} | {r.output_tokens_per_s:.0f} "
+                    f"| {r.queue_p50_ms:.0f} / {r.queue_p99_ms:.0f} | {r.ttft_p50_ms:.0f} / {r.ttft_p99_ms:.0f} "
+                    f"| {r.stolen} | {r.completed}/{r.requests} |")
     return "\n".join(rows)
 
 
 def run(args: argparse.Namespace) -> int:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for mode in modes:
+        if mode not in MODES:
+            print(f"unknown queue mode {mode!r} (one of {', '.join(MODES)})", file=sys.stderr)
+            return 2
+    vocab = VOCAB
+    if args.model:
+        vocab = int(json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
     results: list[RunResult] = []
     with Stack("prefix-affinity") as stack:
         try:
@@ -338,12 +418,14 @@ def run(args: argparse.Namespace) -> int:
             print(exc, file=sys.stderr)
             return 2
         for kind in [w.strip() for w in args.workloads.split(",") if w.strip()]:
-            prompts = make_workload(kind, args)
-            for shards in (1, args.shards):
-                result = run_one(url, args, kind, shards, prompts)
-                print(f"{kind}, {shards} shard(s): hit rate {result.prefix_cache_hit_rate:.1%}, "
-                      f"{result.requests_per_s:.1f} req/s, queue p99 {result.queue_p99_ms:.0f} ms", flush=True)
-                results.append(result)
+            prompts = make_workload(kind, args, vocab)
+            for _ in range(args.repeat):
+                for mode in modes:
+                    result = run_one(url, args, kind, mode, prompts)
+                    print(f"{kind}, {MODES[mode]}: hit rate {result.prefix_cache_hit_rate:.1%}, busiest engine "
+                          f"{result.busiest_over_mean:.2f}x the mean, {result.requests_per_s:.1f} req/s, "
+                          f"queue p99 {result.queue_p99_ms:.0f} ms", flush=True)
+                    results.append(result)
     print()
     print(_table(results))
     results_file.write(args.json, "prefix-affinity", {"config": {k: v for k, v in vars(args).items() if k != "func"},

@@ -75,6 +75,9 @@ _REDIS_ERRORS = TRANSIENT_ERRORS
 # long at most, beyond the read); the housekeeper also does at each heartbeat.
 LANE_REFRESH_S = 0.1
 STOP_READING_WAIT_S = 2.0  # how long stop_reading waits for a read in flight (Redis not answering)
+# How many heartbeats an engine takes the entries of a shard it stopped owning without waiting for
+# the steal bound: peers refresh their views a beat apart, and the shard must not wait in between.
+SHARD_HANDOVER_BEATS = 2
 # Errors of a read naming a lane that was just removed (it holds nothing): look the lanes up again.
 _GONE_LANE = ("NOGROUP", "UNBLOCKED")
 
@@ -99,6 +102,8 @@ class ShardView:
     owned: tuple[int, ...]
     owners: tuple[str | None, ...]
     saturated: frozenset[str] = frozenset()
+    # shards this engine owned until lately: taken without waiting for the steal bound for a while
+    handed_over: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -289,6 +294,13 @@ class RedisIO:
         self._next_probe = 0.0
         self._room_shown: bool | None = None  # what contract.room_key last said (reader thread)
         self.shard_depth: dict[int, int] = {}  # undelivered entries per shard (housekeeper, metrics)
+        # The prompt tokens this engine took from each shard lately (reader adds, heartbeat publishes),
+        # and the shards it owned until the last view, read on for a hand-over grace (housekeeper).
+        self._shard_load = shards.ShardLoad(settings.shard_load_half_life_s)
+        self._shard_load_lock = threading.Lock()
+        self._handed_over: dict[int, float] = {}
+        self._viewed = False  # a view was computed from the registry
+        self._claimed: tuple[int, ...] = ()  # the shards the last view gave this engine (published)
         self.inbox = inbox
         self.card = card
         self.load = load  # the worker's latest load snapshot, for the heartbeat
@@ -338,6 +350,7 @@ class RedisIO:
         self.stats = {
             "published_batches": 0, "publish_retries": 0, "dropped_batches": 0, "reclaimed": 0,
             "trimmed": 0, "pruned_engines": 0, "orphans": 0, "gateways_lost": 0, "stolen": 0,
+            "ownership_changes": 0,
         }
         self.metrics: NullMetrics = NULL_METRICS  # reconnects, reclaims, events answered here
 
@@ -797,7 +810,7 @@ class RedisIO:
                 continue
             age = now_ms - shards.entry_ms(first[0][0])
             owner = view.owners[i] if i < len(view.owners) else None
-            if age >= self.settings.steal_after_ms or owner is None or owner in full:
+            if age >= self.settings.steal_after_ms or owner is None or owner in full or i in view.handed_over:
                 ready.append((fair.priority(tenant) if self.lanes else (0.0, 0.0), -age, i, stream))
         return [(i, stream) for _, _, i, stream in sorted(ready)]
 
@@ -849,6 +862,11 @@ class RedisIO:
                     self._reply_to[rid] = e.request.reply_to
                     if (spec := LogSpec.of(e.request)) is not None:
                         self._logs[rid] = spec
+        now = time.monotonic()
+        with self._shard_load_lock:
+            for e in entries:
+                if e.request is not None and not e.reclaimed:
+                    self._shard_load.add(e.shard, len(e.request.prompt_token_ids), now)
         with self._credit_lock:
             self._delivered += len(entries)
             self._inflight_tenants.extend(e.request.tenant if e.request is not None else "" for e in entries)
@@ -1110,6 +1128,9 @@ class RedisIO:
         load = dict(self.load())
         with self._credit_lock:
             load["free_slots"] = max(0, self._credit())  # 0 while draining: its shards are others' now
+        with self._shard_load_lock:
+            load["shard_load"] = {s: round(v, 1) for s, v in self._shard_load.snapshot(time.monotonic()).items()}
+        load["owned_shards"] = list(self._claimed) if self.reading else []
         entry = registry.EngineEntry.from_load(self.consumer, self.model, time.time(), load)
         pipe = self.redis.pipeline(transaction=True)  # both in the registry's slot
         pipe.set(contract.engine_key(self.consumer), json.dumps({"model": self.model}), px=int(self.settings.heartbeat_ttl_s * 1000))
@@ -1182,17 +1203,25 @@ class RedisIO:
 
     def refresh_view(self) -> ShardView:
         """Read the registry: the live engines of this model (liveness key present, not draining;
-        this engine while it reads), the shard counts published; compute every shard's owner by
-        rendezvous hashing, and each shard's depth (for the metrics)."""
+        this engine while it reads), the shard counts published, the shard loads and KV capacity
+        the live engines published; compute every shard's owner by bounded-load rendezvous hashing
+        (``shards.balanced_owners``), and each shard's depth (for the metrics). A shard this
+        engine owned until now is taken without waiting for the steal bound for
+        ``SHARD_HANDOVER_BEATS`` heartbeats (``_handover``): engines adopt a moved owner a beat
+        apart, and an entry landing between must not wait for the bound."""
         pipe = self.redis.pipeline(transaction=False)  # both in the registry's slot
         pipe.hgetall(contract.ENGINES_KEY)
         pipe.smembers(contract.queue_shards_key(self.model))
         raw, counts = pipe.execute()
         peers = {}
+        mine = None
         for value in raw.values():
             entry = registry.decode(value)
-            if entry is not None and entry.model == self.model and not entry.draining \
-                    and entry.engine_id != self.consumer:
+            if entry is None or entry.model != self.model or entry.draining:
+                continue
+            if entry.engine_id == self.consumer:
+                mine = entry
+            else:
                 peers[entry.engine_id] = entry
         ids = list(peers)
         if ids:
@@ -1203,12 +1232,22 @@ class RedisIO:
             peers = {e: peers[e] for e, ok in zip(ids, alive, strict=True) if ok}
         live = set(peers) | ({self.consumer} if self.reading else set())
         count = max(shards.shard_count(counts, self.settings.queue_shards), len(self.streams))
-        owners = tuple(shards.owners(count, live))
+        published = {**peers, **({self.consumer: mine} if mine is not None and self.reading else {})}
+        loads: dict[int, float] = {}
+        for entry in published.values():
+            for shard, value in entry.shard_load.items():
+                loads[shard] = loads.get(shard, 0.0) + value
+        capacity = {e: float(published[e].total_blocks) if e in published else 0.0 for e in live}
+        current = shards.current_owners({e: entry.owned_shards for e, entry in published.items()}, count)
+        owners = tuple(shards.balanced_owners(count, capacity, loads, self.settings.shard_load_slack, current))
         # One shard is one shared queue, as before sharding: every engine reads it as its own.
         owned = tuple(range(count)) if count == 1 and self.reading else \
             tuple(i for i, o in enumerate(owners) if o == self.consumer)
-        view = ShardView(count, owned, owners, frozenset(e for e, entry in peers.items() if entry.saturated))
+        self._claimed = owned if count > 1 else ()
+        view = ShardView(count, owned, owners, frozenset(e for e, entry in peers.items() if entry.saturated),
+                         self._handover(owned, count))
         if view.owned != self.view.owned:
+            self.stats["ownership_changes"] += 1
             log.info("owning queue shards %s of %d (%d live engines)", list(view.owned), count, len(live))
         self._set_view(view)
         self.refresh_lanes()
@@ -1220,6 +1259,20 @@ class RedisIO:
                 depth[shard] = depth.get(shard, 0) + lag
         self.shard_depth.update(depth)
         return view
+
+    def _handover(self, owned: tuple[int, ...], count: int) -> frozenset[int]:
+        """The shards this engine owned and lost less than ``SHARD_HANDOVER_BEATS`` heartbeats ago
+        (none while draining): peers adopt a moved owner a beat apart, so until the new owner
+        reads the shard, this engine takes its entries without waiting for the steal bound."""
+        now = time.monotonic()
+        if not self.reading or not self._viewed:  # the start's view (alone, owning all) hands nothing over
+            self._viewed = self.reading
+            self._handed_over.clear()
+            return frozenset()
+        for shard in set(self.view.owned) - set(owned):
+            self._handed_over.setdefault(shard, now + SHARD_HANDOVER_BEATS * self.settings.heartbeat_interval_s)
+        self._handed_over = {s: t for s, t in self._handed_over.items() if t > now and s not in owned and s < count}
+        return frozenset(self._handed_over)
 
     def check_gateways(self, now: float | None = None) -> list[str]:
         """Abort the requests of gateways that are gone; return the ids of those found lost now.

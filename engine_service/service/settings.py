@@ -61,6 +61,10 @@ class ServiceSettings:
                                     bounds=(0, 1 << 16))
     steal_after_ms: int = knob(contract.DEFAULT_STEAL_AFTER_MS, "take another shard's entries once the oldest has "
                                "waited this long (ms), when this engine has room", bounds=(0, 3_600_000))
+    shard_load_slack: float = knob(
+        contract.DEFAULT_SHARD_LOAD_SLACK, "how far above its fair share (by KV capacity) of the queue's recent prompt "
+        "tokens an engine's owned shards may go before a shard goes to the next engine in its hash order "
+        "(bounded-load ownership; a large value such as 100: ownership by the hash alone)", bounds=(0, None))
     model_grace_s: float = knob(contract.DEFAULT_MODEL_GRACE_S, "how long the model's card and queue stay in Redis "
                                 "after its last engine is gone; then gateways remove them (the model is unknown)",
                                 bounds=(1, None))
@@ -78,6 +82,7 @@ class ServiceSettings:
     orphan_check_s: float = 5.0  # how often our own pending entries are checked for lost acknowledgements
     orphan_idle_ms: int = 30_000  # an own pending entry idle this long and not held by the worker is an orphan
     gateway_check_s: float = 1.0  # how often the liveness keys of the gateways we serve are checked
+    shard_load_half_life_s: float = contract.SHARD_LOAD_HALF_LIFE_S  # the shard loads' decay
     publish_retry_s: float = 60.0  # how long events are retried while Redis is away
 
     def __post_init__(self) -> None:

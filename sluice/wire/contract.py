@@ -55,7 +55,7 @@ down this module:
 | sluice:{g:<reply_to>}:cancelled:<rid>| string with TTL        | gateway | a cancel remembered for a still-queued request |
 | sluice:{g:<reply_to>}:owner:<rid>    | string with TTL        | engine  | the id of the engine that took the request (TAKE_SCRIPT), deleted when it lets it go |
 | sluice:{e:<engine_id>}:cancel        | sharded channel        | gateway | Cancel messages for the requests that engine owns |
-| sluice:{registry}:engines            | hash id -> EngineEntry | engine  | the registry (``sluice.wire.registry``): model, load, last heartbeat |
+| sluice:{registry}:engines            | hash id -> EngineEntry | engine  | the registry (``sluice.wire.registry``): model, load, last heartbeat, the prompt tokens it took per queue shard and the shards it owns (``shards.balanced_owners``) |
 | sluice:{registry}:engine:<engine_id> | string with TTL        | engine  | liveness: gone when the heartbeat lapses  |
 | sluice:{registry}:room:<engine_id>   | string with TTL        | engine  | "1" while the engine's reader has credit (room for more work), "0" when it has none: written when that changes and with each heartbeat; a peer takes the queue shards of an owner without room at once |
 | sluice:{registry}:gateway:<gateway_id>| string with TTL       | gateway | liveness of the gateway process named in GenerateRequest.gateway_id: gone for GATEWAY_LOST_AFTER_S = its requests are aborted |
@@ -126,6 +126,12 @@ DEFAULT_QUEUE_SHARDS = 16
 MAX_QUEUE_SHARDS = 1024
 # How many full KV blocks at the start of a prompt choose its shard (the card carries it).
 DEFAULT_SHARD_PREFIX_BLOCKS = 8
+# Bounded-load ownership (shards.balanced_owners): an engine's owned shards may carry this fraction
+# more than its fair share of the queue's recent prompt tokens (--shard-load-slack); those loads
+# are sums decayed with this half-life (long enough that ownership holds still, short enough that
+# it follows a tenant mix that changes within a minute).
+DEFAULT_SHARD_LOAD_SLACK = 0.1
+SHARD_LOAD_HALF_LIFE_S = 20.0
 # An engine with room takes another shard's entries once the oldest waited this long (--steal-after-ms).
 DEFAULT_STEAL_AFTER_MS = 200
 

@@ -10,7 +10,7 @@ it; the prune removes it once its liveness key is gone).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -28,6 +28,10 @@ class EngineEntry:
     generation_tokens_per_s: float = 0.0
     grpc_port: int = 0  # the admin service's port; 0: none
     free_slots: int = -1  # entries its reader may still take (its admission credit); -1: unknown
+    # queue shard -> prompt tokens it took from that shard lately (a decayed sum, ``shards.ShardLoad``):
+    # every engine sums them into the shards' loads that bound ownership (``shards.balanced_owners``)
+    shard_load: dict[int, float] = field(default_factory=dict, hash=False)
+    owned_shards: tuple[int, ...] = ()  # the queue shards it owns (its last view): where ownership holds still
 
     @property
     def saturated(self) -> bool:
@@ -62,9 +66,31 @@ def decode(raw: bytes | str | None) -> EngineEntry | None:
         return None
     values: dict[str, Any] = {}
     for name, kind in _TYPES.items():
-        if name in data:
+        if name == "shard_load":
+            values[name] = _shard_load(data.get(name))
+        elif name == "owned_shards":
+            raw_owned = data.get(name)
+            values[name] = tuple(sorted({s for s in raw_owned if type(s) is int and 0 <= s < 1 << 16})) \
+                if isinstance(raw_owned, list) else ()
+        elif name in data:
             try:
                 values[name] = _CASTS[str(kind)](data[name])
             except (TypeError, ValueError):
                 return None
     return EngineEntry(**values)
+
+
+def _shard_load(raw: Any) -> dict[int, float]:
+    """The shard loads of an entry; what is not a shard number with a finite, positive load is
+    dropped (a peer's junk must not move ownership, nor stop the reader from decoding the rest)."""
+    out: dict[int, float] = {}
+    if not isinstance(raw, dict):
+        return out
+    for key, value in raw.items():
+        try:
+            shard, load = int(key), float(value)
+        except (TypeError, ValueError):
+            continue
+        if 0 <= shard and 0 < load < float("inf"):
+            out[shard] = load
+    return out

@@ -14,8 +14,14 @@ starts with, e.g. a default system prompt) or that has no full block is spread b
 the header alone must not send every tenant to one shard.
 
 Ownership. Rendezvous (highest-random-weight) hashing of the shard over the live engines of the
-model: every engine computes the same owner from the registry with no round trip, and an engine
-that joins or leaves moves about 1/N of the shards (only those it wins or held).
+model, bounded by load (``balanced_owners``): every engine computes the same owners from the
+registry with no round trip. Each engine publishes the prompt tokens it recently took from each
+shard (a decayed sum) and the shards it owns; shards are placed heaviest first, each kept by its
+current owner while that owner's share of the recent prompt tokens stays within ``1 + 2 * slack``
+times its fair share (by KV capacity), else on the first engine in its hash order that stays within
+``1 + slack``: one engine cannot be handed several busy shards while another idles, and a shard
+does not move for noise. Without load figures (a new queue)
+it is plain rendezvous hashing, where an engine that joins or leaves moves about 1/N of the shards.
 
 Age. A stream entry id is ``<ms>-<seq>``, the ms being Redis's clock at the XADD: an entry's wait
 is known without reading it.
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from sluice.wire import contract
 
@@ -86,6 +92,86 @@ def owned(shards: int, engines: Iterable[str], engine_id: str) -> list[int]:
     """The shards ``engine_id`` owns when ``engines`` (which should include it) are live."""
     live = set(engines) | {engine_id}
     return [s for s, o in enumerate(owners(shards, live)) if o == engine_id]
+
+
+class ShardLoad:
+    """The prompt tokens an engine took from each shard, as a sum decayed with ``half_life_s``
+    (what it publishes for ``balanced_owners``). Not thread-safe: its owner locks."""
+
+    def __init__(self, half_life_s: float) -> None:
+        self.half_life_s = max(1e-3, float(half_life_s))
+        self._values: dict[int, float] = {}
+        self._at = 0.0
+
+    def _decay(self, now: float) -> None:
+        if now > self._at:
+            factor = 0.5 ** ((now - self._at) / self.half_life_s)
+            self._values = {s: v * factor for s, v in self._values.items() if v * factor >= 0.5}
+            self._at = now
+
+    def add(self, shard: int, tokens: int, now: float) -> None:
+        self._decay(now)
+        self._values[shard] = self._values.get(shard, 0.0) + max(0, int(tokens))
+
+    def snapshot(self, now: float) -> dict[int, float]:
+        """Each shard's decayed tokens at ``now`` (shards under half a token left out)."""
+        self._decay(now)
+        return dict(self._values)
+
+
+def balanced_owners(shards: int, capacity: Mapping[str, float], loads: Mapping[int, float], slack: float,
+                    current: Mapping[int, str] | None = None) -> list[str | None]:
+    """The owner of each shard 0 .. shards-1 by bounded-load rendezvous hashing.
+
+    ``capacity``: the live engines and their KV capacity (a weight: an engine's fair share of the
+    load is its part of the total capacity; 0 or less counts as 1 block). ``loads``: each shard's
+    recent prompt tokens (absent: none). ``current``: the owner each engine says it has now (the
+    registry's). Shards with load are placed heaviest first (ties: lower shard first): a shard stays
+    with its current owner while that owner's share stays within ``1 + 2 * slack`` times its fair
+    share (a moved shard costs its prefix-cache blocks, so ownership holds still against the loads'
+    noise), else it goes to the first engine of its rendezvous order (``weight``) that stays within
+    ``1 + slack``; a shard no engine has room for goes to the engine left least loaded relative to
+    its capacity. Shards without load keep their rendezvous owner. A pure function of its
+    arguments: every engine that read the same registry computes the same owners. A large
+    ``slack`` gives plain rendezvous ownership."""
+    live = sorted(capacity)
+    base = [owner(s, live) for s in range(shards)]
+    load = {s: float(v) for s, v in loads.items() if 0 <= s < shards and v > 0}
+    total = sum(load.values())
+    if len(live) < 2 or total <= 0:
+        return base
+    weights = {e: float(capacity[e]) if capacity[e] > 0 else 1.0 for e in live}
+    all_weight = sum(weights.values())
+    slack = max(0.0, slack)
+    bound = {e: (1.0 + slack) * total * weights[e] / all_weight for e in live}
+    keep = {e: (1.0 + 2 * slack) * total * weights[e] / all_weight for e in live}
+    current = current or {}
+    taken = dict.fromkeys(live, 0.0)
+    out = list(base)
+    for s in sorted(load, key=lambda s: (-load[s], s)):
+        held = current.get(s)
+        if held in taken and taken[held] + load[s] <= keep[held]:
+            chosen = held
+        else:
+            order = sorted(live, key=lambda e: (weight(s, e), e), reverse=True)
+            chosen = next((e for e in order if taken[e] + load[s] <= bound[e]), None)
+            if chosen is None:
+                chosen = min(order, key=lambda e: (taken[e] + load[s]) / weights[e])
+        taken[chosen] += load[s]
+        out[s] = chosen
+    return out
+
+
+def current_owners(claims: Mapping[str, Iterable[int]], shards: int) -> dict[int, str]:
+    """Each shard's current owner from the shards each live engine says it owns (``claims``); a
+    shard two engines claim (a hand-over between their views) goes to the one first in its
+    rendezvous order."""
+    out: dict[int, str] = {}
+    for engine_id in sorted(claims):
+        for s in claims[engine_id]:
+            if 0 <= s < shards and (s not in out or (weight(s, engine_id), engine_id) > (weight(s, out[s]), out[s])):
+                out[s] = engine_id
+    return out
 
 
 def entry_ms(entry_id: bytes | str) -> int:

@@ -24,6 +24,7 @@ from tests.waiting import wait_until
 pytestmark = [pytest.mark.docker, pytest.mark.redis]
 
 S = 8
+HASH_ONLY = 1e9  # a --shard-load-slack no load reaches: rendezvous ownership alone
 PARAMS = {"temperature": 0.0, "max_tokens": 3}
 
 
@@ -105,8 +106,10 @@ def tenants_on(shard_ids: set[int], count: int) -> list[int]:
 
 
 def test_engines_split_the_shards_and_serve_their_own(services, redis_client):
-    a = services(steal_after_ms=60_000)
-    b = services(steal_after_ms=60_000)
+    # ownership by the hash alone here (a slack no load reaches): the requests below go to one
+    # engine's tenants first, which bounded ownership would rightly answer by moving shards
+    a = services(steal_after_ms=60_000, shard_load_slack=HASH_ONLY)
+    b = services(steal_after_ms=60_000, shard_load_slack=HASH_ONLY)
     # (and neither is saturated any more in the other's view: an engine's first beat, before its
     # worker gave it credit, says it has no room, and a peer takes what it owns at once)
     wait_until(lambda: split(a, b) and a.io.view.owners == b.io.view.owners
@@ -252,3 +255,49 @@ def test_a_shard_count_lowered_on_restart_strands_nothing(services, redis_client
     for h in high:
         assert served_once(h.collect(timeout=10)) == again.settings.engine_id
     assert len(again.io.streams) == S
+
+
+@pytest.mark.both_topologies
+def test_ownership_bounded_by_load_moves_a_busy_engines_shards(services, redis_client):
+    """Four tenants, each on its own shard, all four shards owned by one engine by the hash: by the
+    hash alone that engine would serve everything while the other idles. Each engine publishes the
+    prompt tokens it took per shard; ownership bounded by load (slack 0.1: within 1.1x of an
+    even share for a new placement, 1.2x to keep one) moves two of them, both engines agree, and
+    from then on each serves its two tenants' requests, half the prompt tokens each, nothing stolen."""
+    a = services(steal_after_ms=60_000)
+    b = services(steal_after_ms=60_000)
+    wait_until(lambda: split(a, b) and a.io.view.owners == b.io.view.owners
+               and not a.io.view.saturated and not b.io.view.saturated, 10, "both engines see each other with room")
+    busy = max((a, b), key=lambda svc: len(svc.io.view.owned))  # 4 or more of the 8
+    theirs = set(busy.io.view.owned)
+    tenants: list[int] = []
+    for t in tenants_on(theirs, 200):  # four tenants on four distinct shards of one engine
+        if shards.choose_shard(prompt(t), shards=S, block_size=4, prefix_blocks=8, request_id="x") not in \
+                {shards.choose_shard(prompt(u), shards=S, block_size=4, prefix_blocks=8, request_id="x") for u in tenants}:
+            tenants.append(t)
+        if len(tenants) == 4:
+            break
+    assert len(tenants) == 4
+    client = WireClient(redis_client)
+
+    def burst(turn: int) -> list[tuple[int, str]]:
+        handles = [client.submit(MODEL, prompt(t, turn * 10 + k), PARAMS) for k in range(6) for t in tenants]
+        return [(h.shard, served_once(h.collect(timeout=10))) for h in handles]
+
+    burst(0)
+    moved = {shards.choose_shard(prompt(t), shards=S, block_size=4, prefix_blocks=8, request_id="x") for t in tenants}
+
+    def settled() -> bool:
+        owners = a.io.view.owners
+        per = [sum(owners[s] == svc.settings.engine_id for s in moved) for svc in (a, b)]
+        # agreed, two each, and the hand-over over (each takes only its own)
+        return owners == b.io.view.owners and per == [2, 2] and not a.io.view.handed_over | b.io.view.handed_over
+
+    wait_until(settled, 10, "two of the busy engine's shards moved")
+    owners = a.io.view.owners
+    served = burst(1)
+    assert all(engine == owners[shard] for shard, engine in served), (owners, served)
+    per_engine = [sum(engine == svc.settings.engine_id for _, engine in served) for svc in (a, b)]
+    assert per_engine == [12, 12]  # equal prompts: equal prompt tokens
+    assert a.io.stats["stolen"] == b.io.stats["stolen"] == 0
+    wait_until(lambda: not pending_refs(redis_client, MODEL, shards=S), 5, "everything acknowledged")
