@@ -29,7 +29,7 @@ import argparse
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.config import add_section_arguments, changed_argv, from_args, knob, knobs_of
@@ -174,6 +174,21 @@ def engine_cli_args(config: EngineConfig) -> list[str]:
     return changed_argv(knobs_of(EngineConfig), dataclasses.asdict(config))
 
 
+@dataclass(frozen=True)
+class DecodeCapabilities:
+    """What the engine's decode path (``engine_service.model.decode_paths``, chosen once at engine
+    start) tells the scheduler: the only thing the scheduler knows of how steps run.
+
+    ``fast_step_max_rows``: a step of decodes of fewer rows than this runs the path's fast step, which
+    reads each weight once for all its rows (the native decode step), so drafts never push such a
+    step past it (0: no fast step). ``multi_step_max_rows``: a step of plain greedy decodes of fewer
+    rows than this may run several decode steps in one call (``num_scheduler_steps``; 0: never)."""
+
+    path: str = "eager"
+    fast_step_max_rows: int = 0
+    multi_step_max_rows: int = 0
+
+
 @dataclass
 class SchedulerConfig:
     """What the scheduler and its block pool need; derived from ``EngineConfig`` once the model
@@ -190,13 +205,11 @@ class SchedulerConfig:
     # fresh prefill of the whole budget attends to, B * (B + 1) / 2; 0: no limit
     max_num_batched_pairs: int | None = None
     speculative_config: SpeculativeConfig | None = None  # n-gram speculation (engine_service.core.spec_decode)
-    # greedy decode steps one scheduling step may run (EngineConfig.num_scheduler_steps), in batches of
-    # fewer than multi_step_max_rows rows (0: never; the engine sets it where the native step runs them)
+    # greedy decode steps one scheduling step may run (EngineConfig.num_scheduler_steps), in batches the
+    # decode path's capabilities allow (decode.multi_step_max_rows)
     num_scheduler_steps: int = EngineConfig.num_scheduler_steps
-    multi_step_max_rows: int = 0
-    # a step of decodes of fewer rows than this runs the runner's fast step (the native decode step);
-    # drafts never push such a step past it (0: no fast step; the engine sets it where one runs)
-    fast_step_max_rows: int = 0
+    # what the engine's decode path can do, chosen once at engine start (engine_service.model.decode_paths)
+    decode: DecodeCapabilities = field(default_factory=DecodeCapabilities)
     # fair share between tenants (engine_service.core.fair_share): a waiting tenant under its share
     # may take a slot of the tenant furthest over it when every slot is taken. Off only to measure
     # what that buys (sluice bench scheduler --tenants)

@@ -30,13 +30,12 @@ from engine_service.core.outputs import EngineOutput, RequestMetrics
 from engine_service.core.request import Request
 from engine_service.core.sampling_params import SamplingParams
 from engine_service.core.scheduler import RequestRejected, Scheduler
-from engine_service.model.compiled import compile_supported
 from engine_service.model.config import ModelConfig
+from engine_service.model.decode_paths import choose_decode_path
 from engine_service.model.dtype import resolve_auto_dtype
 from engine_service.model.kv_cache import allocate_kv_cache, kv_cache_dtype, num_blocks_for_budget
 from engine_service.model.loader import load_model, parse_dtype
 from engine_service.model.native import load_paged_decode_attention, paged_decode_attention_kernel
-from engine_service.model.prepacked import compile_unavailable
 from engine_service.model.quantization import parse_quantization
 from engine_service.model.runner import ModelRunner
 from engine_service.sampling.grammar import GrammarManager
@@ -169,68 +168,35 @@ class LLMEngine:
         logger.info("loaded %s (%s%s, %s) with %d KV blocks of %d tokens (%s) in %.1fs", self.model_name,
                     self.dtype, f", {self.quantization}" if self.quantization else "", self.device, num_blocks,
                     config.block_size, self.kv_cache_dtype, time.perf_counter() - started)
-        self.compile_warmup_seconds: float | None = None
-        # eager asked for is the reference path: no native step either (CPU's default eager keeps it)
-        eager_reference = config.eager_asked() is True or self.stub_model
-        if not self.enforce_eager and self.device.type == "cuda" and config.cuda_graphs:
-            self.runner.enable_cuda_graphs(num_blocks * config.block_size, config.max_num_seqs, self.max_model_len)
-            graphed = self.runner.graphed_decode
-            graphed.warm_up()
-            if graphed.failed is not None:  # logged with its traceback by the capture
-                self.runner.graphed_decode = None
-                self.enforce_eager = True
-            else:
-                logger.info("decode steps of up to %d rows replay CUDA graphs (captured at first use)",
-                            graphed.batch_sizes[-1])
-        elif not self.enforce_eager:
-            why_not = compile_supported(self.device) or compile_unavailable(self.runner.model)
-            if why_not is None:
-                try:
-                    self.compile_warmup_seconds = self.runner.enable_compiled_decode(num_blocks * config.block_size)
-                except Exception:  # a compiler failure must not stop the engine: the eager path is complete
-                    logger.exception("torch.compile of the decode step failed; running eagerly")
-                    self.runner.compiled_decode = None
-                    self.runner.min_decode_width = 1
-                    self.enforce_eager = True
-            else:
-                logger.warning("running eagerly: %s", why_not)
-                self.enforce_eager = True
-        # independent of inductor: a machine that cannot compile may still build the native step
-        self.native_decode = False
-        if not eager_reference and config.native_decode:
-            from engine_service.model.native_decode import native_decode_unavailable
-
-            # the torch attention asked for is the reference too: the native step has its own attention
-            why_not = ("the torch attention was asked for (the reference)" if config.attention_backend == "torch"
-                       else native_decode_unavailable(self.runner.model, kv))
-            if why_not is None:
-                try:
-                    seconds = self.runner.enable_native_decode(num_blocks * config.block_size)
-                except Exception:  # as a compiler failure: the eager (or compiled) path is complete
-                    logger.exception("the native decode step failed to start; decode steps run %s",
-                                     "eagerly" if self.enforce_eager else "compiled")
-                    self.runner.native_decode = None
-                else:
-                    self.native_decode = True
-                    logger.info("decode steps of up to %d rows: one native call (warm-up %.2fs)",
-                                self.runner.native_decode.max_rows - 1, seconds)
-            else:
-                logger.info("no native decode step: %s", why_not)
+        # the decode path, chosen once (engine_service.model.decode_paths); eager asked for is the
+        # reference: no native step either (CPU's default eager keeps it)
+        choice = choose_decode_path(self.runner.path_setup(
+            scratch_slot=num_blocks * config.block_size, max_batch=config.max_num_seqs, max_model_len=self.max_model_len,
+            attention_backend=self.attention_backend, reference=config.eager_asked() is True or self.stub_model,
+            compile=not self.enforce_eager, cuda_graphs=config.cuda_graphs, native_decode=config.native_decode,
+            num_scheduler_steps=config.num_scheduler_steps))
+        self.runner.use(choice.path)
+        self.decode_path = choice.path
+        for name, why in choice.passed_over.items():
+            logger.log(logging.WARNING if name in choice.asked else logging.INFO, "decode path %s: not used (%s)",
+                       name, why)
+        compiled = self.path_named("compiled")
+        self.compile_warmup_seconds = compiled.warmup_seconds if compiled is not None else None
+        self.enforce_eager = compiled is None and not self.cuda_graphs
+        self.native_decode = self.path_named("native step") is not None
         self.spec_row_cost: float | None = None  # a verifying row's cost, as a share of a one-row step
         if self.speculative_config is not None and self.speculative_config.backoff == "auto":
             self.speculative_config = self._resolve_backoff(self.speculative_config, num_blocks * config.block_size)
 
-        multi_step_rows = 0  # the scheduler runs several decode steps a step in batches under this many rows
+        capabilities = self.decode_path.capabilities()
         if config.num_scheduler_steps > 1:
-            native = self.runner.native_decode
-            if native is not None and native.fuses_head:
-                multi_step_rows = native.max_rows
+            if capabilities.multi_step_max_rows:
                 logger.info("up to %d greedy decode steps a step, in batches of up to %d rows",
-                            config.num_scheduler_steps, multi_step_rows - 1)
+                            config.num_scheduler_steps, capabilities.multi_step_max_rows - 1)
             else:
                 logger.warning("--num-scheduler-steps %d runs as 1: it needs the native decode step with its output "
                                "projection (%s)", config.num_scheduler_steps,
-                               "not this model's" if native is not None else "none here")
+                               "not this model's" if self.native_decode else "none here")
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks,
             block_size=config.block_size,
@@ -241,8 +207,7 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             speculative_config=self.speculative_config,
             num_scheduler_steps=config.num_scheduler_steps,
-            multi_step_max_rows=multi_step_rows,
-            fast_step_max_rows=self.runner.native_decode.max_rows if self.native_decode else 0,
+            decode=capabilities,
         ))
         self.vocab_size = self.model_config.vocab_size
         self.sampler = Sampler(self.vocab_size, self.device, seed=config.seed)
@@ -338,21 +303,24 @@ class LLMEngine:
             self._release(req)
         return outputs
 
+    def path_named(self, name: str):
+        """The engine's decode path of that name, or the one it was built over; None if neither."""
+        path = self.decode_path
+        while path is not None and path.name != name:
+            path = path.fallback
+        return path
+
     @property
     def cuda_graphs(self) -> bool:
         """Whether decode steps replay CUDA graphs (``engine_service.model.cuda_graphs``)."""
-        return self.runner.graphed_decode is not None
+        return self.path_named("cuda graphs") is not None
 
     @property
     def decode_mode(self) -> str:
         """How decode steps run: "cuda graphs", "native step", "compiled" or "eager" (what benches
-        print). A native step takes the steps of up to its row count; larger ones run compiled, or
-        eagerly in an eager engine (CPU's default)."""
-        if self.cuda_graphs:
-            return "cuda graphs"
-        if self.native_decode:
-            return "native step"
-        return "eager" if self.enforce_eager else "compiled"
+        print): the decode path's name. A native step takes the steps of up to its row count; larger
+        ones run compiled, or eagerly in an eager engine (CPU's default)."""
+        return self.decode_path.name
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -398,7 +366,8 @@ class LLMEngine:
         """``backoff: "auto"`` made on or off: the native decode step timed at one row and at k + 1
         rows, alternately; off when each extra row costs less than ``BACKOFF_MIN_ROW_COST`` of the
         one-row step. On without a native step to time."""
-        native = self.runner.native_decode
+        native_path = self.path_named("native step")
+        native = native_path.native if native_path is not None else None
         rows = spec.num_speculative_tokens + 1
         if native is None or not native.runs(rows):
             logger.info("speculative decoding: back-off on (no native step of %d rows to time)", rows)

@@ -168,8 +168,8 @@ def run(args: argparse.Namespace) -> int:
     cuda_peak_mb = (torch.cuda.max_memory_allocated() / (1 << 20)) if engine.device.type == "cuda" else None
     rows = [sluice]
     model_dir, dtype, warmup = engine.model_dir, engine.dtype, engine.compile_warmup_seconds
-    graphed = engine.runner.graphed_decode
-    cuda_graphs = graphed.report() if graphed is not None else None
+    graphed = engine.path_named("cuda graphs")
+    cuda_graphs = graphed.graphed.report() if graphed is not None else None
     del llm, engine
     if args.hf:
         rows.append(run_transformers(model_dir, prompts, args.output_len, dtype, args.device))

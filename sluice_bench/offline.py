@@ -179,8 +179,8 @@ def run(args: argparse.Namespace) -> int:
     peak_cuda_mb = (torch.cuda.max_memory_allocated(engine.device) / 2**20
                     if engine.device.type == "cuda" else None)
     compile_warmup_s = getattr(engine, "compile_warmup_seconds", None)
-    graphed = engine.runner.graphed_decode
-    cuda_graphs = graphed.report() if graphed is not None else None
+    graphed = engine.path_named("cuda graphs")
+    cuda_graphs = graphed.graphed.report() if graphed is not None else None
     shape = ModelShape.from_config(engine.runner.model.config)
     del llm
     hf_work = work[: args.hf_num_requests] if args.hf_num_requests else work

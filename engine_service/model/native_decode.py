@@ -13,8 +13,9 @@ structs holding the weights' and caches' addresses; the tensors themselves stay 
 for the engine's life, and the engine never moves or replaces them.
 
 Where it runs (``native_decode_unavailable`` says why not, and the engine logs it): CPU, a
-``LlamaForCausalLM`` whose attention is the plain Llama one (no q/k norms, no biases), float32 or
-bfloat16 KV cache, and either
+``LlamaForCausalLM`` (Llama, SmolLM2, Mistral, Qwen2, Qwen3) whose attention the step computes
+(``Attention.native_step``: Llama's, with q/k/v and output biases where the config has them, and
+Qwen3's per-head q/k RMSNorms), float32, bfloat16 or float16 KV cache, and either
 
 * every projection int4 in the native layout, float32 activations: decode steps of fewer rows than
   ``max_rows`` (``STACK_MAX_ROWS``, or the products' dense crossover if lower; more rows run the
@@ -59,7 +60,9 @@ class _Weight(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Weight), ("o", _Weight),
-                ("gate_up", _Weight), ("down", _Weight), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+                ("gate_up", _Weight), ("down", _Weight), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("qkv_bias", ctypes.c_void_p), ("o_bias", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p)]
 
 
 class _Stack(ctypes.Structure):
@@ -79,8 +82,11 @@ def _kind(model: torch.nn.Module) -> int | str:
     dtype = model.model.embed_tokens.weight.dtype
     modules = [m for layer in model.model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                              layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    if any(getattr(m, "bias", None) is not None for m in modules):
-        return "a projection has a bias"
+    if any(getattr(m, "bias", None) is not None for layer in model.model.layers
+           for m in (layer.mlp.gate_up_proj, layer.mlp.down_proj)):
+        return "an MLP projection has a bias"
+    if any(m.bias is not None and m.bias.dtype != dtype for m in modules[0::4] + modules[1::4]):
+        return "an attention projection's bias is not in the activations' dtype"
     if dtype == torch.float32 and all(isinstance(m, QuantizedLinear) and m.native_q4 for m in modules):
         return STACK_INT4
     if dtype == torch.bfloat16 and all(isinstance(m, PrepackedLinear) and m.gemv_weight for m in modules):
@@ -91,16 +97,18 @@ def _kind(model: torch.nn.Module) -> int | str:
 
 def native_decode_unavailable(model: torch.nn.Module, kv_caches: list[KVCache]) -> str | None:
     """None when ``NativeDecode`` runs this model's decode steps, else why not."""
-    if type(model) is not LlamaForCausalLM:
-        return f"{type(model).__name__} is not the plain Llama decoder"
+    if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
+        return f"{type(model).__name__} is not the Llama decoder"
     if model.model.embed_tokens.weight.device.type != "cpu":
         return "the model is not on CPU"
     cfg = model.config
     if not (0 < cfg.num_key_value_heads and cfg.num_attention_heads % cfg.num_key_value_heads == 0
             and cfg.num_attention_heads <= MAX_HEADS and 0 < cfg.head_dim <= MAX_HEAD_DIM and cfg.head_dim % 2 == 0):
         return "the attention's shape is outside the kernel's limits"
-    if any(type(layer.self_attn) is not Attention for layer in model.model.layers):
-        return "the attention is not the plain Llama attention"
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if not (isinstance(attn, Attention) and type(attn).native_step):
+            return f"the step does not compute {type(attn).__name__} (llama.Attention.native_step)"
     kind = _kind(model)
     if isinstance(kind, str):
         return kind
@@ -153,10 +161,18 @@ class NativeDecode:
             k = codes.shape[1] * 8
             return _Weight(ptr(codes), ptr(sz), module.out_features, codes.shape[0] * 16, k, k // sz.shape[1])
 
+        def optional(t: torch.Tensor | None) -> int | None:
+            return None if t is None else ptr(t)
+
+        def norm(attn: torch.nn.Module, name: str) -> int | None:
+            module = getattr(attn, name, None)
+            return None if module is None else ptr(module.weight)
+
         self._layers = (_Layer * len(layers))(*[
             _Layer(ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
                    weight(layer.self_attn.qkv_proj), weight(layer.self_attn.o_proj), weight(layer.mlp.gate_up_proj),
-                   weight(layer.mlp.down_proj), ptr(k_cache), ptr(v_cache))
+                   weight(layer.mlp.down_proj), ptr(k_cache), ptr(v_cache), optional(layer.self_attn.qkv_proj.bias),
+                   optional(layer.self_attn.o_proj.bias), norm(layer.self_attn, "q_norm"), norm(layer.self_attn, "k_norm"))
             for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True)])
         norm = model.model.norm
         head = getattr(model, "lm_head", None)  # a tied model's own (prepacked or quantized) copy, if any

@@ -45,7 +45,7 @@ def test_the_engine_resolves_the_back_off_from_a_verifying_rows_cost(spec, model
     from engine_service.config import BACKOFF_MIN_ROW_COST
 
     engine = spec.engine
-    if engine.runner.native_decode is not None:
+    if engine.native_decode:
         assert engine.spec_row_cost is not None and engine.spec_row_cost >= 0
         assert engine.speculative_config.backoff == ("off" if engine.spec_row_cost < BACKOFF_MIN_ROW_COST else "on")
     else:

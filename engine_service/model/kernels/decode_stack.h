@@ -32,6 +32,12 @@ typedef struct {
     StackWeight gate_up;                /* gate, up stacked on the output axis */
     StackWeight down;
     void *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim], of cache_type */
+    /* what a family adds to Llama's attention, each NULL where it has none: the q/k/v projection's
+     * bias [q + 2 kv] and the output projection's [hidden] (Qwen2, Llama's attention_bias), in the
+     * activations' dtype; an RMSNorm over each head of q and of k ([head_dim], Qwen3), after the
+     * projection and before the rotary */
+    const void *qkv_bias, *o_bias;
+    const void *q_norm, *k_norm;
 } StackLayer;
 
 typedef struct {

@@ -516,10 +516,10 @@ int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
     return 0;
 }
 
-void packed_gemm_bf16_team(const uint16_t *w, const uint16_t *x, int64_t ldx, uint16_t *y, int64_t rows,
-                           int64_t n_out, int64_t n_pad, int64_t k_pad, PgTeam *team, uint32_t tag,
+void packed_gemm_bf16_team(const uint16_t *w, const uint16_t *x, int64_t ldx, const uint16_t *bias, uint16_t *y,
+                           int64_t rows, int64_t n_out, int64_t n_pad, int64_t k_pad, PgTeam *team, uint32_t tag,
                            const uint16_t *next, int64_t next_n_pad, int64_t next_k_pad) {
-    team_blocks(w, x, ldx, NULL, y, rows, n_out, n_pad, k_pad, rows > 1 && use_tiles(), stream_prefetch(), team, tag,
+    team_blocks(w, x, ldx, bias, y, rows, n_out, n_pad, k_pad, rows > 1 && use_tiles(), stream_prefetch(), team, tag,
                 next, next_n_pad, next_k_pad);
 }
 
@@ -547,10 +547,10 @@ int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
     return 2;
 }
 
-void packed_gemm_bf16_team(const uint16_t *w, const uint16_t *x, int64_t ldx, uint16_t *y, int64_t rows,
-                           int64_t n_out, int64_t n_pad, int64_t k_pad, PgTeam *team, uint32_t tag,
+void packed_gemm_bf16_team(const uint16_t *w, const uint16_t *x, int64_t ldx, const uint16_t *bias, uint16_t *y,
+                           int64_t rows, int64_t n_out, int64_t n_pad, int64_t k_pad, PgTeam *team, uint32_t tag,
                            const uint16_t *next, int64_t next_n_pad, int64_t next_k_pad) {
-    (void)w, (void)x, (void)ldx, (void)y, (void)rows, (void)n_out, (void)n_pad, (void)k_pad, (void)team, (void)tag;
+    (void)w, (void)x, (void)ldx, (void)bias, (void)y, (void)rows, (void)n_out, (void)n_pad, (void)k_pad, (void)team, (void)tag;
     (void)next, (void)next_n_pad, (void)next_k_pad;
 }
 

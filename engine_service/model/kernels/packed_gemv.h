@@ -73,15 +73,15 @@ typedef struct {
  * calling team shares the blocks out and meets at a barrier at the end, so every thread of the
  * team must call it with the same arguments: the same `team` (shared, its counts zeroed before the
  * first product) and a `tag` that differs from the one of the team's product before (a count of
- * the products from 1). No bias; x is whole chunks wide (k_pad, its padding zeros), its rows ldx
+ * the products from 1). bias as packed_gemv_bf16's (NULL: none); x is whole chunks wide (k_pad, its padding zeros), its rows ldx
  * elements apart; rows and sizes as packed_gemm_bf16 takes them, unchecked (the caller checks them
  * first). The same outputs bit for bit as packed_gemm_bf16. Why: a decode step's products forked
  * and joined the thread team once each, and that cost ~2-4% of a bfloat16 step
  * (docs/performance.md, twelfth round). `next` (its sizes next_n_pad x next_k_pad), or NULL: the
  * weights of the product the team computes after this one; in a team of two, a thread that waits at
  * this product's barrier fetches the start of its own run of them meanwhile. */
-void packed_gemm_bf16_team(const uint16_t *w, const uint16_t *x, int64_t ldx, uint16_t *y, int64_t rows,
-                           int64_t n_out, int64_t n_pad, int64_t k_pad, PgTeam *team, uint32_t tag,
+void packed_gemm_bf16_team(const uint16_t *w, const uint16_t *x, int64_t ldx, const uint16_t *bias, uint16_t *y,
+                           int64_t rows, int64_t n_out, int64_t n_pad, int64_t k_pad, PgTeam *team, uint32_t tag,
                            const uint16_t *next, int64_t next_n_pad, int64_t next_k_pad);
 
 #ifdef __cplusplus
