@@ -55,8 +55,9 @@ class EngineConfig:
     served_model_name: str | None = knob(None, "the name clients use (default: the model directory's name)")
     dtype: str | None = knob(
         None, "weights and activations dtype, and the KV cache's unless --kv-cache-dtype says otherwise. auto (the "
-        "default): the checkpoint's on CUDA; on CPU bfloat16 where the CPU has native bf16 and a probe at start measures "
-        "it faster, else float32 (engine_service.model.dtype)", choices=list(MODEL_DTYPES), env=DTYPE_ENV)
+        "default): the checkpoint's on CUDA; on CPU float32 under --quantization, else bfloat16 where the CPU "
+        "computes it natively (AVX512-BF16 or AMX), else float32: facts, never a timing (engine_service.model.dtype)",
+        choices=list(MODEL_DTYPES), env=DTYPE_ENV)
     kv_cache_dtype: str = knob(
         "auto", "the KV cache's dtype (vLLM's name). auto: the model's dtype; bfloat16 or float16 under a float32 "
         "model halves the cache's bytes a token (twice the tokens in the same --kv-cache-memory) and the bytes "
@@ -182,11 +183,15 @@ class DecodeCapabilities:
     ``fast_step_max_rows``: a step of decodes of fewer rows than this runs the path's fast step, which
     reads each weight once for all its rows (the native decode step), so drafts never push such a
     step past it (0: no fast step). ``multi_step_max_rows``: a step of plain greedy decodes of fewer
-    rows than this may run several decode steps in one call (``num_scheduler_steps``; 0: never)."""
+    rows than this may run several decode steps in one call (``num_scheduler_steps``; 0: never).
+    ``one_pass_rows``: the most rows the fast step takes at about one row's cost (its products'
+    rows share each weight load; 1: each row costs its own arithmetic), what the speculative
+    back-off's ``"auto"`` reads."""
 
     path: str = "eager"
     fast_step_max_rows: int = 0
     multi_step_max_rows: int = 0
+    one_pass_rows: int = 1
 
 
 @dataclass
@@ -241,10 +246,9 @@ def check_num_scheduler_steps(steps: Any, speculative: bool) -> None:
 MAX_PROMPT_LOOKUP = 32
 
 
-# speculative_config.backoff's values; "auto" turns it off where a verifying row costs less than
-# this share of a one-row decode step
+# speculative_config.backoff's values; "auto" turns it off where the decode path takes a verifying
+# step's k + 1 rows at about one row's cost (DecodeCapabilities.one_pass_rows)
 BACKOFF_MODES = ("auto", "on", "off")
-BACKOFF_MIN_ROW_COST = 0.1
 
 
 @dataclass(frozen=True)
@@ -260,10 +264,10 @@ class SpeculativeConfig:
 
     ``backoff`` (Sluice's key): ``"on"`` shortens a request's drafts after a rejection and pauses
     them after a draft with nothing accepted (``NgramDrafter.observe``); ``"off"`` always offers k
-    drafts where an n-gram matches, as vLLM does; ``"auto"`` (the default) has the engine time its
-    decode step at one row and at k + 1 rows at start and turn the back-off off when a verifying
-    row costs less than ``BACKOFF_MIN_ROW_COST`` of a step (its products read each weight once
-    for every row), on otherwise or where it cannot time the step."""
+    drafts where an n-gram matches, as vLLM does; ``"auto"`` (the default) turns the back-off off
+    where the engine's decode path takes a verifying step's k + 1 rows at about one row's cost
+    (``DecodeCapabilities.one_pass_rows``: its products read each weight once for all of them),
+    on otherwise: a fact of the path and the CPU, the same at every start."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int = 5

@@ -19,7 +19,6 @@ import torch
 
 from engine_service.config import (
     ATTENTION_BACKENDS,
-    BACKOFF_MIN_ROW_COST,
     EngineConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -48,6 +47,10 @@ from sluice.wire.error_codes import Code
 from sluice.wire.stats import EngineStats
 
 logger = logging.getLogger(__name__)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def resolve_model_dir(model: str | Path | None) -> Path:
@@ -82,8 +85,8 @@ class LLMEngine:
             from engine_service.model.stub import check_bench_mode
 
             check_bench_mode()
-        # before the model loads (its threads start there, the dtype probe and the speculative
-        # back-off time steps at the thread count the engine will run), undone if the engine fails
+        # before the model loads (its threads start there, at the thread count the engine will
+        # run), undone if the engine fails
         undo = self._place_on_cpus(config.cpus)
         try:
             self._build(config)
@@ -122,17 +125,24 @@ class LLMEngine:
         self.model_name = config.served_model_name or self.model_dir.name + ("-stub" if self.stub_model else "")
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.device = torch.device(config.device)
+        # what the start-up line says of each choice the engine made, and why (describe_choices)
+        self.choices: dict[str, str] = {}
+        self.quantization = parse_quantization(config.quantization)
         dtype = config.resolved_dtype()
         if dtype == "auto" and self.stub_model:
-            self.dtype = torch.float32  # no weights: nothing to probe
+            self.dtype, why = torch.float32, "auto: the stub model has no weights"
         elif dtype == "auto":
-            self.dtype = resolve_auto_dtype(self.device, self.model_dir, self.model_config.hidden_size,
-                                            self.model_config.intermediate_size)
+            self.dtype, why = resolve_auto_dtype(self.device, self.model_dir, self.quantization)
+            why = f"auto: {why}"
         else:
             self.dtype = parse_dtype(dtype)
+            why = "asked for" if config.dtype else "$SLUICE_DTYPE"
+        self.choices["dtype"] = f"{_name(self.dtype)} ({why})"
         self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.choices["kv cache"] = (f"{_name(self.kv_cache_dtype)} "
+                                    f"({'auto: the model dtype' if config.kv_cache_dtype == 'auto' else 'asked for'})")
+        self.choices["quantization"] = self.quantization or "none"
         self.enforce_eager = config.resolved_enforce_eager() or self.stub_model
-        self.quantization = parse_quantization(config.quantization)
         if config.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"not {config.attention_backend!r}")
@@ -184,11 +194,10 @@ class LLMEngine:
         self.compile_warmup_seconds = compiled.warmup_seconds if compiled is not None else None
         self.enforce_eager = compiled is None and not self.cuda_graphs
         self.native_decode = self.path_named("native step") is not None
-        self.spec_row_cost: float | None = None  # a verifying row's cost, as a share of a one-row step
-        if self.speculative_config is not None and self.speculative_config.backoff == "auto":
-            self.speculative_config = self._resolve_backoff(self.speculative_config, num_blocks * config.block_size)
-
+        self.choices["decode path"] = self.decode_path.describe()
         capabilities = self.decode_path.capabilities()
+        if self.speculative_config is not None and self.speculative_config.backoff == "auto":
+            self.speculative_config = self._resolve_backoff(self.speculative_config, capabilities)
         if config.num_scheduler_steps > 1:
             if capabilities.multi_step_max_rows:
                 logger.info("up to %d greedy decode steps a step, in batches of up to %d rows",
@@ -230,6 +239,12 @@ class LLMEngine:
             logger.info("sampling defaults from generation_config.json: %s", self.sampling_defaults)
         # the last step's batch: sequences scheduled and tokens forwarded (for the step metrics)
         self.last_batch: tuple[int, int] = (0, 0)
+        self.choices["threads"] = (f"{torch.get_num_threads()} ("
+                                   + ("one a physical core of --cpus" if config.cpus is not None
+                                      else "torch's default for this process's CPUs") + ")")
+        if self.speculative_config is not None:
+            self.choices["speculative back-off"] = self.speculative_config.backoff
+        logger.info("engine: %s", self.describe_choices())
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -303,6 +318,11 @@ class LLMEngine:
             self._release(req)
         return outputs
 
+    def describe_choices(self) -> str:
+        """One line of what the engine chose at start and why: dtype, quantization, KV cache, decode
+        path, attention, threads (and the speculative back-off)."""
+        return ", ".join(f"{key}={value}" for key, value in self.choices.items())
+
     def path_named(self, name: str):
         """The engine's decode path of that name, or the one it was built over; None if neither."""
         path = self.decode_path
@@ -342,6 +362,7 @@ class LLMEngine:
         """The native decode attention for ``backend`` (auto / native / torch), or None for torch's."""
         self.attention_backend = "torch"
         if backend == "torch":
+            self.choices["attention"] = "torch (asked for: the reference)"
             return None
         if backend == "native":
             if self.device.type != "cpu":
@@ -358,28 +379,24 @@ class LLMEngine:
             logger.info("the native decode attention does not run this model's cache; using the torch path")
             kernel = None
         self.attention_backend = "native" if kernel is not None else "torch"
+        self.choices["attention"] = (("native (asked for)" if backend == "native" else "native (auto: the kernel builds here)")
+                                     if kernel is not None else
+                                     "torch (auto: no native kernel for this device, build or cache)")
         logger.info("decode attention: %s", self.attention_backend)
         # the operator itself: the model was checked above, and the forward calls it once per layer
         return kernel.op if kernel is not None else None
 
-    def _resolve_backoff(self, spec: SpeculativeConfig, scratch_slot: int) -> SpeculativeConfig:
-        """``backoff: "auto"`` made on or off: the native decode step timed at one row and at k + 1
-        rows, alternately; off when each extra row costs less than ``BACKOFF_MIN_ROW_COST`` of the
-        one-row step. On without a native step to time."""
-        native_path = self.path_named("native step")
-        native = native_path.native if native_path is not None else None
+    @staticmethod
+    def _resolve_backoff(spec: SpeculativeConfig, capabilities) -> SpeculativeConfig:
+        """``backoff: "auto"`` made on or off from the decode path's capabilities: off where its fast
+        step takes a verifying step's k + 1 rows at about one row's cost (``one_pass_rows``), on
+        otherwise. A fact of the path and the CPU, the same at every start."""
         rows = spec.num_speculative_tokens + 1
-        if native is None or not native.runs(rows):
-            logger.info("speculative decoding: back-off on (no native step of %d rows to time)", rows)
-            return dataclasses.replace(spec, backoff="on")
-        one = many = float("inf")
-        for _ in range(3):  # alternating, so a change in the machine's speed touches both
-            one = min(one, native.time_rows(scratch_slot, 1, repeats=3))
-            many = min(many, native.time_rows(scratch_slot, rows, repeats=3))
-        self.spec_row_cost = max(0.0, many - one) / (rows - 1) / one
-        backoff = "on" if self.spec_row_cost >= BACKOFF_MIN_ROW_COST else "off"
-        logger.info("speculative decoding: a verifying row costs %.3f of a one-row step (%.2f ms, %d rows %.2f ms): "
-                    "back-off %s", self.spec_row_cost, one * 1e3, rows, many * 1e3, backoff)
+        cheap = rows <= capabilities.one_pass_rows and rows < capabilities.fast_step_max_rows
+        backoff = "off" if cheap else "on"
+        logger.info("speculative decoding: back-off %s (auto: the %s path takes %d rows %s)", backoff,
+                    capabilities.path, rows, "at about one row's cost" if cheap else
+                    f"at more than one row's cost (up to {capabilities.one_pass_rows} at one row's)")
         return dataclasses.replace(spec, backoff=backoff)
 
     def step(self) -> list[EngineOutput]:

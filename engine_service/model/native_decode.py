@@ -187,10 +187,17 @@ class NativeDecode:
             float(layers[0].self_attn.scale), self.kind, CACHE_TYPES[kv_caches[0][0].dtype],
             ptr(model.model.embed_tokens.weight), ptr(norm.weight), self._layers,
             weight(head) if self.fuses_head else _Weight())
+        # the rows a step takes at about one row's cost (DecodeCapabilities.one_pass_rows): bfloat16's
+        # products read each weight once for a tile's or a group's rows; int4's rows each cost their
+        # own integer products (about a fifth of a step, docs/performance.md)
+        self.one_pass_rows = 1
         if self.kind == STACK_BF16:
             from engine_service.model.prepacked import gemv_max_rows
 
             self.max_rows = gemv_max_rows() + 1  # the rows the products' native kernel takes
+            pass_rows = native_library().packed_gemm_bf16_pass_rows
+            pass_rows.restype, pass_rows.argtypes = ctypes.c_int, []
+            self.one_pass_rows = max(1, min(int(pass_rows()), self.max_rows - 1))
         else:
             # the products dequantize from this many rows on (QuantizedLinear.dense_min_rows): more
             # rows than that run the compiled or eager step; and the stack's work between the

@@ -63,7 +63,7 @@ def prepack_unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
 
 @functools.cache
 def _probe(dtype: torch.dtype) -> str | None:
-    # once per process and dtype: the dtype probe at engine start and the loader both ask
+    # once per process and dtype: dtype auto at engine start and the loader both ask
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(48, 64, generator=gen).to(dtype)
     bias = torch.randn(48, generator=gen).to(dtype)

@@ -617,13 +617,12 @@ def test_an_engine_decodes_through_it(model_dir, monkeypatch):
         assert engine.generate(prompt, params)[0].outputs[0].token_ids == tokens
 
 
-def test_an_engine_times_a_verifying_row_and_resolves_the_back_off(llm, model_dir, monkeypatch):
-    """speculative_config backoff "auto" on engines with a native step: the step is timed at one row
-    and at k + 1 rows at start, and the back-off is off exactly when a row cost less than
-    BACKOFF_MIN_ROW_COST of a step; the scheduler's drafters get the resolved setting. A bfloat16
-    engine then speculates through its multi-row native step."""
+def test_an_engine_resolves_the_back_off_from_its_native_step(llm, model_dir, monkeypatch):
+    """speculative_config backoff "auto" on engines with a native step: int4's verifying rows each
+    cost their own integer products, so the back-off stays on; bfloat16's k + 1 rows share each
+    weight load (one pass of the products' rows), so it is off; the scheduler's drafters get the
+    resolved setting. A bfloat16 engine then speculates through its multi-row native step."""
     import engine_service.model.decode_paths.compiled as compiled_path
-    from engine_service.config import BACKOFF_MIN_ROW_COST
     from engine_service.model.prepacked import gemv_max_rows
     from sluice_bench.modes import describe_engine
 
@@ -636,9 +635,9 @@ def test_an_engine_times_a_verifying_row_and_resolves_the_back_off(llm, model_di
                                   kv_cache_memory=32 << 20, speculative_config=spec)
     for engine in (e.engine for e in engines.values()):
         assert engine.decode_mode == "native step" and ", native step, " in describe_engine(engine)
-        cost = engine.spec_row_cost
-        assert cost is not None and 0 <= cost < 10, cost
-        resolved = "off" if cost < BACKOFF_MIN_ROW_COST else "on"
+        caps = engine.scheduler.config.decode
+        resolved = "off" if caps.one_pass_rows >= spec["num_speculative_tokens"] + 1 else "on"
+        assert resolved == ("on" if engine.quantization == "int4" else "off")
         assert engine.speculative_config.backoff == engine.scheduler.speculative_config.backoff == resolved
     if "bfloat16" in engines:
         llm = engines["bfloat16"]

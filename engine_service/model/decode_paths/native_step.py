@@ -50,7 +50,8 @@ class NativeStepPath(DecodePath):
     def capabilities(self) -> DecodeCapabilities:
         rows = self.native.max_rows
         multi = rows if self.native.fuses_head and self.setup.num_scheduler_steps > 1 else 0
-        return DecodeCapabilities(path=self.name, fast_step_max_rows=rows, multi_step_max_rows=multi)
+        return DecodeCapabilities(path=self.name, fast_step_max_rows=rows, multi_step_max_rows=multi,
+                                  one_pass_rows=self.native.one_pass_rows)
 
     def describe(self) -> str:
         return (f"native step (decode steps of up to {self.native.max_rows - 1} rows; other steps "

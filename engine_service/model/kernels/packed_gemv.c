@@ -275,6 +275,8 @@ static int use_tiles(void) {
  * ninth round); more go to oneDNN there */
 int packed_gemm_bf16_max_rows(void) { return use_tiles() ? PG_MAX_ROWS : PG_TILE_ROWS; }
 
+int packed_gemm_bf16_pass_rows(void) { return use_tiles() ? PG_TILE_ROWS : PG_ROW_GROUP; }
+
 /* the rows x 64 sums of chunks [c0, c1) of block b, into sums[m * 64 ...] */
 static inline void part_sums(const uint16_t *w, const uint16_t *xp, int64_t ldx, int64_t rows, int64_t chunks,
                              int tiles, int prefetch, int64_t b, int64_t c0, int64_t c1, KvAhead *ahead,
@@ -540,6 +542,8 @@ int packed_gemv_set_prefetch(int mode) {
 }
 
 int packed_gemm_bf16_max_rows(void) { return 0; }
+
+int packed_gemm_bf16_pass_rows(void) { return 0; }
 
 int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t rows,
                      int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_pad) {

@@ -45,6 +45,11 @@ int packed_gemv_one_row_streams(void);
  * AVX512-BF16, 0 without */
 int packed_gemm_bf16_max_rows(void);
 
+/* the most rows a product reads each weight once for, in one pass of its blocks at about one row's
+ * cost: PG_TILE_ROWS through AMX tiles, PG_ROW_GROUP by VDPBF16PS on a group of rows, 0 without
+ * AVX512-BF16 (a fact of the CPU and the build: the speculative back-off's "auto" reads it) */
+int packed_gemm_bf16_pass_rows(void);
+
 /* packed_gemv_bf16 for `rows` rows (1 to packed_gemm_bf16_max_rows()): x[rows][k_in] and
  * y[rows][n_out], each row's output independent of the others. Returns as packed_gemv_bf16, and 2
  * for a row count out of range. */
