@@ -118,6 +118,13 @@ class EngineConfig:
         True, "decode steps of an int4 Llama-family model (and a bfloat16 one's, up to 64 rows where the CPU has "
         "AMX, 16 without) on CPU as one native call per step instead of the compiled or eager step "
         "(engine_service.model.native_decode; not with --enforce-eager asked for, which runs the eager reference)")
+    deterministic: bool | None = knob(
+        None, "a request's tokens (greedy, or sampled with a seed) the same alone or batched, on a prefix-cache "
+        "hit or miss, whatever the chunked-prefill split, after preemption, with or without speculation and "
+        "across restarts: every row computed as it would be alone (docs/determinism.md). Default: on wherever "
+        "the engine can keep it (CPU, the native attention, not compiled), else off with one line at start "
+        "saying why; --deterministic refuses to start where it cannot, naming the knobs; --no-deterministic "
+        "gives bfloat16 batches AMX tiles and prefill chunks oneDNN's and the dense products")
     generation_config: str = knob(
         "auto", "auto: the model's generation_config.json sets the temperature, top_p, top_k, min_p and "
         "repetition_penalty a request leaves unset (vLLM's behaviour); vllm: ignore it (neutral defaults)",

@@ -31,6 +31,7 @@ from engine_service.core.sampling_params import SamplingParams
 from engine_service.core.scheduler import RequestRejected, Scheduler
 from engine_service.model.config import ModelConfig
 from engine_service.model.decode_paths import choose_decode_path
+from engine_service.model.determinism import determinism_unavailable, make_deterministic
 from engine_service.model.dtype import resolve_auto_dtype
 from engine_service.model.kv_cache import allocate_kv_cache, kv_cache_dtype, num_blocks_for_budget
 from engine_service.model.loader import load_model, parse_dtype
@@ -174,7 +175,13 @@ class LLMEngine:
             kv = allocate_kv_cache(self.model_config, num_blocks + 1, config.block_size, self.kv_cache_dtype,
                                    self.device)
             decode_kernel = self._decode_kernel(config.attention_backend)
+        self.deterministic = self._resolve_determinism(config, model)
+        if self.deterministic:  # (the stub model never is)
+            changed = make_deterministic(model)
+            logger.info("deterministic: %d products compute each row as it computes it alone", changed)
+            decode_kernel = self._kernel.exact_op  # no AMX scores for a chunk's rows together
         self.runner = ModelRunner(model, kv, config.block_size, self.device, decode_kernel=decode_kernel)
+        self.runner.every_row_decodes = self.deterministic
         logger.info("loaded %s (%s%s, %s) with %d KV blocks of %d tokens (%s) in %.1fs", self.model_name,
                     self.dtype, f", {self.quantization}" if self.quantization else "", self.device, num_blocks,
                     config.block_size, self.kv_cache_dtype, time.perf_counter() - started)
@@ -184,7 +191,7 @@ class LLMEngine:
             scratch_slot=num_blocks * config.block_size, max_batch=config.max_num_seqs, max_model_len=self.max_model_len,
             attention_backend=self.attention_backend, reference=config.eager_asked() is True or self.stub_model,
             compile=not self.enforce_eager, cuda_graphs=config.cuda_graphs, native_decode=config.native_decode,
-            num_scheduler_steps=config.num_scheduler_steps))
+            num_scheduler_steps=config.num_scheduler_steps, deterministic=self.deterministic))
         self.runner.use(choice.path)
         self.decode_path = choice.path
         for name, why in choice.passed_over.items():
@@ -361,6 +368,7 @@ class LLMEngine:
     def _decode_kernel(self, backend: str):
         """The native decode attention for ``backend`` (auto / native / torch), or None for torch's."""
         self.attention_backend = "torch"
+        self._kernel = None
         if backend == "torch":
             self.choices["attention"] = "torch (asked for: the reference)"
             return None
@@ -378,6 +386,7 @@ class LLMEngine:
                                  f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads of size {cfg.head_dim}")
             logger.info("the native decode attention does not run this model's cache; using the torch path")
             kernel = None
+        self._kernel = kernel
         self.attention_backend = "native" if kernel is not None else "torch"
         self.choices["attention"] = (("native (asked for)" if backend == "native" else "native (auto: the kernel builds here)")
                                      if kernel is not None else
@@ -385,6 +394,24 @@ class LLMEngine:
         logger.info("decode attention: %s", self.attention_backend)
         # the operator itself: the model was checked above, and the forward calls it once per layer
         return kernel.op if kernel is not None else None
+
+    def _resolve_determinism(self, config: EngineConfig, model) -> bool:
+        """The deterministic knob made on or off (its start-up line said why); raises ValueError
+        naming the knobs where it was asked for and cannot be kept."""
+        if config.deterministic is False:
+            self.choices["deterministic"] = "off (asked for)"
+            return False
+        why = ("the stub model (a bench's)" if self.stub_model else
+               determinism_unavailable(model, self.device, self.attention_backend, config.eager_asked() is False))
+        if why is not None and config.deterministic:
+            raise ValueError(f"deterministic: this engine cannot keep a request's tokens independent of its batch: "
+                             f"{why}. Drop --deterministic, or change what it names")
+        if why is not None:
+            self.choices["deterministic"] = f"off ({why})"
+            logger.warning("not deterministic: %s (docs/determinism.md)", why)
+            return False
+        self.choices["deterministic"] = "on" + (" (asked for)" if config.deterministic else " (auto)")
+        return True
 
     @staticmethod
     def _resolve_backoff(spec: SpeculativeConfig, capabilities) -> SpeculativeConfig:

@@ -47,7 +47,8 @@ def resolve_auto_dtype(device: torch.device, model_dir: Path, quantization: str 
     if device.type != "cpu":
         return torch.float32, f"float32 on {device.type}"
     if quantization is not None:
-        return torch.float32, f"{quantization} weights take float32 activations on CPU (the native int4 step's)"
+        return torch.float32, (f"{quantization} weights take float32 activations on CPU (the native int4 step's; "
+                               "the quantized kernels' own dtype is chosen per layer)")
     if not cpu_has_native_bf16():
         return torch.float32, "this CPU has no native bfloat16 arithmetic (no AVX512-BF16 or AMX)"
     from engine_service.model.prepacked import prepack_unavailable

@@ -46,6 +46,9 @@ from engine_service.model.quantization import QuantizedLinear
 logger = logging.getLogger(__name__)
 
 STACK_MAX_ROWS = 64  # int4: from this many rows a step runs the compiled or eager forward
+# a deterministic step's most rows in one call (kernels/decode_stack.h STACK_DETERMINISTIC_MAX_ROWS):
+# a prefill chunk of more runs in several calls, in order
+CALL_MAX_ROWS = 1024
 STACK_INT4, STACK_BF16 = 0, 1  # kernels/decode_stack.h
 # the caches' dtypes the step writes and reads: kernels/decode_stack.h's STACK_CACHE_*
 CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -71,7 +74,8 @@ class _Stack(ctypes.Structure):
                 ("block_size", ctypes.c_int64), ("vocab", ctypes.c_int64), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("kind", ctypes.c_int), ("cache_type", ctypes.c_int),
                 ("embed", ctypes.c_void_p),
-                ("final_norm", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer)), ("head", _Weight)]
+                ("final_norm", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer)), ("head", _Weight),
+                ("deterministic", ctypes.c_int)]
 
 
 _ERRORS = {1: "out of memory", 2: "a size or a token id out of range", 3: "the attention kernel refused the shape"}
@@ -131,7 +135,9 @@ class NativeDecode:
     ``max_rows`` rows (``NativeDecode.runs``), like ``CompiledDecode``. The tensors its C structs
     point into are the model's own (kept referenced here): weights loaded once, never replaced."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache]) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], deterministic: bool = False) -> None:
+        """``deterministic``: a deterministic engine's step (engine_service.model.determinism): any
+        number of rows, a prefill chunk's included, each computed as the row alone computes it."""
         from engine_service.model.native import native_library
 
         why = native_decode_unavailable(model, kv_caches)
@@ -186,7 +192,8 @@ class NativeDecode:
             cfg.intermediate_size, kv_caches[0][0].shape[1], model.model.embed_tokens.weight.shape[0], float(norm.eps),
             float(layers[0].self_attn.scale), self.kind, CACHE_TYPES[kv_caches[0][0].dtype],
             ptr(model.model.embed_tokens.weight), ptr(norm.weight), self._layers,
-            weight(head) if self.fuses_head else _Weight())
+            weight(head) if self.fuses_head else _Weight(), int(deterministic))
+        self.deterministic = deterministic
         # the rows a step takes at about one row's cost (DecodeCapabilities.one_pass_rows): bfloat16's
         # products read each weight once for a tile's or a group's rows; int4's rows each cost their
         # own integer products (about a fifth of a step, docs/performance.md)
@@ -218,7 +225,7 @@ class NativeDecode:
         self._stack_ref = ctypes.byref(self._stack)
 
     def runs(self, rows: int) -> bool:
-        return rows < self.max_rows
+        return self.deterministic or rows < self.max_rows
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  logits: bool = False, argmax: torch.Tensor | None = None) -> torch.Tensor:
@@ -230,6 +237,8 @@ class NativeDecode:
         if logits and not self.fuses_head:
             raise ValueError("native decode: this model's output projection is not in the step")
         rows = input_ids.shape[0]
+        if rows > CALL_MAX_ROWS and self.deterministic:
+            return self._in_calls(input_ids, positions, meta, logits, argmax)
         if argmax is not None and not (logits and argmax.dtype == torch.int64 and argmax.shape == (rows,)
                                        and argmax.is_contiguous()):
             raise ValueError("native decode: argmax needs logits=True and a contiguous int64 tensor of one per row")
@@ -250,6 +259,21 @@ class NativeDecode:
         if rc != 0:
             raise RuntimeError(f"native decode step failed: {_ERRORS.get(rc, rc)}")
         return out
+
+    def _in_calls(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits: bool,
+                  argmax: torch.Tensor | None) -> torch.Tensor:
+        """A deterministic step of more rows than one call takes, in calls of CALL_MAX_ROWS rows in
+        order: a call's rows attend to the K/V the calls before it wrote, as they would to their own
+        call's, and each row's output does not depend on the rows beside it."""
+        parts = []
+        for r in range(0, input_ids.shape[0], CALL_MAX_ROWS):
+            rows = slice(r, r + CALL_MAX_ROWS)
+            part = AttentionMetadata(slot_mapping=meta.slot_mapping[rows], prefills=[], decode_token_index=None,
+                                     decode_block_tables=meta.decode_block_tables[rows],
+                                     decode_context_lens=meta.decode_context_lens[rows])
+            parts.append(self(input_ids[rows], positions[rows], part, logits=logits,
+                              argmax=None if argmax is None else argmax[rows]))
+        return torch.cat(parts)
 
     def greedy_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -304,8 +304,13 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if (self.native_q4 and x2.dtype in Q4_ACTIVATION_DTYPES
                 and (self.dense_min_rows is None or x2.shape[0] < self.dense_min_rows)):
-            # the model's own dtype goes in and comes out: no casts around the product
-            y = torch.ops.sluice.q4_linear(x2, self.codes, self.scales_zeros, self.out_features)
+            # the model's own dtype goes in and comes out: no casts around the product; more rows
+            # than the kernel takes in one call (a deterministic engine's, whose products never go
+            # dense) in calls of Q4_MAX_ROWS, each row's output its own
+            y = torch.cat([torch.ops.sluice.q4_linear(x2[r : r + Q4_MAX_ROWS], self.codes, self.scales_zeros,
+                                                      self.out_features)
+                           for r in range(0, x2.shape[0], Q4_MAX_ROWS)]) if x2.shape[0] > Q4_MAX_ROWS else \
+                torch.ops.sluice.q4_linear(x2, self.codes, self.scales_zeros, self.out_features)
             if self.bias is not None:
                 y = y + self.bias
             return y.reshape(*shape[:-1], self.out_features)

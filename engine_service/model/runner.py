@@ -81,6 +81,10 @@ class ModelRunner:
         # engine hands it the path it chose
         self.path: DecodePath = EagerPath(self.path_setup())
         self.min_decode_width = 1  # the path's fewest block-table columns (DecodePath.min_table_width)
+        # a deterministic engine's layout (engine_service.model.determinism): every token, a prefill
+        # chunk's included, attends as a decode of its own length, so that a position's attention
+        # does not depend on how the work was split into chunks and steps
+        self.every_row_decodes = False
 
     def path_setup(self, **facts) -> PathSetup:
         """A ``PathSetup`` of this runner's model, caches and decode attention; ``facts`` are the
@@ -143,7 +147,10 @@ class ModelRunner:
         self.model.rotary.ensure_positions(int(ctx.max()))
 
         is_decode = lens == 1
-        if any_drafts:
+        every_token = any_drafts or self.every_row_decodes  # a decode row per token, not per chunk
+        if self.every_row_decodes:
+            is_decode[:] = True
+        elif any_drafts:
             # every position of a draft chunk attends as a decode of its own length: the same
             # attention, and the same kernel, as decoding those tokens one by one
             is_decode |= np.fromiter((bool(_drafts(c)) for c in chunks), dtype=bool, count=n)
@@ -158,7 +165,7 @@ class ModelRunner:
         decode_index = decode_tables = decode_lens = None
         decode_rows = np.flatnonzero(is_decode)  # chunks
         if decode_rows.size:
-            if any_drafts:  # one decode per token of the decode and draft chunks
+            if every_token:  # one decode per token of the decode and draft chunks (of every chunk)
                 token_index = np.flatnonzero(np.repeat(is_decode, lens))
                 decode_rows = row_of_token[token_index]
                 decode_ctx = positions[token_index] + 1

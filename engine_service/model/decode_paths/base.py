@@ -42,6 +42,9 @@ class PathSetup:
     cuda_graphs: bool = False  # the cuda_graphs knob
     native_decode: bool = False  # the native_decode knob
     num_scheduler_steps: int = 1
+    # a deterministic engine (engine_service.model.determinism): every row a decode of its own
+    # length, every step through the path's row-invariant kernels
+    deterministic: bool = False
 
 
 class DecodePath:

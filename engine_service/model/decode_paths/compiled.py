@@ -18,8 +18,7 @@ class CompiledPath(DecodePath):
 
     def __init__(self, setup: PathSetup) -> None:
         super().__init__(setup, EagerPath(setup))
-        self.compiled = CompiledDecode(setup.model, setup.kv_caches,
-                                       native_attention=setup.attention_backend == "native")
+        self.compiled = CompiledDecode(setup.model, setup.kv_caches, attention=setup.decode_kernel)
         self.warmup_seconds = self.compiled.warm_up(setup.scratch_slot)
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -36,6 +35,8 @@ def unavailable(setup: PathSetup) -> str | None:
         return "eager asked for (enforce_eager)" if setup.reference else "enforce_eager (the device's default)"
     if setup.device.type == "cuda" and setup.cuda_graphs:
         return "CUDA graphs replay the decode steps (--no-cuda-graphs compiles them)"
+    if setup.deterministic:
+        return "deterministic: the compiled step is not batch-invariant"
     return compile_supported(setup.device) or compile_unavailable(setup.model)
 
 

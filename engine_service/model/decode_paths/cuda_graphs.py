@@ -48,6 +48,8 @@ def unavailable(setup: PathSetup) -> str | None:
         return "eager asked for (enforce_eager)"
     if not setup.cuda_graphs:
         return "--no-cuda-graphs"
+    if setup.deterministic:
+        return "deterministic: CUDA steps are not batch-invariant"
     return None
 
 

@@ -22,7 +22,7 @@ class NativeStepPath(DecodePath):
 
     def __init__(self, setup: PathSetup, fallback: DecodePath) -> None:
         super().__init__(setup, fallback)
-        self.native = NativeDecode(setup.model, setup.kv_caches)
+        self.native = NativeDecode(setup.model, setup.kv_caches, deterministic=setup.deterministic)
         self.warmup_seconds = self.native.warm_up(setup.scratch_slot)
 
     def _takes(self, meta: AttentionMetadata, rows: int) -> bool:
@@ -54,6 +54,8 @@ class NativeStepPath(DecodePath):
                                   one_pass_rows=self.native.one_pass_rows)
 
     def describe(self) -> str:
+        if self.native.deterministic:
+            return "native step (every step, prefill chunks included)"
         return (f"native step (decode steps of up to {self.native.max_rows - 1} rows; other steps "
                 f"{self.fallback.describe()})")
 

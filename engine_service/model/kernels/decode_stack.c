@@ -42,6 +42,10 @@
 #endif
 
 #define NOCONTRACT __attribute__((optimize("fp-contract=off")))
+/* From this many rows the region-per-call step shares its per-row work (norms, rotary, SiLU,
+ * residuals, conversions) out among the threads, row by row: a prefill chunk of a deterministic
+ * stack. Each row's operations are the same whichever thread does them. */
+#define PAR_MIN_ROWS 32
 
 /* x rounded to bfloat16 when bf, else x */
 static inline float rnd(float x, int bf) { return bf ? bf16_to_f32(f32_to_bf16(x)) : x; }
@@ -110,18 +114,24 @@ NOCONTRACT static void add_bias_f32(float *y, const float *bias, int64_t rows, i
 /* y[rows][n_out] = x[rows][k] W^T + bias (NULL: none; the activations' dtype); bfloat16 through the
  * bf16 scratch xb / yb, the bias added to the float32 sums before their rounding, as the packed
  * product's own bias */
-static int product(int kind, const StackWeight *w, const void *bias, const float *x, float *y, int64_t rows,
-                   uint16_t *xb, uint16_t *yb) {
-    if (kind == STACK_INT4) {
+static int product(const DecodeStack *s, const StackWeight *w, const void *bias, const float *x, float *y,
+                   int64_t rows, uint16_t *xb, uint16_t *yb) {
+    if (s->kind == STACK_INT4) {
         const int rc = q4_linear_f32((const uint8_t *)w->data, w->scales_zeros, x, y, rows, w->n_out, w->n_pad, w->k,
                                      w->extra);
         add_bias_f32(y, (const float *)bias, rows, w->n_out);
         return rc;
     }
-    for (int64_t i = 0; i < rows * w->k; i++) xb[i] = f32_to_bf16(x[i]);
-    const int rc = packed_gemm_bf16((const uint16_t *)w->data, xb, (const uint16_t *)bias, yb, rows, w->n_out, w->k,
-                                    w->n_pad, w->extra);
-    for (int64_t i = 0; i < rows * w->n_out; i++) y[i] = bf16_to_f32(yb[i]);
+    const int64_t in = rows * w->k, out = rows * w->n_out;
+    _Pragma("omp parallel for schedule(static) if(rows >= PAR_MIN_ROWS)")
+    for (int64_t i = 0; i < in; i++) xb[i] = f32_to_bf16(x[i]);
+    const int rc = s->deterministic
+        ? packed_gemm_bf16_flags((const uint16_t *)w->data, xb, (const uint16_t *)bias, yb, rows, w->n_out, w->k,
+                                 w->n_pad, w->extra, PG_NO_TILES)
+        : packed_gemm_bf16((const uint16_t *)w->data, xb, (const uint16_t *)bias, yb, rows, w->n_out, w->k, w->n_pad,
+                           w->extra);
+    _Pragma("omp parallel for schedule(static) if(rows >= PAR_MIN_ROWS)")
+    for (int64_t i = 0; i < out; i++) y[i] = bf16_to_f32(yb[i]);
     return rc;
 }
 
@@ -194,9 +204,9 @@ NOCONTRACT static void rotate_and_cache(const DecodeStack *s, const StackLayer *
 static int attention(const DecodeStack *s, const StackLayer *layer, const float *q, const int64_t *block_tables,
                      int64_t table_width, const int64_t *context_lens, int64_t rows, float *attn) {
     const int arc = s->cache_type == STACK_CACHE_BF16
-        ? paged_decode_attention_bf16(q, (const uint16_t *)layer->k_cache, (const uint16_t *)layer->v_cache,
-                                      block_tables, table_width, context_lens, attn, rows, s->heads, s->kv_heads,
-                                      s->head_dim, s->block_size, s->scale)
+        ? (s->deterministic ? paged_decode_attention_bf16_exact : paged_decode_attention_bf16)(
+              q, (const uint16_t *)layer->k_cache, (const uint16_t *)layer->v_cache, block_tables, table_width,
+              context_lens, attn, rows, s->heads, s->kv_heads, s->head_dim, s->block_size, s->scale)
         : s->cache_type == STACK_CACHE_F16
         ? paged_decode_attention_f16(q, (const uint16_t *)layer->k_cache, (const uint16_t *)layer->v_cache,
                                      block_tables, table_width, context_lens, attn, rows, s->heads, s->kv_heads,
@@ -239,6 +249,7 @@ static int finish(const DecodeStack *s, const float *x, float *normed, int64_t r
                   int64_t *argmax, uint16_t *xb, uint16_t *yb) {
     const int64_t hidden = s->hidden;
     const int bf = s->kind == STACK_BF16;
+    _Pragma("omp parallel for schedule(static) if(rows >= PAR_MIN_ROWS)")
     for (int64_t r = 0; r < rows; r++) {
         rms_norm(x + r * hidden, s->final_norm, hidden, s->eps, bf, normed + r * hidden);
         for (int64_t i = 0; out != NULL && i < hidden; i++) {
@@ -249,7 +260,7 @@ static int finish(const DecodeStack *s, const float *x, float *normed, int64_t r
     /* in the same call: after the layers' stream the caches hold nothing of the caller's, and each
      * operator of the head's own call would first fetch its code and data from memory */
     if (logits == NULL) return 0;
-    const int rc = product(s->kind, &s->head, NULL, normed, logits, rows, xb, yb);
+    const int rc = product(s, &s->head, NULL, normed, logits, rows, xb, yb);
     for (int64_t r = 0; rc == 0 && argmax != NULL && r < rows; r++)
         argmax[r] = stack_argmax(logits + r * s->head.n_out, s->head.n_out);
     return rc;
@@ -512,14 +523,14 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
     for (int64_t r = 0; r < rows; r++)
         rms_norm(X(0) + r * hidden, s->layers[0].input_norm, hidden, s->eps, bf, NORMED(0) + r * hidden);
     TeamBarrier sync_barrier = {0}, *sync = own_barrier ? &sync_barrier : NULL; /* team_barrier.h */
-    *team = (PgTeam){.barrier = sync};
+    *team = (PgTeam){.barrier = sync, .no_tiles = s->deterministic};
     PdaPlan plan; /* the step's attention partitions, the same in every layer */
     const int prc = pda_plan(&plan, context_lens, rows, s->heads, s->kv_heads, s->head_dim, threads);
     if (prc != 0) {
         step_scratch_done(scratch, kept);
         return prc == 1 ? 1 : 3;
     }
-    if (s->cache_type == STACK_CACHE_BF16) /* its draft chunks (none: as before) */
+    if (s->cache_type == STACK_CACHE_BF16 && !s->deterministic) /* its draft chunks (none: as before) */
         pda_plan_chunks(&plan, block_tables, table_width, context_lens, rows, s->heads, s->kv_heads, s->head_dim,
                         s->block_size);
     plan.barrier = sync;
@@ -533,7 +544,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
     plan.static_tasks = aheads != NULL;
     team->ahead = aheads;
     uint16_t *yb = (uint16_t *)ys0; /* the region-per-call product's bfloat16 output (product) */
-    const int rc = product(kind, &s->layers[0].qkv, s->layers[0].qkv_bias, NORMED(0), TMP(0), rows, (uint16_t *)XB(0),
+    const int rc = product(s, &s->layers[0].qkv, s->layers[0].qkv_bias, NORMED(0), TMP(0), rows, (uint16_t *)XB(0),
                            yb);
     if (rc == 0) rotate_and_cache(s, &s->layers[0], TMP(0), q, rows, positions, cos_table, sin_table, slots, 1);
     if (rc == 0) {
@@ -677,8 +688,9 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
     const int64_t qkv_size = q_size + 2 * kv_size, inter = s->intermediate;
     const int kind = s->kind, bf = kind == STACK_BF16;
     if (rows <= 0 || d % 2 != 0) return 2;
-    if (kind == STACK_INT4 ? (!q4_gemv_supported() || rows > Q4_MAX_ROWS)
-                           : (kind != STACK_BF16 || !packed_gemv_bf16_supported() || rows > packed_gemm_bf16_max_rows()))
+    if (kind == STACK_INT4 ? !q4_gemv_supported() : (kind != STACK_BF16 || !packed_gemv_bf16_supported())) return 2;
+    if (rows > (s->deterministic ? STACK_DETERMINISTIC_MAX_ROWS
+                                 : kind == STACK_INT4 ? Q4_MAX_ROWS : packed_gemm_bf16_max_rows()))
         return 2;
     for (int64_t r = 0; r < rows; r++)
         if (ids[r] < 0 || ids[r] >= s->vocab || positions[r] < 0 || positions[r] >= num_positions) return 2;
@@ -689,7 +701,9 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
             !weight_ok(kind, &layer->gate_up, 2 * inter, hidden) || !weight_ok(kind, &layer->down, hidden, inter))
             return 2;
     }
-    if (omp_get_max_threads() > 1 && one_region)
+    /* one region up to the most rows a product pass takes (a decode step's, a verifying step's);
+     * a deterministic stack's prefill chunk shares its per-row work out instead (PAR_MIN_ROWS) */
+    if (omp_get_max_threads() > 1 && one_region && rows <= PG_MAX_ROWS)
         return layers_in_one_region(s, ids, positions, cos_table, sin_table, slots, block_tables, table_width,
                                     context_lens, rows, out, logits, argmax);
     /* scratch, per row: the residual stream, a normed copy, q|k|v, q, the attention output, gate|up,
@@ -705,24 +719,37 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
     uint16_t *xb = (uint16_t *)(act + rows * inter), *yb = xb + rows * widest;
     int rc = 0;
 
+    const int par = rows >= PAR_MIN_ROWS; /* the per-row work shared out among the threads, row by row */
+    _Pragma("omp parallel for schedule(static) if(par)")
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < hidden; i++) x[r * hidden + i] = load(s->embed, ids[r] * hidden + i, bf);
     for (int64_t l = 0; l < s->num_layers && rc == 0; l++) {
         const StackLayer *layer = &s->layers[l];
+        _Pragma("omp parallel for schedule(static) if(par)")
         for (int64_t r = 0; r < rows; r++)
             rms_norm(x + r * hidden, layer->input_norm, hidden, s->eps, bf, normed + r * hidden);
-        if ((rc = product(kind, &layer->qkv, layer->qkv_bias, normed, qkv, rows, xb, yb)) != 0) break;
-        rotate_and_cache(s, layer, qkv, q, rows, positions, cos_table, sin_table, slots, 1);
-        if ((rc = attention(s, layer, q, block_tables, table_width, context_lens, rows, attn)) != 0) break;
-        if (bf)
-            for (int64_t i = 0; i < rows * q_size; i++) attn[i] = rnd(attn[i], 1);
-        if ((rc = product(kind, &layer->o, layer->o_bias, attn, normed, rows, xb, yb)) != 0) break;
-        for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + normed[i], bf);
+        if ((rc = product(s, &layer->qkv, layer->qkv_bias, normed, qkv, rows, xb, yb)) != 0) break;
+        /* every row's K/V in the cache before any row attends (a row may attend to another's) */
+        _Pragma("omp parallel for schedule(static) if(par)")
         for (int64_t r = 0; r < rows; r++)
+            rotate_and_cache(s, layer, qkv + r * qkv_size, q + r * q_size, 1, positions + r, cos_table, sin_table,
+                             slots + r, 1);
+        if ((rc = attention(s, layer, q, block_tables, table_width, context_lens, rows, attn)) != 0) break;
+        if (bf) {
+            _Pragma("omp parallel for schedule(static) if(par)")
+            for (int64_t i = 0; i < rows * q_size; i++) attn[i] = rnd(attn[i], 1);
+        }
+        if ((rc = product(s, &layer->o, layer->o_bias, attn, normed, rows, xb, yb)) != 0) break;
+        _Pragma("omp parallel for schedule(static) if(par)")
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t i = r * hidden; i < (r + 1) * hidden; i++) x[i] = rnd(x[i] + normed[i], bf);
             rms_norm(x + r * hidden, layer->post_norm, hidden, s->eps, bf, normed + r * hidden);
-        if ((rc = product(kind, &layer->gate_up, NULL, normed, gate_up, rows, xb, yb)) != 0) break;
-        silu_rows(gate_up, rows, inter, bf, act);
-        if ((rc = product(kind, &layer->down, NULL, act, normed, rows, xb, yb)) != 0) break;
+        }
+        if ((rc = product(s, &layer->gate_up, NULL, normed, gate_up, rows, xb, yb)) != 0) break;
+        _Pragma("omp parallel for schedule(static) if(par)")
+        for (int64_t r = 0; r < rows; r++) silu_rows(gate_up + r * 2 * inter, 1, inter, bf, act + r * inter);
+        if ((rc = product(s, &layer->down, NULL, act, normed, rows, xb, yb)) != 0) break;
+        _Pragma("omp parallel for schedule(static) if(par)")
         for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + normed[i], bf);
     }
     if (rc == 0) rc = finish(s, x, normed, rows, out, logits, argmax, xb, yb);

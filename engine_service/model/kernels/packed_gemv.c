@@ -499,7 +499,13 @@ static void team_blocks(const uint16_t *w, const uint16_t *xp, int64_t ldx, cons
 
 int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t rows,
                      int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_pad) {
-    if (rows < 1 || rows > packed_gemm_bf16_max_rows() || !packed_gemv_sizes_ok(n_out, k_in, n_pad, k_pad)) return 2;
+    if (rows > packed_gemm_bf16_max_rows()) return 2;
+    return packed_gemm_bf16_flags(w, x, bias, y, rows, n_out, k_in, n_pad, k_pad, 0);
+}
+
+int packed_gemm_bf16_flags(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t rows,
+                           int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_pad, int flags) {
+    if (rows < 1 || !packed_gemv_sizes_ok(n_out, k_in, n_pad, k_pad)) return 2;
     /* an input that is not whole chunks is padded with zeros (the weight's padding is zeros too) */
     uint16_t *padded = NULL;
     if (k_pad != k_in) {
@@ -509,11 +515,20 @@ int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
     }
     const uint16_t *xp = padded != NULL ? padded : x;
     const int64_t ldx = padded != NULL ? k_pad : k_in;
-    const int tiles = rows > 1 && use_tiles(), prefetch = stream_prefetch();
+    const int prefetch = stream_prefetch();
     PgTeam team; /* the fields a product reads before it writes them (not the 32 KB of halves) */
-    team.state = team.halves_in = 0, team.barrier = NULL, team.ahead = NULL;
-    _Pragma("omp parallel")
-    team_blocks(w, xp, ldx, bias, y, rows, n_out, n_pad, k_pad, tiles, prefetch, &team, 1, NULL, 0, 0);
+    team.state = team.halves_in = 0, team.barrier = NULL, team.ahead = NULL, team.no_tiles = 0;
+    /* passes of up to PG_MAX_ROWS rows, each a product of its own: a row's sums do not depend on the
+     * rows beside it (tiles or groups), so the passes give what one product of them all would */
+    uint32_t tag = 0;
+    for (int64_t r0 = 0; r0 < rows; r0 += PG_MAX_ROWS) {
+        const int64_t n = rows - r0 < PG_MAX_ROWS ? rows - r0 : PG_MAX_ROWS;
+        const int tiles = n > 1 && use_tiles() && !(flags & PG_NO_TILES);
+        ++tag;
+        _Pragma("omp parallel")
+        team_blocks(w, xp + r0 * ldx, ldx, bias, y + r0 * n_out, n, n_out, n_pad, k_pad, tiles, prefetch, &team, tag,
+                    NULL, 0, 0);
+    }
     free(padded);
     return 0;
 }
@@ -521,7 +536,8 @@ int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias,
 void packed_gemm_bf16_team(const uint16_t *w, const uint16_t *x, int64_t ldx, const uint16_t *bias, uint16_t *y,
                            int64_t rows, int64_t n_out, int64_t n_pad, int64_t k_pad, PgTeam *team, uint32_t tag,
                            const uint16_t *next, int64_t next_n_pad, int64_t next_k_pad) {
-    team_blocks(w, x, ldx, bias, y, rows, n_out, n_pad, k_pad, rows > 1 && use_tiles(), stream_prefetch(), team, tag,
+    team_blocks(w, x, ldx, bias, y, rows, n_out, n_pad, k_pad, rows > 1 && use_tiles() && !team->no_tiles,
+                stream_prefetch(), team, tag,
                 next, next_n_pad, next_k_pad);
 }
 
@@ -548,6 +564,12 @@ int packed_gemm_bf16_pass_rows(void) { return 0; }
 int packed_gemm_bf16(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t rows,
                      int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_pad) {
     (void)w, (void)x, (void)bias, (void)y, (void)rows, (void)n_out, (void)k_in, (void)n_pad, (void)k_pad;
+    return 2;
+}
+
+int packed_gemm_bf16_flags(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t rows,
+                           int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_pad, int flags) {
+    (void)w, (void)x, (void)bias, (void)y, (void)rows, (void)n_out, (void)k_in, (void)n_pad, (void)k_pad, (void)flags;
     return 2;
 }
 

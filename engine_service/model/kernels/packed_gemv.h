@@ -50,6 +50,17 @@ int packed_gemm_bf16_max_rows(void);
  * AVX512-BF16 (a fact of the CPU and the build: the speculative back-off's "auto" reads it) */
 int packed_gemm_bf16_pass_rows(void);
 
+/* packed_gemm_bf16_flags' flags: several rows take VDPBF16PS on groups of rows even where the CPU
+ * has AMX tiles, each row's sums the one-row kernel's bit for bit (the tiles round apart from it) */
+#define PG_NO_TILES 1
+
+/* packed_gemm_bf16 for any number of rows (1 or more), in passes of up to PG_MAX_ROWS: each row's
+ * output is the same whatever the rows beside it and their count, and with PG_NO_TILES the same as
+ * a one-row product's bit for bit. What a deterministic engine runs for every product of a
+ * bfloat16 model, a prefill chunk's included. Returns as packed_gemm_bf16. */
+int packed_gemm_bf16_flags(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t rows,
+                           int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_pad, int flags);
+
 /* packed_gemv_bf16 for `rows` rows (1 to packed_gemm_bf16_max_rows()): x[rows][k_in] and
  * y[rows][n_out], each row's output independent of the others. Returns as packed_gemv_bf16, and 2
  * for a row count out of range. */
@@ -72,6 +83,9 @@ typedef struct {
     /* one list a thread (kv_ahead.h) that the one-row loop without prefetches drains a few lines a
      * chunk, or NULL */
     struct KvAhead *ahead;
+    /* 1: several rows take VDPBF16PS on groups of rows even where the CPU has AMX tiles, so that
+     * each row's sums are the one-row kernel's bit for bit (a deterministic engine's steps) */
+    int no_tiles;
 } PgTeam;
 
 /* packed_gemm_bf16 without a parallel region of its own, for a caller already inside one: the
