@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
               cuda_graphs=args.cuda_graphs, quantization=args.quantization, attention_backend=args.attention_backend,
-              kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False, max_num_seqs=max(args.batch_size, 1),
+              kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic, enable_prefix_caching=False, max_num_seqs=max(args.batch_size, 1),
               max_num_batched_tokens=max(2048, args.input_len))
     engine = llm.engine
     load_s = time.perf_counter() - started

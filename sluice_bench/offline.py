@@ -157,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
     chart = plots.plot_target(args, args.json, "bench-results/offline.png", "sluice bench offline")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization, attention_backend=args.attention_backend,
-              enforce_eager=args.enforce_eager, cuda_graphs=args.cuda_graphs, kv_cache_dtype=args.kv_cache_dtype)
+              enforce_eager=args.enforce_eager, cuda_graphs=args.cuda_graphs, kv_cache_dtype=args.kv_cache_dtype,
+              deterministic=args.deterministic)
     engine = llm.engine
     mode = describe_engine(engine)
     work = make_workload(engine.vocab_size, args.num_requests, _range(args.prompt_len),
