@@ -31,7 +31,7 @@ from engine_service.core.sampling_params import SamplingParams
 from engine_service.core.scheduler import RequestRejected, Scheduler
 from engine_service.model.config import ModelConfig
 from engine_service.model.decode_paths import choose_decode_path
-from engine_service.model.determinism import determinism_unavailable, make_deterministic
+from engine_service.model.determinism import determinism_costly, determinism_unavailable, make_deterministic
 from engine_service.model.dtype import resolve_auto_dtype
 from engine_service.model.kv_cache import allocate_kv_cache, kv_cache_dtype, num_blocks_for_budget
 from engine_service.model.loader import load_model, parse_dtype
@@ -409,6 +409,11 @@ class LLMEngine:
         if why is not None:
             self.choices["deterministic"] = f"off ({why})"
             logger.warning("not deterministic: %s (docs/determinism.md)", why)
+            return False
+        costly = None if config.deterministic else determinism_costly(model)
+        if costly is not None:  # left unset: on only where it costs next to nothing
+            self.choices["deterministic"] = f"off (auto: {costly}; --deterministic turns it on)"
+            logger.warning("not deterministic: %s; --deterministic turns it on (docs/determinism.md)", costly)
             return False
         self.choices["deterministic"] = "on" + (" (asked for)" if config.deterministic else " (auto)")
         return True

@@ -130,6 +130,23 @@ class _TiedHead(nn.Module):
         self.out_features, self.in_features = weight.shape
 
 
+def determinism_costly(model: nn.Module) -> str | None:
+    """Why making ``model`` deterministic would cost a measurable share of its speed (so that the
+    default leaves it off and says so), or None where it costs next to nothing: the bfloat16 native
+    GEMV and the native int4 kernel already compute each row on its own. float32 and float16 products
+    in fixed tiles pay MKL's and oneDNN's many-row kernel for every decode row (2-4x a float32 decode
+    step on the development machine), and int8 and torch's int4 without their dense path pay the
+    packed kernel for every prefill row (docs/determinism.md)."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            if not module.native_q4 and module.dense_min_rows is not None:
+                return f"{module.method}'s prefill without its dense products"
+        elif isinstance(module, nn.Linear) or (isinstance(module, PrepackedLinear) and not module.gemv):
+            dtype = module.weight.dtype if isinstance(module, nn.Linear) else module.dtype
+            return f"{str(dtype).removeprefix('torch.')} products in fixed tiles"
+    return None
+
+
 def determinism_unavailable(model: nn.Module, device: torch.device, attention_backend: str,
                             compile_asked: bool) -> str | None:
     """None when an engine of this model, device, attention and compile setting can be deterministic

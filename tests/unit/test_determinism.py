@@ -130,6 +130,23 @@ def test_the_deterministic_attention_gives_every_row_what_it_gives_alone(cache_d
         assert (got - want).abs().max().item() < 1e-4, (rows, context)
 
 
+@pytest.mark.model
+def test_float32_and_int8_engines_are_deterministic_only_when_asked(model_dir):
+    """Left unset, deterministic is on only where it costs next to nothing; an engine that leaves it
+    off says why at start, and --deterministic turns it on."""
+    from engine_service import LLM
+
+    for keywords, costly in (({"dtype": "float32"}, "float32 products in fixed tiles"),
+                             ({"dtype": "float32", "quantization": "int8"}, "int8's prefill")):
+        off = LLM(str(model_dir), kv_cache_memory=8 << 20, **keywords).engine
+        assert not off.deterministic and off.choices["deterministic"].startswith(f"off (auto: {costly}")
+        on = LLM(str(model_dir), kv_cache_memory=8 << 20, deterministic=True, **keywords).engine
+        assert on.deterministic and on.choices["deterministic"] == "on (asked for)"
+    four = LLM(str(model_dir), kv_cache_memory=8 << 20, dtype="float32", quantization="int4").engine
+    if torch.ops.sluice.q4_supported():
+        assert four.deterministic and four.choices["deterministic"] == "on (auto)"
+
+
 def test_which_engines_can_be_deterministic():
     model = nn.Sequential(nn.Linear(8, 8))
     cpu = torch.device("cpu")

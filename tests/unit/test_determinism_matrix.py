@@ -21,8 +21,8 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, 
 # mode -> (its engine's keywords, the mode whose tokens it must give)
 MODES = {
     "bfloat16": ({"dtype": "bfloat16"}, "bfloat16"),
-    "float32": ({"dtype": "float32"}, "float32"),
-    "int8": ({"dtype": "float32", "quantization": "int8"}, "int8"),
+    "float32": ({"dtype": "float32", "deterministic": True}, "float32"),  # opt-in (docs/determinism.md)
+    "int8": ({"dtype": "float32", "quantization": "int8", "deterministic": True}, "int8"),  # opt-in
     "int4": ({"dtype": "float32", "quantization": "int4"}, "int4"),
     "bfloat16-multi-step": ({"dtype": "bfloat16", "num_scheduler_steps": 4}, "bfloat16"),
     "bfloat16-speculative": ({"dtype": "bfloat16", "speculative_config": SPEC}, "bfloat16"),
