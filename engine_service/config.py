@@ -121,9 +121,10 @@ class EngineConfig:
     deterministic: bool | None = knob(
         None, "a request's tokens (greedy, or sampled with a seed) the same alone or batched, on a prefix-cache "
         "hit or miss, whatever the chunked-prefill split, after preemption, with or without speculation and "
-        "across restarts: every row computed as it would be alone (docs/determinism.md). Default: on wherever "
-        "the engine can keep it (CPU, the native attention, not compiled), else off with one line at start "
-        "saying why; --deterministic refuses to start where it cannot, naming the knobs; --no-deterministic "
+        "across restarts: every row computed as it would be alone (docs/determinism.md). Default: on where it "
+        "costs next to nothing (CPU, the native attention, not compiled, a bfloat16 model with the native GEMV or "
+        "an int4 one), else off with one line at start saying why; --deterministic also turns it on for float32, "
+        "float16 and int8 models and refuses to start where it cannot, naming the knobs; --no-deterministic "
         "gives bfloat16 batches AMX tiles and prefill chunks oneDNN's and the dense products")
     generation_config: str = knob(
         "auto", "auto: the model's generation_config.json sets the temperature, top_p, top_k, min_p and "
