@@ -29,7 +29,7 @@ import argparse
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.config import add_section_arguments, changed_argv, from_args, knob, knobs_of
@@ -55,8 +55,9 @@ class EngineConfig:
     served_model_name: str | None = knob(None, "the name clients use (default: the model directory's name)")
     dtype: str | None = knob(
         None, "weights and activations dtype, and the KV cache's unless --kv-cache-dtype says otherwise. auto (the "
-        "default): the checkpoint's on CUDA; on CPU bfloat16 where the CPU has native bf16 and a probe at start measures "
-        "it faster, else float32 (engine_service.model.dtype)", choices=list(MODEL_DTYPES), env=DTYPE_ENV)
+        "default): the checkpoint's on CUDA; on CPU float32 under --quantization, else bfloat16 where the CPU "
+        "computes it natively (AVX512-BF16 or AMX), else float32: facts, never a timing (engine_service.model.dtype)",
+        choices=list(MODEL_DTYPES), env=DTYPE_ENV)
     kv_cache_dtype: str = knob(
         "auto", "the KV cache's dtype (vLLM's name). auto: the model's dtype; bfloat16 or float16 under a float32 "
         "model halves the cache's bytes a token (twice the tokens in the same --kv-cache-memory) and the bytes "
@@ -117,6 +118,14 @@ class EngineConfig:
         True, "decode steps of an int4 Llama-family model (and a bfloat16 one's, up to 64 rows where the CPU has "
         "AMX, 16 without) on CPU as one native call per step instead of the compiled or eager step "
         "(engine_service.model.native_decode; not with --enforce-eager asked for, which runs the eager reference)")
+    deterministic: bool | None = knob(
+        None, "a request's tokens (greedy, or sampled with a seed) the same alone or batched, on a prefix-cache "
+        "hit or miss, whatever the chunked-prefill split, after preemption, with or without speculation and "
+        "across restarts: every row computed as it would be alone (docs/determinism.md). Default: on where it "
+        "costs next to nothing (CPU, the native attention, not compiled, a bfloat16 model with the native GEMV or "
+        "an int4 one), else off with one line at start saying why; --deterministic also turns it on for float32, "
+        "float16 and int8 models and refuses to start where it cannot, naming the knobs; --no-deterministic "
+        "gives bfloat16 batches AMX tiles and prefill chunks oneDNN's and the dense products")
     generation_config: str = knob(
         "auto", "auto: the model's generation_config.json sets the temperature, top_p, top_k, min_p and "
         "repetition_penalty a request leaves unset (vLLM's behaviour); vllm: ignore it (neutral defaults)",
@@ -174,6 +183,25 @@ def engine_cli_args(config: EngineConfig) -> list[str]:
     return changed_argv(knobs_of(EngineConfig), dataclasses.asdict(config))
 
 
+@dataclass(frozen=True)
+class DecodeCapabilities:
+    """What the engine's decode path (``engine_service.model.decode_paths``, chosen once at engine
+    start) tells the scheduler: the only thing the scheduler knows of how steps run.
+
+    ``fast_step_max_rows``: a step of decodes of fewer rows than this runs the path's fast step, which
+    reads each weight once for all its rows (the native decode step), so drafts never push such a
+    step past it (0: no fast step). ``multi_step_max_rows``: a step of plain greedy decodes of fewer
+    rows than this may run several decode steps in one call (``num_scheduler_steps``; 0: never).
+    ``one_pass_rows``: the most rows the fast step takes at about one row's cost (its products'
+    rows share each weight load; 1: each row costs its own arithmetic), what the speculative
+    back-off's ``"auto"`` reads."""
+
+    path: str = "eager"
+    fast_step_max_rows: int = 0
+    multi_step_max_rows: int = 0
+    one_pass_rows: int = 1
+
+
 @dataclass
 class SchedulerConfig:
     """What the scheduler and its block pool need; derived from ``EngineConfig`` once the model
@@ -190,13 +218,11 @@ class SchedulerConfig:
     # fresh prefill of the whole budget attends to, B * (B + 1) / 2; 0: no limit
     max_num_batched_pairs: int | None = None
     speculative_config: SpeculativeConfig | None = None  # n-gram speculation (engine_service.core.spec_decode)
-    # greedy decode steps one scheduling step may run (EngineConfig.num_scheduler_steps), in batches of
-    # fewer than multi_step_max_rows rows (0: never; the engine sets it where the native step runs them)
+    # greedy decode steps one scheduling step may run (EngineConfig.num_scheduler_steps), in batches the
+    # decode path's capabilities allow (decode.multi_step_max_rows)
     num_scheduler_steps: int = EngineConfig.num_scheduler_steps
-    multi_step_max_rows: int = 0
-    # a step of decodes of fewer rows than this runs the runner's fast step (the native decode step);
-    # drafts never push such a step past it (0: no fast step; the engine sets it where one runs)
-    fast_step_max_rows: int = 0
+    # what the engine's decode path can do, chosen once at engine start (engine_service.model.decode_paths)
+    decode: DecodeCapabilities = field(default_factory=DecodeCapabilities)
     # fair share between tenants (engine_service.core.fair_share): a waiting tenant under its share
     # may take a slot of the tenant furthest over it when every slot is taken. Off only to measure
     # what that buys (sluice bench scheduler --tenants)
@@ -228,10 +254,9 @@ def check_num_scheduler_steps(steps: Any, speculative: bool) -> None:
 MAX_PROMPT_LOOKUP = 32
 
 
-# speculative_config.backoff's values; "auto" turns it off where a verifying row costs less than
-# this share of a one-row decode step
+# speculative_config.backoff's values; "auto" turns it off where the decode path takes a verifying
+# step's k + 1 rows at about one row's cost (DecodeCapabilities.one_pass_rows)
 BACKOFF_MODES = ("auto", "on", "off")
-BACKOFF_MIN_ROW_COST = 0.1
 
 
 @dataclass(frozen=True)
@@ -247,10 +272,10 @@ class SpeculativeConfig:
 
     ``backoff`` (Sluice's key): ``"on"`` shortens a request's drafts after a rejection and pauses
     them after a draft with nothing accepted (``NgramDrafter.observe``); ``"off"`` always offers k
-    drafts where an n-gram matches, as vLLM does; ``"auto"`` (the default) has the engine time its
-    decode step at one row and at k + 1 rows at start and turn the back-off off when a verifying
-    row costs less than ``BACKOFF_MIN_ROW_COST`` of a step (its products read each weight once
-    for every row), on otherwise or where it cannot time the step."""
+    drafts where an n-gram matches, as vLLM does; ``"auto"`` (the default) turns the back-off off
+    where the engine's decode path takes a verifying step's k + 1 rows at about one row's cost
+    (``DecodeCapabilities.one_pass_rows``: its products read each weight once for all of them),
+    on otherwise: a fact of the path and the CPU, the same at every start."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int = 5

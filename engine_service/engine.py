@@ -19,7 +19,6 @@ import torch
 
 from engine_service.config import (
     ATTENTION_BACKENDS,
-    BACKOFF_MIN_ROW_COST,
     EngineConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -30,13 +29,13 @@ from engine_service.core.outputs import EngineOutput, RequestMetrics
 from engine_service.core.request import Request
 from engine_service.core.sampling_params import SamplingParams
 from engine_service.core.scheduler import RequestRejected, Scheduler
-from engine_service.model.compiled import compile_supported
 from engine_service.model.config import ModelConfig
+from engine_service.model.decode_paths import choose_decode_path
+from engine_service.model.determinism import determinism_costly, determinism_unavailable, make_deterministic
 from engine_service.model.dtype import resolve_auto_dtype
 from engine_service.model.kv_cache import allocate_kv_cache, kv_cache_dtype, num_blocks_for_budget
 from engine_service.model.loader import load_model, parse_dtype
 from engine_service.model.native import load_paged_decode_attention, paged_decode_attention_kernel
-from engine_service.model.prepacked import compile_unavailable
 from engine_service.model.quantization import parse_quantization
 from engine_service.model.runner import ModelRunner
 from engine_service.sampling.grammar import GrammarManager
@@ -49,6 +48,10 @@ from sluice.wire.error_codes import Code
 from sluice.wire.stats import EngineStats
 
 logger = logging.getLogger(__name__)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def resolve_model_dir(model: str | Path | None) -> Path:
@@ -83,8 +86,8 @@ class LLMEngine:
             from engine_service.model.stub import check_bench_mode
 
             check_bench_mode()
-        # before the model loads (its threads start there, the dtype probe and the speculative
-        # back-off time steps at the thread count the engine will run), undone if the engine fails
+        # before the model loads (its threads start there, at the thread count the engine will
+        # run), undone if the engine fails
         undo = self._place_on_cpus(config.cpus)
         try:
             self._build(config)
@@ -123,17 +126,24 @@ class LLMEngine:
         self.model_name = config.served_model_name or self.model_dir.name + ("-stub" if self.stub_model else "")
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.device = torch.device(config.device)
+        # what the start-up line says of each choice the engine made, and why (describe_choices)
+        self.choices: dict[str, str] = {}
+        self.quantization = parse_quantization(config.quantization)
         dtype = config.resolved_dtype()
         if dtype == "auto" and self.stub_model:
-            self.dtype = torch.float32  # no weights: nothing to probe
+            self.dtype, why = torch.float32, "auto: the stub model has no weights"
         elif dtype == "auto":
-            self.dtype = resolve_auto_dtype(self.device, self.model_dir, self.model_config.hidden_size,
-                                            self.model_config.intermediate_size)
+            self.dtype, why = resolve_auto_dtype(self.device, self.model_dir, self.quantization)
+            why = f"auto: {why}"
         else:
             self.dtype = parse_dtype(dtype)
+            why = "asked for" if config.dtype else "$SLUICE_DTYPE"
+        self.choices["dtype"] = f"{_name(self.dtype)} ({why})"
         self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.choices["kv cache"] = (f"{_name(self.kv_cache_dtype)} "
+                                    f"({'auto: the model dtype' if config.kv_cache_dtype == 'auto' else 'asked for'})")
+        self.choices["quantization"] = self.quantization or "none"
         self.enforce_eager = config.resolved_enforce_eager() or self.stub_model
-        self.quantization = parse_quantization(config.quantization)
         if config.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"not {config.attention_backend!r}")
@@ -165,72 +175,44 @@ class LLMEngine:
             kv = allocate_kv_cache(self.model_config, num_blocks + 1, config.block_size, self.kv_cache_dtype,
                                    self.device)
             decode_kernel = self._decode_kernel(config.attention_backend)
+        self.deterministic = self._resolve_determinism(config, model)
+        if self.deterministic:  # (the stub model never is)
+            changed = make_deterministic(model)
+            logger.info("deterministic: %d products compute each row as it computes it alone", changed)
+            decode_kernel = self._kernel.exact_op  # no AMX scores for a chunk's rows together
         self.runner = ModelRunner(model, kv, config.block_size, self.device, decode_kernel=decode_kernel)
+        self.runner.every_row_decodes = self.deterministic
         logger.info("loaded %s (%s%s, %s) with %d KV blocks of %d tokens (%s) in %.1fs", self.model_name,
                     self.dtype, f", {self.quantization}" if self.quantization else "", self.device, num_blocks,
                     config.block_size, self.kv_cache_dtype, time.perf_counter() - started)
-        self.compile_warmup_seconds: float | None = None
-        # eager asked for is the reference path: no native step either (CPU's default eager keeps it)
-        eager_reference = config.eager_asked() is True or self.stub_model
-        if not self.enforce_eager and self.device.type == "cuda" and config.cuda_graphs:
-            self.runner.enable_cuda_graphs(num_blocks * config.block_size, config.max_num_seqs, self.max_model_len)
-            graphed = self.runner.graphed_decode
-            graphed.warm_up()
-            if graphed.failed is not None:  # logged with its traceback by the capture
-                self.runner.graphed_decode = None
-                self.enforce_eager = True
-            else:
-                logger.info("decode steps of up to %d rows replay CUDA graphs (captured at first use)",
-                            graphed.batch_sizes[-1])
-        elif not self.enforce_eager:
-            why_not = compile_supported(self.device) or compile_unavailable(self.runner.model)
-            if why_not is None:
-                try:
-                    self.compile_warmup_seconds = self.runner.enable_compiled_decode(num_blocks * config.block_size)
-                except Exception:  # a compiler failure must not stop the engine: the eager path is complete
-                    logger.exception("torch.compile of the decode step failed; running eagerly")
-                    self.runner.compiled_decode = None
-                    self.runner.min_decode_width = 1
-                    self.enforce_eager = True
-            else:
-                logger.warning("running eagerly: %s", why_not)
-                self.enforce_eager = True
-        # independent of inductor: a machine that cannot compile may still build the native step
-        self.native_decode = False
-        if not eager_reference and config.native_decode:
-            from engine_service.model.native_decode import native_decode_unavailable
-
-            # the torch attention asked for is the reference too: the native step has its own attention
-            why_not = ("the torch attention was asked for (the reference)" if config.attention_backend == "torch"
-                       else native_decode_unavailable(self.runner.model, kv))
-            if why_not is None:
-                try:
-                    seconds = self.runner.enable_native_decode(num_blocks * config.block_size)
-                except Exception:  # as a compiler failure: the eager (or compiled) path is complete
-                    logger.exception("the native decode step failed to start; decode steps run %s",
-                                     "eagerly" if self.enforce_eager else "compiled")
-                    self.runner.native_decode = None
-                else:
-                    self.native_decode = True
-                    logger.info("decode steps of up to %d rows: one native call (warm-up %.2fs)",
-                                self.runner.native_decode.max_rows - 1, seconds)
-            else:
-                logger.info("no native decode step: %s", why_not)
-        self.spec_row_cost: float | None = None  # a verifying row's cost, as a share of a one-row step
+        # the decode path, chosen once (engine_service.model.decode_paths); eager asked for is the
+        # reference: no native step either (CPU's default eager keeps it)
+        choice = choose_decode_path(self.runner.path_setup(
+            scratch_slot=num_blocks * config.block_size, max_batch=config.max_num_seqs, max_model_len=self.max_model_len,
+            attention_backend=self.attention_backend, reference=config.eager_asked() is True or self.stub_model,
+            compile=not self.enforce_eager, cuda_graphs=config.cuda_graphs, native_decode=config.native_decode,
+            num_scheduler_steps=config.num_scheduler_steps, deterministic=self.deterministic))
+        self.runner.use(choice.path)
+        self.decode_path = choice.path
+        for name, why in choice.passed_over.items():
+            logger.log(logging.WARNING if name in choice.asked else logging.INFO, "decode path %s: not used (%s)",
+                       name, why)
+        compiled = self.path_named("compiled")
+        self.compile_warmup_seconds = compiled.warmup_seconds if compiled is not None else None
+        self.enforce_eager = compiled is None and not self.cuda_graphs
+        self.native_decode = self.path_named("native step") is not None
+        self.choices["decode path"] = self.decode_path.describe()
+        capabilities = self.decode_path.capabilities()
         if self.speculative_config is not None and self.speculative_config.backoff == "auto":
-            self.speculative_config = self._resolve_backoff(self.speculative_config, num_blocks * config.block_size)
-
-        multi_step_rows = 0  # the scheduler runs several decode steps a step in batches under this many rows
+            self.speculative_config = self._resolve_backoff(self.speculative_config, capabilities)
         if config.num_scheduler_steps > 1:
-            native = self.runner.native_decode
-            if native is not None and native.fuses_head:
-                multi_step_rows = native.max_rows
+            if capabilities.multi_step_max_rows:
                 logger.info("up to %d greedy decode steps a step, in batches of up to %d rows",
-                            config.num_scheduler_steps, multi_step_rows - 1)
+                            config.num_scheduler_steps, capabilities.multi_step_max_rows - 1)
             else:
                 logger.warning("--num-scheduler-steps %d runs as 1: it needs the native decode step with its output "
                                "projection (%s)", config.num_scheduler_steps,
-                               "not this model's" if native is not None else "none here")
+                               "not this model's" if self.native_decode else "none here")
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks,
             block_size=config.block_size,
@@ -241,8 +223,7 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             speculative_config=self.speculative_config,
             num_scheduler_steps=config.num_scheduler_steps,
-            multi_step_max_rows=multi_step_rows,
-            fast_step_max_rows=self.runner.native_decode.max_rows if self.native_decode else 0,
+            decode=capabilities,
         ))
         self.vocab_size = self.model_config.vocab_size
         self.sampler = Sampler(self.vocab_size, self.device, seed=config.seed)
@@ -265,6 +246,12 @@ class LLMEngine:
             logger.info("sampling defaults from generation_config.json: %s", self.sampling_defaults)
         # the last step's batch: sequences scheduled and tokens forwarded (for the step metrics)
         self.last_batch: tuple[int, int] = (0, 0)
+        self.choices["threads"] = (f"{torch.get_num_threads()} ("
+                                   + ("one a physical core of --cpus" if config.cpus is not None
+                                      else "torch's default for this process's CPUs") + ")")
+        if self.speculative_config is not None:
+            self.choices["speculative back-off"] = self.speculative_config.backoff
+        logger.info("engine: %s", self.describe_choices())
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -338,21 +325,29 @@ class LLMEngine:
             self._release(req)
         return outputs
 
+    def describe_choices(self) -> str:
+        """One line of what the engine chose at start and why: dtype, quantization, KV cache, decode
+        path, attention, threads (and the speculative back-off)."""
+        return ", ".join(f"{key}={value}" for key, value in self.choices.items())
+
+    def path_named(self, name: str):
+        """The engine's decode path of that name, or the one it was built over; None if neither."""
+        path = self.decode_path
+        while path is not None and path.name != name:
+            path = path.fallback
+        return path
+
     @property
     def cuda_graphs(self) -> bool:
         """Whether decode steps replay CUDA graphs (``engine_service.model.cuda_graphs``)."""
-        return self.runner.graphed_decode is not None
+        return self.path_named("cuda graphs") is not None
 
     @property
     def decode_mode(self) -> str:
         """How decode steps run: "cuda graphs", "native step", "compiled" or "eager" (what benches
-        print). A native step takes the steps of up to its row count; larger ones run compiled, or
-        eagerly in an eager engine (CPU's default)."""
-        if self.cuda_graphs:
-            return "cuda graphs"
-        if self.native_decode:
-            return "native step"
-        return "eager" if self.enforce_eager else "compiled"
+        print): the decode path's name. A native step takes the steps of up to its row count; larger
+        ones run compiled, or eagerly in an eager engine (CPU's default)."""
+        return self.decode_path.name
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -373,7 +368,9 @@ class LLMEngine:
     def _decode_kernel(self, backend: str):
         """The native decode attention for ``backend`` (auto / native / torch), or None for torch's."""
         self.attention_backend = "torch"
+        self._kernel = None
         if backend == "torch":
+            self.choices["attention"] = "torch (asked for: the reference)"
             return None
         if backend == "native":
             if self.device.type != "cpu":
@@ -389,28 +386,49 @@ class LLMEngine:
                                  f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads of size {cfg.head_dim}")
             logger.info("the native decode attention does not run this model's cache; using the torch path")
             kernel = None
+        self._kernel = kernel
         self.attention_backend = "native" if kernel is not None else "torch"
+        self.choices["attention"] = (("native (asked for)" if backend == "native" else "native (auto: the kernel builds here)")
+                                     if kernel is not None else
+                                     "torch (auto: no native kernel for this device, build or cache)")
         logger.info("decode attention: %s", self.attention_backend)
         # the operator itself: the model was checked above, and the forward calls it once per layer
         return kernel.op if kernel is not None else None
 
-    def _resolve_backoff(self, spec: SpeculativeConfig, scratch_slot: int) -> SpeculativeConfig:
-        """``backoff: "auto"`` made on or off: the native decode step timed at one row and at k + 1
-        rows, alternately; off when each extra row costs less than ``BACKOFF_MIN_ROW_COST`` of the
-        one-row step. On without a native step to time."""
-        native = self.runner.native_decode
+    def _resolve_determinism(self, config: EngineConfig, model) -> bool:
+        """The deterministic knob made on or off (its start-up line said why); raises ValueError
+        naming the knobs where it was asked for and cannot be kept."""
+        if config.deterministic is False:
+            self.choices["deterministic"] = "off (asked for)"
+            return False
+        why = ("the stub model (a bench's)" if self.stub_model else
+               determinism_unavailable(model, self.device, self.attention_backend, config.eager_asked() is False))
+        if why is not None and config.deterministic:
+            raise ValueError(f"deterministic: this engine cannot keep a request's tokens independent of its batch: "
+                             f"{why}. Drop --deterministic, or change what it names")
+        if why is not None:
+            self.choices["deterministic"] = f"off ({why})"
+            logger.warning("not deterministic: %s (docs/determinism.md)", why)
+            return False
+        costly = None if config.deterministic else determinism_costly(model)
+        if costly is not None:  # left unset: on only where it costs next to nothing
+            self.choices["deterministic"] = f"off (auto: {costly}; --deterministic turns it on)"
+            logger.warning("not deterministic: %s; --deterministic turns it on (docs/determinism.md)", costly)
+            return False
+        self.choices["deterministic"] = "on" + (" (asked for)" if config.deterministic else " (auto)")
+        return True
+
+    @staticmethod
+    def _resolve_backoff(spec: SpeculativeConfig, capabilities) -> SpeculativeConfig:
+        """``backoff: "auto"`` made on or off from the decode path's capabilities: off where its fast
+        step takes a verifying step's k + 1 rows at about one row's cost (``one_pass_rows``), on
+        otherwise. A fact of the path and the CPU, the same at every start."""
         rows = spec.num_speculative_tokens + 1
-        if native is None or not native.runs(rows):
-            logger.info("speculative decoding: back-off on (no native step of %d rows to time)", rows)
-            return dataclasses.replace(spec, backoff="on")
-        one = many = float("inf")
-        for _ in range(3):  # alternating, so a change in the machine's speed touches both
-            one = min(one, native.time_rows(scratch_slot, 1, repeats=3))
-            many = min(many, native.time_rows(scratch_slot, rows, repeats=3))
-        self.spec_row_cost = max(0.0, many - one) / (rows - 1) / one
-        backoff = "on" if self.spec_row_cost >= BACKOFF_MIN_ROW_COST else "off"
-        logger.info("speculative decoding: a verifying row costs %.3f of a one-row step (%.2f ms, %d rows %.2f ms): "
-                    "back-off %s", self.spec_row_cost, one * 1e3, rows, many * 1e3, backoff)
+        cheap = rows <= capabilities.one_pass_rows and rows < capabilities.fast_step_max_rows
+        backoff = "off" if cheap else "on"
+        logger.info("speculative decoding: back-off %s (auto: the %s path takes %d rows %s)", backoff,
+                    capabilities.path, rows, "at about one row's cost" if cheap else
+                    f"at more than one row's cost (up to {capabilities.one_pass_rows} at one row's)")
         return dataclasses.replace(spec, backoff=backoff)
 
     def step(self) -> list[EngineOutput]:

@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
               cuda_graphs=args.cuda_graphs, quantization=args.quantization, attention_backend=args.attention_backend,
-              kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False, max_num_seqs=max(args.batch_size, 1),
+              kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic, enable_prefix_caching=False, max_num_seqs=max(args.batch_size, 1),
               max_num_batched_tokens=max(2048, args.input_len))
     engine = llm.engine
     load_s = time.perf_counter() - started
@@ -168,8 +168,8 @@ def run(args: argparse.Namespace) -> int:
     cuda_peak_mb = (torch.cuda.max_memory_allocated() / (1 << 20)) if engine.device.type == "cuda" else None
     rows = [sluice]
     model_dir, dtype, warmup = engine.model_dir, engine.dtype, engine.compile_warmup_seconds
-    graphed = engine.runner.graphed_decode
-    cuda_graphs = graphed.report() if graphed is not None else None
+    graphed = engine.path_named("cuda graphs")
+    cuda_graphs = graphed.graphed.report() if graphed is not None else None
     del llm, engine
     if args.hf:
         rows.append(run_transformers(model_dir, prompts, args.output_len, dtype, args.device))

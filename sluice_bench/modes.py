@@ -14,7 +14,7 @@ def _mode(dtype: str, quantization: str | None = None, *, eager: bool = True, na
 
 # the engine flags `sluice bench latency` and `offline` pass through to their engine, generated from
 # EngineConfig (engine_service.config.add_engine_arguments) with its choices, defaults and help
-BENCH_ENGINE_FLAGS = ("quantization", "kv_cache_dtype", "attention_backend", "cuda_graphs")
+BENCH_ENGINE_FLAGS = ("quantization", "kv_cache_dtype", "attention_backend", "cuda_graphs", "deterministic")
 
 # the decode steps a "-steps" mode runs a scheduling step (--num-scheduler-steps)
 MODE_SCHEDULER_STEPS = 8

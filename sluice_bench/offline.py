@@ -157,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
     chart = plots.plot_target(args, args.json, "bench-results/offline.png", "sluice bench offline")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization, attention_backend=args.attention_backend,
-              enforce_eager=args.enforce_eager, cuda_graphs=args.cuda_graphs, kv_cache_dtype=args.kv_cache_dtype)
+              enforce_eager=args.enforce_eager, cuda_graphs=args.cuda_graphs, kv_cache_dtype=args.kv_cache_dtype,
+              deterministic=args.deterministic)
     engine = llm.engine
     mode = describe_engine(engine)
     work = make_workload(engine.vocab_size, args.num_requests, _range(args.prompt_len),
@@ -179,8 +180,8 @@ def run(args: argparse.Namespace) -> int:
     peak_cuda_mb = (torch.cuda.max_memory_allocated(engine.device) / 2**20
                     if engine.device.type == "cuda" else None)
     compile_warmup_s = getattr(engine, "compile_warmup_seconds", None)
-    graphed = engine.runner.graphed_decode
-    cuda_graphs = graphed.report() if graphed is not None else None
+    graphed = engine.path_named("cuda graphs")
+    cuda_graphs = graphed.graphed.report() if graphed is not None else None
     shape = ModelShape.from_config(engine.runner.model.config)
     del llm
     hf_work = work[: args.hf_num_requests] if args.hf_num_requests else work

@@ -213,9 +213,9 @@ def run(args: argparse.Namespace) -> int:
     header = (f"{'workload':<22} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'decode plain':>12} "
               f"{'decode spec':>11} {'ratio':>6} {'accept':>7} {'tok/verify':>10} {'identical':>9}")
     spec = llm.engine.speculative_config
-    cost = llm.engine.spec_row_cost
-    print(f"sluice bench spec: {args.mode}, back-off {spec.backoff}"
-          + (f" (a verifying row costs {cost:.3f} of a one-row step, timed at start)" if cost is not None else ""))
+    capabilities = llm.engine.scheduler.config.decode
+    print(f"sluice bench spec: {args.mode}, back-off {spec.backoff} (the {capabilities.path} path takes up to "
+          f"{capabilities.one_pass_rows} rows at one row's cost)")
     print(header)
     print("-" * len(header))
     for name, r in results.items():
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
           "and `anchor`)")
     report = {
         "bench": "spec", "speculative_config": llm.engine.speculative_config.as_dict(),
-        "row_cost": llm.engine.spec_row_cost,
+        "one_pass_rows": llm.engine.scheduler.config.decode.one_pass_rows,
         "mode": args.mode, "dtype": str(llm.engine.dtype), "attention_backend": llm.engine.attention_backend,
         "output_len": args.output_len, "random_prompt_len": args.random_prompt_len,
         "random_output_len": args.random_output_len, "rounds": args.rounds, "machine": platform.machine(),

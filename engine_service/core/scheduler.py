@@ -208,8 +208,8 @@ class Scheduler:
             num_accepted_tokens_per_pos=[0] * (spec.num_speculative_tokens if spec is not None else 0))
         check_num_scheduler_steps(config.num_scheduler_steps, spec is not None)
         self.num_scheduler_steps = config.num_scheduler_steps
-        self.multi_step_max_rows = config.multi_step_max_rows
-        self.fast_step_max_rows = config.fast_step_max_rows
+        self.multi_step_max_rows = config.decode.multi_step_max_rows
+        self.fast_step_max_rows = config.decode.fast_step_max_rows
 
     # --- views ---
     @property

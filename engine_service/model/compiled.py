@@ -142,14 +142,13 @@ class CompiledDecode:
     the longest context, which would otherwise change a graph input's shape)."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 native_attention: bool = False) -> None:
+                 attention: Callable[..., torch.Tensor] | None = None) -> None:
+        """``attention``: the native decode attention's operator (``AttentionMetadata.decode_kernel``),
+        or None for ``decode_attention_inplace``."""
         self.model = model
         self.kv_caches = kv_caches
         self.warmup_seconds: float | None = None
-        if native_attention:
-            from engine_service.model.native import paged_decode_attention_op as kernel
-        else:
-            kernel = decode_attention_inplace
+        kernel = attention if attention is not None else decode_attention_inplace
         decode_forward = decode_only_forward(model, kv_caches, kernel)
         self._forward = torch.compile(_per_structure(decode_forward, structure_key(model)), dynamic=False,
                                       fullgraph=True,

@@ -10,6 +10,8 @@ takes one flattened batch of every token scheduled this step, whatever request i
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -27,6 +29,16 @@ FUSED_PROJECTIONS = {
 
 
 class Attention(nn.Module):
+    # whether the native decode step (model/native_decode.py, kernels/decode_stack.c) computes this
+    # attention: Llama's, with the biases a config gives it. A subclass that changes the forward is
+    # not, unless it says so (the step computes its change too, as Qwen3's q/k norms).
+    native_step: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "native_step" not in cls.__dict__:
+            cls.native_step = False
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads

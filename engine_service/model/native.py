@@ -187,6 +187,12 @@ def _paged_decode_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 
 _library.impl("paged_decode_attention", _paged_decode_attention_fake, "Meta")
 paged_decode_attention_op = torch.ops.sluice.paged_decode_attention
+# the same attention, a bfloat16 cache's rows of one sequence never scored together by AMX tiles: every
+# row's output the same as a lone row's bit for bit (a deterministic engine's)
+_library.define("paged_decode_attention_exact(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+                "Tensor context_lens, float scale) -> Tensor")
+_library.impl("paged_decode_attention_exact", _paged_decode_attention_fake, "Meta")
+paged_decode_attention_exact_op = torch.ops.sluice.paged_decode_attention_exact
 
 _library.define("dequantize_int4(Tensor packed, Tensor scales_zeros, int group_size) -> Tensor")
 _library.define("dequantize_int8(Tensor q, Tensor scales) -> Tensor")
@@ -233,6 +239,7 @@ class PagedDecodeAttention:
     MAX_HEAD_DIM = 256
     DTYPES = (torch.float32, torch.bfloat16, torch.float16)
     op = paged_decode_attention_op
+    exact_op = paged_decode_attention_exact_op
 
     def supports(self, cache_dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
         """Whether the kernel runs a cache of this dtype for this attention shape."""

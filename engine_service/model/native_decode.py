@@ -13,8 +13,9 @@ structs holding the weights' and caches' addresses; the tensors themselves stay 
 for the engine's life, and the engine never moves or replaces them.
 
 Where it runs (``native_decode_unavailable`` says why not, and the engine logs it): CPU, a
-``LlamaForCausalLM`` whose attention is the plain Llama one (no q/k norms, no biases), float32 or
-bfloat16 KV cache, and either
+``LlamaForCausalLM`` (Llama, SmolLM2, Mistral, Qwen2, Qwen3) whose attention the step computes
+(``Attention.native_step``: Llama's, with q/k/v and output biases where the config has them, and
+Qwen3's per-head q/k RMSNorms), float32, bfloat16 or float16 KV cache, and either
 
 * every projection int4 in the native layout, float32 activations: decode steps of fewer rows than
   ``max_rows`` (``STACK_MAX_ROWS``, or the products' dense crossover if lower; more rows run the
@@ -45,6 +46,9 @@ from engine_service.model.quantization import QuantizedLinear
 logger = logging.getLogger(__name__)
 
 STACK_MAX_ROWS = 64  # int4: from this many rows a step runs the compiled or eager forward
+# a deterministic step's most rows in one call (kernels/decode_stack.h STACK_DETERMINISTIC_MAX_ROWS):
+# a prefill chunk of more runs in several calls, in order
+CALL_MAX_ROWS = 1024
 STACK_INT4, STACK_BF16 = 0, 1  # kernels/decode_stack.h
 # the caches' dtypes the step writes and reads: kernels/decode_stack.h's STACK_CACHE_*
 CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -59,7 +63,9 @@ class _Weight(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Weight), ("o", _Weight),
-                ("gate_up", _Weight), ("down", _Weight), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+                ("gate_up", _Weight), ("down", _Weight), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("qkv_bias", ctypes.c_void_p), ("o_bias", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p)]
 
 
 class _Stack(ctypes.Structure):
@@ -68,7 +74,8 @@ class _Stack(ctypes.Structure):
                 ("block_size", ctypes.c_int64), ("vocab", ctypes.c_int64), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("kind", ctypes.c_int), ("cache_type", ctypes.c_int),
                 ("embed", ctypes.c_void_p),
-                ("final_norm", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer)), ("head", _Weight)]
+                ("final_norm", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer)), ("head", _Weight),
+                ("deterministic", ctypes.c_int)]
 
 
 _ERRORS = {1: "out of memory", 2: "a size or a token id out of range", 3: "the attention kernel refused the shape"}
@@ -79,8 +86,11 @@ def _kind(model: torch.nn.Module) -> int | str:
     dtype = model.model.embed_tokens.weight.dtype
     modules = [m for layer in model.model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                              layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    if any(getattr(m, "bias", None) is not None for m in modules):
-        return "a projection has a bias"
+    if any(getattr(m, "bias", None) is not None for layer in model.model.layers
+           for m in (layer.mlp.gate_up_proj, layer.mlp.down_proj)):
+        return "an MLP projection has a bias"
+    if any(m.bias is not None and m.bias.dtype != dtype for m in modules[0::4] + modules[1::4]):
+        return "an attention projection's bias is not in the activations' dtype"
     if dtype == torch.float32 and all(isinstance(m, QuantizedLinear) and m.native_q4 for m in modules):
         return STACK_INT4
     if dtype == torch.bfloat16 and all(isinstance(m, PrepackedLinear) and m.gemv_weight for m in modules):
@@ -91,16 +101,18 @@ def _kind(model: torch.nn.Module) -> int | str:
 
 def native_decode_unavailable(model: torch.nn.Module, kv_caches: list[KVCache]) -> str | None:
     """None when ``NativeDecode`` runs this model's decode steps, else why not."""
-    if type(model) is not LlamaForCausalLM:
-        return f"{type(model).__name__} is not the plain Llama decoder"
+    if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
+        return f"{type(model).__name__} is not the Llama decoder"
     if model.model.embed_tokens.weight.device.type != "cpu":
         return "the model is not on CPU"
     cfg = model.config
     if not (0 < cfg.num_key_value_heads and cfg.num_attention_heads % cfg.num_key_value_heads == 0
             and cfg.num_attention_heads <= MAX_HEADS and 0 < cfg.head_dim <= MAX_HEAD_DIM and cfg.head_dim % 2 == 0):
         return "the attention's shape is outside the kernel's limits"
-    if any(type(layer.self_attn) is not Attention for layer in model.model.layers):
-        return "the attention is not the plain Llama attention"
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if not (isinstance(attn, Attention) and type(attn).native_step):
+            return f"the step does not compute {type(attn).__name__} (llama.Attention.native_step)"
     kind = _kind(model)
     if isinstance(kind, str):
         return kind
@@ -123,7 +135,9 @@ class NativeDecode:
     ``max_rows`` rows (``NativeDecode.runs``), like ``CompiledDecode``. The tensors its C structs
     point into are the model's own (kept referenced here): weights loaded once, never replaced."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache]) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], deterministic: bool = False) -> None:
+        """``deterministic``: a deterministic engine's step (engine_service.model.determinism): any
+        number of rows, a prefill chunk's included, each computed as the row alone computes it."""
         from engine_service.model.native import native_library
 
         why = native_decode_unavailable(model, kv_caches)
@@ -153,10 +167,18 @@ class NativeDecode:
             k = codes.shape[1] * 8
             return _Weight(ptr(codes), ptr(sz), module.out_features, codes.shape[0] * 16, k, k // sz.shape[1])
 
+        def optional(t: torch.Tensor | None) -> int | None:
+            return None if t is None else ptr(t)
+
+        def norm(attn: torch.nn.Module, name: str) -> int | None:
+            module = getattr(attn, name, None)
+            return None if module is None else ptr(module.weight)
+
         self._layers = (_Layer * len(layers))(*[
             _Layer(ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
                    weight(layer.self_attn.qkv_proj), weight(layer.self_attn.o_proj), weight(layer.mlp.gate_up_proj),
-                   weight(layer.mlp.down_proj), ptr(k_cache), ptr(v_cache))
+                   weight(layer.mlp.down_proj), ptr(k_cache), ptr(v_cache), optional(layer.self_attn.qkv_proj.bias),
+                   optional(layer.self_attn.o_proj.bias), norm(layer.self_attn, "q_norm"), norm(layer.self_attn, "k_norm"))
             for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True)])
         norm = model.model.norm
         head = getattr(model, "lm_head", None)  # a tied model's own (prepacked or quantized) copy, if any
@@ -170,11 +192,19 @@ class NativeDecode:
             cfg.intermediate_size, kv_caches[0][0].shape[1], model.model.embed_tokens.weight.shape[0], float(norm.eps),
             float(layers[0].self_attn.scale), self.kind, CACHE_TYPES[kv_caches[0][0].dtype],
             ptr(model.model.embed_tokens.weight), ptr(norm.weight), self._layers,
-            weight(head) if self.fuses_head else _Weight())
+            weight(head) if self.fuses_head else _Weight(), int(deterministic))
+        self.deterministic = deterministic
+        # the rows a step takes at about one row's cost (DecodeCapabilities.one_pass_rows): bfloat16's
+        # products read each weight once for a tile's or a group's rows; int4's rows each cost their
+        # own integer products (about a fifth of a step, docs/performance.md)
+        self.one_pass_rows = 1
         if self.kind == STACK_BF16:
             from engine_service.model.prepacked import gemv_max_rows
 
             self.max_rows = gemv_max_rows() + 1  # the rows the products' native kernel takes
+            pass_rows = native_library().packed_gemm_bf16_pass_rows
+            pass_rows.restype, pass_rows.argtypes = ctypes.c_int, []
+            self.one_pass_rows = max(1, min(int(pass_rows()), self.max_rows - 1))
         else:
             # the products dequantize from this many rows on (QuantizedLinear.dense_min_rows): more
             # rows than that run the compiled or eager step; and the stack's work between the
@@ -195,7 +225,7 @@ class NativeDecode:
         self._stack_ref = ctypes.byref(self._stack)
 
     def runs(self, rows: int) -> bool:
-        return rows < self.max_rows
+        return self.deterministic or rows < self.max_rows
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  logits: bool = False, argmax: torch.Tensor | None = None) -> torch.Tensor:
@@ -207,6 +237,8 @@ class NativeDecode:
         if logits and not self.fuses_head:
             raise ValueError("native decode: this model's output projection is not in the step")
         rows = input_ids.shape[0]
+        if rows > CALL_MAX_ROWS and self.deterministic:
+            return self._in_calls(input_ids, positions, meta, logits, argmax)
         if argmax is not None and not (logits and argmax.dtype == torch.int64 and argmax.shape == (rows,)
                                        and argmax.is_contiguous()):
             raise ValueError("native decode: argmax needs logits=True and a contiguous int64 tensor of one per row")
@@ -227,6 +259,21 @@ class NativeDecode:
         if rc != 0:
             raise RuntimeError(f"native decode step failed: {_ERRORS.get(rc, rc)}")
         return out
+
+    def _in_calls(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits: bool,
+                  argmax: torch.Tensor | None) -> torch.Tensor:
+        """A deterministic step of more rows than one call takes, in calls of CALL_MAX_ROWS rows in
+        order: a call's rows attend to the K/V the calls before it wrote, as they would to their own
+        call's, and each row's output does not depend on the rows beside it."""
+        parts = []
+        for r in range(0, input_ids.shape[0], CALL_MAX_ROWS):
+            rows = slice(r, r + CALL_MAX_ROWS)
+            part = AttentionMetadata(slot_mapping=meta.slot_mapping[rows], prefills=[], decode_token_index=None,
+                                     decode_block_tables=meta.decode_block_tables[rows],
+                                     decode_context_lens=meta.decode_context_lens[rows])
+            parts.append(self(input_ids[rows], positions[rows], part, logits=logits,
+                              argmax=None if argmax is None else argmax[rows]))
+        return torch.cat(parts)
 
     def greedy_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -63,7 +63,7 @@ def prepack_unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
 
 @functools.cache
 def _probe(dtype: torch.dtype) -> str | None:
-    # once per process and dtype: the dtype probe at engine start and the loader both ask
+    # once per process and dtype: dtype auto at engine start and the loader both ask
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(48, 64, generator=gen).to(dtype)
     bias = torch.randn(48, generator=gen).to(dtype)
@@ -100,6 +100,7 @@ _library.define("prepacked_register(Tensor handle, Tensor packed, int gemv_data,
 _library.define("packed_gemv_supported() -> bool")
 _library.define("packed_gemv_max_rows() -> int")
 _library.define("prepacked_unregister(Tensor handle) -> ()")
+_library.define("prepacked_set_deterministic(Tensor handle, bool on) -> ()")
 
 
 def _prepacked_linear_fake(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None,
@@ -196,6 +197,15 @@ class PrepackedLinear(nn.Module):
                                                 n_pad, k_pad)
             weakref.finalize(self, torch.ops.sluice.prepacked_unregister, handle)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def set_deterministic(self) -> None:
+        """Every row count through the native GEMV on groups of rows, never AMX tiles: each row's
+        output is what the row alone gives, bit for bit (a deterministic engine's products, a
+        prefill chunk's included; engine_service.model.determinism). Needs ``gemv``."""
+        if not self.gemv:
+            raise ValueError("a deterministic product needs the weight in the native GEMV's layout")
+        torch.ops.sluice.prepacked_set_deterministic(self.handle, True)
+        self.gemv_max_numel = 1 << 62
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() or (self.gemv and x.numel() <= self.gemv_max_numel):

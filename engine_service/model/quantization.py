@@ -31,11 +31,9 @@ inputs and multiplied in integers, with AMX tiles for many rows where the CPU ha
 kernel stays ahead of the dense path far longer, so its crossover is ``DENSE_MIN_ROWS_Q4``, by the
 kernel dtype, and prefill chunks below it round their activations as decode steps do.
 
-The activations go through the kernel in the *kernel dtype*, chosen at load by timing the kernel
-with float32 and bfloat16 inputs on this machine (bfloat16 when it is faster: on CPUs with
-AVX512-BF16 it is several times faster; the float path of these kernels is not vectorised); the
-result is cast back to the model's dtype, so the rest of the model (norms, attention, the KV cache)
-is unchanged.
+The activations go through the kernel in the *kernel dtype* (``pick_kernel_dtype``: bfloat16 wherever the
+kernel takes it, else float32; a rule, not a timing); the result is cast back to the model's dtype,
+so the rest of the model (norms, attention, the KV cache) is unchanged.
 
 The tied output projection (SmolLM2 shares it with the embedding) gets its own quantized copy
 (``model.lm_head``); the embedding lookup keeps the float table.
@@ -306,8 +304,13 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if (self.native_q4 and x2.dtype in Q4_ACTIVATION_DTYPES
                 and (self.dense_min_rows is None or x2.shape[0] < self.dense_min_rows)):
-            # the model's own dtype goes in and comes out: no casts around the product
-            y = torch.ops.sluice.q4_linear(x2, self.codes, self.scales_zeros, self.out_features)
+            # the model's own dtype goes in and comes out: no casts around the product; more rows
+            # than the kernel takes in one call (a deterministic engine's, whose products never go
+            # dense) in calls of Q4_MAX_ROWS, each row's output its own
+            y = torch.cat([torch.ops.sluice.q4_linear(x2[r : r + Q4_MAX_ROWS], self.codes, self.scales_zeros,
+                                                      self.out_features)
+                           for r in range(0, x2.shape[0], Q4_MAX_ROWS)]) if x2.shape[0] > Q4_MAX_ROWS else \
+                torch.ops.sluice.q4_linear(x2, self.codes, self.scales_zeros, self.out_features)
             if self.bias is not None:
                 y = y + self.bias
             return y.reshape(*shape[:-1], self.out_features)
@@ -411,28 +414,12 @@ def check_supported(method: str, device: torch.device | str,
     return ok
 
 
-def choose_kernel_dtype(method: str, device: torch.device, candidates: list[torch.dtype],
-                        shape: tuple[int, int], group_size: int = DEFAULT_INT4_GROUP_SIZE) -> torch.dtype:
-    """The fastest of ``candidates`` for one decode row through a ``shape`` [N, K] layer, timed here."""
-    if len(candidates) == 1:
-        return candidates[0]
-    n, k = shape
-    timings = {}
-    for dtype in candidates:
-        mod = QuantizedLinear.from_float(torch.randn(n, k, device=device) * 0.05, None, method, dtype, group_size)
-        x = torch.randn(1, k, device=device, dtype=dtype)
-        for _ in range(3):
-            mod(x)
-        best = float("inf")
-        for _ in range(10):
-            t = time.perf_counter()
-            mod(x)
-            best = min(best, time.perf_counter() - t)
-        timings[dtype] = best
-    chosen = min(timings, key=timings.get)
-    logger.info("quantization %s: kernel dtype %s (one row through [%d, %d]: %s)", method, chosen, n, k,
-                ", ".join(f"{d}: {t * 1e3:.3f} ms" for d, t in timings.items()))
-    return chosen
+def pick_kernel_dtype(candidates: list[torch.dtype]) -> torch.dtype:
+    """The kernel dtype among ``candidates`` (``check_supported``'s, in its order): bfloat16 wherever
+    the kernels take it, else float32. A rule, not a timing: the same machine always gets the same
+    kernels. Why bfloat16 first: torch's int4 and int8 kernels vectorise their bfloat16 path and not
+    their float one (several times faster where the CPU has AVX512-BF16; docs/performance.md)."""
+    return torch.bfloat16 if torch.bfloat16 in candidates else candidates[0]
 
 
 # --------------------------------------------------------------------------- the model swap
@@ -450,9 +437,7 @@ def quantize_model(model: nn.Module, method: str, *, group_size: int = DEFAULT_I
         return model
     candidates = check_supported(method, device, group_size)
     if kernel_dtype is None:
-        cfg = getattr(model, "config", None)
-        shape = (cfg.intermediate_size, cfg.hidden_size) if cfg is not None else (1024, 1024)
-        kernel_dtype = choose_kernel_dtype(method, device, candidates, shape, group_size)
+        kernel_dtype = pick_kernel_dtype(candidates)
     elif kernel_dtype not in candidates:
         raise QuantizationError(f"quantization={method!r} cannot use kernel dtype {kernel_dtype} on {device}")
 

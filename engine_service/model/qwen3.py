@@ -1,7 +1,8 @@
 """Qwen3: the Llama decoder with an RMSNorm over each head of q and of k (``q_norm``, ``k_norm``,
 one weight of ``head_dim`` shared by all heads), applied after the projection and before the rotary
 embedding. Everything else (fused projections, paged attention, the compiled decode step, the
-native kernels, prepacking and quantization, which swap only ``nn.Linear``) is the Llama path's."""
+native kernels and the native decode step, prepacking and quantization, which swap only
+``nn.Linear``) is the Llama path's."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from engine_service.model.llama import Attention, KVCache, LlamaForCausalLM
 
 
 class QKNormAttention(Attention):
+    native_step = True  # the native decode step norms q and k per head too (its StackLayer.q_norm, k_norm)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)

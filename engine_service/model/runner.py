@@ -17,6 +17,8 @@ import torch
 
 from engine_service.core.request import Request
 from engine_service.model.attention import AttentionMetadata, PrefillSequence
+from engine_service.model.decode_paths.base import DecodePath, PathSetup
+from engine_service.model.decode_paths.eager import EagerPath
 from engine_service.model.llama import KVCache, LlamaForCausalLM
 
 
@@ -73,14 +75,33 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        # decode attention through decode_attention_inplace (what the compiled step runs) instead of
-        # the reference gather + SDPA
-        # the decode attention the eager forward uses instead of the reference (AttentionMetadata)
+        # the decode attention the forward uses instead of the reference gather + SDPA (AttentionMetadata)
         self.decode_kernel = decode_kernel
-        self.min_decode_width = 1  # the compiled step pads block tables to >= 2 columns (no 1-specialisation)
-        self.compiled_decode = None  # set by enable_compiled_decode
-        self.graphed_decode = None  # set by enable_cuda_graphs
-        self.native_decode = None  # set by enable_native_decode
+        # how a step's forward runs (engine_service.model.decode_paths): the eager forward until the
+        # engine hands it the path it chose
+        self.path: DecodePath = EagerPath(self.path_setup())
+        self.min_decode_width = 1  # the path's fewest block-table columns (DecodePath.min_table_width)
+        # a deterministic engine's layout (engine_service.model.determinism): every token, a prefill
+        # chunk's included, attends as a decode of its own length, so that a position's attention
+        # does not depend on how the work was split into chunks and steps
+        self.every_row_decodes = False
+
+    def path_setup(self, **facts) -> PathSetup:
+        """A ``PathSetup`` of this runner's model, caches and decode attention; ``facts`` are the
+        rest of its fields (the scratch slot defaults to the first slot of the last block, which the
+        engine never hands out)."""
+        facts.setdefault("scratch_slot", (self.num_blocks - 1) * self.block_size)
+        facts.setdefault("max_batch", 256)
+        facts.setdefault("max_model_len", getattr(getattr(self.model, "config", None), "max_position_embeddings", 0))
+        facts.setdefault("decode_kernel", self.decode_kernel)
+        facts.setdefault("attention_backend", "native" if self.decode_kernel is not None else "torch")
+        return PathSetup(model=self.model, kv_caches=self.kv_caches, device=self.device, block_size=self.block_size,
+                         **facts)
+
+    def use(self, path: DecodePath) -> None:
+        """Run every later step through ``path``."""
+        self.path = path
+        self.min_decode_width = path.min_table_width
 
     @property
     def num_blocks(self) -> int:
@@ -126,7 +147,10 @@ class ModelRunner:
         self.model.rotary.ensure_positions(int(ctx.max()))
 
         is_decode = lens == 1
-        if any_drafts:
+        every_token = any_drafts or self.every_row_decodes  # a decode row per token, not per chunk
+        if self.every_row_decodes:
+            is_decode[:] = True
+        elif any_drafts:
             # every position of a draft chunk attends as a decode of its own length: the same
             # attention, and the same kernel, as decoding those tokens one by one
             is_decode |= np.fromiter((bool(_drafts(c)) for c in chunks), dtype=bool, count=n)
@@ -141,7 +165,7 @@ class ModelRunner:
         decode_index = decode_tables = decode_lens = None
         decode_rows = np.flatnonzero(is_decode)  # chunks
         if decode_rows.size:
-            if any_drafts:  # one decode per token of the decode and draft chunks
+            if every_token:  # one decode per token of the decode and draft chunks (of every chunk)
                 token_index = np.flatnonzero(np.repeat(is_decode, lens))
                 decode_rows = row_of_token[token_index]
                 decode_ctx = positions[token_index] + 1
@@ -213,61 +237,18 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         return input_ids, torch.tensor(positions, dtype=torch.long, device=self.device), meta, sample_rows
 
-    def enable_compiled_decode(self, scratch_slot: int) -> float:
-        """Compile the decode-only step (``engine_service.model.compiled``) and warm it up, writing
-        only ``scratch_slot``. Returns the warm-up seconds."""
-        from engine_service.model.compiled import CompiledDecode
-
-        compiled = CompiledDecode(self.model, self.kv_caches, native_attention=self.decode_kernel is not None)
-        self.min_decode_width = 2
-        seconds = compiled.warm_up(scratch_slot)
-        self.compiled_decode = compiled
-        return seconds
-
-    def enable_cuda_graphs(self, scratch_slot: int, max_batch: int, max_model_len: int,
-                           capture: bool = True) -> None:
-        """Replay decode-only steps from CUDA graphs captured per batch and width bucket
-        (``engine_service.model.cuda_graphs``), writing only ``scratch_slot`` when capturing.
-        ``capture=False`` runs the same padded steps eagerly (for tests without a GPU)."""
-        from engine_service.model.cuda_graphs import GraphedDecode
-
-        self.graphed_decode = GraphedDecode(self.model, self.kv_caches, scratch_slot, max_batch, max_model_len,
-                                            decode_kernel=self.decode_kernel, capture=capture)
-
-    def enable_native_decode(self, scratch_slot: int) -> float:
-        """Run decode-only steps of a few rows through the native decode step
-        (``engine_service.model.native_decode``; raises ValueError when the model has none) and
-        warm it up, writing only ``scratch_slot``. Returns the warm-up seconds."""
-        from engine_service.model.native_decode import NativeDecode
-
-        native = NativeDecode(self.model, self.kv_caches)
-        seconds = native.warm_up(scratch_slot)
-        self.native_decode = native
-        return seconds
-
     @torch.inference_mode()
     def forward_hidden(self, chunks: Sequence[Chunk]) -> tuple[torch.Tensor, list[int]]:
         input_ids, positions, meta, sample_rows = self.prepare(chunks)
         return self._forward(input_ids, positions, meta), sample_rows
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if self.native_decode is not None and not meta.prefills and self.native_decode.runs(input_ids.shape[0]):
-            return self.native_decode(input_ids, positions, meta)
-        if self.graphed_decode is not None and not meta.prefills:
-            hidden = self.graphed_decode(input_ids, positions, meta)
-            if hidden is not None:
-                return hidden
-        if self.compiled_decode is not None and not meta.prefills:
-            return self.compiled_decode(input_ids, positions, meta)
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        return self.path.hidden(input_ids, positions, meta)
 
     def _execute_steps(self, chunks: Sequence[Chunk], steps: int) -> RunnerOutput:
-        """A step of one-token greedy decodes, each run ``steps`` decode steps in one native call
-        (``NativeDecode.greedy_steps``): step j of a row at position start + j, its K/V in that
+        """A step of one-token greedy decodes, each run ``steps`` decode steps in one call of the
+        path (``DecodePath.greedy_steps``): step j of a row at position start + j, its K/V in that
         position's slot of the blocks the scheduler already gave the row."""
-        native = self.native_decode
-        if native is None or not native.fuses_head or not native.runs(len(chunks)):
-            raise RuntimeError(f"a step of {steps} decode steps needs the native decode step with its head")
         bs = self.block_size
         starts = [c.start for c in chunks]
         width = max((p + steps - 1) // bs + 1 for p in starts)
@@ -282,8 +263,8 @@ class ModelRunner:
         slots = tables[rows, positions // bs] * bs + positions % bs
         self.model.rotary.ensure_positions(int(positions.max()) + 1)
         ids = torch.tensor([c.request.all_token_ids[p] for c, p in zip(chunks, starts, strict=True)], dtype=torch.long)
-        tokens, logits = native.greedy_steps(ids, torch.from_numpy(positions), torch.from_numpy(slots),
-                                             torch.from_numpy(tables), torch.from_numpy(positions + 1))
+        tokens, logits = self.path.greedy_steps(ids, torch.from_numpy(positions), torch.from_numpy(slots),
+                                                torch.from_numpy(tables), torch.from_numpy(positions + 1))
         out = RunnerOutput(logits, [c.request for c in chunks])
         out.step_token_ids = tokens.t().tolist()
         return out
@@ -295,15 +276,13 @@ class ModelRunner:
             return self._execute_steps(chunks, steps)
         input_ids, positions, meta, sample_rows = self.prepare(chunks)
         rows = input_ids.shape[0]
-        native = self.native_decode
-        if (native is not None and native.fuses_head and not meta.prefills and native.runs(rows)
-                and len(sample_rows) == rows):
-            # a decode step where every row samples (so none wants prompt logprobs, which only
-            # prompt positions before the last have): the logits come out of the native call itself
-            hidden = None
+        hidden = sample_logits = None
+        if len(sample_rows) == rows:
+            # a step where every row samples (so none wants prompt logprobs, which only prompt
+            # positions before the last have): a path may give the logits from the step itself
             greedy = torch.empty(rows, dtype=torch.long)
-            sample_logits = native(input_ids, positions, meta, logits=True, argmax=greedy)
-        else:
+            sample_logits = self.path.logits(input_ids, positions, meta, greedy)
+        if sample_logits is None:
             hidden = self._forward(input_ids, positions, meta)
             if len(sample_rows) == rows:
                 sampled = hidden  # every row samples (sample_rows ascend): no index, no copy

@@ -126,7 +126,7 @@ def test_cuda_graphs_are_token_identical_to_eager(model_dir, eager, prompts):
     assert [o.outputs[0].token_ids for o in outs] == [r[: p.max_tokens] for r, p in zip(ref, shrinking, strict=True)]
     for i in (0, 9):
         assert graphed.generate([prompts[i]], GREEDY)[0].outputs[0].token_ids == ref[i]
-    captured = engine.runner.graphed_decode.graphs
+    captured = engine.path_named("cuda graphs").graphed.graphs
     assert (1, 1) in captured, "the smallest bucket is captured at engine start"
     assert len({batch for batch, _ in captured}) >= 3, sorted(captured)  # the shrinking batches' buckets
 

@@ -28,9 +28,9 @@ def test_bench_spec_writes_table_and_json_and_outputs_are_identical(model_dir, t
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     doc = _run(model_dir, tmp_path / "spec.json", spec)
     grounded, batched = doc["results"]["grounded, 1 stream"], doc["results"]["random, 2 at once"]
-    # the engine's configuration: "auto" resolved (float32 eager has no native step to time)
+    # the engine's configuration: "auto" resolved (float32 eager's rows each cost their own products)
     assert doc["mode"] == "float32" and doc["speculative_config"] == {**spec, "backoff": "on"}
-    assert doc["row_cost"] is None
+    assert doc["one_pass_rows"] == 1
     assert doc["processor"] == cpu_model() != ""
     for r in (grounded, batched):
         assert r["identical_outputs"] == r["requests"]

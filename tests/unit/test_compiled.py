@@ -34,7 +34,7 @@ def reference(shallow_dir):
     assert why_not is None, f"torch.compile unavailable: {why_not}"
     eager = LLM(str(shallow_dir), dtype="float32", enforce_eager=True, max_num_batched_tokens=512,
                 kv_cache_memory=128 << 20)
-    assert eager.engine.runner.compiled_decode is None and eager.engine.compile_warmup_seconds is None
+    assert eager.engine.path_named("compiled") is None and eager.engine.compile_warmup_seconds is None
     prompts = parity_prompts(eager.get_tokenizer())
     return prompts, [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY)]
 
@@ -84,7 +84,7 @@ def test_compiled_over_a_bfloat16_cache_is_its_eager_forward_through_preemption(
     del eager
     tight = LLM(str(shallow_dir), dtype="float32", enforce_eager=False, kv_cache_dtype="bfloat16", block_size=4,
                 num_blocks=40, max_num_batched_tokens=64, enable_prefix_caching=False)
-    assert tight.engine.runner.compiled_decode is not None
+    assert tight.engine.path_named("compiled") is not None
     assert tight.engine.runner.kv_caches[0][0].dtype == __import__("torch").bfloat16
     outs = tight.generate(short, GREEDY)
     assert tight.engine.get_stats().preemptions > 0, "the pool was meant to force preemption"
@@ -104,17 +104,17 @@ def test_engines_sharing_a_compiled_graph_each_run_their_own_weights(shallow_dir
     prompts = ["The capital of France is", "def fibonacci(n):"]
     config = dict(dtype="bfloat16", enforce_eager=False, kv_cache_memory=64 << 20)
     first = LLM(str(shallow_dir), **config)
-    assert first.engine.runner.compiled_decode is not None
+    assert first.engine.path_named("compiled") is not None
     want = [o.outputs[0].token_ids for o in first.generate(prompts, GREEDY)]
     del first
     gc.collect()  # the first engine's weights are gone: a graph still pointing at them would fail
     quantized = LLM(str(shallow_dir), quantization="int4", **config)
-    assert quantized.engine.runner.compiled_decode is not None
+    assert quantized.engine.path_named("compiled") is not None
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in quantized.generate(prompts, GREEDY))
     del quantized
     gc.collect()
     second = LLM(str(shallow_dir), **config)
-    assert second.engine.runner.compiled_decode is not None, "the second engine fell back to eager"
+    assert second.engine.path_named("compiled") is not None, "the second engine fell back to eager"
     assert [o.outputs[0].token_ids for o in second.generate(prompts, GREEDY)] == want
 
 

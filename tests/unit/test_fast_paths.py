@@ -453,6 +453,17 @@ def test_native_kernel_unavailable_falls_back_or_refuses(monkeypatch, tmp_path):
     assert native.paged_decode_attention_kernel(torch.device("meta")) is None
 
 
+def _graphed(runner, max_batch: int, max_model_len: int):
+    """The runner's steps through the CUDA-graph path over its eager forward, its padded steps run
+    eagerly (no capture on a CPU); returns the path's ``GraphedDecode``."""
+    from engine_service.model.decode_paths.cuda_graphs import CudaGraphsPath
+
+    path = CudaGraphsPath(runner.path_setup(max_batch=max_batch, max_model_len=max_model_len), runner.path,
+                          capture=False)
+    runner.use(path)
+    return path.graphed
+
+
 def _shrinking(prompts: list[list[int]]) -> list[SamplingParams]:
     """Greedy, ending at 16, 13, 10, 7 and 4 tokens in turn: batches that shrink step by step, so
     rows a larger step filled are stale in the next step's bucket and must be padded over."""
@@ -471,9 +482,7 @@ def test_cuda_graph_buckets_padded_steps_are_greedy_identical(model_dir, prompts
     llm = LLM(str(model_dir), dtype="float32", enforce_eager=True, attention_backend="torch",
               max_num_batched_tokens=512, kv_cache_memory=128 << 20)
     runner, engine = llm.engine.runner, llm.engine
-    runner.enable_cuda_graphs((runner.num_blocks - 1) * runner.block_size, engine.config.max_num_seqs,
-                              engine.max_model_len, capture=False)
-    graphed = runner.graphed_decode
+    graphed = _graphed(runner, engine.config.max_num_seqs, engine.max_model_len)
     assert graphed.batch_sizes == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert graphed.bucket(3, 5) == (4, 8) and graphed.bucket(1, 1) == (1, 1)
     assert graphed.bucket(257, 1) is None  # more rows than the largest bucket
@@ -512,9 +521,7 @@ def test_a_failed_cuda_graph_capture_falls_back_to_the_eager_forward(model_dir, 
     llm = LLM(str(model_dir), dtype="float32", enforce_eager=True, attention_backend="torch",
               max_num_batched_tokens=512, kv_cache_memory=128 << 20)
     runner = llm.engine.runner
-    runner.enable_cuda_graphs((runner.num_blocks - 1) * runner.block_size, 8, llm.engine.max_model_len,
-                              capture=False)
-    graphed = runner.graphed_decode
+    graphed = _graphed(runner, 8, llm.engine.max_model_len)
     graphed.capture = True  # as on a GPU, with a capture that fails
     attempts = []
 

@@ -154,7 +154,7 @@ def test_qwen3_greedy_matches_transformers_alone_batched_and_preempted(tiny_qwen
     paths = dict(enforce_eager=not fast, attention_backend="native" if fast else "torch", dtype="float32")
     llm = LLM(str(path), max_num_batched_tokens=128, kv_cache_memory=16 << 20, **paths)
     if fast:  # the fast paths apply to the new architecture (they fall back only where they cannot run)
-        assert llm.engine.runner.compiled_decode is not None and llm.engine.runner.decode_kernel is not None
+        assert llm.engine.path_named("compiled") is not None and llm.engine.runner.decode_kernel is not None
     for ids, ref in zip(prompts, reference, strict=True):
         assert llm.generate([ids], greedy)[0].outputs[0].token_ids == ref
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == reference
@@ -219,3 +219,42 @@ def test_bad_dtype_and_tiny_kv_budget_are_clear_errors():
     cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], **TINY})
     with pytest.raises(ValueError, match="holds no block"):
         num_blocks_for_budget(cfg, 16, torch.float32, torch.device("cpu"), budget_bytes=100)
+
+
+# ---------------------------------------------------------------- every family on the native step
+
+@pytest.mark.parametrize("kind", ["llama-untied-bias", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("mode", [{"dtype": "bfloat16"}, {"dtype": "float32", "quantization": "int4"}],
+                         ids=["bfloat16", "int4"])
+def test_every_registered_family_takes_the_native_decode_step(kind, mode, tmp_path, monkeypatch):
+    """The native decode step computes each family's attention (Qwen2's q/k/v biases, Llama's
+    biases with attention_bias, Qwen3's per-head q/k norms): a tiny random model of each, with
+    random biases and norms, takes it where the CPU runs it, and its greedy tokens are the eager
+    reference's, alone and batched."""
+    from engine_service.model.native_decode import native_decode_unavailable
+    from engine_service.model.prepacked import gemv_max_rows
+
+    if mode["dtype"] == "bfloat16" and gemv_max_rows() == 0:
+        pytest.skip("this CPU has no AVX512-BF16: no bfloat16 native step")
+    if mode.get("quantization") == "int4" and not torch.ops.sluice.q4_supported():
+        pytest.skip("this CPU has no AVX512-VNNI: no int4 native step")
+    torch.manual_seed(0)
+    hf = _tiny(kind).eval()
+    for name, p in hf.named_parameters():
+        if name.endswith("bias"):
+            torch.nn.init.normal_(p, std=0.5)
+    _randomize_norms(hf)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    (tmp_path / "tokenizer.json").write_text(_byte_tokenizer_json())
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 17, 30, 41)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    monkeypatch.delenv("SLUICE_ENFORCE_EAGER", raising=False)  # CPU's default: eager with the native step
+    native = LLM(str(tmp_path), kv_cache_memory=8 << 20, **mode)
+    why = native_decode_unavailable(native.engine.runner.model, native.engine.runner.kv_caches)
+    assert why is None and native.engine.decode_mode == "native step"
+    reference = LLM(str(tmp_path), enforce_eager=True, kv_cache_memory=8 << 20, **mode)
+    assert reference.engine.decode_mode == "eager"
+    want = [o.outputs[0].token_ids for o in reference.generate(prompts, greedy)]
+    assert [o.outputs[0].token_ids for o in native.generate(prompts, greedy)] == want
+    assert native.generate([prompts[2]], greedy)[0].outputs[0].token_ids == want[2]

@@ -36,7 +36,7 @@ class _Spy:
 
 
 def _engine(model_dir, monkeypatch, steps: int) -> LLM:
-    import engine_service.engine
+    import engine_service.model.decode_paths.compiled as compiled_path
     from engine_service.model.native import native_ops_unavailable
 
     why = native_ops_unavailable()
@@ -44,12 +44,12 @@ def _engine(model_dir, monkeypatch, steps: int) -> LLM:
     if not torch.ops.sluice.q4_supported():
         pytest.skip("this CPU has no AVX512-VNNI: no native int4 products, so no native decode step")
     # the native step does not need inductor: no compiler spares each engine its warm-up
-    monkeypatch.setattr(engine_service.engine, "compile_supported", lambda device: "no compiler (the test says)")
+    monkeypatch.setattr(compiled_path, "compile_supported", lambda device: "no compiler (the test says)")
     llm = LLM(str(model_dir), dtype="float32", quantization="int4", enforce_eager=False, kv_cache_memory=32 << 20,
               enable_prefix_caching=False, num_scheduler_steps=steps)
-    assert llm.engine.runner.native_decode is not None
+    assert llm.engine.decode_mode == "native step"
     # drafts keep a step of decodes on the native step (scheduler.py): the rows it takes
-    assert llm.engine.scheduler.fast_step_max_rows == llm.engine.runner.native_decode.max_rows > 1
+    assert llm.engine.scheduler.fast_step_max_rows == llm.engine.decode_path.native.max_rows > 1
     return llm
 
 
@@ -57,8 +57,8 @@ def _engine(model_dir, monkeypatch, steps: int) -> LLM:
 def engines(model_dir):
     with pytest.MonkeyPatch.context() as monkeypatch:
         plain, steps = _engine(model_dir, monkeypatch, 1), _engine(model_dir, monkeypatch, 8)
-    spy = _Spy(steps.engine.runner.native_decode)
-    steps.engine.runner.native_decode = spy
+    spy = _Spy(steps.engine.decode_path.native)
+    steps.engine.decode_path.native = spy
     return plain, steps, spy
 
 
@@ -119,12 +119,13 @@ def test_the_runner_refuses_a_multi_step_batch_it_cannot_run(engines):
              SimpleNamespace(request=req, start=2, num_tokens=1, num_steps=3)]
     with pytest.raises(RuntimeError, match="one-token decodes of the same steps"):
         runner.execute(mixed)
-    native, runner.native_decode = runner.native_decode, None
+    path = runner.path
+    runner.use(path.fallback)  # the eager forward alone: no several steps in one call
     try:
-        with pytest.raises(RuntimeError, match="needs the native decode step"):
+        with pytest.raises(RuntimeError, match="runs no several decode steps in one call"):
             runner.execute(mixed[:1])
     finally:
-        runner.native_decode = native
+        runner.use(path)
 
 
 def test_the_engine_refuses_steps_that_cannot_work_before_loading_the_model(model_dir, monkeypatch):

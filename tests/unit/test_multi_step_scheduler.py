@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_service.config import MAX_SCHEDULER_STEPS, SchedulerConfig, SpeculativeConfig
+from engine_service.config import MAX_SCHEDULER_STEPS, DecodeCapabilities, SchedulerConfig, SpeculativeConfig
 from engine_service.core.block_pool import blocks_for_length
 from engine_service.core.request import FinishReason, Request, RequestStatus
 from engine_service.core.sampling_params import SamplingParams
@@ -19,7 +19,7 @@ from sluice_bench.scheduler import FakeKVRunner
 def make(steps=4, num_blocks=32, block_size=4, rows=16, watermark=0, max_model_len=4096, **kwargs):
     cfg = SchedulerConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=8, max_num_batched_tokens=64,
                           max_model_len=max_model_len, watermark_blocks=watermark, num_scheduler_steps=steps,
-                          multi_step_max_rows=rows, **kwargs)
+                          decode=DecodeCapabilities(multi_step_max_rows=rows), **kwargs)
     return Scheduler(cfg), FakeKVRunner(num_blocks, block_size)
 
 

@@ -60,13 +60,14 @@ def _sequences(llm, lengths: list[int], seed: int = 0):
 
 
 def _step(llm, chunks, native: NativeDecode | None) -> torch.Tensor:
+    """The sampled rows' hidden states of a step: the engine's eager forward (its fixtures are
+    eager, asked for), or ``native``'s call."""
     runner = llm.engine.runner
-    runner.native_decode = native
-    try:
+    if native is None:
         hidden, rows = runner.forward_hidden(chunks)
-    finally:
-        runner.native_decode = None
-    return hidden[rows]
+        return hidden[rows]
+    input_ids, positions, meta, rows = runner.prepare(chunks)
+    return native(input_ids, positions, meta)[rows]
 
 
 def _distance(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -183,14 +184,14 @@ def test_cpus_default_eager_keeps_the_native_step_and_eager_asked_for_is_the_ref
     step; so is the torch attention asked for. A native step that fails to start leaves the engine
     eager, the failure logged."""
     from engine_service.model.prepacked import gemv_max_rows
-    from engine_service.model.runner import ModelRunner
 
     monkeypatch.delenv("SLUICE_ENFORCE_EAGER", raising=False)
-    assert bf16.engine.enforce_eager and not bf16.engine.native_decode and bf16.engine.runner.native_decode is None
+    assert bf16.engine.enforce_eager and not bf16.engine.native_decode and bf16.engine.decode_mode == "eager"
     llm = LLM(str(model_dir), dtype="bfloat16", kv_cache_memory=16 << 20)
     engine = llm.engine
     assert engine.enforce_eager and engine.native_decode and engine.decode_mode == "native step"
-    native = engine.runner.native_decode
+    assert engine.decode_path.fallback.name == "eager"  # its larger steps and prefill chunks
+    native = engine.decode_path.native
     rows = []
     fn = native._fn
     native._fn = lambda *args: rows.append(args[10]) or fn(*args)  # the step's row count
@@ -203,17 +204,17 @@ def test_cpus_default_eager_keeps_the_native_step_and_eager_asked_for_is_the_ref
     with caplog.at_level("INFO", logger="engine_service.engine"):
         reference = LLM(str(model_dir), dtype="bfloat16", attention_backend="torch", kv_cache_memory=16 << 20)
     assert not reference.engine.native_decode and reference.engine.decode_mode == "eager"
-    assert "no native decode step: the torch attention was asked for" in caplog.text
+    assert "decode path native step: not used (the torch attention was asked for" in caplog.text
     del reference
 
     def broken(self, slot):
         raise RuntimeError("no native step today")
 
-    monkeypatch.setattr(ModelRunner, "enable_native_decode", broken)
-    with caplog.at_level("ERROR", logger="engine_service.engine"):
+    monkeypatch.setattr(NativeDecode, "warm_up", broken)
+    with caplog.at_level("ERROR", logger="engine_service.model.decode_paths"):
         fallback = LLM(str(model_dir), dtype="bfloat16", kv_cache_memory=16 << 20)
-    assert "the native decode step failed to start; decode steps run eagerly" in caplog.text
-    assert not fallback.engine.native_decode and fallback.engine.runner.native_decode is None
+    assert "the native step path failed to start; passing it over" in caplog.text
+    assert not fallback.engine.native_decode and fallback.engine.path_named("native step") is None
     assert fallback.engine.decode_mode == "eager"
     out = fallback.generate(["Count from 1 to 5:"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
@@ -562,7 +563,7 @@ def test_models_it_cannot_run_are_named():
     class NotLlama(torch.nn.Module):
         pass
 
-    assert "not the plain Llama decoder" in native_decode_unavailable(NotLlama(), [])
+    assert "NotLlama is not the Llama decoder" in native_decode_unavailable(NotLlama(), [])
 
 
 def test_an_unquantized_model_has_no_native_step(model_dir):
@@ -592,16 +593,16 @@ def test_an_engine_decodes_through_it(model_dir, monkeypatch):
     either candidate (test_a_decode_step_is_the_eager_forward_and_each_row_is_its_own bounds the
     difference itself). The native step does not depend on inductor: here torch.compile is made
     unavailable (which also spares the test its warm-up), and the engine still decodes natively."""
-    import engine_service.engine
+    import engine_service.model.decode_paths.compiled as compiled_path
 
-    monkeypatch.setattr(engine_service.engine, "compile_supported", lambda device: "no compiler (the test says)")
+    monkeypatch.setattr(compiled_path, "compile_supported", lambda device: "no compiler (the test says)")
     engine = LLM(str(model_dir), dtype="float32", quantization="int4", enforce_eager=False, block_size=BLOCK,
                  kv_cache_memory=32 << 20)
-    assert engine.engine.native_decode and engine.engine.runner.native_decode is not None
-    assert engine.engine.runner.compiled_decode is None
+    assert engine.engine.native_decode and engine.engine.decode_mode == "native step"
+    assert engine.engine.path_named("compiled") is None
     calls: list[int] = []
     logits_calls: list[bool] = []
-    engine.engine.runner.native_decode = _Counting(engine.engine.runner.native_decode, calls, logits_calls)
+    engine.engine.decode_path.native = _Counting(engine.engine.decode_path.native, calls, logits_calls)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
     alone = engine.generate(prompts[0], params)[0].outputs[0]
@@ -616,17 +617,16 @@ def test_an_engine_decodes_through_it(model_dir, monkeypatch):
         assert engine.generate(prompt, params)[0].outputs[0].token_ids == tokens
 
 
-def test_an_engine_times_a_verifying_row_and_resolves_the_back_off(llm, model_dir, monkeypatch):
-    """speculative_config backoff "auto" on engines with a native step: the step is timed at one row
-    and at k + 1 rows at start, and the back-off is off exactly when a row cost less than
-    BACKOFF_MIN_ROW_COST of a step; the scheduler's drafters get the resolved setting. A bfloat16
-    engine then speculates through its multi-row native step."""
-    import engine_service.engine
-    from engine_service.config import BACKOFF_MIN_ROW_COST
+def test_an_engine_resolves_the_back_off_from_its_native_step(llm, model_dir, monkeypatch):
+    """speculative_config backoff "auto" on engines with a native step: int4's verifying rows each
+    cost their own integer products, so the back-off stays on; bfloat16's k + 1 rows share each
+    weight load (one pass of the products' rows), so it is off; the scheduler's drafters get the
+    resolved setting. A bfloat16 engine then speculates through its multi-row native step."""
+    import engine_service.model.decode_paths.compiled as compiled_path
     from engine_service.model.prepacked import gemv_max_rows
     from sluice_bench.modes import describe_engine
 
-    monkeypatch.setattr(engine_service.engine, "compile_supported", lambda device: "no compiler (the test says)")
+    monkeypatch.setattr(compiled_path, "compile_supported", lambda device: "no compiler (the test says)")
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
     engines = {"int4": LLM(str(model_dir), dtype="float32", quantization="int4", enforce_eager=False,
                            block_size=BLOCK, kv_cache_memory=32 << 20, speculative_config=spec)}
@@ -634,16 +634,15 @@ def test_an_engine_times_a_verifying_row_and_resolves_the_back_off(llm, model_di
         engines["bfloat16"] = LLM(str(model_dir), dtype="bfloat16", enforce_eager=False, block_size=BLOCK,
                                   kv_cache_memory=32 << 20, speculative_config=spec)
     for engine in (e.engine for e in engines.values()):
-        assert engine.runner.native_decode is not None
         assert engine.decode_mode == "native step" and ", native step, " in describe_engine(engine)
-        cost = engine.spec_row_cost
-        assert cost is not None and 0 <= cost < 10, cost
-        resolved = "off" if cost < BACKOFF_MIN_ROW_COST else "on"
+        caps = engine.scheduler.config.decode
+        resolved = "off" if caps.one_pass_rows >= spec["num_speculative_tokens"] + 1 else "on"
+        assert resolved == ("on" if engine.quantization == "int4" else "off")
         assert engine.speculative_config.backoff == engine.scheduler.speculative_config.backoff == resolved
     if "bfloat16" in engines:
         llm = engines["bfloat16"]
         calls: list[int] = []
-        llm.engine.runner.native_decode = _Counting(llm.engine.runner.native_decode, calls)
+        llm.engine.decode_path.native = _Counting(llm.engine.decode_path.native, calls)
         text = "one two three four five six seven eight nine ten " * 3
         out = llm.generate(f"Repeat: {text}\n{text}", SamplingParams(temperature=0.0, max_tokens=24,
                                                                    ignore_eos=True))[0].outputs[0]
@@ -656,9 +655,9 @@ def test_a_verifying_step_takes_the_native_steps_argmax(model_dir, monkeypatch):
     """An int4 engine speculating greedily: each verifying step's rows take the argmax the native
     call computed with their logits (the sampler is handed it, one per row), and the tokens are
     those of decoding without drafts (int4's native rows do not depend on the batch)."""
-    import engine_service.engine
+    import engine_service.model.decode_paths.compiled as compiled_path
 
-    monkeypatch.setattr(engine_service.engine, "compile_supported", lambda device: "no compiler (the test says)")
+    monkeypatch.setattr(compiled_path, "compile_supported", lambda device: "no compiler (the test says)")
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2,
             "backoff": "off"}
     llm = LLM(str(model_dir), dtype="float32", quantization="int4", enforce_eager=False, block_size=BLOCK,
@@ -686,7 +685,7 @@ def test_a_verifying_step_takes_the_native_steps_argmax(model_dir, monkeypatch):
 class _Counting:
     def __init__(self, native: NativeDecode, calls: list, logits_calls: list | None = None) -> None:
         self.native, self.calls, self.logits_calls = native, calls, logits_calls
-        self.fuses_head = native.fuses_head
+        self.fuses_head, self.max_rows = native.fuses_head, native.max_rows
 
     def runs(self, rows: int) -> bool:
         return self.native.runs(rows)

@@ -290,7 +290,7 @@ def test_without_native_operators_a_prepacked_model_runs_eagerly(model_dir, monk
     with caplog.at_level("WARNING"):
         llm = LLM(str(model_dir), dtype="bfloat16", enforce_eager=False, kv_cache_memory=8 << 20)
     engine = llm.engine
-    assert engine.enforce_eager and engine.runner.compiled_decode is None
+    assert engine.enforce_eager and engine.path_named("compiled") is None
     assert engine.attention_backend == "torch"
     assert any("prepacked layers need the native operators in a compiled graph: no g++ here" in r.getMessage()
                for r in caplog.records)

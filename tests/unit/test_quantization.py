@@ -184,12 +184,14 @@ def test_engine_runs_quantized_and_agrees_with_float(model_dir, prompts, float_o
 @pytest.mark.model
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_a_long_prompt_prefills_through_dense_products(model_dir, method, monkeypatch):
-    """A prompt of at least the layers' ``dense_min_rows`` tokens is one prefill chunk that many
-    rows: every decoder projection dequantizes its weights once for it, decode steps (one row) keep
-    the packed kernels, and the answer is right."""
+    """Not deterministic (``--no-deterministic``; int4 is deterministic by default and then never
+    goes dense): a prompt of at least the layers' ``dense_min_rows`` tokens is one prefill chunk that
+    many rows: every decoder projection dequantizes its weights once for it, decode steps (one row)
+    keep the packed kernels, and the answer is right."""
     from engine_service import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), quantization=method, kv_cache_memory=256 << 20, max_num_batched_tokens=4096)
+    llm = LLM(str(model_dir), quantization=method, kv_cache_memory=256 << 20, max_num_batched_tokens=4096,
+              deterministic=False)
     layers = llm.engine.runner.model.model.layers
     need = layers[0].mlp.gate_up_proj.dense_min_rows  # int4's native layout: hundreds to thousands of rows
     assert need is not None and need < 4096

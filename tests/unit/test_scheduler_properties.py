@@ -10,7 +10,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_service.config import SchedulerConfig
+from engine_service.config import DecodeCapabilities, SchedulerConfig
 from engine_service.core.block_pool import blocks_for_length
 from engine_service.core.request import FinishReason, Request, RequestStatus
 from engine_service.core.sampling_params import SamplingParams
@@ -39,7 +39,7 @@ def scenarios(draw, pressure: bool = False):
         enable_prefix_caching=draw(st.booleans()),
         # several greedy decode steps a step (num_scheduler_steps) where no one waits
         num_scheduler_steps=draw(st.sampled_from([1, 1, 3, 8])),
-        multi_step_max_rows=draw(st.integers(0, 6)),
+        decode=DecodeCapabilities(multi_step_max_rows=draw(st.integers(0, 6))),
         fair_share_preemption=draw(st.booleans()),
     )
     # tenants: "" (the default) alone, or with others; a request's weight may differ from its
@@ -152,7 +152,7 @@ def run_scenario(cfg: SchedulerConfig, specs: list[dict]) -> Scheduler:
         assert len({c.request.request_id for c in out.chunks}) == len(out.chunks)
         for c in out.chunks:
             assert c.num_tokens >= 1 and c.request.num_computed_tokens == c.start + c.num_tokens + c.num_steps - 1
-            assert c.num_steps == 1 or (c.num_tokens == 1 and len(out.chunks) < cfg.multi_step_max_rows)
+            assert c.num_steps == 1 or (c.num_tokens == 1 and len(out.chunks) < cfg.decode.multi_step_max_rows)
         sampled = runner.step(out)  # the forward runs every scheduled chunk
         for rid in aborts_mid.get(step, []):
             for r in sched.abort_requests([rid]):
@@ -205,7 +205,7 @@ def test_outputs_do_not_depend_on_pool_pressure_or_caching(block_size, budget, w
     for num_blocks, cache, multi in ((blocks_for_length(22, block_size) + 1, caching, steps), (200, False, 1)):
         cfg = SchedulerConfig(
             num_scheduler_steps=multi,
-            multi_step_max_rows=5,
+            decode=DecodeCapabilities(multi_step_max_rows=5),
             num_blocks=num_blocks,
             block_size=block_size,
             max_num_seqs=4,

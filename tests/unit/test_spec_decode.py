@@ -10,7 +10,13 @@ import random
 
 import pytest
 
-from engine_service.config import EngineConfig, SchedulerConfig, SpeculativeConfig, engine_cli_args
+from engine_service.config import (
+    DecodeCapabilities,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    engine_cli_args,
+)
 from engine_service.core.request import FinishReason, Request, RequestStatus
 from engine_service.core.sampling_params import SamplingParams
 from engine_service.core.scheduler import Scheduler
@@ -215,7 +221,7 @@ def make(num_blocks=64, block_size=4, budget=64, max_num_seqs=8, spec=NGRAM, cac
                              max_num_seqs=max_num_seqs, max_model_len=max_model_len, watermark_blocks=0,
                              enable_prefix_caching=caching,
                              speculative_config=SpeculativeConfig.parse(spec) if spec else None,
-                             fast_step_max_rows=fast_step_max_rows)
+                             decode=DecodeCapabilities(fast_step_max_rows=fast_step_max_rows))
     return Scheduler(config), FakeKVRunner(num_blocks, block_size, next_token=model or cyclic_model())
 
 

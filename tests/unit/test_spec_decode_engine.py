@@ -39,20 +39,17 @@ def spec(model_dir):
                speculative_config=SPEC)
 
 
-def test_the_engine_resolves_the_back_off_from_a_verifying_rows_cost(spec, model_dir):
-    """backoff "auto": timed at start where the engine has a native step (off when a row costs
-    less than BACKOFF_MIN_ROW_COST of a step), on where it has none to time."""
-    from engine_service.config import BACKOFF_MIN_ROW_COST
-
+def test_the_engine_resolves_the_back_off_from_its_decode_paths_capabilities(spec, model_dir):
+    """backoff "auto": off where the decode path takes k + 1 rows at one row's cost
+    (DecodeCapabilities.one_pass_rows), on elsewhere; "off" asked for stays off."""
     engine = spec.engine
-    if engine.runner.native_decode is not None:
-        assert engine.spec_row_cost is not None and engine.spec_row_cost >= 0
-        assert engine.speculative_config.backoff == ("off" if engine.spec_row_cost < BACKOFF_MIN_ROW_COST else "on")
-    else:
-        assert engine.spec_row_cost is None and engine.speculative_config.backoff == "on"
-    assert engine.scheduler.speculative_config.backoff == engine.speculative_config.backoff
+    caps = engine.scheduler.config.decode
+    rows = SPEC["num_speculative_tokens"] + 1
+    want = "off" if rows <= caps.one_pass_rows and rows < caps.fast_step_max_rows else "on"
+    assert engine.speculative_config.backoff == engine.scheduler.speculative_config.backoff == want
     eager = LLM(str(model_dir), kv_cache_memory=16 << 20, enforce_eager=True, speculative_config=SPEC)
-    assert eager.engine.spec_row_cost is None and eager.engine.speculative_config.backoff == "on"
+    assert eager.engine.scheduler.config.decode.one_pass_rows == 1
+    assert eager.engine.speculative_config.backoff == "on"
     forced = LLM(str(model_dir), kv_cache_memory=16 << 20, enforce_eager=True, speculative_config={**SPEC, "backoff": "off"})
     assert forced.engine.speculative_config.backoff == "off"
 

@@ -42,6 +42,10 @@
 #endif
 
 #define NOCONTRACT __attribute__((optimize("fp-contract=off")))
+/* From this many rows the region-per-call step shares its per-row work (norms, rotary, SiLU,
+ * residuals, conversions) out among the threads, row by row: a prefill chunk of a deterministic
+ * stack. Each row's operations are the same whichever thread does them. */
+#define PAR_MIN_ROWS 32
 
 /* x rounded to bfloat16 when bf, else x */
 static inline float rnd(float x, int bf) { return bf ? bf16_to_f32(f32_to_bf16(x)) : x; }
@@ -100,16 +104,34 @@ static void write_cache(void *cache, int cache_type, int64_t slot, const float *
     }
 }
 
-/* y[rows][n_out] = x[rows][k] W^T; bfloat16 through the bf16 scratch xb / yb */
-static int product(int kind, const StackWeight *w, const float *x, float *y, int64_t rows, uint16_t *xb,
-                   uint16_t *yb) {
-    if (kind == STACK_INT4)
-        return q4_linear_f32((const uint8_t *)w->data, w->scales_zeros, x, y, rows, w->n_out, w->n_pad, w->k,
-                             w->extra);
-    for (int64_t i = 0; i < rows * w->k; i++) xb[i] = f32_to_bf16(x[i]);
-    const int rc = packed_gemm_bf16((const uint16_t *)w->data, xb, NULL, yb, rows, w->n_out, w->k, w->n_pad,
-                                    w->extra);
-    for (int64_t i = 0; i < rows * w->n_out; i++) y[i] = bf16_to_f32(yb[i]);
+/* y[rows][n_out] += the bias (float32, the activations' dtype of an int4 stack): after the product, as
+ * QuantizedLinear adds it */
+NOCONTRACT static void add_bias_f32(float *y, const float *bias, int64_t rows, int64_t n) {
+    for (int64_t r = 0; bias != NULL && r < rows; r++)
+        for (int64_t i = 0; i < n; i++) y[r * n + i] += bias[i];
+}
+
+/* y[rows][n_out] = x[rows][k] W^T + bias (NULL: none; the activations' dtype); bfloat16 through the
+ * bf16 scratch xb / yb, the bias added to the float32 sums before their rounding, as the packed
+ * product's own bias */
+static int product(const DecodeStack *s, const StackWeight *w, const void *bias, const float *x, float *y,
+                   int64_t rows, uint16_t *xb, uint16_t *yb) {
+    if (s->kind == STACK_INT4) {
+        const int rc = q4_linear_f32((const uint8_t *)w->data, w->scales_zeros, x, y, rows, w->n_out, w->n_pad, w->k,
+                                     w->extra);
+        add_bias_f32(y, (const float *)bias, rows, w->n_out);
+        return rc;
+    }
+    const int64_t in = rows * w->k, out = rows * w->n_out;
+    _Pragma("omp parallel for schedule(static) if(rows >= PAR_MIN_ROWS)")
+    for (int64_t i = 0; i < in; i++) xb[i] = f32_to_bf16(x[i]);
+    const int rc = s->deterministic
+        ? packed_gemm_bf16_flags((const uint16_t *)w->data, xb, (const uint16_t *)bias, yb, rows, w->n_out, w->k,
+                                 w->n_pad, w->extra, PG_NO_TILES)
+        : packed_gemm_bf16((const uint16_t *)w->data, xb, (const uint16_t *)bias, yb, rows, w->n_out, w->k, w->n_pad,
+                           w->extra);
+    _Pragma("omp parallel for schedule(static) if(rows >= PAR_MIN_ROWS)")
+    for (int64_t i = 0; i < out; i++) y[i] = bf16_to_f32(yb[i]);
     return rc;
 }
 
@@ -162,10 +184,15 @@ NOCONTRACT static void rotate_and_cache(const DecodeStack *s, const StackLayer *
                                         int64_t rows, const int64_t *positions, const float *cos_table,
                                         const float *sin_table, const int64_t *slots, int write) {
     const int64_t d = s->head_dim, q_size = s->heads * d, kv_size = s->kv_heads * d, qkv_size = q_size + 2 * kv_size;
+    const int bf = s->kind == STACK_BF16;
     for (int64_t r = 0; r < rows; r++) {
         float *row = qkv + r * qkv_size;
         const float *cos = cos_table + positions[r] * d, *sin = sin_table + positions[r] * d;
-        rotate(row, s->heads + s->kv_heads, d, cos, sin, s->kind == STACK_BF16);
+        for (int64_t h = 0; layer->q_norm != NULL && h < s->heads; h++) /* in place: a head's sum comes first */
+            rms_norm(row + h * d, layer->q_norm, d, s->eps, bf, row + h * d);
+        for (int64_t h = 0; layer->k_norm != NULL && h < s->kv_heads; h++)
+            rms_norm(row + q_size + h * d, layer->k_norm, d, s->eps, bf, row + q_size + h * d);
+        rotate(row, s->heads + s->kv_heads, d, cos, sin, bf);
         memcpy(q + r * q_size, row, sizeof(float) * (size_t)q_size);
         if (!write) continue;
         write_cache(layer->k_cache, s->cache_type, slots[r], row + q_size, kv_size);
@@ -177,9 +204,9 @@ NOCONTRACT static void rotate_and_cache(const DecodeStack *s, const StackLayer *
 static int attention(const DecodeStack *s, const StackLayer *layer, const float *q, const int64_t *block_tables,
                      int64_t table_width, const int64_t *context_lens, int64_t rows, float *attn) {
     const int arc = s->cache_type == STACK_CACHE_BF16
-        ? paged_decode_attention_bf16(q, (const uint16_t *)layer->k_cache, (const uint16_t *)layer->v_cache,
-                                      block_tables, table_width, context_lens, attn, rows, s->heads, s->kv_heads,
-                                      s->head_dim, s->block_size, s->scale)
+        ? (s->deterministic ? paged_decode_attention_bf16_exact : paged_decode_attention_bf16)(
+              q, (const uint16_t *)layer->k_cache, (const uint16_t *)layer->v_cache, block_tables, table_width,
+              context_lens, attn, rows, s->heads, s->kv_heads, s->head_dim, s->block_size, s->scale)
         : s->cache_type == STACK_CACHE_F16
         ? paged_decode_attention_f16(q, (const uint16_t *)layer->k_cache, (const uint16_t *)layer->v_cache,
                                      block_tables, table_width, context_lens, attn, rows, s->heads, s->kv_heads,
@@ -222,6 +249,7 @@ static int finish(const DecodeStack *s, const float *x, float *normed, int64_t r
                   int64_t *argmax, uint16_t *xb, uint16_t *yb) {
     const int64_t hidden = s->hidden;
     const int bf = s->kind == STACK_BF16;
+    _Pragma("omp parallel for schedule(static) if(rows >= PAR_MIN_ROWS)")
     for (int64_t r = 0; r < rows; r++) {
         rms_norm(x + r * hidden, s->final_norm, hidden, s->eps, bf, normed + r * hidden);
         for (int64_t i = 0; out != NULL && i < hidden; i++) {
@@ -232,7 +260,7 @@ static int finish(const DecodeStack *s, const float *x, float *normed, int64_t r
     /* in the same call: after the layers' stream the caches hold nothing of the caller's, and each
      * operator of the head's own call would first fetch its code and data from memory */
     if (logits == NULL) return 0;
-    const int rc = product(s->kind, &s->head, normed, logits, rows, xb, yb);
+    const int rc = product(s, &s->head, NULL, normed, logits, rows, xb, yb);
     for (int64_t r = 0; rc == 0 && argmax != NULL && r < rows; r++)
         argmax[r] = stack_argmax(logits + r * s->head.n_out, s->head.n_out);
     return rc;
@@ -251,19 +279,20 @@ static void to_bf16_rows(const float *x, int64_t rows, int64_t k, int64_t k_pad,
  * thread's own float copy y. xb: this thread's scratch (the bfloat16 input; int4: its quantized
  * rows). A bfloat16 product may take x NULL, its input already in xb (a buffer shared or not), and
  * y NULL, its output left in ys. Every thread must call it. */
-static void team_product(int kind, const StackWeight *w, const float *x, float *y, int64_t rows, void *xb, void *ys,
-                         PgTeam *team, uint32_t *tag, const StackWeight *next) {
+static void team_product(int kind, const StackWeight *w, const void *bias, const float *x, float *y, int64_t rows,
+                         void *xb, void *ys, PgTeam *team, uint32_t *tag, const StackWeight *next) {
     if (kind == STACK_INT4) {
         q4_linear_f32_team((const uint8_t *)w->data, w->scales_zeros, x, (float *)ys, rows, w->n_out, w->n_pad, w->k,
                            w->extra, xb, team->barrier, team->ahead);
         if (y != NULL) memcpy(y, ys, sizeof(float) * (size_t)(rows * w->n_out));
+        add_bias_f32(y, (const float *)bias, rows, w->n_out); /* each thread's own copy (a bias: y is given) */
         return;
     }
     if (x != NULL) to_bf16_rows(x, rows, w->k, w->extra, (uint16_t *)xb);
     uint16_t *yb = (uint16_t *)ys;
     const int fetch = next != NULL && rows == 1; /* one row's step: the next product's start, while waiting */
-    packed_gemm_bf16_team((const uint16_t *)w->data, (const uint16_t *)xb, w->extra, yb, rows, w->n_out, w->n_pad,
-                          w->extra, team, ++*tag, fetch ? (const uint16_t *)next->data : NULL,
+    packed_gemm_bf16_team((const uint16_t *)w->data, (const uint16_t *)xb, w->extra, (const uint16_t *)bias, yb, rows,
+                          w->n_out, w->n_pad, w->extra, team, ++*tag, fetch ? (const uint16_t *)next->data : NULL,
                           fetch ? next->n_pad : 0, fetch ? next->extra : 0);
     for (int64_t i = 0; y != NULL && i < rows * w->n_out; i++) y[i] = bf16_to_f32(yb[i]);
 }
@@ -289,7 +318,7 @@ static void team_head(const DecodeStack *s, const float *x, float *normed, int64
                            w->extra, xb, team->barrier, team->ahead);
     } else {
         to_bf16_rows(normed, rows, w->k, w->extra, (uint16_t *)xb);
-        packed_gemm_bf16_team((const uint16_t *)w->data, (const uint16_t *)xb, w->extra, (uint16_t *)ys, rows, vocab,
+        packed_gemm_bf16_team((const uint16_t *)w->data, (const uint16_t *)xb, w->extra, NULL, (uint16_t *)ys, rows, vocab,
                               w->n_pad, w->extra, team, ++*tag, NULL, 0, 0);
     }
     if (omp_get_thread_num() != 0) return;
@@ -494,14 +523,14 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
     for (int64_t r = 0; r < rows; r++)
         rms_norm(X(0) + r * hidden, s->layers[0].input_norm, hidden, s->eps, bf, NORMED(0) + r * hidden);
     TeamBarrier sync_barrier = {0}, *sync = own_barrier ? &sync_barrier : NULL; /* team_barrier.h */
-    *team = (PgTeam){.barrier = sync};
+    *team = (PgTeam){.barrier = sync, .no_tiles = s->deterministic};
     PdaPlan plan; /* the step's attention partitions, the same in every layer */
     const int prc = pda_plan(&plan, context_lens, rows, s->heads, s->kv_heads, s->head_dim, threads);
     if (prc != 0) {
         step_scratch_done(scratch, kept);
         return prc == 1 ? 1 : 3;
     }
-    if (s->cache_type == STACK_CACHE_BF16) /* its draft chunks (none: as before) */
+    if (s->cache_type == STACK_CACHE_BF16 && !s->deterministic) /* its draft chunks (none: as before) */
         pda_plan_chunks(&plan, block_tables, table_width, context_lens, rows, s->heads, s->kv_heads, s->head_dim,
                         s->block_size);
     plan.barrier = sync;
@@ -515,7 +544,8 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
     plan.static_tasks = aheads != NULL;
     team->ahead = aheads;
     uint16_t *yb = (uint16_t *)ys0; /* the region-per-call product's bfloat16 output (product) */
-    const int rc = product(kind, &s->layers[0].qkv, NORMED(0), TMP(0), rows, (uint16_t *)XB(0), yb);
+    const int rc = product(s, &s->layers[0].qkv, s->layers[0].qkv_bias, NORMED(0), TMP(0), rows, (uint16_t *)XB(0),
+                           yb);
     if (rc == 0) rotate_and_cache(s, &s->layers[0], TMP(0), q, rows, positions, cos_table, sin_table, slots, 1);
     if (rc == 0) {
       _Pragma("omp parallel num_threads(threads)")
@@ -571,9 +601,10 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
                         o_in_shared[r * o_ld + h * d + i] = f32_to_bf16(attn_shared[bh * d + i]);
                 }
                 team_barrier(sync);
-                team_product(kind, &layer->o, NULL, tmp, rows, o_in_shared, ys0, team, &tag, &layer->gate_up);
+                team_product(kind, &layer->o, layer->o_bias, NULL, tmp, rows, o_in_shared, ys0, team, &tag,
+                             &layer->gate_up);
             } else {
-                team_product(kind, &layer->o, attn, tmp, rows, xb, ys0, team, &tag, &layer->gate_up);
+                team_product(kind, &layer->o, layer->o_bias, attn, tmp, rows, xb, ys0, team, &tag, &layer->gate_up);
             }
             STACK_PHASE(t, PHASE_NORM);
             for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + tmp[i], bf);
@@ -583,7 +614,7 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
             const StackWeight *after_down = next != NULL ? &next->qkv : logits != NULL ? &s->head : NULL;
             if (share_rows) { /* SiLU from the product's bfloat16 output into the down product's shared
                                * input, each thread its share of the columns; then the team meets */
-                team_product(kind, &layer->gate_up, normed, NULL, rows, xb, ys1, team, &tag, &layer->down);
+                team_product(kind, &layer->gate_up, NULL, normed, NULL, rows, xb, ys1, team, &tag, &layer->down);
                 STACK_PHASE(t, PHASE_SILU);
                 const int n = omp_get_num_threads();
                 const int64_t per = (inter + 16 * n - 1) / (16 * n) * 16;
@@ -591,20 +622,20 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
                 silu_bf16_rows((const uint16_t *)ys1, rows, inter, lo, hi, act_ld, act_shared);
                 team_barrier(sync);
                 STACK_PHASE(t, PHASE_DOWN);
-                team_product(kind, &layer->down, NULL, tmp, rows, act_shared, ys0, team, &tag, after_down);
+                team_product(kind, &layer->down, NULL, NULL, tmp, rows, act_shared, ys0, team, &tag, after_down);
             } else {
-                team_product(kind, &layer->gate_up, normed, tmp, rows, xb, ys1, team, &tag, &layer->down);
+                team_product(kind, &layer->gate_up, NULL, normed, tmp, rows, xb, ys1, team, &tag, &layer->down);
                 STACK_PHASE(t, PHASE_SILU);
                 silu_rows(tmp, rows, inter, bf, act);
                 STACK_PHASE(t, PHASE_DOWN);
-                team_product(kind, &layer->down, act, tmp, rows, xb, ys0, team, &tag, after_down);
+                team_product(kind, &layer->down, NULL, act, tmp, rows, xb, ys0, team, &tag, after_down);
             }
             STACK_PHASE(t, PHASE_QKV);
             for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + tmp[i], bf);
             if (next != NULL) {
                 for (int64_t r = 0; r < rows; r++)
                     rms_norm(x + r * hidden, next->input_norm, hidden, s->eps, bf, normed + r * hidden);
-                team_product(kind, &next->qkv, normed, tmp, rows, xb, ys1, team, &tag, &next->o);
+                team_product(kind, &next->qkv, next->qkv_bias, normed, tmp, rows, xb, ys1, team, &tag, &next->o);
                 if (own_q) { /* the newest token's K/V by the thread that attends over it (above) */
                     rotate_and_cache(s, next, tmp, qt, rows, positions, cos_table, sin_table, slots,
                                      t == omp_get_num_threads() - 1);
@@ -657,8 +688,9 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
     const int64_t qkv_size = q_size + 2 * kv_size, inter = s->intermediate;
     const int kind = s->kind, bf = kind == STACK_BF16;
     if (rows <= 0 || d % 2 != 0) return 2;
-    if (kind == STACK_INT4 ? (!q4_gemv_supported() || rows > Q4_MAX_ROWS)
-                           : (kind != STACK_BF16 || !packed_gemv_bf16_supported() || rows > packed_gemm_bf16_max_rows()))
+    if (kind == STACK_INT4 ? !q4_gemv_supported() : (kind != STACK_BF16 || !packed_gemv_bf16_supported())) return 2;
+    if (rows > (s->deterministic ? STACK_DETERMINISTIC_MAX_ROWS
+                                 : kind == STACK_INT4 ? Q4_MAX_ROWS : packed_gemm_bf16_max_rows()))
         return 2;
     for (int64_t r = 0; r < rows; r++)
         if (ids[r] < 0 || ids[r] >= s->vocab || positions[r] < 0 || positions[r] >= num_positions) return 2;
@@ -669,7 +701,9 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
             !weight_ok(kind, &layer->gate_up, 2 * inter, hidden) || !weight_ok(kind, &layer->down, hidden, inter))
             return 2;
     }
-    if (omp_get_max_threads() > 1 && one_region)
+    /* one region up to the most rows a product pass takes (a decode step's, a verifying step's);
+     * a deterministic stack's prefill chunk shares its per-row work out instead (PAR_MIN_ROWS) */
+    if (omp_get_max_threads() > 1 && one_region && rows <= PG_MAX_ROWS)
         return layers_in_one_region(s, ids, positions, cos_table, sin_table, slots, block_tables, table_width,
                                     context_lens, rows, out, logits, argmax);
     /* scratch, per row: the residual stream, a normed copy, q|k|v, q, the attention output, gate|up,
@@ -685,24 +719,37 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
     uint16_t *xb = (uint16_t *)(act + rows * inter), *yb = xb + rows * widest;
     int rc = 0;
 
+    const int par = rows >= PAR_MIN_ROWS; /* the per-row work shared out among the threads, row by row */
+    _Pragma("omp parallel for schedule(static) if(par)")
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < hidden; i++) x[r * hidden + i] = load(s->embed, ids[r] * hidden + i, bf);
     for (int64_t l = 0; l < s->num_layers && rc == 0; l++) {
         const StackLayer *layer = &s->layers[l];
+        _Pragma("omp parallel for schedule(static) if(par)")
         for (int64_t r = 0; r < rows; r++)
             rms_norm(x + r * hidden, layer->input_norm, hidden, s->eps, bf, normed + r * hidden);
-        if ((rc = product(kind, &layer->qkv, normed, qkv, rows, xb, yb)) != 0) break;
-        rotate_and_cache(s, layer, qkv, q, rows, positions, cos_table, sin_table, slots, 1);
-        if ((rc = attention(s, layer, q, block_tables, table_width, context_lens, rows, attn)) != 0) break;
-        if (bf)
-            for (int64_t i = 0; i < rows * q_size; i++) attn[i] = rnd(attn[i], 1);
-        if ((rc = product(kind, &layer->o, attn, normed, rows, xb, yb)) != 0) break;
-        for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + normed[i], bf);
+        if ((rc = product(s, &layer->qkv, layer->qkv_bias, normed, qkv, rows, xb, yb)) != 0) break;
+        /* every row's K/V in the cache before any row attends (a row may attend to another's) */
+        _Pragma("omp parallel for schedule(static) if(par)")
         for (int64_t r = 0; r < rows; r++)
+            rotate_and_cache(s, layer, qkv + r * qkv_size, q + r * q_size, 1, positions + r, cos_table, sin_table,
+                             slots + r, 1);
+        if ((rc = attention(s, layer, q, block_tables, table_width, context_lens, rows, attn)) != 0) break;
+        if (bf) {
+            _Pragma("omp parallel for schedule(static) if(par)")
+            for (int64_t i = 0; i < rows * q_size; i++) attn[i] = rnd(attn[i], 1);
+        }
+        if ((rc = product(s, &layer->o, layer->o_bias, attn, normed, rows, xb, yb)) != 0) break;
+        _Pragma("omp parallel for schedule(static) if(par)")
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t i = r * hidden; i < (r + 1) * hidden; i++) x[i] = rnd(x[i] + normed[i], bf);
             rms_norm(x + r * hidden, layer->post_norm, hidden, s->eps, bf, normed + r * hidden);
-        if ((rc = product(kind, &layer->gate_up, normed, gate_up, rows, xb, yb)) != 0) break;
-        silu_rows(gate_up, rows, inter, bf, act);
-        if ((rc = product(kind, &layer->down, act, normed, rows, xb, yb)) != 0) break;
+        }
+        if ((rc = product(s, &layer->gate_up, NULL, normed, gate_up, rows, xb, yb)) != 0) break;
+        _Pragma("omp parallel for schedule(static) if(par)")
+        for (int64_t r = 0; r < rows; r++) silu_rows(gate_up + r * 2 * inter, 1, inter, bf, act + r * inter);
+        if ((rc = product(s, &layer->down, NULL, act, normed, rows, xb, yb)) != 0) break;
+        _Pragma("omp parallel for schedule(static) if(par)")
         for (int64_t i = 0; i < rows * hidden; i++) x[i] = rnd(x[i] + normed[i], bf);
     }
     if (rc == 0) rc = finish(s, x, normed, rows, out, logits, argmax, xb, yb);

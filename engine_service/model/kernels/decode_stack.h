@@ -32,6 +32,12 @@ typedef struct {
     StackWeight gate_up;                /* gate, up stacked on the output axis */
     StackWeight down;
     void *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim], of cache_type */
+    /* what a family adds to Llama's attention, each NULL where it has none: the q/k/v projection's
+     * bias [q + 2 kv] and the output projection's [hidden] (Qwen2, Llama's attention_bias), in the
+     * activations' dtype; an RMSNorm over each head of q and of k ([head_dim], Qwen3), after the
+     * projection and before the rotary */
+    const void *qkv_bias, *o_bias;
+    const void *q_norm, *k_norm;
 } StackLayer;
 
 typedef struct {
@@ -43,7 +49,16 @@ typedef struct {
     const void *final_norm; /* [hidden] */
     const StackLayer *layers;
     StackWeight head; /* the output projection, [vocab, hidden]; data NULL: none (no logits) */
+    /* 1: a deterministic engine's stack: any number of rows up to STACK_DETERMINISTIC_MAX_ROWS (a
+     * prefill chunk's, each row attending as a decode of its own length), and every row computed
+     * as one row alone computes it bit for bit: no AMX tiles in the products (PG_NO_TILES), no AMX
+     * scores for a chunk's rows in the attention */
+    int deterministic;
 } DecodeStack;
+
+/* the most rows one call of a deterministic stack takes (the caller splits a bigger step: a row's
+ * output does not depend on the rows beside it) */
+#define STACK_DETERMINISTIC_MAX_ROWS 1024
 
 /* out[rows, hidden] (the activations' dtype) = the final norm of the stack's output for tokens
  * ids[rows] at positions[rows], each row a decode: its K/V written at slots[r], then attending to

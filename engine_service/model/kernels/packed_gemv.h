@@ -45,6 +45,22 @@ int packed_gemv_one_row_streams(void);
  * AVX512-BF16, 0 without */
 int packed_gemm_bf16_max_rows(void);
 
+/* the most rows a product reads each weight once for, in one pass of its blocks at about one row's
+ * cost: PG_TILE_ROWS through AMX tiles, PG_ROW_GROUP by VDPBF16PS on a group of rows, 0 without
+ * AVX512-BF16 (a fact of the CPU and the build: the speculative back-off's "auto" reads it) */
+int packed_gemm_bf16_pass_rows(void);
+
+/* packed_gemm_bf16_flags' flags: several rows take VDPBF16PS on groups of rows even where the CPU
+ * has AMX tiles, each row's sums the one-row kernel's bit for bit (the tiles round apart from it) */
+#define PG_NO_TILES 1
+
+/* packed_gemm_bf16 for any number of rows (1 or more), in passes of up to PG_MAX_ROWS: each row's
+ * output is the same whatever the rows beside it and their count, and with PG_NO_TILES the same as
+ * a one-row product's bit for bit. What a deterministic engine runs for every product of a
+ * bfloat16 model, a prefill chunk's included. Returns as packed_gemm_bf16. */
+int packed_gemm_bf16_flags(const uint16_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t rows,
+                           int64_t n_out, int64_t k_in, int64_t n_pad, int64_t k_pad, int flags);
+
 /* packed_gemv_bf16 for `rows` rows (1 to packed_gemm_bf16_max_rows()): x[rows][k_in] and
  * y[rows][n_out], each row's output independent of the others. Returns as packed_gemv_bf16, and 2
  * for a row count out of range. */
@@ -67,21 +83,24 @@ typedef struct {
     /* one list a thread (kv_ahead.h) that the one-row loop without prefetches drains a few lines a
      * chunk, or NULL */
     struct KvAhead *ahead;
+    /* 1: several rows take VDPBF16PS on groups of rows even where the CPU has AMX tiles, so that
+     * each row's sums are the one-row kernel's bit for bit (a deterministic engine's steps) */
+    int no_tiles;
 } PgTeam;
 
 /* packed_gemm_bf16 without a parallel region of its own, for a caller already inside one: the
  * calling team shares the blocks out and meets at a barrier at the end, so every thread of the
  * team must call it with the same arguments: the same `team` (shared, its counts zeroed before the
  * first product) and a `tag` that differs from the one of the team's product before (a count of
- * the products from 1). No bias; x is whole chunks wide (k_pad, its padding zeros), its rows ldx
+ * the products from 1). bias as packed_gemv_bf16's (NULL: none); x is whole chunks wide (k_pad, its padding zeros), its rows ldx
  * elements apart; rows and sizes as packed_gemm_bf16 takes them, unchecked (the caller checks them
  * first). The same outputs bit for bit as packed_gemm_bf16. Why: a decode step's products forked
  * and joined the thread team once each, and that cost ~2-4% of a bfloat16 step
  * (docs/performance.md, twelfth round). `next` (its sizes next_n_pad x next_k_pad), or NULL: the
  * weights of the product the team computes after this one; in a team of two, a thread that waits at
  * this product's barrier fetches the start of its own run of them meanwhile. */
-void packed_gemm_bf16_team(const uint16_t *w, const uint16_t *x, int64_t ldx, uint16_t *y, int64_t rows,
-                           int64_t n_out, int64_t n_pad, int64_t k_pad, PgTeam *team, uint32_t tag,
+void packed_gemm_bf16_team(const uint16_t *w, const uint16_t *x, int64_t ldx, const uint16_t *bias, uint16_t *y,
+                           int64_t rows, int64_t n_out, int64_t n_pad, int64_t k_pad, PgTeam *team, uint32_t tag,
                            const uint16_t *next, int64_t next_n_pad, int64_t next_k_pad);
 
 #ifdef __cplusplus

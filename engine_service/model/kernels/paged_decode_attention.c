@@ -900,4 +900,5 @@ DEFINE_TEAM(paged_decode_attention_bf16_team, uint16_t, partition_bf16, chunk_pr
 DEFINE_TEAM(paged_decode_attention_f16_team, uint16_t, partition_f16, NO_PREPASS)
 DEFINE_KERNEL(paged_decode_attention_f32, paged_decode_attention_f32_team, float, 0)
 DEFINE_KERNEL(paged_decode_attention_bf16, paged_decode_attention_bf16_team, uint16_t, 1)
+DEFINE_KERNEL(paged_decode_attention_bf16_exact, paged_decode_attention_bf16_team, uint16_t, 0)
 DEFINE_KERNEL(paged_decode_attention_f16, paged_decode_attention_f16_team, uint16_t, 0)

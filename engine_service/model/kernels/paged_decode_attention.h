@@ -29,6 +29,15 @@ int paged_decode_attention_f16(const float *q, const uint16_t *k_cache, const ui
                                int64_t heads, int64_t kv_heads, int64_t head_dim,
                                int64_t block_size, float scale);
 
+/* paged_decode_attention_bf16 without the AMX scores of a draft chunk's rows (pda_plan_chunks): every
+ * row's scores by VDPBF16PS as a lone row's, so that a row's output is the same bit for bit whatever
+ * rows of its own sequence run beside it (a deterministic engine's attention) */
+int paged_decode_attention_bf16_exact(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                                      const int64_t *block_tables, int64_t table_width,
+                                      const int64_t *context_lens, float *out, int64_t batch,
+                                      int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                      int64_t block_size, float scale);
+
 /* Whether a row that follows a row of its own sequence (a draft chunk's rows) prefetches its K/V:
  * 0, the default, it does not (the row before has just read those lines); 1, every row does. The
  * outputs are the same either way. Returns the setting now in force. */

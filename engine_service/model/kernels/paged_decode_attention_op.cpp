@@ -26,8 +26,9 @@ namespace {
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 
-Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables,
-                              Tensor context_lens, double scale) {
+// exact: a bfloat16 cache's rows of one sequence never take AMX scores together (the _exact entry)
+Tensor attend(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, double scale,
+              bool exact) {
   STD_TORCH_CHECK(q.dim() == 3, "paged_decode_attention: q must be [batch, heads, head_dim]");
   STD_TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4,
                   "paged_decode_attention: caches must be [blocks, block_size, kv_heads, head_dim]");
@@ -104,7 +105,7 @@ Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor b
         width, len_data, out_data, batch, heads, kv_heads, head_dim,
         block_size, static_cast<float>(scale));
   } else {
-    rc = paged_decode_attention_bf16(
+    rc = (exact ? paged_decode_attention_bf16_exact : paged_decode_attention_bf16)(
         q_data, static_cast<const uint16_t *>(k_cache.data_ptr()),
         static_cast<const uint16_t *>(v_cache.data_ptr()), table_data,
         width, len_data, out_data, batch, heads, kv_heads, head_dim,
@@ -119,8 +120,20 @@ Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor b
   return q.scalar_type() == ScalarType::Float ? out : torch::stable::to(out, q.scalar_type());
 }
 
+Tensor paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens,
+                              double scale) {
+  return attend(q, k_cache, v_cache, block_tables, context_lens, scale, false);
+}
+
+// every row's output the same as a lone row's bit for bit (a deterministic engine's attention)
+Tensor paged_decode_attention_exact(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables,
+                                    Tensor context_lens, double scale) {
+  return attend(q, k_cache, v_cache, block_tables, context_lens, scale, true);
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(sluice, CPU, m) {
   m.impl("paged_decode_attention", TORCH_BOX(&paged_decode_attention));
+  m.impl("paged_decode_attention_exact", TORCH_BOX(&paged_decode_attention_exact));
 }

@@ -37,6 +37,9 @@ struct Packed {
   Tensor weight;                    // oneDNN's packed tensor (keeps the buffer below alive)
   const uint16_t *gemv = nullptr;   // its data, when packed_gemv may read it; else null
   int64_t out_features = 0, in_features = 0, out_padded = 0, in_padded = 0;
+  // a deterministic engine's layer: every row count runs packed_gemv on groups of rows (no AMX
+  // tiles), each row's sums the one-row kernel's bit for bit (prepacked_set_deterministic)
+  bool deterministic = false;
 };
 
 std::unordered_map<int64_t, Packed> &registry() {
@@ -70,6 +73,16 @@ void prepacked_register(Tensor handle, Tensor packed, int64_t gemv_data, int64_t
   registry().insert_or_assign(key, entry);
 }
 
+void prepacked_set_deterministic(Tensor handle, bool on) {
+  const int64_t key = handle_value(handle);
+  std::lock_guard<std::mutex> guard(registry_lock);
+  auto found = registry().find(key);
+  STD_TORCH_CHECK(found != registry().end(), "prepacked_set_deterministic: no packed weight under this handle");
+  STD_TORCH_CHECK(!on || found->second.gemv != nullptr,
+                  "prepacked_set_deterministic: this weight is not in the GEMV's layout");
+  found->second.deterministic = on;
+}
+
 bool packed_gemv_supported() { return packed_gemv_bf16_supported() != 0; }
 
 int64_t packed_gemv_max_rows() { return packed_gemm_bf16_max_rows(); }
@@ -91,7 +104,8 @@ Tensor prepacked_linear(Tensor x, Tensor handle, std::optional<Tensor> bias, int
   }
   const int64_t rows = x.dim() >= 1 && packed->in_features > 0 ? x.numel() / packed->in_features : 0;
   if (packed->gemv != nullptr && x.scalar_type() == ScalarType::BFloat16 && x.is_contiguous() && x.dim() >= 1 &&
-      x.size(x.dim() - 1) == packed->in_features && rows >= 1 && rows <= packed_gemm_bf16_max_rows() &&
+      x.size(x.dim() - 1) == packed->in_features && rows >= 1 &&
+      (packed->deterministic || rows <= packed_gemm_bf16_max_rows()) &&
       out_features == packed->out_features &&
       (!bias.has_value() || (bias->scalar_type() == ScalarType::BFloat16 && bias->is_contiguous() &&
                              bias->numel() == out_features))) {
@@ -99,11 +113,11 @@ Tensor prepacked_linear(Tensor x, Tensor handle, std::optional<Tensor> bias, int
     for (int64_t d = 0; d < x.dim(); d++) sizes.push_back(x.size(d));
     sizes.back() = out_features;
     Tensor out = torch::stable::new_empty(x, sizes);
-    const int rc = packed_gemm_bf16(
+    const int rc = packed_gemm_bf16_flags(
         packed->gemv, static_cast<const uint16_t *>(x.data_ptr()),
         bias.has_value() ? static_cast<const uint16_t *>(bias->data_ptr()) : nullptr,
         static_cast<uint16_t *>(out.data_ptr()), rows, packed->out_features, packed->in_features,
-        packed->out_padded, packed->in_padded);
+        packed->out_padded, packed->in_padded, packed->deterministic ? PG_NO_TILES : 0);
     STD_TORCH_CHECK(rc == 0, "prepacked_linear: the bfloat16 GEMV failed (", rc, ")");
     return out;
   }
@@ -130,6 +144,7 @@ STABLE_TORCH_LIBRARY_IMPL(sluice, CPU, m) {
 
 STABLE_TORCH_LIBRARY_IMPL(sluice, CompositeExplicitAutograd, m) {
   m.impl("prepacked_register", TORCH_BOX(&prepacked_register));
+  m.impl("prepacked_set_deterministic", TORCH_BOX(&prepacked_set_deterministic));
   m.impl("packed_gemv_supported", TORCH_BOX(&packed_gemv_supported));
   m.impl("packed_gemv_max_rows", TORCH_BOX(&packed_gemv_max_rows));
   m.impl("prepacked_unregister", TORCH_BOX(&prepacked_unregister));
