@@ -223,6 +223,7 @@ def test_bad_dtype_and_tiny_kv_budget_are_clear_errors():
 
 # ---------------------------------------------------------------- every family on the native step
 
+@pytest.mark.slow  # builds the native step
 @pytest.mark.parametrize("kind", ["llama-untied-bias", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("mode", [{"dtype": "bfloat16"}, {"dtype": "float32", "quantization": "int4"}],
                          ids=["bfloat16", "int4"])
