@@ -182,12 +182,13 @@ Q4_BLOCK_N = 16  # output rows per block of the native int4 layout (kernels/q4_g
 Q4_STEP_K = 8  # inputs per 64-byte step of a block
 
 
-def pack_q4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_q4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int4 codes ``q`` ([N, K] in [0, 15], N a multiple of 16) and their per-group ``scales`` and
-    ``zeros`` ([N, K/g]) in the layout of the native ``sluice::q4_linear`` (kernels/q4_gemv.h):
-    codes [N/16, K/8, 64] uint8, where byte 4r + j of a block's step holds row r's inputs j (low
-    nibble) and 4 + j (high nibble), so that each 32-bit lane is one row's four consecutive inputs;
-    scales_zeros [N/16, K/g, 2, 16] bfloat16 (scale, then zero, of the block's 16 rows)."""
+    ``mins`` ([N, K/g]; ``w = code * scale + min``) in the layout of the native ``sluice::q4_linear``
+    (kernels/q4_gemv.h): codes [N/16, K/8, 64] uint8, where byte 4r + j of a block's step holds row
+    r's inputs j (low nibble) and 4 + j (high nibble), so that each 32-bit lane is one row's four
+    consecutive inputs; scales_zeros [N/16, K/g, 2, 16] float16 (scale, then min, of the block's 16
+    rows): a GGUF Q4_0/Q4_1 block's own (d, m) pairs, so its weights come through without a rounding."""
     n, k = q.shape
     blocks = q.to(torch.uint8).view(n // Q4_BLOCK_N, Q4_BLOCK_N, k // Q4_STEP_K, Q4_STEP_K)
     packed = blocks[..., :4] | (blocks[..., 4:] << 4)  # [N/16, 16, K/8, 4]
@@ -197,7 +198,9 @@ def pack_q4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple
     def per_block(t: torch.Tensor) -> torch.Tensor:
         return t.float().view(n // Q4_BLOCK_N, Q4_BLOCK_N, groups).transpose(1, 2)
 
-    scales_zeros = torch.stack([per_block(scales), per_block(zeros)], dim=2).to(torch.bfloat16).contiguous()
+    scales_zeros = torch.stack([per_block(scales), per_block(mins)], dim=2).to(torch.float16).contiguous()
+    if not bool(torch.isfinite(scales_zeros).all()):
+        raise QuantizationError("int4 weights beyond float16's range (65504): a group's scale or minimum overflows")
     return codes, scales_zeros
 
 
@@ -216,8 +219,8 @@ def dequantize_q4(codes: torch.Tensor, scales_zeros: torch.Tensor, dtype: torch.
     n, k = q.shape
     groups = scales_zeros.shape[1]
     scales = scales_zeros[:, :, 0, :].transpose(1, 2).reshape(n, groups, 1).float()
-    zeros = scales_zeros[:, :, 1, :].transpose(1, 2).reshape(n, groups, 1).float()
-    return ((q.view(n, groups, k // groups).float() - 8.0) * scales + zeros).view(n, k).to(dtype)
+    mins = scales_zeros[:, :, 1, :].transpose(1, 2).reshape(n, groups, 1).float()
+    return (q.view(n, groups, k // groups).float() * scales + mins).view(n, k).to(dtype)
 
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_zeros: torch.Tensor) -> torch.Tensor:
@@ -264,9 +267,9 @@ class QuantizedLinear(nn.Module):
             if pad:
                 weight = torch.cat([weight, weight.new_zeros(pad, in_features)])
             q, scales, zeros = quantize_int4(weight, group_size)
-            if device.type == "cpu" and _native_q4():
+            if device.type == "cpu" and native_q4_available():
                 # the native layout: decode rows multiplied in integers in place (kernels/q4_gemv.c)
-                codes, scales_zeros = pack_q4(q, scales, zeros)
+                codes, scales_zeros = pack_q4(q, scales, zeros - 8.0 * scales)
                 mod.register_buffer("codes", codes)
                 mod.register_buffer("scales_zeros", scales_zeros)
                 mod.native_q4 = True
@@ -277,16 +280,43 @@ class QuantizedLinear(nn.Module):
                 dense_ok = _unpacks_exactly(mod.qweight, q, device)
         else:
             raise QuantizationError(f"unknown quantization method {method!r}")
+        mod._set_dense_rows(dense_ok, weight.shape[0])
+        return mod
+
+    @classmethod
+    def from_q4(cls, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None,
+                kernel_dtype: torch.dtype = torch.float32) -> QuantizedLinear:
+        """A layer over int4 codes as they are (a GGUF Q4_0/Q4_1/Q4_K tensor, ``gguf_blocks``):
+        ``codes`` [N, K] in [0, 15], ``scales`` and ``mins`` [N, K/32] with ``w = code * scale + min``,
+        in the native layout (the caller checked ``native_q4_available``); no weight is rounded
+        again, and the (scale, min) pairs are kept in float16, as Q4_0 and Q4_1 hold them."""
+        out_features, in_features = codes.shape
+        group = in_features // scales.shape[1]
+        if kernel_dtype not in Q4_ACTIVATION_DTYPES:
+            kernel_dtype = torch.float32
+        mod = cls("int4", in_features, out_features, kernel_dtype, group, bias)
+        pad = -out_features % INT4_N_MULTIPLE
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(pad, in_features)])
+            scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
+            mins = torch.cat([mins, mins.new_zeros(pad, mins.shape[1])])
+        packed, scales_zeros = pack_q4(codes, scales, mins)
+        mod.register_buffer("codes", packed)
+        mod.register_buffer("scales_zeros", scales_zeros)
+        mod.native_q4 = True
+        mod._set_dense_rows(True, codes.shape[0])
+        return mod
+
+    def _set_dense_rows(self, dense_ok: bool, padded_rows: int) -> None:
         # Only the native one-pass kernel pays: the same dequantization in torch operations costs
         # 1-6 ms a layer here, as much as the packed kernel's 100-500 rows.
         if dense_ok and _native_dequantize():
-            rows = DENSE_MIN_ROWS_Q4.get(kernel_dtype, DENSE_MIN_ROWS[method]) if mod.native_q4 \
-                else DENSE_MIN_ROWS[method]
-            dense_bytes = weight.shape[0] * in_features * kernel_dtype.itemsize
-            mod.dense_min_rows = rows * DENSE_LARGE_FACTOR if dense_bytes > DENSE_LARGE_BYTES else rows
-            if mod.native_q4:
-                mod.dense_min_rows = min(mod.dense_min_rows, Q4_MAX_ROWS)
-        return mod
+            rows = DENSE_MIN_ROWS_Q4.get(self.kernel_dtype, DENSE_MIN_ROWS[self.method]) if self.native_q4 \
+                else DENSE_MIN_ROWS[self.method]
+            dense_bytes = padded_rows * self.in_features * self.kernel_dtype.itemsize
+            self.dense_min_rows = rows * DENSE_LARGE_FACTOR if dense_bytes > DENSE_LARGE_BYTES else rows
+            if self.native_q4:
+                self.dense_min_rows = min(self.dense_min_rows, Q4_MAX_ROWS)
 
     def dense_weight(self) -> torch.Tensor:
         """The layer's weights dequantized into a dense [N, K] matrix of the kernel dtype (int4: N
@@ -351,7 +381,7 @@ def _native_dequantize() -> bool:
     return why is None
 
 
-def _native_q4() -> bool:
+def native_q4_available() -> bool:
     """Whether int4 layers can take the native layout here: the operators are loaded and the CPU
     runs the VNNI kernel (else torch's packed int4 kernel, as before)."""
     return _native_dequantize() and bool(torch.ops.sluice.q4_supported())

@@ -13,7 +13,6 @@ import torch
 
 from engine_service.model.quantization import (
     QuantizedLinear,
-    dequantize_int4,
     dequantize_q4,
     pack_q4,
     quantize_int4,
@@ -39,20 +38,20 @@ def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 def _emulated(x: torch.Tensor, codes: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
     """The kernel's arithmetic in float64: x rounded to int8 per 32 inputs (scale max|x| / 127,
-    ties to even), sum_k code * xhat times the group's scale, plus (zero - 8 scale) * sum_k x."""
+    ties to even), sum_k code * xhat times the group's scale, plus min * sum_k xhat."""
     q = unpack_q4(codes).double()  # [N, K]
     n, k = q.shape
     groups = scales_zeros.shape[1]
     scale = scales_zeros[:, :, 0, :].transpose(1, 2).reshape(n, groups).double()
-    zero = scales_zeros[:, :, 1, :].transpose(1, 2).reshape(n, groups).double()
+    mins = scales_zeros[:, :, 1, :].transpose(1, 2).reshape(n, groups).double()
     xf = x.float().reshape(-1, k)
     blocks = xf.view(-1, k // 32, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))  # as C divides
     xhat = (torch.round(blocks * inv) * (amax / 127.0)).view(-1, k).double()
     qx = torch.einsum("ngj,mgj->mng", q.view(n, groups, -1), xhat.view(-1, groups, k // groups))
-    xsum = xf.view(-1, groups, k // groups).sum(-1).double()  # [M, G]
-    return (qx * scale).sum(-1) + xsum @ (zero - 8 * scale).t()
+    xsum = xhat.view(-1, groups, k // groups).sum(-1)  # [M, G]: the rounded inputs' sums
+    return (qx * scale).sum(-1) + xsum @ mins.t()
 
 
 @pytest.mark.parametrize(("n", "k", "group"), [(16, 32, 32), (960, 576, 32), (576, 1536, 32), (200, 256, 64),
@@ -61,11 +60,14 @@ def test_packing_keeps_every_code_and_scale(n, k, group):
     gen = torch.Generator().manual_seed(n + k)
     q = torch.randint(0, 16, (n - n % 16 or 16, k), generator=gen, dtype=torch.int32)
     scales = torch.rand(q.shape[0], k // group, generator=gen)
-    zeros = torch.randn(q.shape[0], k // group, generator=gen)
-    codes, sz = pack_q4(q, scales, zeros)
+    mins = torch.randn(q.shape[0], k // group, generator=gen)
+    codes, sz = pack_q4(q, scales, mins)
     assert codes.shape == (q.shape[0] // 16, k // 8, 64) and codes.dtype == torch.uint8  # two codes a byte
+    assert sz.dtype == torch.float16
     assert torch.equal(unpack_q4(codes), q.to(torch.uint8))
-    ref = dequantize_int4(q, scales.bfloat16().float(), zeros.bfloat16().float(), group)
+    # w = code * scale + min, with the scale and min as float16 holds them (GGUF Q4_1's own pair)
+    s16, m16 = scales.half().float(), mins.half().float()
+    ref = (q.view(q.shape[0], -1, group).float() * s16[..., None] + m16[..., None]).view(q.shape[0], k)
     assert torch.equal(dequantize_q4(codes, sz, torch.float32), ref)
     # byte 4r + j of a block's first step: row r, inputs j (low nibble) and 4 + j (high nibble)
     assert codes[0, 0, 4 * 3 + 1].item() == q[3, 1].item() | q[3, 5].item() << 4
@@ -200,7 +202,7 @@ def test_engine_greedy_output_is_sensible_and_batch_invariant(model_dir):
 
 def test_the_operators_refuse_bad_arguments():
     q, s, z = quantize_int4(_weight(32, 64), 32)
-    codes, sz = pack_q4(q, s, z)
+    codes, sz = pack_q4(q, s, z - 8 * s)
     x = torch.randn(2, 64)
     assert torch.ops.sluice.q4_linear(x, codes, sz, 32).shape == (2, 32)
     assert torch.ops.sluice.q4_linear(x, codes, sz, 17).shape == (2, 17)  # padded rows sliced off
@@ -218,6 +220,6 @@ def test_the_operators_refuse_bad_arguments():
     with pytest.raises(RuntimeError, match="scales_zeros must be"):
         torch.ops.sluice.q4_linear(x, codes, sz.float(), 32)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        torch.ops.sluice.q4_linear(x, codes, torch.ones(2, 4, 2, 16, dtype=torch.bfloat16), 32)
+        torch.ops.sluice.q4_linear(x, codes, torch.ones(2, 4, 2, 16, dtype=torch.float16), 32)
     with pytest.raises(RuntimeError, match="scales_zeros must be"):
         torch.ops.sluice.dequantize_q4(codes, sz[:1], False)

@@ -31,7 +31,7 @@ def torch_int4(monkeypatch):
     take the native layout instead (tests/unit/test_q4_gemv.py)."""
     from engine_service.model import quantization
 
-    monkeypatch.setattr(quantization, "_native_q4", lambda: False)
+    monkeypatch.setattr(quantization, "native_q4_available", lambda: False)
 
 
 def _weight(n=96, k=256, seed=0) -> torch.Tensor:

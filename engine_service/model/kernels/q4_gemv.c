@@ -8,9 +8,11 @@
  * 4 inputs each, unsigned codes times signed int8 activations, summed into int32 per row), so 128
  * multiply-adds cost five instructions.
  *
- * Numerics: each activation row is quantized to int8 per 32 inputs (scale max|x| / 127). Per row
- * and group: sum_k w x = scale * sum_k code * x + (zero - 8 * scale) * sum_k x, where the first
- * sum is the integer dot product times the activation scale, the second the exact float sum of x.
+ * Numerics: each activation row is quantized to int8 per 32 inputs (scale max|x| / 127), xhat its
+ * rounded values. Per row and group: sum_k w xhat = scale * sum_k code * xhat + min * sum_k xhat,
+ * where the first sum is the integer dot product times the activation scale, the second the
+ * activation scale times the integer sum of its codes (quantize_row says why). (scale, min) are
+ * float16, as GGUF's Q4_1 blocks keep them: a Q4_0, Q4_1 block is this layout's group exactly.
  * The error against the dequantized weights' product is therefore that of the activation rounding,
  * at most sum_k |w_k| * xscale / 2 per output (tests/unit/test_q4_gemv.py holds it to that bound).
  *
@@ -25,6 +27,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "f16.h"
 #include "one_row_prefetch.h"
 #include "kv_ahead.h"
 #include "team_barrier.h"
@@ -49,12 +52,12 @@ static inline int sizes_ok(int64_t rows, int64_t n_out, int64_t n_pad, int64_t k
                 OUT_T *dst = out + (b * Q4_BLOCK_N + r) * k;                                            \
                 for (int64_t g = 0; g < groups; g++) {                                                  \
                     const uint16_t *gsz = sz + (b * groups + g) * 2 * Q4_BLOCK_N;                       \
-                    const float scale = bf16_to_f32(gsz[r]), zero = bf16_to_f32(gsz[Q4_BLOCK_N + r]);   \
+                    const float scale = f16_to_f32(gsz[r]), min = f16_to_f32(gsz[Q4_BLOCK_N + r]);      \
                     for (int64_t c = g * group; c < (g + 1) * group; c++) {                             \
                         const int64_t s = c / Q4_STEP_K, j = c % Q4_STEP_K;                             \
                         const uint8_t byte = blk[s * 64 + r * 4 + (j & 3)];                             \
                         const float code = (float)(j < 4 ? byte & 15 : byte >> 4);                      \
-                        dst[c] = STORE((code - 8.0f) * scale + zero);                                   \
+                        dst[c] = STORE(code * scale + min);                                             \
                     }                                                                                   \
                 }                                                                                       \
             }                                                                                           \
@@ -71,7 +74,8 @@ DEFINE_DEQ(dequantize_q4_bf16, uint16_t, f32_to_bf16)
 
 int q4_gemv_supported(void) { return 1; }
 
-/* One activation row, quantized: int8 codes, a scale per 32 inputs, the float sum per group. */
+/* One activation row, quantized: int8 codes, a scale per 32 inputs, and per group the sum of the
+ * rounded inputs (sum over its 32-blocks of scale * sum of codes). */
 typedef struct {
     int8_t *q;
     float *scale;
@@ -81,30 +85,38 @@ typedef struct {
 /* Vectorised: the scalar loops called libm's fmaxf per input (GCC keeps its NaN rules out of
  * line) and summed each group in one dependent chain, ~0.1 ms a row per decode step of SmolLM2.
  * The codes are the scalar loop's (the same product, rounded to nearest even by VCVTPS2DQ under
- * the default rounding mode, as nearbyintf); the group sums add in another order. */
+ * the default rounding mode, as nearbyintf).
+ *
+ * Why the group sum is of the rounded inputs, not of x: the product is then sum_k w_k * xhat_k
+ * for the weights w = code * scale + min themselves, as llama.cpp's Q4_1 x Q8_1 product is (Q8_1
+ * keeps d * sum of codes for the min term). With x's own sum the rounding error multiplied code
+ * * scale, which runs over [0, 15 scale] where w is centred on zero: about four times the
+ * error's variance, and +1.4% perplexity on SmolLM2's Q4_1 file where llama.cpp loses 0.2%
+ * (sluice bench quality --modes float32,gguf --anchor). */
 static void quantize_row(const float *x, int64_t k, int64_t group, QRow out) {
     const int64_t sub = group / Q4_XBLOCK;
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int64_t g = 0; g < k / group; g++) {
-        __m512 gsum = _mm512_setzero_ps();
+        float gsum = 0.0f;
         for (int64_t sb = 0; sb < sub; sb++) {
             const int64_t b = g * sub + sb;
             const __m512 x0 = _mm512_loadu_ps(x + b * Q4_XBLOCK), x1 = _mm512_loadu_ps(x + b * Q4_XBLOCK + 16);
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
             const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            out.scale[b] = amax / 127.0f;
+            const float scale = amax / 127.0f;
+            out.scale[b] = scale;
             const __m512 vinv = _mm512_set1_ps(inv);
-            _mm_storeu_si128((__m128i *)(out.q + b * Q4_XBLOCK), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, vinv))));
-            _mm_storeu_si128((__m128i *)(out.q + b * Q4_XBLOCK + 16),
-                             _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, vinv))));
-            gsum = _mm512_add_ps(gsum, _mm512_add_ps(x0, x1));
+            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vinv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vinv));
+            _mm_storeu_si128((__m128i *)(out.q + b * Q4_XBLOCK), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(out.q + b * Q4_XBLOCK + 16), _mm512_cvtepi32_epi8(q1));
+            gsum += scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
         }
-        out.sum[g] = _mm512_reduce_add_ps(gsum);
+        out.sum[g] = gsum;
     }
 }
 
-static inline __m512 load_bf16x16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+static inline __m512 load_f16x16(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
 /* Whether the one-row loop prefetches its codes (several rows always do): the CPU's default
@@ -157,12 +169,12 @@ static inline __attribute__((always_inline)) void task_sums_row(const uint8_t *c
             const __m512 xs = _mm512_set1_ps(x.scale[xb]);
             for (int i = 0; i < nb; i++) gacc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), xs, gacc[i]);
         }
-        const __m512 xsum = _mm512_set1_ps(x.sum[g]), eight = _mm512_set1_ps(8.0f);
+        const __m512 xsum = _mm512_set1_ps(x.sum[g]);
         for (int i = 0; i < nb; i++) {
             const uint16_t *gsz = sz + ((b0 + i) * groups + g) * 2 * Q4_BLOCK_N;
-            const __m512 scale = load_bf16x16(gsz), zero = load_bf16x16(gsz + Q4_BLOCK_N);
+            const __m512 scale = load_f16x16(gsz), min = load_f16x16(gsz + Q4_BLOCK_N);
             acc[i] = _mm512_fmadd_ps(scale, gacc[i], acc[i]);
-            acc[i] = _mm512_fmadd_ps(_mm512_fnmadd_ps(eight, scale, zero), xsum, acc[i]);
+            acc[i] = _mm512_fmadd_ps(min, xsum, acc[i]);
         }
     }
     for (int i = 0; i < nb; i++) _mm512_storeu_ps(out + i * Q4_BLOCK_N, acc[i]);
@@ -224,11 +236,9 @@ static inline __attribute__((always_inline)) void task_sums(const uint8_t *codes
                 for (int i = 0; i < nb; i++) gacc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][i]), xs, gacc[r][i]);
             }
         }
-        const __m512 eight = _mm512_set1_ps(8.0f);
         for (int i = 0; i < nb; i++) {
             const uint16_t *gsz = sz + ((b0 + i) * groups + g) * 2 * Q4_BLOCK_N;
-            const __m512 scale = load_bf16x16(gsz), zero = load_bf16x16(gsz + Q4_BLOCK_N);
-            const __m512 zterm = _mm512_fnmadd_ps(eight, scale, zero);
+            const __m512 scale = load_f16x16(gsz), zterm = load_f16x16(gsz + Q4_BLOCK_N);
             for (int r = 0; r < nrows; r++) {
                 const __m512 xsum = _mm512_set1_ps(x[r].sum[g]);
                 acc[r][i] = _mm512_fmadd_ps(scale, gacc[r][i], acc[r][i]);
@@ -299,7 +309,6 @@ static void task_sums_amx(const uint8_t *codes, const uint16_t *sz, int64_t b0, 
                           const QRow *x, int nrows, float *out) {
     const int64_t steps = k / Q4_STEP_K, groups = k / group, sub = group / Q4_XBLOCK, xblocks = k / Q4_XBLOCK;
     const __m512i low = _mm512_set1_epi8(15);
-    const __m512 eight = _mm512_set1_ps(8.0f);
     const uint8_t *blk[TASK_BLOCKS];
     for (int i = 0; i < nb; i++) blk[i] = codes + (b0 + i) * steps * 64;
     _Alignas(64) uint8_t bbuf[2][TASK_BLOCKS][Q4_XBLOCK / 4 * 64];
@@ -318,8 +327,7 @@ static void task_sums_amx(const uint8_t *codes, const uint16_t *sz, int64_t b0, 
         }
         if (step == 0) continue;
         /* the float work of block xb = step - 1: task_sums' operations in its order, gacc += sums
-         * * xs per 32 inputs; at the group's end acc += scale * gacc, then acc += (zero - 8 scale)
-         * * sum(x) */
+         * * xs per 32 inputs; at the group's end acc += scale * gacc, then acc += min * sum(x) */
         const int64_t xb = step - 1, g = xb / sub, sb = xb % sub;
         int32_t (*is)[AMX_ROWS * Q4_BLOCK_N] = isums[xb & 1];
         const int last = sb == sub - 1;
@@ -327,8 +335,8 @@ static void task_sums_amx(const uint8_t *codes, const uint16_t *sz, int64_t b0, 
         if (last)
             for (int i = 0; i < nb; i++) {
                 const uint16_t *gsz = sz + ((b0 + i) * groups + g) * 2 * Q4_BLOCK_N;
-                scale[i] = load_bf16x16(gsz);
-                zterm[i] = _mm512_fnmadd_ps(eight, scale[i], load_bf16x16(gsz + Q4_BLOCK_N));
+                scale[i] = load_f16x16(gsz);
+                zterm[i] = load_f16x16(gsz + Q4_BLOCK_N);
             }
         for (int r = 0; r < nrows; r++) {
             const __m512 xs = _mm512_set1_ps(x[r].scale[xb]);

@@ -21,8 +21,9 @@ extern "C" {
  *   codes [n_pad/16][k/8][64] bytes: byte 4r + j of step s of block b holds code (row 16b + r,
  *     input 8s + j) in its low nibble and (row 16b + r, input 8s + 4 + j) in its high nibble,
  *     j = 0..3, so that each 32-bit lane is one row's four consecutive inputs (VPDPBUSD's operand);
- *   scales_zeros [n_pad/16][k/group][2][16] bfloat16: scale, then zero, of the block's 16 rows.
- * The weight is w = (code - 8) * scale + zero, as quantization.py's int4. */
+ *   scales_zeros [n_pad/16][k/group][2][16] float16: scale, then min, of the block's 16 rows.
+ * The weight is w = code * scale + min: GGUF's Q4_1 block (Q4_0's is min = -8 scale), read without
+ * a rounding; quantization.py's own int4 stores its groups' (scale, lo) the same way. */
 
 /* 1 when this build can run q4_linear (AVX512-VNNI and AVX512BW), else 0 */
 int q4_gemv_supported(void);
@@ -38,8 +39,8 @@ int q4_amx_usable(void);
 
 /* y[m][n] = sum_k x[m][k] * w[n][k] for m < rows, n < n_out; x and y float32 (q4_linear_f32) or
  * bfloat16 bits (q4_linear_bf16). Each row of x is quantized to int8 per 32 inputs (scale
- * max|x| / 127, round to nearest even) and multiplied in integers, group by group; the zero terms
- * take the exact float sums of x. Returns 0, 1 when scratch memory could not be had, 2 when the
+ * max|x| / 127, round to nearest even) and multiplied in integers, group by group; the min terms
+ * take the sums of the rounded inputs (the product is of the weights and the rounded x). Returns 0, 1 when scratch memory could not be had, 2 when the
  * sizes are not the layout's or the CPU cannot run it. */
 int q4_linear_f32(const uint8_t *codes, const uint16_t *scales_zeros, const float *x, float *y, int64_t rows,
                   int64_t n_out, int64_t n_pad, int64_t k, int64_t group);
@@ -63,7 +64,7 @@ void q4_linear_f32_team(const uint8_t *codes, const uint16_t *scales_zeros, cons
  * q4_linear_f32_team's `ahead`: one list a thread, kv_ahead.h, or NULL), else 0 */
 int q4_gemv_one_row_streams(void);
 
-/* out [n_pad][k] = (code - 8) * scale + zero in float32 without fused multiply-adds, one rounding
+/* out [n_pad][k] = code * scale + min in float32 without fused multiply-adds, one rounding
  * to the output type (the torch reference: quantization.dequantize_q4) */
 void dequantize_q4_f32(const uint8_t *codes, const uint16_t *scales_zeros, int64_t n_pad, int64_t k, int64_t group,
                        float *out);

@@ -25,10 +25,10 @@ Q4Sizes check_weights(const char *op, const Tensor &codes, const Tensor &scales_
   STD_TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == ScalarType::Byte && codes.is_contiguous() &&
                       codes.size(2) == 64,
                   op, ": codes must be contiguous uint8 [n/16, k/8, 64]");
-  STD_TORCH_CHECK(scales_zeros.dim() == 4 && scales_zeros.scalar_type() == ScalarType::BFloat16 &&
+  STD_TORCH_CHECK(scales_zeros.dim() == 4 && scales_zeros.scalar_type() == ScalarType::Half &&
                       scales_zeros.is_contiguous() && scales_zeros.size(0) == codes.size(0) &&
                       scales_zeros.size(2) == 2 && scales_zeros.size(3) == Q4_BLOCK_N && scales_zeros.size(1) > 0,
-                  op, ": scales_zeros must be contiguous bfloat16 [n/16, k/group, 2, 16]");
+                  op, ": scales_zeros must be contiguous float16 [n/16, k/group, 2, 16]");
   const int64_t k = codes.size(1) * Q4_STEP_K, groups = scales_zeros.size(1);
   STD_TORCH_CHECK(k % groups == 0 && (k / groups) % Q4_XBLOCK == 0, op, ": the group size (k ", k, " over ",
                   groups, " groups) must be a multiple of ", Q4_XBLOCK);
@@ -74,7 +74,7 @@ Tensor dequantize_q4(Tensor codes, Tensor scales_zeros, bool to_float32) {
     dequantize_q4_f32(w, sz, s.n_pad, s.k, s.group, static_cast<float *>(out.data_ptr()));
     return out;
   }
-  Tensor out = torch::stable::new_empty(scales_zeros, {s.n_pad, s.k});
+  Tensor out = torch::stable::new_empty(scales_zeros, {s.n_pad, s.k}, ScalarType::BFloat16);
   dequantize_q4_bf16(w, sz, s.n_pad, s.k, s.group, static_cast<uint16_t *>(out.data_ptr()));
   return out;
 }
