@@ -46,10 +46,10 @@ logger = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
 C_SOURCES = [KERNELS / "paged_decode_attention.c", KERNELS / "dequantize.c", KERNELS / "packed_gemv.c",
-             KERNELS / "q4_gemv.c", KERNELS / "decode_stack.c"]
+             KERNELS / "q4_gemv.c", KERNELS / "decode_stack.c", KERNELS / "q8_gemv.c"]
 HEADERS = sorted(KERNELS.glob("*.h"))  # every header: a change to any of them rebuilds the library
 CXX_SOURCES = [KERNELS / "paged_decode_attention_op.cpp", KERNELS / "prepacked_linear_op.cpp",
-               KERNELS / "dequantize_op.cpp", KERNELS / "q4_linear_op.cpp"]
+               KERNELS / "dequantize_op.cpp", KERNELS / "q4_linear_op.cpp", KERNELS / "q8_linear_op.cpp"]
 LIBRARY_NAME = "sluice_ops"
 # The oldest torch whose stable C ABI has what the bindings call (torch::stable::contiguous and
 # torch_call_dispatcher are 2.10's). pyproject.toml states the same lower bound; the build targets
@@ -221,6 +221,22 @@ def _dequantize_q4_fake(codes: torch.Tensor, scales_zeros: torch.Tensor, to_floa
                                   dtype=torch.float32 if to_float32 else torch.bfloat16)
 
 
+_library.define("q8_linear(Tensor x, Tensor codes, Tensor scales, int out_features) -> Tensor")
+_library.define("dequantize_q8(Tensor codes, Tensor scales, bool to_float32) -> Tensor")
+_library.define("q8_supported() -> bool")
+
+
+def _q8_linear_fake(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _dequantize_q8_fake(codes: torch.Tensor, scales: torch.Tensor, to_float32: bool) -> torch.Tensor:
+    return scales.new_empty((codes.shape[0] * 16, codes.shape[1] * 4),
+                            dtype=torch.float32 if to_float32 else torch.bfloat16)
+
+
+_library.impl("q8_linear", _q8_linear_fake, "Meta")
+_library.impl("dequantize_q8", _dequantize_q8_fake, "Meta")
 _library.impl("q4_linear", _q4_linear_fake, "Meta")
 _library.impl("dequantize_q4", _dequantize_q4_fake, "Meta")
 _library.impl("dequantize_int4", _dequantize_int4_fake, "Meta")
