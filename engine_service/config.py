@@ -51,8 +51,9 @@ ENFORCE_EAGER_ENV = "SLUICE_ENFORCE_EAGER"
 class EngineConfig:
     knob_title = "engine"  # its --help group and docs section (a class attribute, not a knob)
 
-    model: str | None = knob(None, "local Hugging Face model directory (default: the prepared default model)")
-    served_model_name: str | None = knob(None, "the name clients use (default: the model directory's name)")
+    model: str | None = knob(None, "a local Hugging Face model directory or a GGUF file, served as it is "
+                             "(default: the prepared default model)")
+    served_model_name: str | None = knob(None, "the name clients use (default: the model directory's name, or the GGUF file's without .gguf)")
     dtype: str | None = knob(
         None, "weights and activations dtype, and the KV cache's unless --kv-cache-dtype says otherwise. auto (the "
         "default): the checkpoint's on CUDA; on CPU float32 under --quantization, else bfloat16 where the CPU "

@@ -33,6 +33,7 @@ from engine_service.model.config import ModelConfig
 from engine_service.model.decode_paths import choose_decode_path
 from engine_service.model.determinism import determinism_costly, determinism_unavailable, make_deterministic
 from engine_service.model.dtype import resolve_auto_dtype
+from engine_service.model.gguf_model import gguf_source
 from engine_service.model.kv_cache import allocate_kv_cache, kv_cache_dtype, num_blocks_for_budget
 from engine_service.model.loader import load_model, parse_dtype
 from engine_service.model.native import load_paged_decode_attention, paged_decode_attention_kernel
@@ -61,9 +62,15 @@ def resolve_model_dir(model: str | Path | None) -> Path:
 
         return prepare_default_model(progress=False)
     path = Path(model).expanduser()
+    if path.is_file():
+        from engine_service.model.gguf_model import is_gguf, metadata_dir
+
+        if not is_gguf(path):
+            raise FileNotFoundError(f"--model {model!r} is a file but not a GGUF file (no GGUF magic)")
+        return metadata_dir(path)  # the file's configuration and tokenizer; the weights stay in it
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"--model {model!r} is not a local Hugging Face directory (no config.json); "
+            f"--model {model!r} is neither a GGUF file nor a local Hugging Face directory (no config.json); "
             "Sluice loads models from disk only"
         )
     return path
@@ -129,6 +136,10 @@ class LLMEngine:
         # what the start-up line says of each choice the engine made, and why (describe_choices)
         self.choices: dict[str, str] = {}
         self.quantization = parse_quantization(config.quantization)
+        self.gguf = gguf = gguf_source(self.model_dir)  # the GGUF file served as it is, if that is the model
+        if gguf is not None and self.quantization is not None:
+            raise ValueError(f"--model {gguf.name} is a GGUF file, served with its own quantization: "
+                             f"--quantization {self.quantization} cannot be combined with it")
         dtype = config.resolved_dtype()
         if dtype == "auto" and self.stub_model:
             self.dtype, why = torch.float32, "auto: the stub model has no weights"
@@ -142,7 +153,7 @@ class LLMEngine:
         self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.choices["kv cache"] = (f"{_name(self.kv_cache_dtype)} "
                                     f"({'auto: the model dtype' if config.kv_cache_dtype == 'auto' else 'asked for'})")
-        self.choices["quantization"] = self.quantization or "none"
+        self.choices["quantization"] = self.quantization or ("the GGUF file's blocks, as they are" if gguf else "none")
         self.enforce_eager = config.resolved_enforce_eager() or self.stub_model
         if config.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "

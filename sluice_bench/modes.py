@@ -47,6 +47,22 @@ MODES: dict[str, dict[str, Any]] = {
     "bfloat16-int4": _mode("bfloat16", "int4"),
     "bfloat16-int4-compiled": _mode("bfloat16", "int4", eager=False),
 }
+# "gguf": the default model's GGUF file (or a bench's --gguf) served as it is, its Q4_1 and Q8_0
+# blocks read in place (engine_service.model.gguf_model), float32 activations, the native step
+GGUF_MODES = {"gguf": _mode("float32", eager=False, native=True)}
+MODES.update(GGUF_MODES)
+
+
+def mode_model(mode: str, model: str | None, gguf: Any = None) -> str | None:
+    """The model a mode's engine loads: a GGUF mode's file (``gguf``, else the default model's GGUF),
+    else ``model``."""
+    if mode not in GGUF_MODES:
+        return model
+    if gguf is None:
+        from sluice_bench.anchor import find_gguf
+
+        gguf = find_gguf(None)
+    return str(gguf)
 
 
 def describe_engine(engine: Any) -> str:
@@ -55,6 +71,6 @@ def describe_engine(engine: Any) -> str:
     def name(dtype: Any) -> str:
         return str(dtype).removeprefix("torch.")
 
-    quant = f"+{engine.quantization}" if engine.quantization else ""
+    quant = f"+{engine.quantization}" if engine.quantization else ("+gguf" if getattr(engine, "gguf", None) else "")
     cache = "" if engine.kv_cache_dtype == engine.dtype else f", {name(engine.kv_cache_dtype)} cache"
     return f"{name(engine.dtype)}{quant}, {engine.decode_mode}, {engine.attention_backend} attention{cache}"

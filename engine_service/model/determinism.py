@@ -12,7 +12,7 @@ reaches the logits computes each row the same way whatever the batch:
 * every product computes each row the same way whatever the rows beside it and their count:
   bfloat16 weights through the packed GEMV for every row count, on groups of rows (never AMX tiles,
   which round apart from the one-row kernel; ``PrepackedLinear.set_deterministic``); int4 and int8
-  weights through their packed kernels for every row count (no dense path for many rows, whose
+  weights (a GGUF file's blocks among them, ``Q8Linear``) through their packed kernels for every row count (no dense path for many rows, whose
   dequantized GEMM sums in another order; ``QuantizedLinear.dense_min_rows`` None); float32 and
   float16 weights through fixed tiles of ``FIXED_TILE_ROWS`` rows, each its own call of the same
   shape (MKL's and oneDNN's products pick their kernel and split by the row count, so a row's sums
@@ -34,6 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine_service.model.prepacked import PrepackedLinear, _packed_linear
+from engine_service.model.q8_blocks import Q8Linear
 from engine_service.model.quantization import QuantizedLinear
 
 # The rows of one product call for float32 and float16 weights in a deterministic engine: a step's
@@ -102,10 +103,10 @@ def make_deterministic(model: nn.Module) -> int:
     (``compute_logits`` on the embedding) goes through a fixed-tile projection of its own."""
     changed = 0
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, (nn.Linear, PrepackedLinear,
-                                                                                QuantizedLinear))]
+                                                                                QuantizedLinear, Q8Linear))]
     for name, module in targets:
-        if isinstance(module, QuantizedLinear):
-            module.dense_min_rows = None  # the packed kernel for every row count
+        if isinstance(module, QuantizedLinear) or (isinstance(module, Q8Linear) and module.native):
+            module.dense_min_rows = None  # the packed (or block) kernel for every row count
         elif isinstance(module, PrepackedLinear) and module.gemv:
             module.set_deterministic()
         else:  # float32 / float16 (plain, or prepacked for oneDNN)
@@ -141,6 +142,8 @@ def determinism_costly(model: nn.Module) -> str | None:
         if isinstance(module, QuantizedLinear):
             if not module.native_q4 and module.dense_min_rows is not None:
                 return f"{module.method}'s prefill without its dense products"
+        elif isinstance(module, Q8Linear) and not module.native:
+            return f"{str(module.kernel_dtype).removeprefix('torch.')} products in fixed tiles (no native int8 blocks)"
         elif isinstance(module, nn.Linear) or (isinstance(module, PrepackedLinear) and not module.gemv):
             dtype = module.weight.dtype if isinstance(module, nn.Linear) else module.dtype
             return f"{str(dtype).removeprefix('torch.')} products in fixed tiles"

@@ -3,7 +3,8 @@ device, the CPU's features, the torch build, the checkpoint and the quantization
 machine, build and configuration always get the same type (nothing is timed).
 
 * CUDA: the checkpoint's dtype (``torch_dtype`` / ``dtype`` in config.json; float32 when absent).
-* CPU with weight-only quantization: float32 activations, the native int4 decode step's
+* CPU with weight-only quantization, or a GGUF file's blocks: float32 activations, the native int4
+  decode step's
   (``engine_service.model.native_decode``); the quantized kernels pick their own kernel dtype
   (``engine_service.model.quantization.pick_kernel_dtype``).
 * CPU otherwise: bfloat16 where the CPU computes it natively (AVX512-BF16 or AMX, as oneDNN reports
@@ -49,6 +50,10 @@ def resolve_auto_dtype(device: torch.device, model_dir: Path, quantization: str 
     if quantization is not None:
         return torch.float32, (f"{quantization} weights take float32 activations on CPU (the native int4 step's; "
                                "the quantized kernels' own dtype is chosen per layer)")
+    from engine_service.model.gguf_model import gguf_source
+
+    if gguf_source(model_dir) is not None:
+        return torch.float32, "a GGUF file's blocks take float32 activations on CPU (the native int4 step's)"
     if not cpu_has_native_bf16():
         return torch.float32, "this CPU has no native bfloat16 arithmetic (no AVX512-BF16 or AMX)"
     from engine_service.model.prepacked import prepack_unavailable

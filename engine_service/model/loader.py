@@ -1,4 +1,5 @@
-"""Build a model from a Hugging Face directory: config.json plus safetensors weights."""
+"""Build a model from a Hugging Face directory (config.json plus safetensors weights) or from a GGUF
+file's metadata directory (``gguf_model``: the weights read from the file's blocks)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from safetensors import safe_open
 
 from engine_service.model.architectures import ARCHITECTURES
 from engine_service.model.config import ModelConfig
+from engine_service.model.gguf_model import gguf_source, load_gguf_model
 from engine_service.model.hugepages import move_to_hugepages
 from engine_service.model.layers import RotaryEmbedding
 from engine_service.model.llama import FUSED_PROJECTIONS, LlamaForCausalLM
@@ -47,9 +49,18 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
     bfloat16/float16 model on CPU gets its linear weights prepacked for oneDNN
     (``engine_service.model.prepacked``; ``prepack=False`` keeps plain ``nn.Linear``, the reference)."""
     model_dir = Path(model_dir)
-    cfg = ModelConfig.from_dir(model_dir)
     dtype = parse_dtype(dtype)
     device = torch.device(device)
+    gguf = gguf_source(model_dir)
+    if gguf is not None:  # a GGUF file's metadata directory: the weights are the file's blocks
+        if quantization is not None:
+            raise ValueError(f"{gguf.name} is a GGUF file: its blocks are its quantization, not {quantization!r}")
+        model = load_gguf_model(gguf, dtype, device)
+        if prepack and dtype in PREPACK_DTYPES:
+            prepack_model(model)  # its float projections, if any (an F16/BF16 file's)
+        move_to_hugepages(model)
+        return model
+    cfg = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         model = ARCHITECTURES[cfg.architecture].model_class()(cfg)
     expected = {name for name, _ in model.named_parameters()}

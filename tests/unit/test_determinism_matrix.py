@@ -24,6 +24,7 @@ MODES = {
     "float32": ({"dtype": "float32", "deterministic": True}, "float32"),  # opt-in (docs/determinism.md)
     "int8": ({"dtype": "float32", "quantization": "int8", "deterministic": True}, "int8"),  # opt-in
     "int4": ({"dtype": "float32", "quantization": "int4"}, "int4"),
+    "gguf": ({"dtype": "float32", "model": "gguf"}, "gguf"),  # the default model's own file, as it is
     "bfloat16-multi-step": ({"dtype": "bfloat16", "num_scheduler_steps": 4}, "bfloat16"),
     "bfloat16-speculative": ({"dtype": "bfloat16", "speculative_config": SPEC}, "bfloat16"),
 }
@@ -47,12 +48,12 @@ def _tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _engines(model_dir, keywords):
+def _engines(model, keywords):
     """The mode's two engines: a tight one without a prefix cache (alone, chunk splits, preemption)
     and a roomy one with it (partial and whole cache hits, batched)."""
-    tight = LLM(str(model_dir), block_size=BLOCK, num_blocks=24, max_num_batched_tokens=64,
+    tight = LLM(str(model), block_size=BLOCK, num_blocks=24, max_num_batched_tokens=64,
                 enable_prefix_caching=False, **keywords)
-    roomy = LLM(str(model_dir), block_size=BLOCK, kv_cache_memory=16 << 20, max_num_batched_tokens=256,
+    roomy = LLM(str(model), block_size=BLOCK, kv_cache_memory=16 << 20, max_num_batched_tokens=256,
                 **keywords)
     return tight, roomy
 
@@ -61,9 +62,10 @@ _BASELINES: dict[tuple[str, str], list[list[int]]] = {}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_same_request_same_answer(mode, model_dir, prompts):
-    keywords, base = MODES[mode]
-    tight, roomy = _engines(model_dir, keywords)
+def test_same_request_same_answer(mode, model_dir, prompts, request):
+    keywords, base = dict(MODES[mode][0]), MODES[mode][1]
+    model = request.getfixturevalue("default_gguf") if keywords.pop("model", None) == "gguf" else model_dir
+    tight, roomy = _engines(model, keywords)
     for engine in (tight, roomy):
         line = engine.engine.choices["deterministic"]
         if not engine.engine.deterministic:
