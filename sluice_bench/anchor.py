@@ -269,6 +269,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="threads of every system (torch and llama.cpp)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=Path("bench-results/anchor.json"))
+    from sluice_bench import anchor_served
+
+    anchor_served.add_arguments(parser)
 
 
 def _validate(args: argparse.Namespace) -> str | None:
@@ -277,6 +280,9 @@ def _validate(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be at least 1"
     if args.output_len < 2:
         return "--output-len must be at least 2 (decode speed needs tokens after the first)"
+    for name in ("served_prompts_per_stream", "served_input_len", "served_output_len", "served_rounds"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be at least 1"
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
@@ -289,6 +295,18 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"sluice bench anchor: {problem}", file=sys.stderr)
         return 2
+    if args.served:
+        from sluice_bench import anchor_served
+
+        gguf = find_gguf(args.gguf)
+        result = {"config": {"gguf": gguf.name, "concurrency": args.concurrency, "input_len": args.served_input_len,
+                             "output_len": args.served_output_len, "rounds": args.served_rounds},
+                  "machine": {"platform": platform.platform(), "cpu": cpu_model()},
+                  **anchor_served.run(args, gguf)}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+        return 0
     if importlib.util.find_spec("llama_cpp") is None:
         print("sluice bench anchor: llama-cpp-python is not installed; it is the anchor this bench runs "
               f"beside Sluice. Install it with:\n  {INSTALL_HINT}", file=sys.stderr)

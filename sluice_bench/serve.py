@@ -91,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "next to --json, else bench-results/serve.png")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     parser.add_argument("--disable-tqdm", action="store_true")
+    parser.add_argument("--fresh-connections", action="store_true",
+                        help="a new connection for every request, no keep-alive (for a server that closes "
+                             "connections after a few requests or seconds idle, as llama-server does)")
     parser.add_argument("--num-warmups", type=int, default=None,
                         help="requests sent first, all at once and not counted: random prompts of the --random-* "
                              "lengths from another seed, so that they warm no prefix the measured ones hit; the "
@@ -161,26 +164,43 @@ def arrival_gaps(num: int, rate: float, burstiness: float, fixed: bool, seed: in
 
 # --- one request -------------------------------------------------------------------------------
 
+# aiohttp's errors for a pooled connection the server had closed, raised before any answer
+STALE_CONNECTION_ERRORS = ("ClientOSError", "ServerDisconnectedError")
+
 
 async def send_one(client, url: str, model: str, req: BenchRequest, args, t0: float | None = None) -> RequestResult:
     """One streamed completion through ``client`` (an ``aiohttp.ClientSession``): its TTFT, ITLs,
     latency and usage. aiohttp rather than httpx: on a machine the server shares, the load
     generator's CPU is taken from the server it measures, and aiohttp's streaming costs less of it
-    per chunk (docs/performance.md, the serving path)."""
+    per chunk (docs/performance.md, the serving path). A request whose pooled connection the server
+    had closed (a keep-alive that timed out there: llama-server's closes after 5 s idle) is sent
+    once more on a fresh one, its time counted from the first try; any other failure is reported."""
+    start = time.perf_counter()
+    res, answered = await _send_once(client, url, model, req, args, start)
+    if not (res.ok or answered) and res.error.startswith(STALE_CONNECTION_ERRORS):
+        res, _ = await _send_once(client, url, model, req, args, start)
+    res.start = start - t0 if t0 is not None else 0.0
+    return res
+
+
+async def _send_once(client, url: str, model: str, req: BenchRequest, args, start: float
+                     ) -> tuple[RequestResult, bool]:
+    """One try of ``send_one``; also whether the server answered (a status line came back)."""
     payload = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "stream": True,
                "stream_options": {"include_usage": True}, "temperature": args.temperature,
                "ignore_eos": args.ignore_eos}
     res = RequestResult(prompt_len=req.prompt_len)
-    start = time.perf_counter()
-    res.start = start - t0 if t0 is not None else 0.0
     last = start
+    answered = False
     try:
         async with client.post(url, json=payload) as resp:
+            answered = True
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
-                return res
+                return res, answered
             pending = b""
             done = False
+            text_chunks = 0
             async for piece in resp.content.iter_any():
                 pending += piece
                 *lines, pending = pending.split(b"\n")
@@ -194,13 +214,14 @@ async def send_one(client, url: str, model: str, req: BenchRequest, args, t0: fl
                     chunk = json.loads(data)
                     if "error" in chunk:
                         res.error = chunk["error"].get("message", "error")
-                        return res
+                        return res, answered
                     now = time.perf_counter()
                     if chunk.get("usage"):
                         res.output_tokens = chunk["usage"]["completion_tokens"]
                         res.prompt_len = chunk["usage"]["prompt_tokens"]
                         res.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                     if chunk.get("choices") and chunk["choices"][0].get("text"):
+                        text_chunks += 1
                         if res.ttft == 0.0:
                             res.ttft = now - start
                         else:
@@ -209,10 +230,12 @@ async def send_one(client, url: str, model: str, req: BenchRequest, args, t0: fl
                 if done:
                     break
         res.latency = time.perf_counter() - start
+        if res.output_tokens == 0:  # a server that reports no usage (one token a chunk): its chunks
+            res.output_tokens = text_chunks
         res.ok = True
     except Exception as exc:  # noqa: BLE001 - report, do not abort the benchmark
         res.error = f"{type(exc).__name__}: {exc}"
-    return res
+    return res, answered
 
 
 # --- the run -----------------------------------------------------------------------------------
@@ -288,7 +311,7 @@ async def benchmark(args, requests: list[BenchRequest],
     from tqdm.asyncio import tqdm
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
+    connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0, force_close=args.fresh_connections)
     base = args.base_url.rstrip("/")
     async with aiohttp.ClientSession(headers=headers, connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=args.timeout)) as client:

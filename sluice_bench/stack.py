@@ -184,6 +184,10 @@ class Stack:
         name = name or f"gateway{sum(p.name.startswith('gateway') for p in self.procs) or ''}"
         return self._start(name, [*cmd, *args], port, env)
 
+    def command(self, name: str, cmd: list[str], port: int = 0) -> Proc:
+        """Another server the bench compares against (llama-server), stopped with the stack."""
+        return self._start(name, cmd, port)
+
     def wait_ready(self, gateway: Proc, timeout: float = 180.0) -> str:
         """The first model the gateway lists (an engine is alive and its card published)."""
         model: list[str] = []
@@ -201,6 +205,10 @@ class Stack:
     def wait_http(self, url: str, timeout: float = 60.0) -> None:
         """Until anything answers HTTP at ``url``, whatever the status."""
         self._wait(lambda: http_answers(url), timeout, url)
+
+    def wait_for(self, predicate, timeout: float, what: str) -> None:
+        """Until ``predicate()``, failing at once when a process of the stack has exited."""
+        self._wait(predicate, timeout, what)
 
     def _wait(self, predicate, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout

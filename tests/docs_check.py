@@ -302,7 +302,8 @@ def key_patterns() -> dict[str, str]:
                 made = value(*args)
             except Exception:  # noqa: BLE001 - not a key maker
                 continue
-            for key in [made] if isinstance(made, str) else made if isinstance(made, list) else []:
+            # a list maker (request_streams: one key a shard) makes one key of each kind: its first
+            for key in [made] if isinstance(made, str) else made[:1] if isinstance(made, list) else []:
                 if isinstance(key, str) and key.startswith(contract.PREFIX + ":"):
                     out[re.sub(r"\0[^\0]*\0|424242", "*", key)] = f"{name}()"
     return out
