@@ -235,7 +235,7 @@ class _CountingInbox(queue.Queue):
         self.counters, self.index = counters, index
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
-        from engine_service.service.redis_io import CancelNote
+        from engine_service.service.io_types import CancelNote
 
         if isinstance(item, CancelNote) and item.cause == "cancel":
             self.counters[self.index] += len(item.request_ids)

@@ -7,7 +7,7 @@ from typing import Any
 
 import redis
 
-from engine_service.service.redis_io import EntryRef
+from engine_service.service.io_types import EntryRef
 from sluice.wire import contract
 
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_service.core.fair_share import EMPTY_VIEW, FairView
+from engine_service.service.io_types import Batch, CancelNote, Entry
 from engine_service.service.metrics import NULL_METRICS, NullMetrics
-from engine_service.service.redis_io import Batch, CancelNote, Entry
 from sluice.wire import codec, contract, limits, policy, tenants
 from sluice.wire.error_codes import Code
 from sluice.wire.messages_pb2 import Event, GenerateRequest
@@ -79,7 +79,7 @@ class _Refusal:
 @dataclass
 class _Live:
     request: GenerateRequest
-    entry_id: Any  # redis_io.EntryRef: the shard's stream and the entry's id there
+    entry_id: Any  # io_types.EntryRef: the shard's stream and the entry's id there
     open: set[int]
     emitted: bool = False
     cached_prompt: list[int] = field(default_factory=list)

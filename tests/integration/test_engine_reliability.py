@@ -14,7 +14,9 @@ import uuid
 import pytest
 import redis
 
-from engine_service.service.redis_io import EntryRef, RedisIO, trim_stream
+from engine_service.service.housekeeping import trim_stream
+from engine_service.service.io_types import EntryRef
+from engine_service.service.redis_io import RedisIO
 from engine_service.service.settings import ServiceSettings
 from engine_service.service.worker import Worker, new_inbox
 from sluice.wire import card, codec, contract, limits
@@ -374,7 +376,7 @@ def test_gateway_counts_as_lost_only_after_its_key_stays_missing(clean_redis, re
     """``RedisIO.check_gateways`` on a controlled clock: a gateway is lost once its key has been
     missing at every check for ``gateway_lost_after_s``; a key seen again, or a failed check,
     starts the count afresh; a lost gateway's requests are aborted, also those delivered later."""
-    from engine_service.service.redis_io import CancelNote, parse_entry
+    from engine_service.service.io_types import CancelNote, parse_entry
 
     settings = ServiceSettings(redis_url=clean_redis, engine_id="gw-check", gateway_lost_after_s=5.0)
 

@@ -17,8 +17,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine_service.service.io_types import Entry, EntryRef, parse_entry
 from engine_service.service.main import EngineService
-from engine_service.service.redis_io import Entry, EntryRef, parse_entry
 from engine_service.service.settings import ServiceSettings
 from sluice.wire import admin_pb2, admin_pb2_grpc, codec, contract
 from sluice.wire.client import WireClient

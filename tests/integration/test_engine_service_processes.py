@@ -192,7 +192,7 @@ def test_sigterm_drains_not_serving_then_exit_0(engines, redis_client):
     stream = contract.request_stream(MODEL, queued.shard)  # handed back to its own shard
     assert pending_count(redis_client, MODEL) == 0
     reply = redis_client.xreadgroup(contract.CONSUMER_GROUP, "test-reader", {stream: ">"}, count=10)
-    from engine_service.service.redis_io import parse_entry
+    from engine_service.service.io_types import parse_entry
 
     ids = [parse_entry(eid, fields).request.request_id for _, msgs in reply for eid, fields in msgs]
     assert queued.request_id in ids

@@ -17,7 +17,7 @@ from pathlib import Path
 from engine_service.core.outputs import EngineOutput
 from engine_service.core.request import FinishReason
 from engine_service.service import worker as worker_module
-from engine_service.service.redis_io import Batch, CancelNote, Entry
+from engine_service.service.io_types import Batch, CancelNote, Entry
 from engine_service.service.settings import ServiceSettings
 from engine_service.service.worker import DrainNote, Worker, new_inbox
 from sluice.wire import codec, contract

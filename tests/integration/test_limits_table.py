@@ -18,7 +18,7 @@ import pytest
 from engine_service.core.request import Request
 from engine_service.core.sampling_params import SamplingParams
 from engine_service.core.scheduler import RequestRejected
-from engine_service.service.redis_io import Entry
+from engine_service.service.io_types import Entry
 from sluice.wire import codec, limits
 from sluice.wire.error_codes import Code
 from tests.integration import test_gateway_support as support

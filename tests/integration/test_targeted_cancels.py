@@ -17,7 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine_service.service.redis_io import CancelNote, RedisIO
+from engine_service.service.io_types import CancelNote
+from engine_service.service.redis_io import RedisIO
 from engine_service.service.settings import ServiceSettings
 from engine_service.service.worker import Worker
 from sluice.wire import codec, contract
