@@ -119,6 +119,9 @@ class ShardLoad:
         return dict(self._values)
 
 
+LOAD_STEPS = 64  # balanced_owners' resolution: a shard's load in 1/64 of all shards' load
+
+
 def balanced_owners(shards: int, capacity: Mapping[str, float], loads: Mapping[int, float], slack: float,
                     current: Mapping[int, str] | None = None) -> list[str | None]:
     """The owner of each shard 0 .. shards-1 by bounded-load rendezvous hashing.
@@ -136,9 +139,17 @@ def balanced_owners(shards: int, capacity: Mapping[str, float], loads: Mapping[i
     ``slack`` gives plain rendezvous ownership."""
     live = sorted(capacity)
     base = [owner(s, live) for s in range(shards)]
-    load = {s: float(v) for s, v in loads.items() if 0 <= s < shards and v > 0}
+    raw = {s: float(v) for s, v in loads.items() if 0 <= s < shards and v > 0}
+    raw_total = sum(raw.values())
+    if len(live) < 2 or raw_total <= 0:
+        return base
+    # Loads in whole 1/LOAD_STEPS of their total: engines read the registry a beat apart, and loads
+    # decayed at slightly different instants must still give the same order and the same owners
+    # (near-equal loads tie, and the tie goes to the lower shard)
+    load = {s: round(v * LOAD_STEPS / raw_total) for s, v in raw.items()}
+    load = {s: v for s, v in load.items() if v > 0}
     total = sum(load.values())
-    if len(live) < 2 or total <= 0:
+    if total <= 0:
         return base
     weights = {e: float(capacity[e]) if capacity[e] > 0 else 1.0 for e in live}
     all_weight = sum(weights.values())
