@@ -38,7 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--build-llama-server put in the cache)")
     parser.add_argument("--build-llama-server", action="store_true",
                         help="served: build llama-server from the llama-cpp-python sdist first (cmake, ~10 minutes)")
-    parser.add_argument("--engine-args", default="", help="served: extra `sluice engine` flags, space-separated")
+    parser.add_argument("--engine-args", default="",
+                        help="served: extra `sluice engine` flags, space-separated, given with an equals sign "
+                             "(--engine-args='--no-deterministic')")
 
 
 def _client_args(base_url: str, concurrency: int, seed: int) -> argparse.Namespace:
