@@ -65,6 +65,15 @@ def _round(base_url: str, concurrency: int, seed: int, args: argparse.Namespace,
         "ttft_median_ms": summary["ttft_ms"]["median"], "tpot_median_ms": summary["tpot_ms"]["median"]}
 
 
+def _vocab_size(gguf: Path) -> int:
+    """The file's vocabulary (its metadata directory's config): the prompts' token ids stay below it."""
+    import json
+
+    from engine_service.model.gguf_model import metadata_dir
+
+    return int(json.loads((metadata_dir(gguf) / "config.json").read_text())["vocab_size"])
+
+
 def run(args: argparse.Namespace, gguf: Path) -> dict:
     """Both servers up, their turns, a printed table; returns the result for the JSON."""
     import torch
@@ -92,7 +101,7 @@ def run(args: argparse.Namespace, gguf: Path) -> dict:
         llama_url = f"http://{HOST}:{port}"
         stack.wait_for(lambda: http_get(f"{llama_url}/health") is not None, 300, "llama-server's /health")
         systems = {"sluice": gateway.url, "llama-server": llama_url}
-        vocab = 49152
+        vocab = _vocab_size(gguf)
         runs: dict[int, dict[str, list[dict]]] = {c: {name: [] for name in systems} for c in levels}
         for c in levels:
             for r in range(args.served_rounds):

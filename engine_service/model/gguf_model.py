@@ -80,9 +80,6 @@ class GGUFModelFile:
     tensors: dict[str, Any] = field(default_factory=dict)
     types: Counter = field(default_factory=Counter)
 
-    def kind(self, name: str) -> str:
-        return self.tensors[name].tensor_type.name
-
     def summary(self) -> str:
         """e.g. ``Q4_1 x210, F32 x61, Q8_0 x1``"""
         return ", ".join(f"{t} x{n}" for t, n in self.types.most_common())

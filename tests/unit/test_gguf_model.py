@@ -203,3 +203,10 @@ def test_a_bad_file_is_refused_naming_the_tensor(tmp_path: Path, change, message
         open_gguf(path)
     with pytest.raises(GGUFFormatError, match=message):
         load_gguf_model(path, torch.float32, CPU)
+
+
+def test_a_gguf_file_is_served_on_cpu_only(tmp_path: Path):
+    path = tmp_path / "tiny.gguf"
+    _write(path, {})
+    with pytest.raises(GGUFFormatError, match="served on CPU"):
+        load_gguf_model(path, torch.float32, torch.device("cuda"))
