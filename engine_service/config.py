@@ -148,7 +148,7 @@ class EngineConfig:
         "greedily (no penalties, logit bias, logprobs, min_tokens still pending or structured output) and none "
         "waits runs up to this many decode steps in one native call, the scheduler and the sampler once for them "
         "all; tokens then reach clients in bursts of that many. Needs the native decode step with its output "
-        "projection (bfloat16 or int4 on CPU); not with --speculative-config (docs/scheduler.md)")
+        "projection (bfloat16, int4 or a GGUF file on CPU); not with --speculative-config (docs/scheduler.md)")
     # Benchmarks of the serving path only (engine_service.model.stub): fixed logits, no weights read.
     # Off the command line here: `sluice engine --stub-model` (hidden) sets it, and the engine
     # refuses it unless $SLUICE_BENCH_STUB_MODEL=1.

@@ -49,7 +49,9 @@ MODES: dict[str, dict[str, Any]] = {
 }
 # "gguf": the default model's GGUF file (or a bench's --gguf) served as it is, its Q4_1 and Q8_0
 # blocks read in place (engine_service.model.gguf_model), float32 activations, the native step
-GGUF_MODES = {"gguf": _mode("float32", eager=False, native=True)}
+# with its head; "gguf-steps": MODE_SCHEDULER_STEPS greedy decode steps a scheduling step
+GGUF_MODES = {"gguf": _mode("float32", eager=False, native=True),
+              "gguf-steps": _mode("float32", eager=False, native=True, steps=MODE_SCHEDULER_STEPS)}
 MODES.update(GGUF_MODES)
 
 

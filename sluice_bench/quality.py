@@ -29,7 +29,7 @@ import platform
 import time
 from pathlib import Path
 
-from sluice_bench.modes import MODES, describe_engine, mode_model
+from sluice_bench.modes import GGUF_MODES, MODES, describe_engine, mode_model
 
 PROMPTS = [
     "What is the capital of France?",
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         llm = LLM(mode_model(mode, args.model), **MODES[mode])
         load_s = time.perf_counter() - started
-        dtype, quantization = MODES[mode]["dtype"], MODES[mode]["quantization"] or ("gguf" if mode == "gguf" else None)
+        dtype, quantization = MODES[mode]["dtype"], MODES[mode]["quantization"] or ("gguf" if mode in GGUF_MODES else None)
         kv_cache_dtype = MODES[mode].get("kv_cache_dtype", "auto")
         outs = [o.outputs[0].token_ids for o in llm.chat(prompts, params)]
         ppl, n_tokens = _perplexity(llm, text)

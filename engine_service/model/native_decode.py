@@ -41,6 +41,7 @@ import torch
 from engine_service.model.attention import AttentionMetadata
 from engine_service.model.llama import Attention, KVCache, LlamaForCausalLM
 from engine_service.model.prepacked import PrepackedLinear
+from engine_service.model.q8_blocks import Q8Linear
 from engine_service.model.quantization import QuantizedLinear
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ STACK_MAX_ROWS = 64  # int4: from this many rows a step runs the compiled or eag
 # a prefill chunk of more runs in several calls, in order
 CALL_MAX_ROWS = 1024
 STACK_INT4, STACK_BF16 = 0, 1  # kernels/decode_stack.h
+STACK_HEAD_LAYERS, STACK_HEAD_Q8 = 0, 1  # the head's layout: the layers' kind, or q8_gemv.h's blocks
 # the caches' dtypes the step writes and reads: kernels/decode_stack.h's STACK_CACHE_*
 CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_HEADS = 128  # PDA_MAX_HEADS (kernels/paged_decode_attention.h)
@@ -75,7 +77,7 @@ class _Stack(ctypes.Structure):
                 ("scale", ctypes.c_float), ("kind", ctypes.c_int), ("cache_type", ctypes.c_int),
                 ("embed", ctypes.c_void_p),
                 ("final_norm", ctypes.c_void_p), ("layers", ctypes.POINTER(_Layer)), ("head", _Weight),
-                ("deterministic", ctypes.c_int)]
+                ("deterministic", ctypes.c_int), ("head_kind", ctypes.c_int)]
 
 
 _ERRORS = {1: "out of memory", 2: "a size or a token id out of range", 3: "the attention kernel refused the shape"}
@@ -182,17 +184,27 @@ class NativeDecode:
             for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True)])
         norm = model.model.norm
         head = getattr(model, "lm_head", None)  # a tied model's own (prepacked or quantized) copy, if any
-        # the logits come out of the same call (``logits=True``) when the head is of the layers' kind
+        # the logits come out of the same call (``logits=True``) when the head is of the layers' kind,
+        # or, in an int4 step, a GGUF file's int8 blocks (Q8_0, Q6_K) read by q8_gemv's kernel
         same_kind = (isinstance(head, PrepackedLinear) and head.gemv_weight is not None if self.kind == STACK_BF16
                      else isinstance(head, QuantizedLinear) and head.native_q4)
-        self.fuses_head = same_kind and head.bias is None
+        q8_head = self.kind == STACK_INT4 and isinstance(head, Q8Linear) and head.native
+        self.fuses_head = (same_kind or q8_head) and head.bias is None
         self.vocab_out = head.out_features if self.fuses_head else 0
+
+        def head_weight() -> _Weight:
+            if not self.fuses_head:
+                return _Weight()
+            if q8_head:
+                return _Weight(ptr(head.codes), ptr(head.scales), head.out_features, head.codes.shape[0] * 16,
+                               head.in_features, head.group_size)
+            return weight(head)
         self._stack = _Stack(
             len(layers), cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
             cfg.intermediate_size, kv_caches[0][0].shape[1], model.model.embed_tokens.weight.shape[0], float(norm.eps),
             float(layers[0].self_attn.scale), self.kind, CACHE_TYPES[kv_caches[0][0].dtype],
             ptr(model.model.embed_tokens.weight), ptr(norm.weight), self._layers,
-            weight(head) if self.fuses_head else _Weight(), int(deterministic))
+            head_weight(), int(deterministic), STACK_HEAD_Q8 if self.fuses_head and q8_head else STACK_HEAD_LAYERS)
         self.deterministic = deterministic
         # the rows a step takes at about one row's cost (DecodeCapabilities.one_pass_rows): bfloat16's
         # products read each weight once for a tile's or a group's rows; int4's rows each cost their
@@ -210,8 +222,12 @@ class NativeDecode:
             # rows than that run the compiled or eager step; and the stack's work between the
             # products runs on the calling thread, so a big batch goes to the compiled step's
             # parallel operators from STACK_MAX_ROWS rows
+            # (a fused head too: its logits are compute_logits' bit for bit only where its own
+            # product would take the kernel)
             dense = [m.dense_min_rows for layer in layers for m in (
                 layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            if self.fuses_head:
+                dense.append(head.dense_min_rows)
             self.max_rows = min([STACK_MAX_ROWS, *(d for d in dense if d is not None)])
         fn = native_library().decode_stack
         fn.restype = ctypes.c_int

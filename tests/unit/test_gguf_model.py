@@ -77,6 +77,12 @@ def test_the_engine_serves_the_file_and_refuses_a_second_quantization(default_gg
     assert alone.text.startswith(" Paris"), alone.text
     batched = llm.generate(["The capital of France is", "def fibonacci(n):", "Once upon a time"], greedy)
     assert batched[0].outputs[0].token_ids == alone.token_ids
+    # the file's Q8_0 head runs inside the native step: several greedy steps in one call, the same tokens
+    steps = LLM(str(default_gguf), num_scheduler_steps=4)
+    assert steps.engine.decode_path.capabilities().multi_step_max_rows > 1
+    assert [o.outputs[0].token_ids for o in steps.generate(["The capital of France is", "def fibonacci(n):",
+                                                             "Once upon a time"], greedy)] == \
+        [o.outputs[0].token_ids for o in batched]
     with pytest.raises(ValueError, match="GGUF file.*--quantization int4"):
         LLM(str(default_gguf), quantization="int4")
 

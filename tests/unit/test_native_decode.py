@@ -166,6 +166,21 @@ def test_draft_chunks_attend_to_their_own_new_tokens(llm):
 
 
 @pytest.fixture(scope="module")
+def gguf(default_gguf):
+    """The default model's own GGUF file (Q4_1 layers, a tied Q8_0 head): the step's int4 layers
+    with the head in q8_gemv's blocks."""
+    from engine_service.model.quantization import native_q4_available
+
+    if not native_q4_available():
+        pytest.skip("this CPU has no AVX512-VNNI: no native int4 products, so no native decode step")
+    return LLM(str(default_gguf), enforce_eager=True, block_size=BLOCK, kv_cache_memory=48 << 20)
+
+
+def _kind_llm(kind: str, request):
+    return request.getfixturevalue({"int4": "llm", "bfloat16": "bf16", "gguf": "gguf"}[kind])
+
+
+@pytest.fixture(scope="module")
 def bf16(model_dir):
     from engine_service.model.prepacked import PrepackedLinear
 
@@ -261,13 +276,13 @@ def test_a_bfloat16_verifying_step_and_batch_are_the_eager_forward(bf16):
         assert _distance(alone.float(), got[j : j + 1].float()) < 2e-2
 
 
-@pytest.mark.parametrize("kind", ["int4", "bfloat16"])
+@pytest.mark.parametrize("kind", ["int4", "bfloat16", "gguf"])
 def test_the_logits_come_out_of_the_same_call_bit_for_bit(kind, request):
     """With ``logits=True`` the step ends in the model's output projection: the logits equal
     ``compute_logits`` of the hidden states the step returns without it, bit for bit (the same
     product kernel; bfloat16 rounds them to bfloat16 as the head's own product does), for one row
     and for a verifying step beside another request."""
-    llm = request.getfixturevalue("llm" if kind == "int4" else "bf16")
+    llm = _kind_llm(kind, request)
     runner = llm.engine.runner
     native = NativeDecode(runner.model, runner.kv_caches)
     assert native.fuses_head
@@ -329,12 +344,12 @@ def test_a_kept_scratch_leaves_every_row_as_a_fresh_buffer_gives_it(bf16, model_
     assert len({tuple(row.argmax(dim=-1).tolist()) for row in kept[0].split(4)}) > 1  # not one row over and over
 
 
-@pytest.mark.parametrize("kind", ["int4", "bfloat16"])
+@pytest.mark.parametrize("kind", ["int4", "bfloat16", "gguf"])
 def test_greedy_steps_are_single_steps_bit_for_bit(kind, request):
     """``greedy_steps`` (``num_scheduler_steps``): five decode steps of two rows in one call give
     the tokens and the last logits that five single calls give, each fed the argmax of the one
     before, bit for bit; a call it cannot take is refused."""
-    llm = request.getfixturevalue("llm" if kind == "int4" else "bf16")
+    llm = _kind_llm(kind, request)
     runner = llm.engine.runner
     native = NativeDecode(runner.model, runner.kv_caches)
     seqs = _sequences(llm, [30, 17], seed=3)
@@ -367,7 +382,7 @@ def test_greedy_steps_are_single_steps_bit_for_bit(kind, request):
         native.greedy_steps(ids, positions[:0], slots[:0], tables, positions[:0] + 1)
 
 
-@pytest.mark.parametrize("kind", ["int4", "bfloat16"])
+@pytest.mark.parametrize("kind", ["int4", "bfloat16", "gguf"])
 def test_a_step_in_one_parallel_region_is_the_same_step_bit_for_bit(kind, request):
     """A stack runs its layers inside one parallel region, every thread doing the work between the
     products and attentions on its own copy (int4: quantizing each product's input too; a bfloat16
@@ -380,7 +395,7 @@ def test_a_step_in_one_parallel_region_is_the_same_step_bit_for_bit(kind, reques
 
     from engine_service.model.native import native_library
 
-    llm = request.getfixturevalue("llm" if kind == "int4" else "bf16")
+    llm = _kind_llm(kind, request)
     set_regions = native_library().decode_stack_set_one_region
     set_barrier = native_library().decode_stack_set_own_barrier
     for fn in (set_regions, set_barrier):

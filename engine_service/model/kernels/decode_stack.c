@@ -33,6 +33,7 @@
 #include "packed_gemv.h"
 #include "paged_decode_attention.h"
 #include "q4_gemv.h"
+#include "q8_gemv.h"
 #include "team_barrier.h"
 #ifdef SLUICE_STACK_PHASES
 #include "stack_phases.h"
@@ -135,10 +136,30 @@ static int product(const DecodeStack *s, const StackWeight *w, const void *bias,
     return rc;
 }
 
+/* logits[rows][vocab] = x[rows][hidden] times the head, float32, from the calling thread */
+static int head_product(const DecodeStack *s, const float *x, float *logits, int64_t rows, uint16_t *xb,
+                        uint16_t *yb) {
+    const StackWeight *w = &s->head;
+    if (s->head_kind == STACK_HEAD_Q8)
+        return q8_linear_f32((const uint8_t *)w->data, (const float *)w->scales_zeros, x, logits, rows, w->n_out,
+                             w->n_pad, w->k, w->extra);
+    return product(s, w, NULL, x, logits, rows, xb, yb);
+}
+
 static int weight_ok(int kind, const StackWeight *w, int64_t n_out, int64_t k) {
     if (w->n_out != n_out || w->k != k || w->data == NULL) return 0;
     if (kind == STACK_INT4) return w->scales_zeros != NULL;
     return packed_gemv_sizes_ok(w->n_out, w->k, w->n_pad, w->extra);
+}
+
+/* the head's weight is in the layout its kind says, n_out x hidden */
+static int head_ok(const DecodeStack *s) {
+    const StackWeight *w = &s->head;
+    if (s->head_kind == STACK_HEAD_LAYERS) return weight_ok(s->kind, w, w->n_out, s->hidden);
+    return s->head_kind == STACK_HEAD_Q8 && s->kind == STACK_INT4 && q8_gemv_supported() && w->data != NULL &&
+           w->scales_zeros != NULL && w->n_out > 0 && w->k == s->hidden && w->n_pad % Q8_BLOCK_N == 0 &&
+           w->n_pad >= w->n_out && w->n_pad - w->n_out < Q8_BLOCK_N && w->k % Q8_XBLOCK == 0 &&
+           (w->extra == 16 || w->extra == 32);
 }
 
 /* Why here: after the step's weight stream, torch's argmax of one row found its code and data in
@@ -260,7 +281,7 @@ static int finish(const DecodeStack *s, const float *x, float *normed, int64_t r
     /* in the same call: after the layers' stream the caches hold nothing of the caller's, and each
      * operator of the head's own call would first fetch its code and data from memory */
     if (logits == NULL) return 0;
-    const int rc = product(s, &s->head, NULL, normed, logits, rows, xb, yb);
+    const int rc = head_product(s, normed, logits, rows, xb, yb);
     for (int64_t r = 0; rc == 0 && argmax != NULL && r < rows; r++)
         argmax[r] = stack_argmax(logits + r * s->head.n_out, s->head.n_out);
     return rc;
@@ -313,7 +334,10 @@ static void team_head(const DecodeStack *s, const float *x, float *normed, int64
     const StackWeight *w = &s->head;
     for (int64_t r = 0; r < rows; r++)
         rms_norm(x + r * hidden, s->final_norm, hidden, s->eps, s->kind == STACK_BF16, normed + r * hidden);
-    if (s->kind == STACK_INT4) {
+    if (s->head_kind == STACK_HEAD_Q8) {
+        q8_linear_f32_team((const uint8_t *)w->data, (const float *)w->scales_zeros, normed, logits, rows, vocab,
+                           w->n_pad, w->k, w->extra, xb, team->barrier);
+    } else if (s->kind == STACK_INT4) {
         q4_linear_f32_team((const uint8_t *)w->data, w->scales_zeros, normed, logits, rows, vocab, w->n_pad, w->k,
                            w->extra, xb, team->barrier, team->ahead);
     } else {
@@ -475,8 +499,10 @@ NOCONTRACT static int layers_in_one_region(const DecodeStack *s, const int64_t *
         const int64_t b = product_scratch_bytes(kind, ws[i], rows);
         xb_bytes = b > xb_bytes ? b : xb_bytes;
     }
-    if (logits != NULL && product_scratch_bytes(kind, &s->head, rows) > xb_bytes)
-        xb_bytes = product_scratch_bytes(kind, &s->head, rows);
+    const int64_t head_bytes = logits == NULL ? 0
+                             : s->head_kind == STACK_HEAD_Q8 ? q8_team_scratch_bytes(rows, s->head.k, s->head.extra)
+                                                             : product_scratch_bytes(kind, &s->head, rows);
+    if (head_bytes > xb_bytes) xb_bytes = head_bytes;
     /* per thread: the residual stream, a normed copy, a product's float output, the SiLU product, the
      * attention output, its own q, the product scratch; shared: q, two product outputs (float-sized,
      * whichever the kind; the second holds the bfloat16 head's output too) */
@@ -694,7 +720,7 @@ NOCONTRACT int decode_stack(const DecodeStack *s, const int64_t *ids, const int6
         return 2;
     for (int64_t r = 0; r < rows; r++)
         if (ids[r] < 0 || ids[r] >= s->vocab || positions[r] < 0 || positions[r] >= num_positions) return 2;
-    if (logits != NULL ? !weight_ok(kind, &s->head, s->head.n_out, hidden) : out == NULL || argmax != NULL) return 2;
+    if (logits != NULL ? !head_ok(s) : out == NULL || argmax != NULL) return 2;
     for (int64_t l = 0; l < s->num_layers; l++) {
         const StackLayer *layer = &s->layers[l];
         if (!weight_ok(kind, &layer->qkv, qkv_size, hidden) || !weight_ok(kind, &layer->o, hidden, q_size) ||

@@ -12,16 +12,21 @@ extern "C" {
 
 #define STACK_INT4 0 /* q4_gemv.h's layout; float32 activations; up to Q4_MAX_ROWS rows */
 #define STACK_BF16 1 /* packed_gemv.h's layout (oneDNN's, read in place); bfloat16 activations; up to packed_gemm_bf16_max_rows() rows */
+/* the output projection's layout (DecodeStack.head_kind) */
+#define STACK_HEAD_LAYERS 0 /* the layers' kind */
+#define STACK_HEAD_Q8 1     /* q8_gemv.h's int8 blocks (a GGUF file's Q8_0 or Q6_K head); int4 stacks only */
 /* the KV cache's dtype (kv_cache_dtype), whatever the activations' */
 #define STACK_CACHE_F32 0
 #define STACK_CACHE_BF16 1
 #define STACK_CACHE_F16 2
 
-/* One projection: n_out outputs, k inputs. int4: data = codes, scales_zeros, n_pad rows, extra =
- * the group size. bfloat16: data = the packed weight, scales_zeros NULL, n_pad x extra (k padded). */
+/* One projection: n_out outputs, k inputs. int4: data = codes, scales_zeros (float16 pairs), n_pad
+ * rows, extra = the group size. bfloat16: data = the packed weight, scales_zeros NULL, n_pad x extra
+ * (k padded). A STACK_HEAD_Q8 head: data = q8_gemv.h's codes, scales_zeros = its float32 scales,
+ * n_pad rows, extra = the group size (16 or 32). */
 typedef struct {
     const void *data;
-    const uint16_t *scales_zeros;
+    const void *scales_zeros;
     int64_t n_out, n_pad, k, extra;
 } StackWeight;
 
@@ -54,6 +59,7 @@ typedef struct {
      * as one row alone computes it bit for bit: no AMX tiles in the products (PG_NO_TILES), no AMX
      * scores for a chunk's rows in the attention */
     int deterministic;
+    int head_kind; /* STACK_HEAD_LAYERS or STACK_HEAD_Q8 */
 } DecodeStack;
 
 /* the most rows one call of a deterministic stack takes (the caller splits a bigger step: a row's

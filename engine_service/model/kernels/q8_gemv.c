@@ -26,6 +26,7 @@
 
 #include "bf16.h"
 #include "one_row_prefetch.h"
+#include "team_barrier.h"
 
 #define NOCONTRACT __attribute__((optimize("fp-contract=off")))
 #define TASK_BLOCKS 4
@@ -167,23 +168,25 @@ static inline __attribute__((always_inline)) void task_sums(const uint8_t *codes
 TASK_ROWS_FOR(16)
 TASK_ROWS_FOR(32)
 
-/* x rows as float32 (bf16 input widened), quantized; then the tasks, outputs to yf (float32) or
- * yb (bfloat16 bits) */
-static int run(const uint8_t *codes, const float *scales, const float *xf, int64_t rows, int64_t n_out,
-               int64_t n_pad, int64_t k, int64_t group, float *yf, uint16_t *yb) {
+/* rows of x, each quantized into q (rows x k), xs (rows x k/32: the activation scales) and offs
+ * (rows x k/group: the groups' offsets) */
+static void quantize_rows(const float *x, int64_t rows, int64_t k, int64_t group, int8_t *q, float *xs,
+                          int32_t *offs) {
     const int64_t xblocks = k / Q8_XBLOCK, groups = k / group;
-    int8_t *q = (int8_t *)malloc((size_t)(rows * k));
-    float *xs = (float *)malloc(sizeof(float) * (size_t)(rows * xblocks));
-    int32_t *offs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(rows * groups));
-    if (q == NULL || xs == NULL || offs == NULL) {
-        free(q), free(xs), free(offs);
-        return 1;
-    }
     for (int64_t m = 0; m < rows; m++)
-        quantize_row(xf + m * k, k, group, (QRow){q + m * k, xs + m * xblocks, offs + m * groups});
-    const int stream = stream_prefetch();
+        quantize_row(x + m * k, k, group, (QRow){q + m * k, xs + m * xblocks, offs + m * groups});
+}
+
+/* The tasks of a product of quantized rows, shared out over the calling team (an orphaned omp for,
+ * without its barrier: the caller's region ends in one, or the caller meets at team_barrier):
+ * inside a parallel region each thread takes its tasks, outside one the caller takes them all.
+ * Outputs to yf (float32) or yb (bfloat16 bits). */
+static void team_tasks(const uint8_t *codes, const float *scales, const int8_t *q, const float *xs,
+                       const int32_t *offs, int64_t rows, int64_t n_out, int64_t n_pad, int64_t k, int64_t group,
+                       int stream, float *yf, uint16_t *yb) {
+    const int64_t xblocks = k / Q8_XBLOCK, groups = k / group;
     const int64_t blocks = n_pad / Q8_BLOCK_N, tasks = (blocks + TASK_BLOCKS - 1) / TASK_BLOCKS;
-    _Pragma("omp parallel for schedule(static)")
+    _Pragma("omp for schedule(static) nowait")
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t b0 = t * TASK_BLOCKS;
         const int nb = (int)(blocks - b0 < TASK_BLOCKS ? blocks - b0 : TASK_BLOCKS);
@@ -192,7 +195,8 @@ static int run(const uint8_t *codes, const float *scales, const float *xf, int64
             const int nrows = (int)(rows - m0 < TASK_ROWS ? rows - m0 : TASK_ROWS);
             QRow r[TASK_ROWS];
             for (int j = 0; j < nrows; j++)
-                r[j] = (QRow){q + (m0 + j) * k, xs + (m0 + j) * xblocks, offs + (m0 + j) * groups};
+                r[j] = (QRow){(int8_t *)q + (m0 + j) * k, (float *)xs + (m0 + j) * xblocks,
+                              (int32_t *)offs + (m0 + j) * groups};
             if (group == 16) task_rows_g16(codes, scales, b0, nb, k, r, nrows, stream, sums);
             else task_rows_g32(codes, scales, b0, nb, k, r, nrows, stream, sums);
             const int64_t first = b0 * Q8_BLOCK_N;
@@ -207,8 +211,40 @@ static int run(const uint8_t *codes, const float *scales, const float *xf, int64
             }
         }
     }
+}
+
+/* x rows as float32 (bf16 input widened), quantized; then the tasks, outputs to yf (float32) or
+ * yb (bfloat16 bits) */
+static int run(const uint8_t *codes, const float *scales, const float *xf, int64_t rows, int64_t n_out,
+               int64_t n_pad, int64_t k, int64_t group, float *yf, uint16_t *yb) {
+    int8_t *q = (int8_t *)malloc((size_t)(rows * k));
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(rows * (k / Q8_XBLOCK)));
+    int32_t *offs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(rows * (k / group)));
+    if (q == NULL || xs == NULL || offs == NULL) {
+        free(q), free(xs), free(offs);
+        return 1;
+    }
+    quantize_rows(xf, rows, k, group, q, xs, offs);
+    const int stream = stream_prefetch();
+    _Pragma("omp parallel")
+    team_tasks(codes, scales, q, xs, offs, rows, n_out, n_pad, k, group, stream, yf, yb);
     free(q), free(xs), free(offs);
     return 0;
+}
+
+int64_t q8_team_scratch_bytes(int64_t rows, int64_t k, int64_t group) {
+    return (int64_t)sizeof(float) * rows * (k / Q8_XBLOCK) + (int64_t)sizeof(int32_t) * rows * (k / group) + rows * k;
+}
+
+void q8_linear_f32_team(const uint8_t *codes, const float *scales, const float *x, float *y, int64_t rows,
+                        int64_t n_out, int64_t n_pad, int64_t k, int64_t group, void *scratch,
+                        TeamBarrier *barrier) {
+    float *xs = (float *)scratch;
+    int32_t *offs = (int32_t *)(xs + rows * (k / Q8_XBLOCK));
+    int8_t *q = (int8_t *)(offs + rows * (k / group));
+    quantize_rows(x, rows, k, group, q, xs, offs);
+    team_tasks(codes, scales, q, xs, offs, rows, n_out, n_pad, k, group, stream_prefetch(), y, NULL);
+    team_barrier(barrier);
 }
 
 int q8_linear_f32(const uint8_t *codes, const float *scales, const float *x, float *y, int64_t rows, int64_t n_out,
@@ -235,6 +271,18 @@ int q8_gemv_supported(void) { return 0; }
 int q8_gemv_set_prefetch(int mode) {
     (void)mode;
     return 0;
+}
+
+int64_t q8_team_scratch_bytes(int64_t rows, int64_t k, int64_t group) {
+    (void)rows, (void)k, (void)group;
+    return 0;
+}
+
+void q8_linear_f32_team(const uint8_t *codes, const float *scales, const float *x, float *y, int64_t rows,
+                        int64_t n_out, int64_t n_pad, int64_t k, int64_t group, void *scratch,
+                        TeamBarrier *barrier) {
+    (void)codes, (void)scales, (void)x, (void)y, (void)rows, (void)n_out, (void)n_pad, (void)k, (void)group,
+        (void)scratch, (void)barrier;
 }
 
 int q8_linear_f32(const uint8_t *codes, const float *scales, const float *x, float *y, int64_t rows, int64_t n_out,

@@ -45,6 +45,19 @@ int q8_linear_f32(const uint8_t *codes, const float *scales, const float *x, flo
 int q8_linear_bf16(const uint8_t *codes, const float *scales, const uint16_t *x, uint16_t *y, int64_t rows,
                    int64_t n_out, int64_t n_pad, int64_t k, int64_t group);
 
+/* q8_linear_f32 for a caller already inside a parallel region (decode_stack.c's int4 step, whose
+ * output projection is a GGUF file's Q8_0 or Q6_K blocks): every thread of the team must call it
+ * with the same arguments but its own `scratch` (at least q8_team_scratch_bytes(rows, k, group)
+ * bytes, float-aligned), into which it quantizes the rows; the tasks are shared out (an orphaned omp
+ * for) and y, shared, is complete for every thread when it returns (a barrier: `barrier`,
+ * team_barrier.h, or `omp barrier` where it is NULL). The sizes are not checked: the caller checked
+ * them once. The same outputs bit for bit as q8_linear_f32. */
+struct TeamBarrier;
+int64_t q8_team_scratch_bytes(int64_t rows, int64_t k, int64_t group);
+void q8_linear_f32_team(const uint8_t *codes, const float *scales, const float *x, float *y, int64_t rows,
+                        int64_t n_out, int64_t n_pad, int64_t k, int64_t group, void *scratch,
+                        struct TeamBarrier *barrier);
+
 /* out [n_pad][k] = (float)c * scale in float32, one rounding to the output type (the torch
  * reference: q8_blocks.dequantize_q8); portable C */
 void dequantize_q8_f32(const uint8_t *codes, const float *scales, int64_t n_pad, int64_t k, int64_t group,
