@@ -68,11 +68,12 @@ def mode_model(mode: str, model: str | None, gguf: Any = None) -> str | None:
 
 
 def describe_engine(engine: Any) -> str:
-    """What an engine runs, for a bench's row: ``float32+int4, native step, native attention``, and
-    the KV cache's dtype where it is not the model's."""
+    """What an engine runs, for a bench's row: ``float32+int4, native step, native attention``, the
+    KV cache's dtype where it is not the model's, and ``deterministic`` where the engine is."""
     def name(dtype: Any) -> str:
         return str(dtype).removeprefix("torch.")
 
     quant = f"+{engine.quantization}" if engine.quantization else ("+gguf" if getattr(engine, "gguf", None) else "")
     cache = "" if engine.kv_cache_dtype == engine.dtype else f", {name(engine.kv_cache_dtype)} cache"
-    return f"{name(engine.dtype)}{quant}, {engine.decode_mode}, {engine.attention_backend} attention{cache}"
+    deterministic = ", deterministic" if getattr(engine, "deterministic", False) else ""
+    return f"{name(engine.dtype)}{quant}, {engine.decode_mode}, {engine.attention_backend} attention{cache}{deterministic}"

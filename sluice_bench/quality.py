@@ -67,8 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=len(PROMPTS), help=f"at most {len(PROMPTS)}")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--heldout", type=Path, default=HELDOUT, help="text for the perplexity")
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="the GGUF file of the gguf modes and of --anchor (default: the default model's Q4_1 file)")
     parser.add_argument("--anchor", action="store_true",
-                        help="add llama.cpp on the default model's GGUF file (needs llama-cpp-python)")
+                        help="add llama.cpp on that GGUF file (needs llama-cpp-python)")
     parser.add_argument("--threads", type=int, default=None, help="llama.cpp's threads (default: torch's)")
     parser.add_argument("--json", type=Path, default=Path("bench-results/quality.json"))
 
@@ -101,7 +103,7 @@ def _anchor_row(args: argparse.Namespace, prompts: list, text: str) -> dict:
         raise SystemExit(f"sluice bench quality --anchor: llama-cpp-python is not installed: {INSTALL_HINT}")
     from engine_service.engine import resolve_model_dir
 
-    gguf = find_gguf(None)
+    gguf = find_gguf(args.gguf)
     tokenizer = Tokenizer.from_dir(resolve_model_dir(str(gguf)))
     ids = tokenizer.encode(text)
     chats = [tokenizer.encode(tokenizer.apply_chat_template(p, add_generation_prompt=True)) for p in prompts]  # as LLM.chat
@@ -127,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     anchor = _anchor_row(args, prompts, text) if args.anchor else None
     for mode in modes:
         started = time.perf_counter()
-        llm = LLM(mode_model(mode, args.model), **MODES[mode])
+        llm = LLM(mode_model(mode, args.model, args.gguf), **MODES[mode])
         load_s = time.perf_counter() - started
         dtype, quantization = MODES[mode]["dtype"], MODES[mode]["quantization"] or ("gguf" if mode in GGUF_MODES else None)
         kv_cache_dtype = MODES[mode].get("kv_cache_dtype", "auto")
