@@ -9,7 +9,7 @@ At the end every request has a terminal outcome — completed, or an error the c
 about within 10 s of the fault (or of its own start) — no engine holds a KV block or a running
 request, and the stream holds no pending entry. The table it prints is the one in the README:
 
-    SLUICE_CHAOS_S=105 python -m pytest -q -s tests/chaos        # the traffic's duration (s)
+    SLUICE_CHAOS_S=105 python -m pytest -q -s tests/chaos        # the traffic's duration (s), 70 by default
 
 It writes the counts as JSON to $SLUICE_CHAOS_JSON when that is set.
 """
@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.model, pytest.mark.chaos, pytest.mark.redis]
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "chaos"
-DURATION_S = float(os.environ.get("SLUICE_CHAOS_S", "105"))
+DURATION_S = float(os.environ.get("SLUICE_CHAOS_S", "70"))
 CLIENTS = 6
 CLIENT_TIMEOUT_S = 45.0  # a request still open after this long is "hung"
 TOLD_WITHIN_S = 10.0
