@@ -108,7 +108,7 @@ RUN pip-install --no-deps . && pip check
 # ---------------------------------------------------------------------------------------------
 FROM base AS engine
 # gcc and g++ build the native operators at first start (engine_service/model/native.py, about
-# 1.5 s; cached in /models/kernels); inductor (--no-enforce-eager) needs g++ too. An image without
+# 25 s on 2 cores; cached in /models/kernels); inductor (--no-enforce-eager) needs g++ too. An image without
 # them would run without its kernels, eagerly: the build fails instead when they cannot be installed
 # (a base image that already has g++, such as a stand-in, needs no package index).
 RUN if ! command -v g++ >/dev/null; then \
