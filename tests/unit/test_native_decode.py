@@ -299,6 +299,15 @@ def test_the_logits_come_out_of_the_same_call_bit_for_bit(kind, request):
         assert torch.equal(greedy, want.argmax(dim=1))
     with pytest.raises(ValueError, match="argmax"):
         native(input_ids, positions, meta, argmax=greedy)  # no logits to take it of
+    if kind == "gguf":  # the int8-block head's layout is checked before the step runs
+        group = native._stack.head.extra
+        native._stack.head.extra = 48  # neither Q8_0's 32 nor Q6_K's 16
+        try:
+            with pytest.raises(RuntimeError, match="out of range"):
+                native(input_ids, positions, meta, logits=True)
+        finally:
+            native._stack.head.extra = group
+        assert torch.equal(native(input_ids, positions, meta, logits=True), want)
 
 
 def test_a_kept_scratch_leaves_every_row_as_a_fresh_buffer_gives_it(bf16, model_dir):

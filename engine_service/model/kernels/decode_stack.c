@@ -157,9 +157,7 @@ static int head_ok(const DecodeStack *s) {
     const StackWeight *w = &s->head;
     if (s->head_kind == STACK_HEAD_LAYERS) return weight_ok(s->kind, w, w->n_out, s->hidden);
     return s->head_kind == STACK_HEAD_Q8 && s->kind == STACK_INT4 && q8_gemv_supported() && w->data != NULL &&
-           w->scales_zeros != NULL && w->n_out > 0 && w->k == s->hidden && w->n_pad % Q8_BLOCK_N == 0 &&
-           w->n_pad >= w->n_out && w->n_pad - w->n_out < Q8_BLOCK_N && w->k % Q8_XBLOCK == 0 &&
-           (w->extra == 16 || w->extra == 32);
+           w->scales_zeros != NULL && w->k == s->hidden && q8_layout_ok(w->n_out, w->n_pad, w->k, w->extra);
 }
 
 /* Why here: after the step's weight stream, torch's argmax of one row found its code and data in

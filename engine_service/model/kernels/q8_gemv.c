@@ -32,9 +32,13 @@
 #define TASK_BLOCKS 4
 #define TASK_ROWS 4
 
+int q8_layout_ok(int64_t n_out, int64_t n_pad, int64_t k, int64_t group) {
+    return n_out > 0 && n_pad % Q8_BLOCK_N == 0 && n_pad >= n_out && n_pad - n_out < Q8_BLOCK_N && k > 0 &&
+           k % Q8_XBLOCK == 0 && (group == 16 || group == 32);
+}
+
 static inline int sizes_ok(int64_t rows, int64_t n_out, int64_t n_pad, int64_t k, int64_t group) {
-    return rows > 0 && rows <= Q8_MAX_ROWS && n_out > 0 && n_pad % Q8_BLOCK_N == 0 && n_pad >= n_out &&
-           n_pad - n_out < Q8_BLOCK_N && k > 0 && k % Q8_XBLOCK == 0 && (group == 16 || group == 32);
+    return rows > 0 && rows <= Q8_MAX_ROWS && q8_layout_ok(n_out, n_pad, k, group);
 }
 
 /* dequantization: portable C (the dense path runs it for prefill chunks), reading the codes in

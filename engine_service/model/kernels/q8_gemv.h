@@ -25,6 +25,9 @@ extern "C" {
  * The weight is w = c * scale. Q8_0 is g = 32 (scale d); Q6_K is g = 16 (scale d * sc, exact in
  * float32; code q - 32). */
 
+/* 1 when n_out x k weights in groups of `group` inputs fit the layout below as n_pad rows, else 0 */
+int q8_layout_ok(int64_t n_out, int64_t n_pad, int64_t k, int64_t group);
+
 /* 1 when this build can run q8_linear (AVX512-VNNI and AVX512BW), else 0 */
 int q8_gemv_supported(void);
 
