@@ -41,7 +41,7 @@ import torch
 from engine_service.model.attention import AttentionMetadata
 from engine_service.model.llama import Attention, KVCache, LlamaForCausalLM
 from engine_service.model.prepacked import PrepackedLinear
-from engine_service.model.q8_blocks import Q8Linear
+from engine_service.model.q8_blocks import Q8_BLOCK_N, Q8Linear
 from engine_service.model.quantization import QuantizedLinear
 
 logger = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ class NativeDecode:
             if not self.fuses_head:
                 return _Weight()
             if q8_head:
-                return _Weight(ptr(head.codes), ptr(head.scales), head.out_features, head.codes.shape[0] * 16,
+                return _Weight(ptr(head.codes), ptr(head.scales), head.out_features, head.codes.shape[0] * Q8_BLOCK_N,
                                head.in_features, head.group_size)
             return weight(head)
         self._stack = _Stack(
